@@ -1,0 +1,114 @@
+/* libzclient: a training process's connection to zoffloadd. */
+#ifndef ZCLIENT_H
+#define ZCLIENT_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define ZC_API __attribute__((visibility("default")))
+
+/*
+ * Every call returns 0 (or a count) on success and a negative errno on
+ * failure; zc_errmsg() then says what went wrong.  One connection must not be
+ * used by two threads at once; separate connections are independent.
+ */
+struct zc_conn;
+struct zc_tensor;
+
+enum zc_dtype { ZC_F32 = 0, ZC_BF16 = 1, ZC_F16 = 2 };
+enum zc_optim { ZC_ADAMW = 0, ZC_ADAM = 1, ZC_ADAGRAD = 2, ZC_LION = 3 };
+enum zc_state { ZC_STATE_MASTER = 0, ZC_STATE_EXP_AVG = 1, ZC_STATE_EXP_AVG_SQ = 2 };
+
+/* Step outcome, per tensor and per submitted set. */
+enum zc_step_status {
+	ZC_STEP_APPLIED = 0,
+	ZC_STEP_SKIPPED_NONFINITE = 1,	/* inf/NaN gradient somewhere in the set: nothing applied */
+	ZC_STEP_FAILED = 2,		/* see error */
+};
+
+/* NULL socket path: $ZOFFLOAD_SOCKET, else the built-in default. */
+ZC_API int zc_connect(const char *socket_path, struct zc_conn **ret);
+/* Closes the connection; the daemon frees the job's tensors of this connection. */
+ZC_API void zc_disconnect(struct zc_conn *conn);
+/* Text of the last error on this connection (never NULL). */
+ZC_API const char *zc_errmsg(const struct zc_conn *conn);
+
+/* One job per connection: the ranks of one training run share a name. */
+ZC_API int zc_job_open(struct zc_conn *conn, const char *job_name, uint32_t rank,
+    uint32_t world_size);
+ZC_API int zc_job_close(struct zc_conn *conn);
+
+struct zc_tensor_desc {
+	const char *name;		/* unique within the job and rank, <= 127 bytes */
+	uint64_t numel;
+	enum zc_dtype grad_dtype;	/* what the client writes into the grad slot */
+	enum zc_dtype param_dtype;	/* what the daemon writes into the param slot */
+};
+
+/* init: numel fp32 initial master values (copied; the call returns when they are in). */
+ZC_API int zc_tensor_register(struct zc_conn *conn, const struct zc_tensor_desc *desc,
+    const float *init, struct zc_tensor **ret);
+ZC_API int zc_tensor_unregister(struct zc_tensor *tensor);
+ZC_API uint64_t zc_tensor_numel(const struct zc_tensor *tensor);
+/* Shared memory the client writes gradients into and reads parameters from. */
+ZC_API void *zc_tensor_grad_slot(struct zc_tensor *tensor, size_t *ret_bytes);
+ZC_API const void *zc_tensor_param_slot(struct zc_tensor *tensor, size_t *ret_bytes);
+/* Copy out count fp32 values of master weights or moments starting at offset. */
+ZC_API int zc_tensor_read(struct zc_tensor *tensor, enum zc_state which, uint64_t offset,
+    uint64_t count, float *dst);
+
+struct zc_step_params {
+	enum zc_optim optim;
+	uint64_t step;			/* 1-based; PyTorch's state['step'] after its increment */
+	double lr;
+	double beta1;
+	double beta2;
+	double eps;
+	double weight_decay;
+	double lr_decay;		/* Adagrad */
+	double grad_scale;		/* fp16 loss scale the gradients carry; 0 or 1 = none */
+	double max_grad_norm;		/* > 0: clip the set's global norm to this */
+	bool no_bias_correction;	/* Adam/AdamW: skip bias correction */
+	bool check_finite;		/* skip the whole set if any gradient is inf/NaN */
+};
+
+struct zc_step_result {
+	uint64_t step;
+	enum zc_step_status status;
+	int error;			/* negative errno when status is ZC_STEP_FAILED */
+	double grad_norm;		/* global L2 norm of the set's unscaled gradients, when computed */
+	uint64_t latency_ns;		/* daemon-side, submit to done */
+};
+
+/*
+ * Queue a step over tensors; returns without waiting.  The grad slots must
+ * hold the gradients; the param slots are written when each tensor is done.
+ * Until then the client must not touch those slots.
+ */
+ZC_API int zc_step_submit(struct zc_conn *conn, const struct zc_step_params *params,
+    struct zc_tensor *const *tensors, size_t ntensors);
+ZC_API int zc_wait_tensor(struct zc_tensor *tensor, struct zc_step_result *ret);
+/* Waits for every submitted step; ret (nullable) gets the last set's result. */
+ZC_API int zc_wait_all(struct zc_conn *conn, struct zc_step_result *ret);
+
+/* Control: round trip time; daemon stats and jobs as JSON (free() the string). */
+ZC_API int zc_ping(struct zc_conn *conn, uint64_t *ret_rtt_ns);
+ZC_API int zc_stats_json(struct zc_conn *conn, char **ret_json);
+ZC_API int zc_jobs_json(struct zc_conn *conn, char **ret_json);
+
+/* Conversions for clients that fill bf16/fp16 grad slots on the CPU. */
+ZC_API uint16_t zc_f32_to_bf16(float f);
+ZC_API float zc_bf16_to_f32(uint16_t h);
+ZC_API uint16_t zc_f32_to_f16(float f);
+ZC_API float zc_f16_to_f32(uint16_t h);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif

@@ -1,0 +1,34 @@
+/* Fixed, pinned worker threads that run the kernels over slices of a tensor. */
+#ifndef ZK_POOL_H
+#define ZK_POOL_H
+
+#include <stddef.h>
+
+#include "optim.h"
+
+struct zk_pool;
+
+/*
+ * nthreads workers including the calling thread; cpus (nullable) lists the
+ * cores to pin them to, round robin.
+ */
+int zk_pool_new(unsigned nthreads, const int *cpus, size_t ncpus, struct zk_pool **ret);
+void zk_pool_free(struct zk_pool *pool);
+unsigned zk_pool_threads(const struct zk_pool *pool);
+
+/*
+ * Blocking: the whole step for each tensor, split over the pool in slices
+ * aligned to the vector width and cache lines.  Results are bit-identical
+ * for every thread count.
+ */
+int zk_pool_step(struct zk_pool *pool, enum zk_isa isa, const struct zk_hparams *hp,
+    const struct zk_tensor *tensors, size_t ntensors);
+
+/*
+ * Blocking: gradient pass over several tensors, summed in a fixed order
+ * (fixed-size chunks), so the norm is bit-identical for every thread count.
+ */
+int zk_pool_grad_check(struct zk_pool *pool, enum zk_isa isa, const struct zk_tensor *tensors,
+    size_t ntensors, double grad_scale, struct zk_grad_stats *stats);
+
+#endif

@@ -1,0 +1,148 @@
+/* The pinned host tier: NUMA-placed, mlocked allocations within a budget. */
+#include <errno.h>
+#include <numa.h>
+#include <numaif.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/resource.h>
+#include <unistd.h>
+
+#include "arena.h"
+
+/* Below this, transparent hugepages waste more than they save. */
+#define HUGEPAGE_MIN (4u << 20)
+
+struct zt_arena {
+	struct zt_arena_config config;
+	size_t page_size;
+	uint64_t used_bytes;
+	uint64_t pinned_bytes;
+	uint64_t unpinned_bytes;
+	uint64_t allocations;
+	uint64_t memlock_limit;
+	int last_pin_error;
+};
+
+int
+zt_arena_new(const struct zt_arena_config *config, struct zt_arena **ret)
+{
+	struct zt_arena *arena;
+	struct rlimit rl;
+
+	if (config->numa_node >= 0) {
+		if (numa_available() < 0)
+			return -ENOTSUP;
+		if (config->numa_node > numa_max_node())
+			return -ENODEV;
+	}
+	arena = calloc(1, sizeof(*arena));
+	if (arena == NULL)
+		return -ENOMEM;
+	arena->config = *config;
+	arena->page_size = (size_t)sysconf(_SC_PAGESIZE);
+	if (getrlimit(RLIMIT_MEMLOCK, &rl) == 0 && rl.rlim_cur != RLIM_INFINITY)
+		arena->memlock_limit = rl.rlim_cur;
+	else
+		arena->memlock_limit = UINT64_MAX;
+	*ret = arena;
+	return 0;
+}
+
+void
+zt_arena_free(struct zt_arena *arena)
+{
+	free(arena);
+}
+
+static size_t
+round_up(size_t size, size_t align)
+{
+	return (size + align - 1) / align * align;
+}
+
+int
+zt_arena_alloc(struct zt_arena *arena, size_t size, void **ret, bool *ret_pinned)
+{
+	void *p;
+	bool pinned = true;
+
+	if (size == 0)
+		return -EINVAL;
+	size = round_up(size, arena->page_size);
+	if (arena->used_bytes + size > arena->config.budget_bytes)
+		return -ENOSPC;
+
+	p = mmap(NULL, size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+	if (p == MAP_FAILED)
+		return -errno;
+	if (arena->config.hugepages && size >= HUGEPAGE_MIN)
+		(void)madvise(p, size, MADV_HUGEPAGE);
+	if (arena->config.numa_node >= 0) {
+		unsigned long mask = 1ul << arena->config.numa_node;
+
+		if (mbind(p, size, MPOL_BIND, &mask, sizeof(mask) * 8, 0) != 0) {
+			int err = -errno;
+
+			munmap(p, size);
+			return err;
+		}
+	}
+	/* mlock faults the pages in, on the bound node. */
+	if (mlock(p, size) != 0) {
+		arena->last_pin_error = -errno;
+		if (arena->config.require_pinned) {
+			munmap(p, size);
+			return -ENOMEM;
+		}
+		pinned = false;
+	}
+
+	arena->used_bytes += size;
+	if (pinned)
+		arena->pinned_bytes += size;
+	else
+		arena->unpinned_bytes += size;
+	arena->allocations++;
+	*ret = p;
+	if (ret_pinned != NULL)
+		*ret_pinned = pinned;
+	return 0;
+}
+
+void
+zt_arena_release(struct zt_arena *arena, void *ptr, size_t size, bool pinned)
+{
+	if (ptr == NULL)
+		return;
+	size = round_up(size, arena->page_size);
+	if (pinned)
+		arena->pinned_bytes -= size;
+	else
+		arena->unpinned_bytes -= size;
+	/* munmap drops the lock too. */
+	munmap(ptr, size);
+	arena->used_bytes -= size;
+	arena->allocations--;
+}
+
+void
+zt_arena_set_budget(struct zt_arena *arena, uint64_t budget_bytes)
+{
+	arena->config.budget_bytes = budget_bytes;
+}
+
+void
+zt_arena_get_stats(const struct zt_arena *arena, struct zt_arena_stats *ret)
+{
+	*ret = (struct zt_arena_stats){
+		.budget_bytes = arena->config.budget_bytes,
+		.used_bytes = arena->used_bytes,
+		.pinned_bytes = arena->pinned_bytes,
+		.unpinned_bytes = arena->unpinned_bytes,
+		.allocations = arena->allocations,
+		.memlock_limit = arena->memlock_limit,
+		.numa_node = arena->config.numa_node,
+		.last_pin_error = arena->last_pin_error,
+	};
+}

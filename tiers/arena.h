@@ -1,0 +1,44 @@
+/* The pinned host tier: NUMA-placed, mlocked allocations within a budget. */
+#ifndef ZT_ARENA_H
+#define ZT_ARENA_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+struct zt_arena;
+
+struct zt_arena_config {
+	uint64_t budget_bytes;		/* most bytes handed out, pinned or not */
+	int numa_node;			/* -1: no placement */
+	bool require_pinned;		/* fail allocations that cannot be mlocked */
+	bool hugepages;			/* madvise(MADV_HUGEPAGE) on large allocations */
+};
+
+struct zt_arena_stats {
+	uint64_t budget_bytes;
+	uint64_t used_bytes;		/* handed out, rounded to pages */
+	uint64_t pinned_bytes;		/* of used, mlocked */
+	uint64_t unpinned_bytes;	/* of used, mlock refused (memlock limit) */
+	uint64_t allocations;
+	uint64_t memlock_limit;		/* RLIMIT_MEMLOCK soft limit at creation; UINT64_MAX = unlimited */
+	int numa_node;
+	int last_pin_error;		/* -errno of the last refused mlock, 0 if none */
+};
+
+int zt_arena_new(const struct zt_arena_config *config, struct zt_arena **ret);
+void zt_arena_free(struct zt_arena *arena);
+
+/*
+ * Page-aligned, zeroed memory of at least size bytes.  -ENOSPC over budget;
+ * -ENOMEM when pinning was required and refused (RLIMIT_MEMLOCK).
+ * *ret_pinned says whether it is mlocked.
+ */
+int zt_arena_alloc(struct zt_arena *arena, size_t size, void **ret, bool *ret_pinned);
+/* size and pinned as the allocation returned them. */
+void zt_arena_release(struct zt_arena *arena, void *ptr, size_t size, bool pinned);
+/* Budget may shrink below use: new allocations fail until enough is released. */
+void zt_arena_set_budget(struct zt_arena *arena, uint64_t budget_bytes);
+void zt_arena_get_stats(const struct zt_arena *arena, struct zt_arena_stats *ret);
+
+#endif
