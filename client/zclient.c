@@ -1,0 +1,793 @@
+/* libzclient: a training process's connection to zoffloadd. */
+#include <errno.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/socket.h>
+#include <sys/un.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "build_config.h"
+#include "msgio.h"
+#include "optim.h"
+#include "zclient.h"
+
+struct pending_set {
+	struct pending_set *next;
+	uint64_t request_id;
+	uint64_t step;
+	uint32_t count;
+	uint32_t *handles;
+};
+
+struct zc_tensor {
+	struct zc_conn *conn;
+	uint32_t handle;
+	uint64_t numel;
+	void *grad;
+	size_t grad_bytes;
+	void *param;
+	size_t param_bytes;
+	bool pending;
+	struct zc_step_result result;
+};
+
+struct zc_conn {
+	int fd;
+	uint64_t next_id;
+	char err[ZP_ERRMSG_MAX + 128];
+	uint8_t *buf;
+	struct zp_msg *msg;
+	bool job_open;
+	uint32_t session_id;
+	struct zc_tensor **tensors;	/* by handle - 1 */
+	uint32_t tensor_cap;
+	void *xfer;
+	size_t xfer_bytes;
+	struct pending_set *sets;
+	struct zc_step_result last;
+};
+
+static int
+seterr(struct zc_conn *c, int code, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
+
+static int
+seterr(struct zc_conn *c, int code, const char *fmt, ...)
+{
+	va_list ap;
+
+	va_start(ap, fmt);
+	vsnprintf(c->err, sizeof(c->err), fmt, ap);
+	va_end(ap);
+	return code;
+}
+
+const char *
+zc_errmsg(const struct zc_conn *conn)
+{
+	if (conn == NULL)
+		return "no connection";
+	return conn->err[0] != '\0' ? conn->err : "no error";
+}
+
+static uint64_t
+now_ns(void)
+{
+	struct timespec ts;
+
+	clock_gettime(CLOCK_MONOTONIC, &ts);
+	return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+}
+
+static struct zc_tensor *
+tensor_by_handle(struct zc_conn *c, uint32_t handle)
+{
+	if (handle == 0 || handle > c->tensor_cap)
+		return NULL;
+	return c->tensors[handle - 1];
+}
+
+static void
+finish_set(struct zc_conn *c, const struct zp_step_done *done, uint64_t request_id)
+{
+	struct pending_set **pp, *set;
+
+	for (pp = &c->sets; *pp != NULL; pp = &(*pp)->next)
+		if ((*pp)->request_id == request_id)
+			break;
+	set = *pp;
+	c->last = (struct zc_step_result){
+		.step = done->step,
+		.status = (enum zc_step_status)done->status,
+		.error = done->error,
+		.grad_norm = done->grad_norm,
+		.latency_ns = done->latency_ns,
+	};
+	if (set == NULL)
+		return;
+	/* Tensors without their own TENSOR_DONE (a refused or skipped set) end with the set. */
+	for (uint32_t i = 0; i < set->count; i++) {
+		struct zc_tensor *t = tensor_by_handle(c, set->handles[i]);
+
+		if (t != NULL && t->pending) {
+			t->pending = false;
+			t->result = c->last;
+		}
+	}
+	*pp = set->next;
+	free(set->handles);
+	free(set);
+}
+
+static bool
+is_pending_set(const struct zc_conn *c, uint64_t request_id)
+{
+	for (const struct pending_set *s = c->sets; s != NULL; s = s->next)
+		if (s->request_id == request_id)
+			return true;
+	return false;
+}
+
+/*
+ * Reads one message.  Events are applied here; a reply is left in c->msg
+ * and 1 returned.  fds receives a reply's descriptors.
+ */
+static int
+recv_one(struct zc_conn *c, int *fds, unsigned *nfds, int flags)
+{
+	struct zp_msg *m = c->msg;
+	char why[256];
+	ssize_t n;
+
+	n = zp_recv_raw(c->fd, c->buf, ZP_MAX_MESSAGE, fds, ZP_MAX_FDS, nfds, flags);
+	if (n == -EAGAIN)
+		return 0;
+	if (n == 0)
+		return seterr(c, -ECONNRESET, "zoffloadd closed the connection");
+	if (n < 0)
+		return seterr(c, (int)n, "receive from zoffloadd: %s", strerror((int)-n));
+	if (zp_decode(c->buf, (size_t)n, m, why, sizeof(why)) != ZP_S_OK) {
+		for (unsigned i = 0; i < *nfds; i++)
+			close(fds[i]);
+		return seterr(c, -EBADMSG, "bad message from zoffloadd: %s", why);
+	}
+	if (*nfds != zp_type_fds(m->hdr.type)) {
+		for (unsigned i = 0; i < *nfds; i++)
+			close(fds[i]);
+		return seterr(c, -EBADMSG, "%s from zoffloadd carries %u descriptors",
+		    zp_type_name(m->hdr.type), *nfds);
+	}
+	switch (m->hdr.type) {
+	case ZP_TENSOR_DONE: {
+		struct zc_tensor *t = tensor_by_handle(c, m->u.tensor_done.handle);
+
+		if (t != NULL) {
+			t->pending = false;
+			t->result = (struct zc_step_result){
+				.step = m->u.tensor_done.step,
+				.status = (enum zc_step_status)m->u.tensor_done.status,
+				.error = m->u.tensor_done.error,
+				.grad_norm = 0,
+			};
+		}
+		return 0;
+	}
+	case ZP_STEP_DONE:
+		finish_set(c, &m->u.step_done, m->hdr.request_id);
+		return 0;
+	case ZP_ERROR:
+		/* A refused step: its STEP_DONE follows; keep the reason. */
+		if (is_pending_set(c, m->hdr.request_id)) {
+			seterr(c, m->u.error.code, "%s", m->u.error.message);
+			return 0;
+		}
+		return 1;
+	default:
+		return 1;
+	}
+}
+
+/* Applies whatever events have already arrived, without blocking. */
+static int
+drain(struct zc_conn *c)
+{
+	int fds[ZP_MAX_FDS];
+	unsigned nfds;
+	int r;
+
+	for (;;) {
+		r = recv_one(c, fds, &nfds, MSG_DONTWAIT);
+		if (r <= 0)
+			return r;
+		/* A reply nobody waits for cannot happen: requests are synchronous. */
+		for (unsigned i = 0; i < nfds; i++)
+			close(fds[i]);
+	}
+}
+
+static int
+send_msg(struct zc_conn *c, struct zp_msg *m)
+{
+	int r;
+
+	m->hdr.request_id = ++c->next_id;
+	r = drain(c);
+	if (r < 0)
+		return r;
+	r = zp_send(c->fd, m, NULL, 0);
+	if (r < 0)
+		return seterr(c, r, "send %s to zoffloadd: %s", zp_type_name(m->hdr.type),
+		    strerror(-r));
+	return 0;
+}
+
+/* Request and reply; the reply is in c->msg, its descriptors in fds. */
+static int
+rpc(struct zc_conn *c, struct zp_msg *req, uint16_t reply_type, int *fds)
+{
+	int tmpfds[ZP_MAX_FDS];
+	unsigned nfds;
+	int r;
+
+	r = send_msg(c, req);
+	if (r < 0)
+		return r;
+	for (;;) {
+		r = recv_one(c, fds != NULL ? fds : tmpfds, &nfds, 0);
+		if (r < 0)
+			return r;
+		if (r == 0)
+			continue;
+		if (c->msg->hdr.request_id != req->hdr.request_id) {
+			for (unsigned i = 0; i < nfds; i++)
+				close((fds != NULL ? fds : tmpfds)[i]);
+			continue;
+		}
+		if (c->msg->hdr.type == ZP_ERROR)
+			return seterr(c, c->msg->u.error.code < 0 ? c->msg->u.error.code : -EIO,
+			    "%s", c->msg->u.error.message);
+		if (c->msg->hdr.type != reply_type) {
+			for (unsigned i = 0; i < nfds; i++)
+				close((fds != NULL ? fds : tmpfds)[i]);
+			return seterr(c, -EBADMSG, "zoffloadd answered %s with %s",
+			    zp_type_name(req->hdr.type), zp_type_name(c->msg->hdr.type));
+		}
+		if (fds == NULL)
+			for (unsigned i = 0; i < nfds; i++)
+				close(tmpfds[i]);
+		return 0;
+	}
+}
+
+int
+zc_connect(const char *socket_path, struct zc_conn **ret)
+{
+	struct sockaddr_un sa = { .sun_family = AF_UNIX };
+	struct zp_msg hello = { .hdr = { .type = ZP_HELLO } };
+	struct zc_conn *c;
+	const char *path = socket_path;
+	int r;
+
+	if (path == NULL)
+		path = getenv("ZOFFLOAD_SOCKET");
+	if (path == NULL || path[0] == '\0')
+		path = ZOFFLOAD_DEFAULT_SOCKET;
+	if (strlen(path) >= sizeof(sa.sun_path))
+		return -ENAMETOOLONG;
+	c = calloc(1, sizeof(*c));
+	if (c == NULL)
+		return -ENOMEM;
+	c->buf = malloc(ZP_MAX_MESSAGE);
+	c->msg = malloc(sizeof(*c->msg));
+	if (c->buf == NULL || c->msg == NULL) {
+		r = -ENOMEM;
+		goto fail;
+	}
+	c->fd = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
+	if (c->fd < 0) {
+		r = -errno;
+		goto fail;
+	}
+	memcpy(sa.sun_path, path, strlen(path));
+	if (connect(c->fd, (struct sockaddr *)&sa, sizeof(sa)) != 0) {
+		r = -errno;
+		close(c->fd);
+		goto fail;
+	}
+	snprintf(hello.u.hello.client_name, sizeof(hello.u.hello.client_name), "pid %d",
+	    (int)getpid());
+	r = rpc(c, &hello, ZP_HELLO_OK, NULL);
+	if (r < 0) {
+		close(c->fd);
+		goto fail;
+	}
+	c->session_id = c->msg->u.hello_ok.session_id;
+	*ret = c;
+	return 0;
+fail:
+	free(c->buf);
+	free(c->msg);
+	free(c);
+	return r;
+}
+
+static void
+tensor_unmap(struct zc_tensor *t)
+{
+	munmap(t->grad, t->grad_bytes);
+	munmap(t->param, t->param_bytes);
+	free(t);
+}
+
+void
+zc_disconnect(struct zc_conn *c)
+{
+	struct pending_set *s;
+
+	if (c == NULL)
+		return;
+	close(c->fd);
+	for (uint32_t i = 0; i < c->tensor_cap; i++)
+		if (c->tensors[i] != NULL)
+			tensor_unmap(c->tensors[i]);
+	while ((s = c->sets) != NULL) {
+		c->sets = s->next;
+		free(s->handles);
+		free(s);
+	}
+	if (c->xfer != NULL)
+		munmap(c->xfer, c->xfer_bytes);
+	free(c->tensors);
+	free(c->buf);
+	free(c->msg);
+	free(c);
+}
+
+int
+zc_job_open(struct zc_conn *c, const char *job_name, uint32_t rank, uint32_t world_size)
+{
+	struct zp_msg m = { .hdr = { .type = ZP_JOB_OPEN } };
+	int r;
+
+	if (job_name == NULL || strlen(job_name) == 0 || strlen(job_name) > ZP_NAME_MAX)
+		return seterr(c, -EINVAL, "job name must be 1 to %d bytes", ZP_NAME_MAX);
+	snprintf(m.u.job_open.job_name, sizeof(m.u.job_open.job_name), "%s", job_name);
+	m.u.job_open.rank = rank;
+	m.u.job_open.world_size = world_size;
+	if (world_size == 0 || rank >= world_size)
+		return seterr(c, -EINVAL, "rank %u is not below world size %u", rank, world_size);
+	r = rpc(c, &m, ZP_JOB_OK, NULL);
+	if (r == 0)
+		c->job_open = true;
+	return r;
+}
+
+int
+zc_job_close(struct zc_conn *c)
+{
+	struct zp_msg m = { .hdr = { .type = ZP_JOB_CLOSE } };
+	int r;
+
+	r = rpc(c, &m, ZP_OK, NULL);
+	if (r < 0)
+		return r;
+	c->job_open = false;
+	/* The daemon freed this rank's tensors with the job. */
+	for (uint32_t i = 0; i < c->tensor_cap; i++) {
+		if (c->tensors[i] != NULL) {
+			tensor_unmap(c->tensors[i]);
+			c->tensors[i] = NULL;
+		}
+	}
+	return 0;
+}
+
+static int
+ensure_xfer(struct zc_conn *c)
+{
+	struct zp_msg m = { .hdr = { .type = ZP_XFER_OPEN } };
+	int fd, r;
+	void *map;
+
+	if (c->xfer != NULL)
+		return 0;
+	r = rpc(c, &m, ZP_XFER_OK, &fd);
+	if (r < 0)
+		return r;
+	map = mmap(NULL, c->msg->u.xfer_ok.bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+	r = map == MAP_FAILED ? -errno : 0;
+	close(fd);
+	if (r < 0)
+		return seterr(c, r, "map the transfer window: %s", strerror(-r));
+	c->xfer = map;
+	c->xfer_bytes = c->msg->u.xfer_ok.bytes;
+	return 0;
+}
+
+/* Moves count fp32 values between a tensor's state and the caller, a window at a time. */
+static int
+tensor_copy(struct zc_tensor *t, uint16_t type, enum zc_state which, uint64_t offset,
+    uint64_t count, float *data)
+{
+	struct zc_conn *c = t->conn;
+	uint64_t chunk, done = 0;
+	int r;
+
+	if (offset > t->numel || count > t->numel - offset)
+		return seterr(c, -ERANGE, "elements %llu..%llu are outside the tensor's %llu",
+		    (unsigned long long)offset, (unsigned long long)(offset + count),
+		    (unsigned long long)t->numel);
+	if (t->pending)
+		return seterr(c, -EBUSY, "tensor is in a step; wait for it first");
+	r = ensure_xfer(c);
+	if (r < 0)
+		return r;
+	chunk = c->xfer_bytes / sizeof(float);
+	while (done < count) {
+		struct zp_msg m = { .hdr = { .type = type } };
+		uint64_t n = count - done < chunk ? count - done : chunk;
+
+		m.u.tensor_io = (struct zp_tensor_io){
+			.handle = t->handle, .state = (uint8_t)which,
+			.offset = offset + done, .count = n,
+		};
+		if (type == ZP_TENSOR_WRITE)
+			memcpy(c->xfer, data + done, n * sizeof(float));
+		r = rpc(c, &m, ZP_OK, NULL);
+		if (r < 0)
+			return r;
+		if (type == ZP_TENSOR_READ)
+			memcpy(data + done, c->xfer, n * sizeof(float));
+		done += n;
+	}
+	return 0;
+}
+
+static int
+add_tensor(struct zc_conn *c, struct zc_tensor *t)
+{
+	if (t->handle > c->tensor_cap) {
+		uint32_t cap = c->tensor_cap ? c->tensor_cap : 64;
+		struct zc_tensor **bigger;
+
+		while (cap < t->handle)
+			cap *= 2;
+		bigger = realloc(c->tensors, cap * sizeof(*bigger));
+		if (bigger == NULL)
+			return -ENOMEM;
+		memset(bigger + c->tensor_cap, 0, (cap - c->tensor_cap) * sizeof(*bigger));
+		c->tensors = bigger;
+		c->tensor_cap = cap;
+	}
+	c->tensors[t->handle - 1] = t;
+	return 0;
+}
+
+static void
+unregister_quietly(struct zc_conn *c, uint32_t handle)
+{
+	struct zp_msg m = { .hdr = { .type = ZP_TENSOR_UNREGISTER } };
+
+	m.u.tensor_handle.handle = handle;
+	(void)rpc(c, &m, ZP_OK, NULL);
+}
+
+int
+zc_tensor_register(struct zc_conn *c, const struct zc_tensor_desc *desc, const float *init,
+    struct zc_tensor **ret)
+{
+	struct zp_msg m = { .hdr = { .type = ZP_TENSOR_REGISTER } };
+	struct zc_tensor *t;
+	char saved[sizeof(c->err)];
+	int fds[2], r;
+
+	if (desc->name == NULL || strlen(desc->name) == 0 || strlen(desc->name) > ZP_NAME_MAX)
+		return seterr(c, -EINVAL, "tensor name must be 1 to %d bytes", ZP_NAME_MAX);
+	if ((unsigned)desc->grad_dtype > ZC_F16 || (unsigned)desc->param_dtype > ZC_F16)
+		return seterr(c, -EINVAL, "tensor '%s': unknown dtype", desc->name);
+	if (desc->numel == 0)
+		return seterr(c, -EINVAL, "tensor '%s': numel is 0", desc->name);
+	if (init == NULL)
+		return seterr(c, -EINVAL, "tensor '%s': initial values are required", desc->name);
+	snprintf(m.u.tensor_register.name, sizeof(m.u.tensor_register.name), "%s", desc->name);
+	m.u.tensor_register.numel = desc->numel;
+	m.u.tensor_register.grad_dtype = (uint8_t)desc->grad_dtype;
+	m.u.tensor_register.param_dtype = (uint8_t)desc->param_dtype;
+	r = rpc(c, &m, ZP_TENSOR_OK, fds);
+	if (r < 0)
+		return r;
+	t = calloc(1, sizeof(*t));
+	if (t == NULL) {
+		r = seterr(c, -ENOMEM, "out of memory");
+		goto fail_fds;
+	}
+	t->conn = c;
+	t->handle = c->msg->u.tensor_ok.handle;
+	t->numel = desc->numel;
+	t->grad_bytes = c->msg->u.tensor_ok.grad_bytes;
+	t->param_bytes = c->msg->u.tensor_ok.param_bytes;
+	if (t->grad_bytes != desc->numel * zk_dtype_size((enum zk_dtype)desc->grad_dtype) ||
+	    t->param_bytes != desc->numel * zk_dtype_size((enum zk_dtype)desc->param_dtype)) {
+		r = seterr(c, -EBADMSG, "zoffloadd sized the slots of '%s' wrongly", desc->name);
+		goto fail_tensor;
+	}
+	t->grad = mmap(NULL, t->grad_bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fds[0], 0);
+	t->param = mmap(NULL, t->param_bytes, PROT_READ, MAP_SHARED, fds[1], 0);
+	if (t->grad == MAP_FAILED || t->param == MAP_FAILED) {
+		r = seterr(c, -errno, "map the slots of '%s': %s", desc->name, strerror(errno));
+		if (t->grad != MAP_FAILED)
+			munmap(t->grad, t->grad_bytes);
+		if (t->param != MAP_FAILED)
+			munmap(t->param, t->param_bytes);
+		goto fail_tensor;
+	}
+	close(fds[0]);
+	close(fds[1]);
+	r = add_tensor(c, t);
+	if (r < 0) {
+		seterr(c, r, "out of memory");
+		goto fail_mapped;
+	}
+	r = tensor_copy(t, ZP_TENSOR_WRITE, ZC_STATE_MASTER, 0, t->numel, (float *)init);
+	if (r < 0) {
+		c->tensors[t->handle - 1] = NULL;
+		goto fail_mapped;
+	}
+	*ret = t;
+	return 0;
+fail_mapped:
+	/* Keep the first error, not the clean-up's. */
+	memcpy(saved, c->err, sizeof(saved));
+	unregister_quietly(c, t->handle);
+	memcpy(c->err, saved, sizeof(saved));
+	tensor_unmap(t);
+	return r;
+fail_tensor:
+	memcpy(saved, c->err, sizeof(saved));
+	unregister_quietly(c, t->handle);
+	memcpy(c->err, saved, sizeof(saved));
+	free(t);
+fail_fds:
+	close(fds[0]);
+	close(fds[1]);
+	return r;
+}
+
+int
+zc_tensor_unregister(struct zc_tensor *t)
+{
+	struct zc_conn *c = t->conn;
+	struct zp_msg m = { .hdr = { .type = ZP_TENSOR_UNREGISTER } };
+	int r;
+
+	if (t->pending)
+		return seterr(c, -EBUSY, "tensor is in a step; wait for it first");
+	m.u.tensor_handle.handle = t->handle;
+	r = rpc(c, &m, ZP_OK, NULL);
+	if (r < 0)
+		return r;
+	c->tensors[t->handle - 1] = NULL;
+	tensor_unmap(t);
+	return 0;
+}
+
+uint64_t
+zc_tensor_numel(const struct zc_tensor *t)
+{
+	return t->numel;
+}
+
+void *
+zc_tensor_grad_slot(struct zc_tensor *t, size_t *ret_bytes)
+{
+	if (ret_bytes != NULL)
+		*ret_bytes = t->grad_bytes;
+	return t->grad;
+}
+
+const void *
+zc_tensor_param_slot(struct zc_tensor *t, size_t *ret_bytes)
+{
+	if (ret_bytes != NULL)
+		*ret_bytes = t->param_bytes;
+	return t->param;
+}
+
+int
+zc_tensor_read(struct zc_tensor *t, enum zc_state which, uint64_t offset, uint64_t count,
+    float *dst)
+{
+	if ((unsigned)which > ZC_STATE_EXP_AVG_SQ)
+		return seterr(t->conn, -EINVAL, "unknown state %d", (int)which);
+	return tensor_copy(t, ZP_TENSOR_READ, which, offset, count, dst);
+}
+
+int
+zc_step_submit(struct zc_conn *c, const struct zc_step_params *p,
+    struct zc_tensor *const *tensors, size_t ntensors)
+{
+	struct zp_msg *m;
+	struct pending_set *set;
+	int r;
+
+	if (ntensors == 0 || ntensors > ZP_MAX_STEP_TENSORS)
+		return seterr(c, -EINVAL, "a step takes 1 to %d tensors, not %zu",
+		    ZP_MAX_STEP_TENSORS, ntensors);
+	if ((unsigned)p->optim > ZC_LION)
+		return seterr(c, -EINVAL, "unknown optimizer %d", (int)p->optim);
+	if (p->step == 0)
+		return seterr(c, -EINVAL, "steps count from 1");
+	for (size_t i = 0; i < ntensors; i++) {
+		if (tensors[i] == NULL || tensors[i]->conn != c)
+			return seterr(c, -EINVAL, "tensor %zu does not belong to this connection", i);
+		if (tensors[i]->pending)
+			return seterr(c, -EBUSY, "tensor %zu is still in a step", i);
+	}
+	m = calloc(1, sizeof(*m));
+	set = calloc(1, sizeof(*set));
+	if (m == NULL || set == NULL || (set->handles = calloc(ntensors, 4)) == NULL) {
+		free(m);
+		free(set);
+		return seterr(c, -ENOMEM, "out of memory");
+	}
+	m->hdr.type = ZP_STEP_SUBMIT;
+	m->u.step_submit = (struct zp_step_submit){
+		.step = p->step,
+		.optim = (uint8_t)p->optim,
+		.flags = (uint8_t)((p->no_bias_correction ? ZP_STEP_NO_BIAS_CORRECTION : 0) |
+		    (p->check_finite ? ZP_STEP_CHECK_FINITE : 0)),
+		.lr = p->lr,
+		.beta1 = p->beta1,
+		.beta2 = p->beta2,
+		.eps = p->eps,
+		.weight_decay = p->weight_decay,
+		.lr_decay = p->lr_decay,
+		.grad_scale = p->grad_scale > 0 ? p->grad_scale : 1.0,
+		.max_grad_norm = p->max_grad_norm,
+		.count = (uint32_t)ntensors,
+	};
+	for (size_t i = 0; i < ntensors; i++) {
+		m->u.step_submit.handles[i] = tensors[i]->handle;
+		set->handles[i] = tensors[i]->handle;
+	}
+	set->count = (uint32_t)ntensors;
+	set->step = p->step;
+	r = send_msg(c, m);
+	if (r < 0) {
+		free(set->handles);
+		free(set);
+		free(m);
+		return r;
+	}
+	set->request_id = m->hdr.request_id;
+	set->next = c->sets;
+	c->sets = set;
+	for (size_t i = 0; i < ntensors; i++)
+		tensors[i]->pending = true;
+	free(m);
+	return 0;
+}
+
+static int
+wait_until(struct zc_conn *c, bool (*done)(void *), void *arg)
+{
+	int fds[ZP_MAX_FDS];
+	unsigned nfds;
+	int r;
+
+	while (!done(arg)) {
+		r = recv_one(c, fds, &nfds, 0);
+		if (r < 0)
+			return r;
+		for (unsigned i = 0; i < nfds; i++)
+			close(fds[i]);
+	}
+	return 0;
+}
+
+static bool
+tensor_idle(void *arg)
+{
+	return !((struct zc_tensor *)arg)->pending;
+}
+
+static bool
+conn_idle(void *arg)
+{
+	return ((struct zc_conn *)arg)->sets == NULL;
+}
+
+int
+zc_wait_tensor(struct zc_tensor *t, struct zc_step_result *ret)
+{
+	int r = wait_until(t->conn, tensor_idle, t);
+
+	if (r == 0 && ret != NULL)
+		*ret = t->result;
+	if (r == 0 && t->result.status == ZC_STEP_FAILED)
+		return t->result.error < 0 ? t->result.error : -EIO;
+	return r;
+}
+
+int
+zc_wait_all(struct zc_conn *c, struct zc_step_result *ret)
+{
+	int r = wait_until(c, conn_idle, c);
+
+	if (r == 0 && ret != NULL)
+		*ret = c->last;
+	if (r == 0 && c->last.status == ZC_STEP_FAILED)
+		return c->last.error < 0 ? c->last.error : -EIO;
+	return r;
+}
+
+int
+zc_ping(struct zc_conn *c, uint64_t *ret_rtt_ns)
+{
+	struct zp_msg m = { .hdr = { .type = ZP_PING } };
+	uint64_t t0 = now_ns();
+	int r;
+
+	r = rpc(c, &m, ZP_PONG, NULL);
+	if (r == 0 && ret_rtt_ns != NULL)
+		*ret_rtt_ns = now_ns() - t0;
+	return r;
+}
+
+static int
+json_request(struct zc_conn *c, uint16_t type, char **ret)
+{
+	struct zp_msg m = { .hdr = { .type = type } };
+	char *text;
+	int r;
+
+	r = rpc(c, &m, ZP_JSON, NULL);
+	if (r < 0)
+		return r;
+	text = malloc(c->msg->u.json.len + 1);
+	if (text == NULL)
+		return seterr(c, -ENOMEM, "out of memory");
+	memcpy(text, c->msg->u.json.text, c->msg->u.json.len);
+	text[c->msg->u.json.len] = '\0';
+	*ret = text;
+	return 0;
+}
+
+int
+zc_stats_json(struct zc_conn *c, char **ret)
+{
+	return json_request(c, ZP_STATS, ret);
+}
+
+int
+zc_jobs_json(struct zc_conn *c, char **ret)
+{
+	return json_request(c, ZP_JOBS, ret);
+}
+
+uint16_t
+zc_f32_to_bf16(float f)
+{
+	return zk_f32_to_bf16(f);
+}
+
+float
+zc_bf16_to_f32(uint16_t h)
+{
+	return zk_bf16_to_f32(h);
+}
+
+uint16_t
+zc_f32_to_f16(float f)
+{
+	return zk_f32_to_f16(f);
+}
+
+float
+zc_f16_to_f32(uint16_t h)
+{
+	return zk_f16_to_f32(h);
+}

@@ -1,0 +1,299 @@
+/* zoffctl: look at a running zoffloadd (stats, jobs, ping). */
+#include <cjson/cJSON.h>
+#include <errno.h>
+#include <getopt.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "zclient.h"
+
+static void
+usage(FILE *f)
+{
+	fprintf(f,
+	    "usage: zoffctl [--socket PATH] COMMAND [OPTIONS]\n"
+	    "\n"
+	    "commands:\n"
+	    "  stats [--json] [--watch SECONDS]   tiers, jobs, sessions, step throughput and latency\n"
+	    "  jobs [--json]                      jobs and their ranks\n"
+	    "  ping [--count N]                   control round trip\n"
+	    "\n"
+	    "The socket is --socket, else $ZOFFLOAD_SOCKET, else the built-in default.\n");
+}
+
+static double
+num(const cJSON *obj, const char *path)
+{
+	char buf[128], *save = NULL, *key;
+	const cJSON *cur = obj;
+
+	snprintf(buf, sizeof(buf), "%s", path);
+	for (key = strtok_r(buf, ".", &save); key != NULL && cur != NULL;
+	     key = strtok_r(NULL, ".", &save))
+		cur = cJSON_GetObjectItemCaseSensitive(cur, key);
+	return cJSON_IsNumber(cur) ? cur->valuedouble : 0;
+}
+
+static const char *
+str(const cJSON *obj, const char *key)
+{
+	const cJSON *v = cJSON_GetObjectItemCaseSensitive(obj, key);
+
+	return cJSON_IsString(v) ? v->valuestring : "?";
+}
+
+static const char *
+bytes(double v, char *buf, size_t len)
+{
+	static const char *const units[] = { "B", "KiB", "MiB", "GiB", "TiB", "PiB" };
+	unsigned u = 0;
+
+	if (v < 0) {
+		snprintf(buf, len, "unlimited");
+		return buf;
+	}
+	while (v >= 1024 && u < 5) {
+		v /= 1024;
+		u++;
+	}
+	snprintf(buf, len, u == 0 ? "%.0f %s" : "%.1f %s", v, units[u]);
+	return buf;
+}
+
+static const char *
+count(double v, char *buf, size_t len)
+{
+	if (v >= 1e9)
+		snprintf(buf, len, "%.2f G", v / 1e9);
+	else if (v >= 1e6)
+		snprintf(buf, len, "%.2f M", v / 1e6);
+	else if (v >= 1e3)
+		snprintf(buf, len, "%.1f k", v / 1e3);
+	else
+		snprintf(buf, len, "%.0f", v);
+	return buf;
+}
+
+static void
+print_jobs_table(const cJSON *jobs)
+{
+	const cJSON *j;
+	char a[32];
+
+	printf("%-24s %6s %6s %7s %8s %10s %9s %8s %6s %9s\n", "JOB", "ID", "UID", "RANKS",
+	    "TENSORS", "PARAMS", "APPLIED", "SKIPPED", "FAILED", "LAST STEP");
+	if (cJSON_GetArraySize(jobs) == 0) {
+		printf("(no jobs)\n");
+		return;
+	}
+	cJSON_ArrayForEach(j, jobs) {
+		printf("%-24s %6.0f %6.0f %3.0f/%-3.0f %8.0f %10s %9.0f %8.0f %6.0f %9.0f\n",
+		    str(j, "name"), num(j, "id"), num(j, "uid"), num(j, "ranks_attached"),
+		    num(j, "world_size"), num(j, "tensors"), count(num(j, "params"), a, sizeof(a)),
+		    num(j, "steps_applied"), num(j, "steps_skipped"), num(j, "steps_failed"),
+		    num(j, "last_step"));
+	}
+}
+
+static void
+print_stats(const cJSON *s)
+{
+	char a[32], b[32], c[32], d[32], e[32];
+	const cJSON *lat = cJSON_GetObjectItemCaseSensitive(
+	    cJSON_GetObjectItemCaseSensitive(s, "steps"), "latency_ms");
+
+	printf("zoffloadd %s  pid %.0f  up %.0f s  kernels %s  %.0f worker threads\n",
+	    str(s, "version"), num(s, "pid"), num(s, "uptime_s"), str(s, "kernel_isa"),
+	    num(s, "worker_threads"));
+	printf("\nTIER     %12s %12s %12s %12s\n", "USED", "BUDGET", "LOCKED", "UNLOCKED");
+	printf("pinned   %12s %12s %12s %12s   (memlock limit %s)\n",
+	    bytes(num(s, "tiers.pinned.used_bytes"), a, sizeof(a)),
+	    bytes(num(s, "tiers.pinned.budget_bytes"), b, sizeof(b)),
+	    bytes(num(s, "tiers.pinned.locked_bytes"), c, sizeof(c)),
+	    bytes(num(s, "tiers.pinned.unlocked_bytes"), d, sizeof(d)),
+	    bytes(num(s, "tiers.pinned.memlock_limit_bytes"), e, sizeof(e)));
+	printf("shm      %12s %12s   (%.0f objects)\n",
+	    bytes(num(s, "tiers.shm.used_bytes"), a, sizeof(a)),
+	    bytes(num(s, "tiers.shm.budget_bytes"), b, sizeof(b)), num(s, "tiers.shm.objects"));
+	printf("malloc   %12s resident (%s)\n", bytes(num(s, "malloc.resident_bytes"), a, sizeof(a)),
+	    str(cJSON_GetObjectItemCaseSensitive(s, "malloc"), "allocator"));
+	printf("\nsessions %.0f   tensors %.0f   params %s\n", num(s, "sessions"), num(s, "tensors"),
+	    count(num(s, "params"), a, sizeof(a)));
+	printf("steps    applied %.0f  skipped %.0f  failed %.0f  in flight %.0f\n",
+	    num(s, "steps.applied"), num(s, "steps.skipped_nonfinite"), num(s, "steps.failed"),
+	    num(s, "steps.in_flight"));
+	printf("rate     %s params/s over the last %.0f s   (compute alone %s params/s)\n",
+	    count(num(s, "steps.params_per_s"), a, sizeof(a)), num(s, "steps.rate_window_s"),
+	    count(num(s, "steps.compute_params_per_s"), b, sizeof(b)));
+	if (num(lat, "samples") > 0)
+		printf("latency  last %.3f ms  mean %.3f  p50 %.3f  p99 %.3f  max %.3f  "
+		    "(%.0f samples)\n", num(lat, "last"), num(lat, "mean"), num(lat, "p50"),
+		    num(lat, "p99"), num(lat, "max"), num(lat, "samples"));
+	printf("\n");
+	print_jobs_table(cJSON_GetObjectItemCaseSensitive(s, "jobs"));
+}
+
+static volatile sig_atomic_t interrupted;
+
+static void
+on_sigint(int sig)
+{
+	interrupted = 1;
+}
+
+static int
+cmd_json(struct zc_conn *c, bool jobs, bool json, double watch)
+{
+	for (;;) {
+		char *text;
+		cJSON *root;
+		int r = jobs ? zc_jobs_json(c, &text) : zc_stats_json(c, &text);
+
+		if (r < 0) {
+			fprintf(stderr, "zoffctl: %s\n", zc_errmsg(c));
+			return 1;
+		}
+		if (json) {
+			printf("%s\n", text);
+		} else {
+			root = cJSON_Parse(text);
+			if (root == NULL) {
+				fprintf(stderr, "zoffctl: zoffloadd sent malformed JSON\n");
+				free(text);
+				return 1;
+			}
+			if (watch > 0)
+				printf("\033[H\033[2J");
+			if (jobs)
+				print_jobs_table(cJSON_GetObjectItemCaseSensitive(root, "jobs"));
+			else
+				print_stats(root);
+			cJSON_Delete(root);
+		}
+		free(text);
+		fflush(stdout);
+		if (watch <= 0 || interrupted)
+			return 0;
+		struct timespec ts = { (time_t)watch, (long)((watch - (time_t)watch) * 1e9) };
+
+		nanosleep(&ts, NULL);
+		if (interrupted)
+			return 0;
+	}
+}
+
+static int
+cmd_ping(struct zc_conn *c, long n)
+{
+	for (long i = 0; i < n; i++) {
+		uint64_t rtt;
+
+		if (zc_ping(c, &rtt) < 0) {
+			fprintf(stderr, "zoffctl: ping: %s\n", zc_errmsg(c));
+			return 1;
+		}
+		printf("pong from zoffloadd: %.1f us\n", (double)rtt / 1e3);
+	}
+	return 0;
+}
+
+struct options {
+	const char *socket_path;
+	bool json;
+	double watch;
+	long count;
+};
+
+/* 0 handled, 1 help printed, 2 bad usage. */
+static int
+take_option(int opt, const char *arg, struct options *o)
+{
+	char *end;
+
+	switch (opt) {
+	case 's':
+		o->socket_path = arg;
+		return 0;
+	case 'j':
+		o->json = true;
+		return 0;
+	case 'w':
+		o->watch = strtod(arg, &end);
+		if (*end != '\0' || !(o->watch > 0)) {
+			fprintf(stderr, "zoffctl: --watch: '%s' is not a positive number of seconds\n",
+			    arg);
+			return 2;
+		}
+		return 0;
+	case 'n':
+		o->count = strtol(arg, &end, 10);
+		if (*end != '\0' || o->count < 1) {
+			fprintf(stderr, "zoffctl: --count: '%s' is not a positive integer\n", arg);
+			return 2;
+		}
+		return 0;
+	case 'h':
+		usage(stdout);
+		return 1;
+	default:
+		usage(stderr);
+		return 2;
+	}
+}
+
+int
+main(int argc, char **argv)
+{
+	static const struct option opts[] = {
+		{ "socket", required_argument, NULL, 's' },
+		{ "json", no_argument, NULL, 'j' },
+		{ "watch", required_argument, NULL, 'w' },
+		{ "count", required_argument, NULL, 'n' },
+		{ "help", no_argument, NULL, 'h' },
+		{ NULL, 0, NULL, 0 },
+	};
+	struct options o = { .count = 1 };
+	const char *cmd, *where;
+	struct zc_conn *c;
+	int opt, r;
+
+	/* '+': stop at the command; its options are read after it. */
+	while ((opt = getopt_long(argc, argv, "+s:jw:n:h", opts, NULL)) != -1)
+		if ((r = take_option(opt, optarg, &o)) != 0)
+			return r == 1 ? 0 : r;
+	if (optind >= argc) {
+		usage(stderr);
+		return 2;
+	}
+	cmd = argv[optind++];
+	while ((opt = getopt_long(argc, argv, "s:jw:n:h", opts, NULL)) != -1)
+		if ((r = take_option(opt, optarg, &o)) != 0)
+			return r == 1 ? 0 : r;
+	if (optind < argc) {
+		fprintf(stderr, "zoffctl: unexpected argument '%s'\n", argv[optind]);
+		return 2;
+	}
+	if (strcmp(cmd, "stats") != 0 && strcmp(cmd, "jobs") != 0 && strcmp(cmd, "ping") != 0) {
+		fprintf(stderr, "zoffctl: unknown command '%s'\n", cmd);
+		usage(stderr);
+		return 2;
+	}
+	r = zc_connect(o.socket_path, &c);
+	if (r < 0) {
+		where = o.socket_path != NULL ? o.socket_path : getenv("ZOFFLOAD_SOCKET");
+		fprintf(stderr, "zoffctl: cannot reach zoffloadd at %s: %s\n",
+		    where != NULL ? where : "the default socket", strerror(-r));
+		return 1;
+	}
+	signal(SIGINT, on_sigint);
+	if (strcmp(cmd, "ping") == 0)
+		r = cmd_ping(c, o.count);
+	else
+		r = cmd_json(c, strcmp(cmd, "jobs") == 0, o.json, o.watch);
+	zc_disconnect(c);
+	return r;
+}

@@ -1,0 +1,526 @@
+/* zoffloadd's configuration: built-in defaults, /etc/zoffload.conf (JSON), validation. */
+#include <cjson/cJSON.h>
+#include <ctype.h>
+#include <errno.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "config.h"
+#include "build_config.h"
+
+struct parse_ctx {
+	const char *source;
+	char *err;
+	size_t errlen;
+	int status;
+};
+
+static int
+perr(struct parse_ctx *ctx, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+
+static int
+perr(struct parse_ctx *ctx, const char *fmt, ...)
+{
+	va_list ap;
+	int n;
+
+	if (ctx->status != 0)
+		return ctx->status;
+	n = snprintf(ctx->err, ctx->errlen, "%s: ", ctx->source);
+	if (n >= 0 && (size_t)n < ctx->errlen) {
+		va_start(ap, fmt);
+		vsnprintf(ctx->err + n, ctx->errlen - (size_t)n, fmt, ap);
+		va_end(ap);
+	}
+	ctx->status = -EINVAL;
+	return ctx->status;
+}
+
+int
+zd_parse_size(const char *text, uint64_t *ret)
+{
+	char *end;
+	unsigned long long v;
+	uint64_t mult = 1;
+
+	if (text == NULL || !isdigit((unsigned char)text[0]))
+		return -EINVAL;
+	errno = 0;
+	v = strtoull(text, &end, 10);
+	if (errno != 0)
+		return -ERANGE;
+	switch (toupper((unsigned char)*end)) {
+	case '\0': break;
+	case 'K': mult = 1ull << 10; end++; break;
+	case 'M': mult = 1ull << 20; end++; break;
+	case 'G': mult = 1ull << 30; end++; break;
+	case 'T': mult = 1ull << 40; end++; break;
+	default: return -EINVAL;
+	}
+	/* Accept "4G", "4GB", "4GiB". */
+	if (mult != 1 && (strcasecmp(end, "iB") == 0 || strcasecmp(end, "B") == 0))
+		end += strlen(end);
+	if (*end != '\0')
+		return -EINVAL;
+	if (v > UINT64_MAX / mult)
+		return -ERANGE;
+	*ret = v * mult;
+	return 0;
+}
+
+int
+zd_config_defaults(struct zd_config *cfg)
+{
+	long pages = sysconf(_SC_PHYS_PAGES), page = sysconf(_SC_PAGESIZE);
+	uint64_t ram = pages > 0 && page > 0 ? (uint64_t)pages * (uint64_t)page : 8ull << 30;
+
+	memset(cfg, 0, sizeof(*cfg));
+	cfg->source = strdup("built-in defaults");
+	cfg->socket_path = strdup(ZOFFLOAD_DEFAULT_SOCKET);
+	cfg->socket_mode = 0660;
+	cfg->pinned_budget = ram / 2;
+	cfg->numa_node = -1;
+	cfg->hugepages = true;
+	cfg->shm_budget = ram / 2;
+	cfg->xfer_window = 16ull << 20;
+	cfg->isa = strdup("auto");
+	cfg->swap_block_size = 1ull << 20;
+	cfg->swap_queue_depth = 32;
+	cfg->swap_engine = strdup("auto");
+	cfg->swap_fallback = true;
+	cfg->max_clients = 1024;
+	cfg->max_queued_messages = 8192;
+	cfg->log_level = ZD_LOG_INFO;
+	if (cfg->source == NULL || cfg->socket_path == NULL || cfg->isa == NULL ||
+	    cfg->swap_engine == NULL) {
+		zd_config_clear(cfg);
+		return -ENOMEM;
+	}
+	return 0;
+}
+
+void
+zd_config_clear(struct zd_config *cfg)
+{
+	free(cfg->source);
+	free(cfg->socket_path);
+	free(cfg->socket_group);
+	free(cfg->isa);
+	free(cfg->swap_engine);
+	for (unsigned i = 0; i < cfg->nswap_paths; i++)
+		free(cfg->swap_paths[i].path);
+	memset(cfg, 0, sizeof(*cfg));
+}
+
+/* Every key a section may hold; anything else is an error, so typos do not pass silently. */
+static void
+check_keys(struct parse_ctx *ctx, const cJSON *obj, const char *section,
+    const char *const *allowed)
+{
+	const cJSON *item;
+
+	cJSON_ArrayForEach(item, obj) {
+		bool found = false;
+
+		for (const char *const *a = allowed; *a != NULL; a++)
+			if (strcmp(item->string, *a) == 0)
+				found = true;
+		if (!found) {
+			perr(ctx, "unknown key '%s%s%s'", section, *section ? "." : "",
+			    item->string);
+			return;
+		}
+	}
+}
+
+static const cJSON *
+section(struct parse_ctx *ctx, const cJSON *root, const char *name)
+{
+	const cJSON *s = cJSON_GetObjectItemCaseSensitive(root, name);
+
+	if (s != NULL && !cJSON_IsObject(s)) {
+		perr(ctx, "'%s' must be an object", name);
+		return NULL;
+	}
+	return s;
+}
+
+static char *
+value_text(const cJSON *v)
+{
+	char *s = cJSON_PrintUnformatted(v);
+
+	return s != NULL ? s : strdup("?");
+}
+
+static void
+bad_value(struct parse_ctx *ctx, const char *sec, const cJSON *v, const char *expected)
+{
+	char *text = value_text(v);
+
+	perr(ctx, "%s.%s: %s is not %s", sec, v->string, text, expected);
+	free(text);
+}
+
+static void
+get_string(struct parse_ctx *ctx, const cJSON *obj, const char *sec, const char *key,
+    char **dst)
+{
+	const cJSON *v = cJSON_GetObjectItemCaseSensitive(obj, key);
+	char *copy;
+
+	if (v == NULL || ctx->status != 0)
+		return;
+	if (!cJSON_IsString(v) || v->valuestring[0] == '\0') {
+		bad_value(ctx, sec, v, "a non-empty string");
+		return;
+	}
+	copy = strdup(v->valuestring);
+	if (copy == NULL) {
+		ctx->status = -ENOMEM;
+		return;
+	}
+	free(*dst);
+	*dst = copy;
+}
+
+static void
+get_bool(struct parse_ctx *ctx, const cJSON *obj, const char *sec, const char *key, bool *dst)
+{
+	const cJSON *v = cJSON_GetObjectItemCaseSensitive(obj, key);
+
+	if (v == NULL || ctx->status != 0)
+		return;
+	if (!cJSON_IsBool(v)) {
+		bad_value(ctx, sec, v, "true or false");
+		return;
+	}
+	*dst = cJSON_IsTrue(v);
+}
+
+static void
+get_int(struct parse_ctx *ctx, const cJSON *obj, const char *sec, const char *key, long min,
+    long max, long *dst)
+{
+	const cJSON *v = cJSON_GetObjectItemCaseSensitive(obj, key);
+	char expected[96];
+
+	if (v == NULL || ctx->status != 0)
+		return;
+	if (!cJSON_IsNumber(v) || v->valuedouble != (double)(long)v->valuedouble ||
+	    v->valuedouble < (double)min || v->valuedouble > (double)max) {
+		snprintf(expected, sizeof(expected), "an integer from %ld to %ld", min, max);
+		bad_value(ctx, sec, v, expected);
+		return;
+	}
+	*dst = (long)v->valuedouble;
+}
+
+static void
+get_unsigned(struct parse_ctx *ctx, const cJSON *obj, const char *sec, const char *key,
+    unsigned min, unsigned max, unsigned *dst)
+{
+	long v = *dst;
+
+	get_int(ctx, obj, sec, key, min, max, &v);
+	*dst = (unsigned)v;
+}
+
+static void
+get_size(struct parse_ctx *ctx, const cJSON *obj, const char *sec, const char *key,
+    uint64_t min, uint64_t *dst)
+{
+	const cJSON *v = cJSON_GetObjectItemCaseSensitive(obj, key);
+	uint64_t size;
+
+	if (v == NULL || ctx->status != 0)
+		return;
+	if (cJSON_IsNumber(v) && v->valuedouble >= 0 && v->valuedouble < 1.8e19 &&
+	    v->valuedouble == (double)(uint64_t)v->valuedouble)
+		size = (uint64_t)v->valuedouble;
+	else if (!cJSON_IsString(v) || zd_parse_size(v->valuestring, &size) != 0) {
+		bad_value(ctx, sec, v, "a size (bytes, or a number with K, M, G or T)");
+		return;
+	}
+	if (size < min) {
+		char expected[64];
+
+		snprintf(expected, sizeof(expected), "a size of at least %llu bytes",
+		    (unsigned long long)min);
+		bad_value(ctx, sec, v, expected);
+		return;
+	}
+	*dst = size;
+}
+
+static void
+parse_socket(struct parse_ctx *ctx, const cJSON *s, struct zd_config *cfg)
+{
+	static const char *const keys[] = { "path", "mode", "group", NULL };
+	const cJSON *mode;
+
+	check_keys(ctx, s, "socket", keys);
+	get_string(ctx, s, "socket", "path", &cfg->socket_path);
+	get_string(ctx, s, "socket", "group", &cfg->socket_group);
+	mode = cJSON_GetObjectItemCaseSensitive(s, "mode");
+	if (mode != NULL && ctx->status == 0) {
+		char *end = NULL;
+		unsigned long m = 0;
+
+		if (cJSON_IsString(mode))
+			m = strtoul(mode->valuestring, &end, 8);
+		if (!cJSON_IsString(mode) || mode->valuestring[0] == '\0' || *end != '\0' ||
+		    m > 0777)
+			bad_value(ctx, "socket", mode, "an octal mode string such as \"0660\"");
+		else
+			cfg->socket_mode = (mode_t)m;
+	}
+}
+
+static void
+parse_memory(struct parse_ctx *ctx, const cJSON *s, struct zd_config *cfg)
+{
+	static const char *const keys[] = { "pinned_budget", "numa_node", "require_pinned",
+		"hugepages", "shm_budget", "xfer_window", NULL };
+	long node = cfg->numa_node;
+
+	check_keys(ctx, s, "memory", keys);
+	get_size(ctx, s, "memory", "pinned_budget", 1 << 20, &cfg->pinned_budget);
+	get_int(ctx, s, "memory", "numa_node", -1, 1023, &node);
+	cfg->numa_node = (int)node;
+	get_bool(ctx, s, "memory", "require_pinned", &cfg->require_pinned);
+	get_bool(ctx, s, "memory", "hugepages", &cfg->hugepages);
+	get_size(ctx, s, "memory", "shm_budget", 1 << 20, &cfg->shm_budget);
+	get_size(ctx, s, "memory", "xfer_window", 64 << 10, &cfg->xfer_window);
+	if (ctx->status == 0 && cfg->xfer_window > (256ull << 20))
+		perr(ctx, "memory.xfer_window: %llu bytes exceeds the 256 MiB protocol limit",
+		    (unsigned long long)cfg->xfer_window);
+}
+
+static void
+parse_compute(struct parse_ctx *ctx, const cJSON *s, struct zd_config *cfg)
+{
+	static const char *const keys[] = { "worker_threads", "cpus", "isa", NULL };
+	const cJSON *cpus, *c;
+
+	check_keys(ctx, s, "compute", keys);
+	get_unsigned(ctx, s, "compute", "worker_threads", 0, 1024, &cfg->worker_threads);
+	get_string(ctx, s, "compute", "isa", &cfg->isa);
+	if (ctx->status == 0 && strcmp(cfg->isa, "auto") != 0 && strcmp(cfg->isa, "scalar") != 0 &&
+	    strcmp(cfg->isa, "avx2") != 0 && strcmp(cfg->isa, "avx512") != 0)
+		perr(ctx, "compute.isa: \"%s\" is not one of auto, scalar, avx2, avx512", cfg->isa);
+	cpus = cJSON_GetObjectItemCaseSensitive(s, "cpus");
+	if (cpus == NULL || ctx->status != 0)
+		return;
+	if (!cJSON_IsArray(cpus)) {
+		bad_value(ctx, "compute", cpus, "a list of CPU numbers");
+		return;
+	}
+	cfg->ncpus = 0;
+	cJSON_ArrayForEach(c, cpus) {
+		if (!cJSON_IsNumber(c) || c->valuedouble < 0 || c->valuedouble >= ZD_MAX_CPUS ||
+		    c->valuedouble != (double)(int)c->valuedouble || cfg->ncpus == ZD_MAX_CPUS) {
+			char *text = value_text(c);
+
+			perr(ctx, "compute.cpus: %s is not a CPU number from 0 to %d", text,
+			    ZD_MAX_CPUS - 1);
+			free(text);
+			return;
+		}
+		cfg->cpus[cfg->ncpus++] = (int)c->valuedouble;
+	}
+}
+
+static void
+parse_swap(struct parse_ctx *ctx, const cJSON *s, struct zd_config *cfg)
+{
+	static const char *const keys[] = { "paths", "block_size", "queue_depth", "engine",
+		"fallback", NULL };
+	static const char *const path_keys[] = { "path", "capacity", NULL };
+	const cJSON *paths, *p;
+
+	check_keys(ctx, s, "swap", keys);
+	get_size(ctx, s, "swap", "block_size", 4096, &cfg->swap_block_size);
+	if (ctx->status == 0 && (cfg->swap_block_size & (cfg->swap_block_size - 1)) != 0)
+		perr(ctx, "swap.block_size: %llu is not a power of two",
+		    (unsigned long long)cfg->swap_block_size);
+	get_unsigned(ctx, s, "swap", "queue_depth", 1, 4096, &cfg->swap_queue_depth);
+	get_string(ctx, s, "swap", "engine", &cfg->swap_engine);
+	if (ctx->status == 0 && strcmp(cfg->swap_engine, "auto") != 0 &&
+	    strcmp(cfg->swap_engine, "io_uring") != 0 && strcmp(cfg->swap_engine, "pthread") != 0)
+		perr(ctx, "swap.engine: \"%s\" is not one of auto, io_uring, pthread",
+		    cfg->swap_engine);
+	get_bool(ctx, s, "swap", "fallback", &cfg->swap_fallback);
+	paths = cJSON_GetObjectItemCaseSensitive(s, "paths");
+	if (paths == NULL || ctx->status != 0)
+		return;
+	if (!cJSON_IsArray(paths)) {
+		bad_value(ctx, "swap", paths, "a list of {\"path\", \"capacity\"} objects");
+		return;
+	}
+	for (unsigned i = 0; i < cfg->nswap_paths; i++)
+		free(cfg->swap_paths[i].path);
+	cfg->nswap_paths = 0;
+	cJSON_ArrayForEach(p, paths) {
+		struct zd_swap_path *sp;
+
+		if (cfg->nswap_paths == ZD_MAX_SWAP_PATHS) {
+			perr(ctx, "swap.paths: more than %d paths", ZD_MAX_SWAP_PATHS);
+			return;
+		}
+		if (!cJSON_IsObject(p)) {
+			char *text = value_text(p);
+
+			perr(ctx, "swap.paths[%u]: %s is not a {\"path\", \"capacity\"} object",
+			    cfg->nswap_paths, text);
+			free(text);
+			return;
+		}
+		check_keys(ctx, p, "swap.paths[]", path_keys);
+		sp = &cfg->swap_paths[cfg->nswap_paths];
+		sp->path = NULL;
+		get_string(ctx, p, "swap.paths[]", "path", &sp->path);
+		get_size(ctx, p, "swap.paths[]", "capacity", 1 << 20, &sp->capacity);
+		if (ctx->status != 0) {
+			free(sp->path);
+			return;
+		}
+		if (sp->path == NULL || sp->capacity == 0) {
+			free(sp->path);
+			perr(ctx, "swap.paths[%u]: needs both \"path\" and \"capacity\"",
+			    cfg->nswap_paths);
+			return;
+		}
+		cfg->nswap_paths++;
+	}
+}
+
+static void
+parse_limits(struct parse_ctx *ctx, const cJSON *s, struct zd_config *cfg)
+{
+	static const char *const keys[] = { "max_clients", "max_queued_messages", NULL };
+
+	check_keys(ctx, s, "limits", keys);
+	get_unsigned(ctx, s, "limits", "max_clients", 1, 1000000, &cfg->max_clients);
+	get_unsigned(ctx, s, "limits", "max_queued_messages", 16, 1000000,
+	    &cfg->max_queued_messages);
+}
+
+static void
+parse_log(struct parse_ctx *ctx, const cJSON *s, struct zd_config *cfg)
+{
+	static const char *const keys[] = { "level", NULL };
+	const cJSON *level;
+
+	check_keys(ctx, s, "log", keys);
+	level = cJSON_GetObjectItemCaseSensitive(s, "level");
+	if (level != NULL && ctx->status == 0 &&
+	    (!cJSON_IsString(level) || log_level_parse(level->valuestring, &cfg->log_level) != 0))
+		bad_value(ctx, "log", level, "one of \"error\", \"warn\", \"info\", \"debug\"");
+}
+
+int
+zd_config_parse(const char *text, const char *source, struct zd_config *cfg, char *err,
+    size_t errlen)
+{
+	static const char *const top_keys[] = { "socket", "memory", "compute", "swap", "limits",
+		"log", NULL };
+	struct parse_ctx ctx = { .source = source, .err = err, .errlen = errlen };
+	struct {
+		const char *name;
+		void (*parse)(struct parse_ctx *, const cJSON *, struct zd_config *);
+	} sections[] = {
+		{ "socket", parse_socket }, { "memory", parse_memory },
+		{ "compute", parse_compute }, { "swap", parse_swap },
+		{ "limits", parse_limits }, { "log", parse_log },
+	};
+	const char *end = NULL;
+	cJSON *root;
+	char *src;
+
+	root = cJSON_ParseWithOpts(text, &end, 1);
+	if (root == NULL) {
+		size_t line = 1;
+		const char *where = cJSON_GetErrorPtr();
+
+		for (const char *p = text; where != NULL && p < where; p++)
+			line += *p == '\n';
+		return perr(&ctx, "line %zu: not valid JSON", line);
+	}
+	if (!cJSON_IsObject(root)) {
+		cJSON_Delete(root);
+		return perr(&ctx, "the top level must be a JSON object");
+	}
+	check_keys(&ctx, root, "", top_keys);
+	for (size_t i = 0; i < sizeof(sections) / sizeof(sections[0]) && ctx.status == 0; i++) {
+		const cJSON *s = section(&ctx, root, sections[i].name);
+
+		if (s != NULL)
+			sections[i].parse(&ctx, s, cfg);
+	}
+	cJSON_Delete(root);
+	if (ctx.status != 0)
+		return ctx.status;
+	src = strdup(source);
+	if (src == NULL)
+		return -ENOMEM;
+	free(cfg->source);
+	cfg->source = src;
+	return 0;
+}
+
+int
+zd_config_load(const char *path, bool missing_ok, struct zd_config *cfg, char *err,
+    size_t errlen)
+{
+	FILE *f;
+	char *text = NULL;
+	size_t len = 0, cap = 0;
+	int r;
+
+	f = fopen(path, "re");
+	if (f == NULL) {
+		r = -errno;
+		if (r == -ENOENT && missing_ok)
+			return 0;
+		snprintf(err, errlen, "%s: cannot open: %s", path, strerror(-r));
+		return r;
+	}
+	for (;;) {
+		if (cap - len < 4096) {
+			char *bigger;
+
+			if (cap > (16u << 20)) {
+				snprintf(err, errlen, "%s: larger than 16 MiB", path);
+				r = -EFBIG;
+				goto out;
+			}
+			cap = cap ? cap * 2 : 8192;
+			bigger = realloc(text, cap);
+			if (bigger == NULL) {
+				r = -ENOMEM;
+				goto out;
+			}
+			text = bigger;
+		}
+		size_t n = fread(text + len, 1, cap - len - 1, f);
+
+		len += n;
+		if (n == 0)
+			break;
+	}
+	if (ferror(f)) {
+		r = -EIO;
+		snprintf(err, errlen, "%s: read error", path);
+		goto out;
+	}
+	text[len] = '\0';
+	r = zd_config_parse(text, path, cfg, err, errlen);
+out:
+	free(text);
+	fclose(f);
+	return r;
+}

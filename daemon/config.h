@@ -1,0 +1,67 @@
+/* zoffloadd's configuration: built-in defaults, /etc/zoffload.conf (JSON), validation. */
+#ifndef ZD_CONFIG_H
+#define ZD_CONFIG_H
+
+#include <stdbool.h>
+#include <stdint.h>
+#include <sys/types.h>
+
+#include "log.h"
+
+#define ZD_MAX_SWAP_PATHS 16
+#define ZD_MAX_CPUS 1024
+
+struct zd_swap_path {
+	char *path;
+	uint64_t capacity;
+};
+
+struct zd_config {
+	char *source;			/* file it came from, or "built-in defaults" */
+
+	char *socket_path;
+	mode_t socket_mode;
+	char *socket_group;		/* NULL: the daemon's group */
+
+	uint64_t pinned_budget;
+	int numa_node;			/* -1: none */
+	bool require_pinned;
+	bool hugepages;
+	uint64_t shm_budget;		/* grad/param slots and transfer windows */
+	uint64_t xfer_window;
+
+	unsigned worker_threads;	/* 0: one per online CPU */
+	int cpus[ZD_MAX_CPUS];
+	unsigned ncpus;
+	char *isa;			/* "auto", "scalar", "avx2", "avx512" */
+
+	struct zd_swap_path swap_paths[ZD_MAX_SWAP_PATHS];
+	unsigned nswap_paths;
+	uint64_t swap_block_size;
+	unsigned swap_queue_depth;
+	char *swap_engine;		/* "auto", "io_uring", "pthread" */
+	bool swap_fallback;
+
+	unsigned max_clients;
+	unsigned max_queued_messages;	/* per session, before it is dropped as not reading */
+
+	enum zd_log_level log_level;
+};
+
+/* Built-in defaults, sized from this machine (half of RAM pinned at most). */
+int zd_config_defaults(struct zd_config *cfg);
+
+/*
+ * Loads path over the defaults.  missing_ok: an absent file gives the
+ * defaults.  On error, err (size errlen) names the file, the key and the value.
+ */
+int zd_config_load(const char *path, bool missing_ok, struct zd_config *cfg, char *err,
+    size_t errlen);
+int zd_config_parse(const char *text, const char *source, struct zd_config *cfg, char *err,
+    size_t errlen);
+void zd_config_clear(struct zd_config *cfg);
+
+/* "4G", "512M", "1048576", 1024 (a JSON number) ... */
+int zd_parse_size(const char *text, uint64_t *ret);
+
+#endif

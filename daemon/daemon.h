@@ -1,0 +1,195 @@
+/* zoffloadd's bookkeeping: the daemon, sessions, jobs, tensors and step batches. */
+#ifndef ZD_DAEMON_H
+#define ZD_DAEMON_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <sys/queue.h>
+#include <sys/types.h>
+
+#include "arena.h"
+#include "config.h"
+#include "optim.h"
+#include "proto.h"
+
+struct event;
+struct event_base;
+struct zd_stepper;
+struct zd_session;
+struct zk_pool;
+
+/* A memfd the daemon created, sealed and mapped; passed to one client. */
+struct zd_shm {
+	int fd;
+	void *map;
+	size_t bytes;
+};
+
+struct zd_tensor {
+	uint32_t handle;
+	char name[ZP_NAME_MAX + 1];
+	uint64_t numel;
+	enum zk_dtype grad_dtype;
+	enum zk_dtype param_dtype;
+	struct zd_session *session;	/* NULL once orphaned by a session that went away */
+	struct zd_job *job;
+	void *state;			/* master, m, v in one arena allocation */
+	size_t state_bytes;
+	bool state_pinned;
+	float *master;
+	float *m;
+	float *v;
+	struct zd_shm grad_slot;
+	struct zd_shm param_slot;
+	bool busy;			/* in a batch the stepper owns */
+	uint64_t last_step;
+};
+
+struct zd_job {
+	TAILQ_ENTRY(zd_job) entry;
+	uint64_t id;
+	char name[ZP_NAME_MAX + 1];
+	uid_t uid;
+	uint32_t world_size;
+	unsigned refs;			/* attached sessions plus orphaned tensors */
+	unsigned ranks_attached;
+	uint64_t tensors;
+	uint64_t params;
+	uint64_t steps_applied;
+	uint64_t steps_skipped;
+	uint64_t steps_failed;
+	uint64_t last_step;
+};
+
+/* One STEP_SUBMIT: owned by the loop, read by the stepper while in flight. */
+struct zd_batch {
+	TAILQ_ENTRY(zd_batch) entry;		/* stepper queue */
+	TAILQ_ENTRY(zd_batch) session_entry;	/* the session's in-flight list */
+	struct zd_session *session;		/* NULL once the session went away */
+	uint64_t request_id;
+	struct zk_hparams hp;
+	enum zk_isa isa;
+	bool check_finite;
+	double max_grad_norm;
+	uint64_t submit_ns;
+	size_t count;
+	struct zd_tensor **tensors;
+	struct zk_tensor *views;
+	/* Written by the stepper, read by the loop after completion. */
+	enum zp_step_status status;
+	int error;
+	double grad_norm;
+	uint64_t compute_ns;
+};
+
+TAILQ_HEAD(zd_batch_list, zd_batch);
+
+struct zd_session {
+	TAILQ_ENTRY(zd_session) entry;
+	struct zd_daemon *daemon;
+	uint32_t id;
+	int fd;
+	uid_t uid;
+	gid_t gid;
+	pid_t pid;
+	char name[ZP_NAME_MAX + 1];
+	bool hello_done;
+	bool closing;			/* close once the output queue drains */
+	struct event *ev_read;
+	struct event *ev_write;
+	TAILQ_HEAD(, zd_out) outq;
+	unsigned outq_len;
+	struct zd_job *job;
+	uint32_t rank;
+	struct zd_tensor **tensors;	/* indexed by handle - 1; NULL after unregister */
+	uint32_t ntensor_slots;
+	uint32_t tensor_cap;
+	struct zd_batch_list inflight;
+	struct zd_shm xfer;
+	uint64_t connected_ns;
+};
+
+/* Rolling step statistics for zoffctl stats. */
+#define ZD_RATE_BUCKETS 64
+#define ZD_LATENCY_SAMPLES 256
+struct zd_step_stats {
+	uint64_t batches_applied;
+	uint64_t batches_skipped;
+	uint64_t batches_failed;
+	uint64_t tensors_stepped;
+	uint64_t params_stepped;
+	uint64_t compute_ns;
+	uint64_t rate_second[ZD_RATE_BUCKETS];	/* which second each bucket holds */
+	uint64_t rate_params[ZD_RATE_BUCKETS];
+	uint64_t latency_ns[ZD_LATENCY_SAMPLES];
+	uint64_t latency_count;
+};
+
+struct zd_daemon {
+	struct zd_config cfg;
+	const char *config_path;
+	bool config_from_file;
+	struct event_base *base;
+	int listen_fd;
+	struct event *ev_listen;
+	struct event *ev_signals[4];
+	struct event *ev_stepper;
+	struct zt_arena *arena;
+	struct zk_pool *pool;
+	struct zd_stepper *stepper;
+	enum zk_isa isa;
+	TAILQ_HEAD(, zd_session) sessions;
+	unsigned nsessions;
+	TAILQ_HEAD(, zd_job) jobs;
+	uint32_t next_session_id;
+	uint64_t next_job_id;
+	uint64_t shm_bytes;
+	unsigned shm_objects;
+	unsigned inflight_batches;
+	bool draining;
+	uint64_t started_ns;
+	struct zd_step_stats steps;
+};
+
+uint64_t zd_now_ns(void);
+
+/* shm.c */
+int zd_shm_create(struct zd_daemon *d, const char *name, size_t bytes, bool client_read_only,
+    struct zd_shm *ret);
+void zd_shm_destroy(struct zd_daemon *d, struct zd_shm *shm);
+
+/* session.c */
+void zd_session_accept(struct zd_daemon *d, int fd);
+void zd_session_close(struct zd_session *s);
+int zd_session_send(struct zd_session *s, const struct zp_msg *msg, const int *fds,
+    unsigned nfds);
+/* Error reply: code is a negative errno, the text says what was wrong. */
+void zd_session_error(struct zd_session *s, uint64_t request_id, int code, const char *fmt, ...)
+    __attribute__((format(printf, 4, 5)));
+struct zd_tensor *zd_session_tensor(struct zd_session *s, uint32_t handle);
+
+/* requests.c */
+void zd_handle_request(struct zd_session *s, const struct zp_msg *msg);
+
+/* job.c */
+int zd_job_attach(struct zd_session *s, const char *name, uint32_t rank, uint32_t world_size,
+    char *err, size_t errlen);
+void zd_job_detach(struct zd_session *s);
+void zd_job_unref(struct zd_daemon *d, struct zd_job *job);
+int zd_tensor_create(struct zd_session *s, const struct zp_tensor_register *req,
+    struct zd_tensor **ret, char *err, size_t errlen);
+/* Frees it now, or orphans it until its batch completes. */
+void zd_tensor_release(struct zd_daemon *d, struct zd_tensor *t);
+void zd_tensor_write_param(struct zd_tensor *t, uint64_t offset, uint64_t count);
+
+/* step.c: the loop side of the step */
+void zd_step_submit(struct zd_session *s, const struct zp_msg *msg);
+void zd_step_completions(struct zd_daemon *d);
+
+/* stats.c */
+void zd_stats_record(struct zd_daemon *d, const struct zd_batch *b, uint64_t params);
+char *zd_stats_json(struct zd_daemon *d);
+char *zd_jobs_json(struct zd_daemon *d);
+
+#endif

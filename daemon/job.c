@@ -1,0 +1,285 @@
+/* Jobs (the ranks of one training run) and their tensors' state and slots. */
+#include <errno.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "daemon.h"
+#include "log.h"
+
+/*
+ * master, m and v sit in one allocation; an exact power-of-two distance
+ * between them aliases in the cache and halved bandwidth when measured, so
+ * each array is padded by a few KiB past its page-rounded size.
+ */
+#define STATE_PAD 4160
+
+static size_t
+array_stride(uint64_t numel)
+{
+	size_t bytes = (size_t)numel * sizeof(float);
+
+	return (bytes + 4095) / 4096 * 4096 + STATE_PAD;
+}
+
+int
+zd_job_attach(struct zd_session *s, const char *name, uint32_t rank, uint32_t world_size,
+    char *err, size_t errlen)
+{
+	struct zd_daemon *d = s->daemon;
+	struct zd_session *other;
+	struct zd_job *job;
+
+	if (s->job != NULL) {
+		snprintf(err, errlen, "this connection already has job '%s' open", s->job->name);
+		return -EISCONN;
+	}
+	TAILQ_FOREACH(job, &d->jobs, entry)
+		if (strcmp(job->name, name) == 0)
+			break;
+	if (job != NULL) {
+		if (job->uid != s->uid && s->uid != 0) {
+			snprintf(err, errlen, "job '%s' belongs to uid %u", name, (unsigned)job->uid);
+			return -EACCES;
+		}
+		if (job->world_size != world_size) {
+			snprintf(err, errlen, "job '%s' has world size %u, not %u", name,
+			    job->world_size, world_size);
+			return -EINVAL;
+		}
+		TAILQ_FOREACH(other, &d->sessions, entry) {
+			if (other->job == job && other->rank == rank) {
+				snprintf(err, errlen, "rank %u of job '%s' is already attached (pid %d)",
+				    rank, name, (int)other->pid);
+				return -EADDRINUSE;
+			}
+		}
+	} else {
+		job = calloc(1, sizeof(*job));
+		if (job == NULL) {
+			snprintf(err, errlen, "out of memory");
+			return -ENOMEM;
+		}
+		job->id = ++d->next_job_id;
+		snprintf(job->name, sizeof(job->name), "%s", name);
+		job->uid = s->uid;
+		job->world_size = world_size;
+		TAILQ_INSERT_TAIL(&d->jobs, job, entry);
+		log_info("job '%s' (id %llu) opened by uid %u, world size %u", name,
+		    (unsigned long long)job->id, (unsigned)s->uid, world_size);
+	}
+	job->refs++;
+	job->ranks_attached++;
+	s->job = job;
+	s->rank = rank;
+	return 0;
+}
+
+void
+zd_job_unref(struct zd_daemon *d, struct zd_job *job)
+{
+	if (--job->refs > 0)
+		return;
+	log_info("job '%s' (id %llu) closed after %llu steps", job->name,
+	    (unsigned long long)job->id, (unsigned long long)job->steps_applied);
+	TAILQ_REMOVE(&d->jobs, job, entry);
+	free(job);
+}
+
+void
+zd_job_detach(struct zd_session *s)
+{
+	struct zd_job *job = s->job;
+
+	for (uint32_t i = 0; i < s->ntensor_slots; i++) {
+		if (s->tensors[i] != NULL) {
+			zd_tensor_release(s->daemon, s->tensors[i]);
+			s->tensors[i] = NULL;
+		}
+	}
+	if (job == NULL)
+		return;
+	job->ranks_attached--;
+	s->job = NULL;
+	zd_job_unref(s->daemon, job);
+}
+
+static void
+tensor_free(struct zd_daemon *d, struct zd_tensor *t)
+{
+	zd_shm_destroy(d, &t->grad_slot);
+	zd_shm_destroy(d, &t->param_slot);
+	if (t->state != NULL)
+		zt_arena_release(d->arena, t->state, t->state_bytes, t->state_pinned);
+	if (t->job != NULL) {
+		t->job->tensors--;
+		t->job->params -= t->numel;
+	}
+	free(t);
+}
+
+void
+zd_tensor_release(struct zd_daemon *d, struct zd_tensor *t)
+{
+	struct zd_job *job = t->job;
+
+	if (!t->busy) {
+		tensor_free(d, t);
+		return;
+	}
+	/* The stepper still reads and writes its state: free it when the batch is done. */
+	t->session = NULL;
+	job->refs++;
+}
+
+static int
+add_handle(struct zd_session *s, struct zd_tensor *t)
+{
+	if (s->ntensor_slots == s->tensor_cap) {
+		uint32_t cap = s->tensor_cap ? s->tensor_cap * 2 : 64;
+		struct zd_tensor **bigger;
+
+		if (cap > (1u << 24))
+			return -EMFILE;
+		bigger = realloc(s->tensors, cap * sizeof(*bigger));
+		if (bigger == NULL)
+			return -ENOMEM;
+		s->tensors = bigger;
+		s->tensor_cap = cap;
+	}
+	s->tensors[s->ntensor_slots++] = t;
+	/* Handles are never reused on a connection, so a stale one cannot hit another tensor. */
+	t->handle = s->ntensor_slots;
+	return 0;
+}
+
+static void
+human(uint64_t bytes, char *buf, size_t len)
+{
+	static const char *const units[] = { "B", "KiB", "MiB", "GiB", "TiB" };
+	double v = (double)bytes;
+	unsigned u = 0;
+
+	while (v >= 1024 && u < 4) {
+		v /= 1024;
+		u++;
+	}
+	snprintf(buf, len, "%.1f %s", v, units[u]);
+}
+
+int
+zd_tensor_create(struct zd_session *s, const struct zp_tensor_register *req,
+    struct zd_tensor **ret, char *err, size_t errlen)
+{
+	struct zd_daemon *d = s->daemon;
+	struct zd_tensor *t;
+	struct zt_arena_stats as;
+	size_t stride;
+	char a[32], b[32], c[32];
+	int r;
+
+	if (s->job == NULL) {
+		snprintf(err, errlen, "open a job before registering tensors");
+		return -ENOTCONN;
+	}
+	for (uint32_t i = 0; i < s->ntensor_slots; i++) {
+		if (s->tensors[i] != NULL && strcmp(s->tensors[i]->name, req->name) == 0) {
+			snprintf(err, errlen, "tensor '%s' is already registered on this rank",
+			    req->name);
+			return -EEXIST;
+		}
+	}
+	if (req->numel > SIZE_MAX / 16) {
+		snprintf(err, errlen, "tensor '%s': %llu elements is too many", req->name,
+		    (unsigned long long)req->numel);
+		return -EFBIG;
+	}
+	t = calloc(1, sizeof(*t));
+	if (t == NULL) {
+		snprintf(err, errlen, "out of memory");
+		return -ENOMEM;
+	}
+	t->grad_slot.fd = t->param_slot.fd = -1;
+	snprintf(t->name, sizeof(t->name), "%s", req->name);
+	t->numel = req->numel;
+	t->grad_dtype = (enum zk_dtype)req->grad_dtype;
+	t->param_dtype = (enum zk_dtype)req->param_dtype;
+
+	stride = array_stride(t->numel);
+	t->state_bytes = 3 * stride;
+	r = zt_arena_alloc(d->arena, t->state_bytes, &t->state, &t->state_pinned);
+	if (r < 0) {
+		zt_arena_get_stats(d->arena, &as);
+		human(t->state_bytes, a, sizeof(a));
+		human(as.used_bytes, b, sizeof(b));
+		human(as.budget_bytes, c, sizeof(c));
+		if (r == -ENOSPC)
+			snprintf(err, errlen, "tensor '%s' needs %s of optimizer state; the pinned "
+			    "budget has %s of %s in use", t->name, a, b, c);
+		else if (r == -ENOMEM)
+			snprintf(err, errlen, "tensor '%s': cannot pin %s: the memlock limit is "
+			    "exhausted (raise LimitMEMLOCK= or set memory.require_pinned to false)",
+			    t->name, a);
+		else
+			snprintf(err, errlen, "tensor '%s': cannot allocate %s of state: %s",
+			    t->name, a, strerror(-r));
+		t->state = NULL;
+		goto fail;
+	}
+	t->master = t->state;
+	t->m = (float *)((char *)t->state + stride);
+	t->v = (float *)((char *)t->state + 2 * stride);
+
+	r = zd_shm_create(d, "zoffload-grad", t->numel * zk_dtype_size(t->grad_dtype), false,
+	    &t->grad_slot);
+	if (r == 0)
+		r = zd_shm_create(d, "zoffload-param", t->numel * zk_dtype_size(t->param_dtype),
+		    true, &t->param_slot);
+	if (r < 0) {
+		human(d->shm_bytes, a, sizeof(a));
+		human(d->cfg.shm_budget, b, sizeof(b));
+		if (r == -ENOSPC)
+			snprintf(err, errlen, "tensor '%s': its slots exceed the shared-memory budget "
+			    "(%s of %s in use)", t->name, a, b);
+		else
+			snprintf(err, errlen, "tensor '%s': cannot create its slots: %s", t->name,
+			    strerror(-r));
+		goto fail;
+	}
+	r = add_handle(s, t);
+	if (r < 0) {
+		snprintf(err, errlen, "too many tensors on this connection");
+		goto fail;
+	}
+	t->session = s;
+	t->job = s->job;
+	s->job->tensors++;
+	s->job->params += t->numel;
+	*ret = t;
+	return 0;
+fail:
+	tensor_free(d, t);
+	return r;
+}
+
+void
+zd_tensor_write_param(struct zd_tensor *t, uint64_t offset, uint64_t count)
+{
+	const float *src = t->master + offset;
+
+	switch (t->param_dtype) {
+	case ZK_DTYPE_F32:
+		memcpy((float *)t->param_slot.map + offset, src, count * sizeof(float));
+		break;
+	case ZK_DTYPE_BF16:
+		for (uint64_t i = 0; i < count; i++)
+			((uint16_t *)t->param_slot.map)[offset + i] = zk_f32_to_bf16(src[i]);
+		break;
+	case ZK_DTYPE_F16:
+		for (uint64_t i = 0; i < count; i++)
+			((uint16_t *)t->param_slot.map)[offset + i] = zk_f32_to_f16(src[i]);
+		break;
+	default:
+		break;
+	}
+}

@@ -1,0 +1,98 @@
+/* Daemon logging: stderr (the journal under systemd), with and without errno. */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "log.h"
+
+static enum zd_log_level current_level = ZD_LOG_INFO;
+
+static const char *const level_names[] = { "error", "warn", "info", "debug" };
+/* sd-daemon(3) priority prefixes, so the journal keeps the level. */
+static const char *const level_prefix[] = { "<3>", "<4>", "<6>", "<7>" };
+
+void
+log_set_level(enum zd_log_level level)
+{
+	current_level = level;
+}
+
+enum zd_log_level
+log_get_level(void)
+{
+	return current_level;
+}
+
+int
+log_level_parse(const char *name, enum zd_log_level *ret)
+{
+	for (unsigned i = 0; i < sizeof(level_names) / sizeof(level_names[0]); i++) {
+		if (strcmp(name, level_names[i]) == 0) {
+			*ret = (enum zd_log_level)i;
+			return 0;
+		}
+	}
+	return -1;
+}
+
+const char *
+log_level_name(enum zd_log_level level)
+{
+	return level_names[level];
+}
+
+static void
+vlog(enum zd_log_level level, int err, const char *fmt, va_list ap)
+{
+	char line[1024];
+	int n;
+
+	if (level > current_level)
+		return;
+	n = vsnprintf(line, sizeof(line), fmt, ap);
+	if (err != 0 && n >= 0 && (size_t)n < sizeof(line))
+		snprintf(line + n, sizeof(line) - (size_t)n, ": %s", strerror(err < 0 ? -err : err));
+	/* The journal adds its own timestamps; a terminal gets the level name. */
+	if (getenv("JOURNAL_STREAM") != NULL)
+		fprintf(stderr, "%s%s\n", level_prefix[level], line);
+	else
+		fprintf(stderr, "zoffloadd: %s: %s\n", level_names[level], line);
+}
+
+#define LOG_FN(name, level, with_err)					\
+	void name(int err, const char *fmt, ...)			\
+	{								\
+		va_list ap;						\
+		va_start(ap, fmt);					\
+		vlog(level, with_err ? err : 0, fmt, ap);		\
+		va_end(ap);						\
+	}
+
+LOG_FN(log_warn, ZD_LOG_WARN, 1)
+LOG_FN(log_error, ZD_LOG_ERROR, 1)
+
+#define LOGX_FN(name, level)						\
+	void name(const char *fmt, ...)					\
+	{								\
+		va_list ap;						\
+		va_start(ap, fmt);					\
+		vlog(level, 0, fmt, ap);				\
+		va_end(ap);						\
+	}
+
+LOGX_FN(log_warnx, ZD_LOG_WARN)
+LOGX_FN(log_errorx, ZD_LOG_ERROR)
+LOGX_FN(log_info, ZD_LOG_INFO)
+LOGX_FN(log_debug, ZD_LOG_DEBUG)
+
+void
+fatalx(const char *fmt, ...)
+{
+	va_list ap;
+
+	va_start(ap, fmt);
+	vlog(ZD_LOG_ERROR, 0, fmt, ap);
+	va_end(ap);
+	exit(1);
+}

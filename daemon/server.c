@@ -1,0 +1,375 @@
+/* zoffloadd's life: the listening socket, signals, start-up checks and shutdown. */
+#include <errno.h>
+#include <event2/event.h>
+#include <grp.h>
+#include <linux/capability.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/syscall.h>
+#include <sys/un.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "daemon.h"
+#include "log.h"
+#include "msgio.h"
+#include "pool.h"
+#include "server.h"
+#include "stepper.h"
+
+uint64_t
+zd_now_ns(void)
+{
+	struct timespec ts;
+
+	clock_gettime(CLOCK_MONOTONIC, &ts);
+	return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+}
+
+static bool
+have_cap_ipc_lock(void)
+{
+	struct __user_cap_header_struct hdr = { .version = _LINUX_CAPABILITY_VERSION_3 };
+	struct __user_cap_data_struct data[2];
+
+	if (syscall(SYS_capget, &hdr, data) != 0)
+		return false;
+	return (data[CAP_TO_INDEX(CAP_IPC_LOCK)].effective & CAP_TO_MASK(CAP_IPC_LOCK)) != 0;
+}
+
+static void
+fmt_bytes(uint64_t bytes, char *buf, size_t len)
+{
+	static const char *const units[] = { "B", "KiB", "MiB", "GiB", "TiB" };
+	double v = (double)bytes;
+	unsigned u = 0;
+
+	while (v >= 1024 && u < 4) {
+		v /= 1024;
+		u++;
+	}
+	snprintf(buf, len, "%.1f %s", v, units[u]);
+}
+
+/* Says at start what can really be pinned, and why not more. */
+static void
+report_pinning(struct zd_daemon *d)
+{
+	struct zt_arena_stats as;
+	char budget[32], limit[32];
+
+	zt_arena_get_stats(d->arena, &as);
+	fmt_bytes(as.budget_bytes, budget, sizeof(budget));
+	if (as.memlock_limit == UINT64_MAX || have_cap_ipc_lock()) {
+		log_info("pinned tier: budget %s, all of it can be locked (%s)", budget,
+		    as.memlock_limit == UINT64_MAX ? "memlock unlimited" : "CAP_IPC_LOCK");
+		return;
+	}
+	fmt_bytes(as.memlock_limit, limit, sizeof(limit));
+	if (as.memlock_limit >= as.budget_bytes) {
+		log_info("pinned tier: budget %s within the memlock limit of %s", budget, limit);
+		return;
+	}
+	if (d->cfg.require_pinned)
+		log_warnx("pinned tier: budget %s but RLIMIT_MEMLOCK is %s: tensors beyond %s will "
+		    "be refused (memory.require_pinned is true); raise LimitMEMLOCK= in the unit "
+		    "or `ulimit -l`", budget, limit, limit);
+	else
+		log_warnx("pinned tier: budget %s but RLIMIT_MEMLOCK is %s: only %s can be locked, "
+		    "the rest stays pageable (slower transfers, may be swapped); raise "
+		    "LimitMEMLOCK= in the unit or `ulimit -l`", budget, limit, limit);
+}
+
+/* A socket file nobody answers on is left over from a crash; one that answers is a live daemon. */
+static int
+clear_stale_socket(const char *path)
+{
+	struct sockaddr_un sa = { .sun_family = AF_UNIX };
+	struct stat st;
+	int fd, r;
+
+	if (lstat(path, &st) != 0)
+		return errno == ENOENT ? 0 : -errno;
+	if (!S_ISSOCK(st.st_mode))
+		return -EEXIST;
+	fd = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
+	if (fd < 0)
+		return -errno;
+	snprintf(sa.sun_path, sizeof(sa.sun_path), "%s", path);
+	r = connect(fd, (struct sockaddr *)&sa, sizeof(sa));
+	close(fd);
+	if (r == 0)
+		return -EADDRINUSE;
+	return unlink(path) == 0 ? 0 : -errno;
+}
+
+static int
+open_listener(struct zd_daemon *d)
+{
+	const struct zd_config *c = &d->cfg;
+	struct sockaddr_un sa = { .sun_family = AF_UNIX };
+	int fd, r;
+
+	if (strlen(c->socket_path) >= sizeof(sa.sun_path)) {
+		log_errorx("socket path %s is longer than %zu bytes", c->socket_path,
+		    sizeof(sa.sun_path) - 1);
+		return -ENAMETOOLONG;
+	}
+	r = clear_stale_socket(c->socket_path);
+	if (r == -EADDRINUSE) {
+		log_errorx("another zoffloadd is listening on %s", c->socket_path);
+		return r;
+	}
+	if (r < 0) {
+		log_error(r, "socket path %s is in the way", c->socket_path);
+		return r;
+	}
+	fd = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
+	if (fd < 0)
+		return -errno;
+	snprintf(sa.sun_path, sizeof(sa.sun_path), "%s", c->socket_path);
+	if (bind(fd, (struct sockaddr *)&sa, sizeof(sa)) != 0) {
+		r = -errno;
+		log_error(r, "bind %s", c->socket_path);
+		goto fail;
+	}
+	if (c->socket_group != NULL) {
+		struct group *g = getgrnam(c->socket_group);
+
+		if (g == NULL || chown(c->socket_path, (uid_t)-1, g->gr_gid) != 0) {
+			r = g == NULL ? -ENOENT : -errno;
+			log_error(r, "socket.group: cannot give %s to group '%s'", c->socket_path,
+			    c->socket_group);
+			goto fail_unlink;
+		}
+	}
+	if (chmod(c->socket_path, c->socket_mode) != 0) {
+		r = -errno;
+		log_error(r, "chmod %s", c->socket_path);
+		goto fail_unlink;
+	}
+	if (listen(fd, 128) != 0) {
+		r = -errno;
+		goto fail_unlink;
+	}
+	d->listen_fd = fd;
+	return 0;
+fail_unlink:
+	unlink(c->socket_path);
+fail:
+	close(fd);
+	return r;
+}
+
+static void
+accept_cb(evutil_socket_t lfd, short what, void *arg)
+{
+	struct zd_daemon *d = arg;
+	int fd;
+
+	for (int i = 0; i < 64; i++) {
+		fd = accept4(lfd, NULL, NULL, SOCK_NONBLOCK | SOCK_CLOEXEC);
+		if (fd < 0) {
+			if (errno != EAGAIN && errno != EINTR)
+				log_warn(errno, "accept");
+			return;
+		}
+		if (d->nsessions >= d->cfg.max_clients) {
+			struct zp_msg m = { .hdr = { .type = ZP_ERROR } };
+
+			m.u.error.code = -EUSERS;
+			snprintf(m.u.error.message, sizeof(m.u.error.message),
+			    "zoffloadd serves at most %u clients (limits.max_clients)",
+			    d->cfg.max_clients);
+			(void)zp_send(fd, &m, NULL, 0);
+			close(fd);
+			log_warnx("refused a client: %u clients connected", d->nsessions);
+			continue;
+		}
+		zd_session_accept(d, fd);
+	}
+}
+
+static void
+maybe_finish(struct zd_daemon *d)
+{
+	if (d->draining && d->inflight_batches == 0)
+		event_base_loopbreak(d->base);
+}
+
+static void
+stepper_cb(evutil_socket_t fd, short what, void *arg)
+{
+	struct zd_daemon *d = arg;
+
+	zd_step_completions(d);
+	maybe_finish(d);
+}
+
+static void
+reload(struct zd_daemon *d)
+{
+	struct zd_config fresh;
+	char err[512];
+	enum zk_isa isa;
+	int r;
+
+	if (!d->config_from_file) {
+		log_info("SIGHUP: running on built-in defaults, nothing to reload");
+		return;
+	}
+	if (zd_config_defaults(&fresh) != 0)
+		return;
+	r = zd_config_load(d->config_path, false, &fresh, err, sizeof(err));
+	if (r == 0 && (r = zk_isa_select(fresh.isa, &isa)) < 0)
+		snprintf(err, sizeof(err), "%s: compute.isa: %s: %s", d->config_path, fresh.isa,
+		    r == -ENOTSUP ? "this CPU lacks it" : "unknown");
+	if (r < 0) {
+		log_errorx("SIGHUP: keeping the running configuration: %s", err);
+		zd_config_clear(&fresh);
+		return;
+	}
+	/* What is bound at start (socket, swap, threads) needs a restart. */
+	if (strcmp(fresh.socket_path, d->cfg.socket_path) != 0 ||
+	    fresh.worker_threads != d->cfg.worker_threads || fresh.numa_node != d->cfg.numa_node)
+		log_warnx("SIGHUP: socket, worker and NUMA changes take effect at restart");
+	log_set_level(fresh.log_level);
+	d->cfg.log_level = fresh.log_level;
+	zt_arena_set_budget(d->arena, fresh.pinned_budget);
+	d->cfg.pinned_budget = fresh.pinned_budget;
+	d->cfg.shm_budget = fresh.shm_budget;
+	d->cfg.max_clients = fresh.max_clients;
+	d->cfg.max_queued_messages = fresh.max_queued_messages;
+	d->isa = isa;
+	zd_config_clear(&fresh);
+	log_info("SIGHUP: reloaded %s (kernels %s)", d->config_path, zk_isa_name(d->isa));
+}
+
+static void
+signal_cb(evutil_socket_t sig, short what, void *arg)
+{
+	struct zd_daemon *d = arg;
+
+	if (sig == SIGHUP) {
+		reload(d);
+		return;
+	}
+	if (d->draining)
+		return;
+	log_info("%s: no new connections; finishing %u step(s) in flight",
+	    sig == SIGTERM ? "SIGTERM" : "SIGINT", d->inflight_batches);
+	d->draining = true;
+	if (d->ev_listen != NULL) {
+		event_free(d->ev_listen);
+		d->ev_listen = NULL;
+	}
+	maybe_finish(d);
+}
+
+int
+zd_server_run(struct zd_daemon *d)
+{
+	static const int sigs[] = { SIGTERM, SIGINT, SIGHUP };
+	unsigned threads;
+	int r;
+
+	TAILQ_INIT(&d->sessions);
+	TAILQ_INIT(&d->jobs);
+	d->listen_fd = -1;
+	d->started_ns = zd_now_ns();
+	signal(SIGPIPE, SIG_IGN);
+
+	r = zk_isa_select(d->cfg.isa, &d->isa);
+	if (r < 0) {
+		log_errorx("compute.isa \"%s\"%s: %s", d->cfg.isa,
+		    getenv("ZOFFLOAD_ISA") ? " (or $ZOFFLOAD_ISA)" : "",
+		    r == -ENOTSUP ? "this CPU lacks it" : "unknown instruction set");
+		return r;
+	}
+	r = zt_arena_new(&(struct zt_arena_config){
+		.budget_bytes = d->cfg.pinned_budget,
+		.numa_node = d->cfg.numa_node,
+		.require_pinned = d->cfg.require_pinned,
+		.hugepages = d->cfg.hugepages,
+	}, &d->arena);
+	if (r < 0) {
+		log_error(r, "memory.numa_node %d", d->cfg.numa_node);
+		return r;
+	}
+	report_pinning(d);
+
+	threads = d->cfg.worker_threads;
+	if (threads == 0) {
+		long n = sysconf(_SC_NPROCESSORS_ONLN);
+
+		threads = n > 0 ? (unsigned)n : 1;
+		d->cfg.worker_threads = threads;
+	}
+	r = zk_pool_new(threads, d->cfg.ncpus > 0 ? d->cfg.cpus : NULL, d->cfg.ncpus, &d->pool);
+	if (r < 0) {
+		log_error(r, "cannot start %u worker threads", threads);
+		goto out;
+	}
+	r = zd_stepper_new(d->pool, &d->stepper);
+	if (r < 0) {
+		log_error(r, "cannot start the step thread");
+		goto out;
+	}
+
+	d->base = event_base_new();
+	if (d->base == NULL) {
+		r = -ENOMEM;
+		goto out;
+	}
+	r = open_listener(d);
+	if (r < 0)
+		goto out;
+	d->ev_listen = event_new(d->base, d->listen_fd, EV_READ | EV_PERSIST, accept_cb, d);
+	d->ev_stepper = event_new(d->base, zd_stepper_fd(d->stepper), EV_READ | EV_PERSIST,
+	    stepper_cb, d);
+	if (d->ev_listen == NULL || d->ev_stepper == NULL || event_add(d->ev_listen, NULL) ||
+	    event_add(d->ev_stepper, NULL)) {
+		r = -ENOMEM;
+		goto out;
+	}
+	for (size_t i = 0; i < sizeof(sigs) / sizeof(sigs[0]); i++) {
+		d->ev_signals[i] = evsignal_new(d->base, sigs[i], signal_cb, d);
+		if (d->ev_signals[i] == NULL || event_add(d->ev_signals[i], NULL) != 0) {
+			r = -ENOMEM;
+			goto out;
+		}
+	}
+	log_info("zoffloadd listening on %s: %u worker threads, kernels %s, config %s",
+	    d->cfg.socket_path, threads, zk_isa_name(d->isa), d->cfg.source);
+	zd_notify_ready(d);
+
+	event_base_dispatch(d->base);
+
+	log_info("shutting down: %u session(s) closed", d->nsessions);
+	r = 0;
+out:
+	while (!TAILQ_EMPTY(&d->sessions))
+		zd_session_close(TAILQ_FIRST(&d->sessions));
+	/* Batches still queued finish first; none can be left after a drain. */
+	zd_stepper_free(d->stepper);
+	for (size_t i = 0; i < sizeof(d->ev_signals) / sizeof(d->ev_signals[0]); i++)
+		if (d->ev_signals[i] != NULL)
+			event_free(d->ev_signals[i]);
+	if (d->ev_listen != NULL)
+		event_free(d->ev_listen);
+	if (d->ev_stepper != NULL)
+		event_free(d->ev_stepper);
+	if (d->listen_fd >= 0) {
+		close(d->listen_fd);
+		unlink(d->cfg.socket_path);
+	}
+	if (d->base != NULL)
+		event_base_free(d->base);
+	zk_pool_free(d->pool);
+	zt_arena_free(d->arena);
+	return r;
+}

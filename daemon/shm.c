@@ -1,0 +1,66 @@
+/* Shared memory the daemon creates for clients: memfd, sealed against resizing, mapped here. */
+#include <errno.h>
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include "daemon.h"
+
+#ifndef F_SEAL_FUTURE_WRITE
+#define F_SEAL_FUTURE_WRITE 0x0010
+#endif
+
+int
+zd_shm_create(struct zd_daemon *d, const char *name, size_t bytes, bool client_read_only,
+    struct zd_shm *ret)
+{
+	int fd, r;
+	void *map;
+
+	if (d->shm_bytes + bytes > d->cfg.shm_budget)
+		return -ENOSPC;
+	fd = memfd_create(name, MFD_CLOEXEC | MFD_ALLOW_SEALING);
+	if (fd < 0)
+		return -errno;
+	if (ftruncate(fd, (off_t)bytes) != 0) {
+		r = -errno;
+		goto fail;
+	}
+	map = mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+	if (map == MAP_FAILED) {
+		r = -errno;
+		goto fail;
+	}
+	/*
+	 * A client that shrinks the file would make our mapping fault with
+	 * SIGBUS; sealed, it cannot.  Slots the client only reads are also
+	 * sealed against new writable mappings (our own predates the seal).
+	 */
+	if (fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW) != 0) {
+		r = -errno;
+		munmap(map, bytes);
+		goto fail;
+	}
+	if (client_read_only)
+		(void)fcntl(fd, F_ADD_SEALS, F_SEAL_FUTURE_WRITE);
+	(void)fcntl(fd, F_ADD_SEALS, F_SEAL_SEAL);
+	d->shm_bytes += bytes;
+	d->shm_objects++;
+	*ret = (struct zd_shm){ .fd = fd, .map = map, .bytes = bytes };
+	return 0;
+fail:
+	close(fd);
+	return r;
+}
+
+void
+zd_shm_destroy(struct zd_daemon *d, struct zd_shm *shm)
+{
+	if (shm->map == NULL)
+		return;
+	munmap(shm->map, shm->bytes);
+	close(shm->fd);
+	d->shm_bytes -= shm->bytes;
+	d->shm_objects--;
+	*shm = (struct zd_shm){ .fd = -1 };
+}

@@ -1,0 +1,237 @@
+/* What zoffctl stats and zoffctl jobs show: tiers, jobs, sessions, step throughput and latency. */
+#include <cjson/cJSON.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "build_config.h"
+#include "daemon.h"
+
+#if HAVE_JEMALLOC
+#include <jemalloc/jemalloc.h>
+#endif
+
+/* Throughput is averaged over this many whole seconds before now. */
+#define RATE_WINDOW 10
+
+void
+zd_stats_record(struct zd_daemon *d, const struct zd_batch *b, uint64_t params)
+{
+	struct zd_step_stats *st = &d->steps;
+	uint64_t now = zd_now_ns();
+	uint64_t sec = now / 1000000000ull;
+	unsigned slot = sec % ZD_RATE_BUCKETS;
+
+	switch (b->status) {
+	case ZP_STEP_APPLIED:
+		st->batches_applied++;
+		st->tensors_stepped += b->count;
+		st->params_stepped += params;
+		break;
+	case ZP_STEP_SKIPPED_NONFINITE:
+		st->batches_skipped++;
+		break;
+	default:
+		st->batches_failed++;
+		break;
+	}
+	st->compute_ns += b->compute_ns;
+	if (st->rate_second[slot] != sec) {
+		st->rate_second[slot] = sec;
+		st->rate_params[slot] = 0;
+	}
+	st->rate_params[slot] += params;
+	st->latency_ns[st->latency_count % ZD_LATENCY_SAMPLES] = now - b->submit_ns;
+	st->latency_count++;
+}
+
+static int
+cmp_u64(const void *a, const void *b)
+{
+	uint64_t x = *(const uint64_t *)a, y = *(const uint64_t *)b;
+
+	return (x > y) - (x < y);
+}
+
+static void
+add_latency(cJSON *steps, const struct zd_step_stats *st)
+{
+	uint64_t sorted[ZD_LATENCY_SAMPLES];
+	size_t n = st->latency_count < ZD_LATENCY_SAMPLES ? st->latency_count : ZD_LATENCY_SAMPLES;
+	cJSON *lat = cJSON_AddObjectToObject(steps, "latency_ms");
+	uint64_t last;
+	double sum = 0;
+
+	if (lat == NULL || n == 0)
+		return;
+	memcpy(sorted, st->latency_ns, n * sizeof(sorted[0]));
+	last = st->latency_ns[(st->latency_count - 1) % ZD_LATENCY_SAMPLES];
+	qsort(sorted, n, sizeof(sorted[0]), cmp_u64);
+	for (size_t i = 0; i < n; i++)
+		sum += (double)sorted[i];
+	cJSON_AddNumberToObject(lat, "samples", (double)n);
+	cJSON_AddNumberToObject(lat, "last", (double)last / 1e6);
+	cJSON_AddNumberToObject(lat, "mean", sum / (double)n / 1e6);
+	cJSON_AddNumberToObject(lat, "p50", (double)sorted[n / 2] / 1e6);
+	cJSON_AddNumberToObject(lat, "p99", (double)sorted[(n * 99) / 100] / 1e6);
+	cJSON_AddNumberToObject(lat, "max", (double)sorted[n - 1] / 1e6);
+}
+
+static void
+add_steps(cJSON *root, const struct zd_daemon *d)
+{
+	const struct zd_step_stats *st = &d->steps;
+	cJSON *steps = cJSON_AddObjectToObject(root, "steps");
+	uint64_t now_sec = zd_now_ns() / 1000000000ull, recent = 0;
+
+	if (steps == NULL)
+		return;
+	/* Whole seconds only: the current one is still filling. */
+	for (unsigned i = 0; i < ZD_RATE_BUCKETS; i++) {
+		uint64_t sec = st->rate_second[i];
+
+		if (sec < now_sec && sec + RATE_WINDOW >= now_sec)
+			recent += st->rate_params[i];
+	}
+	cJSON_AddNumberToObject(steps, "applied", (double)st->batches_applied);
+	cJSON_AddNumberToObject(steps, "skipped_nonfinite", (double)st->batches_skipped);
+	cJSON_AddNumberToObject(steps, "failed", (double)st->batches_failed);
+	cJSON_AddNumberToObject(steps, "in_flight", d->inflight_batches);
+	cJSON_AddNumberToObject(steps, "tensors_stepped", (double)st->tensors_stepped);
+	cJSON_AddNumberToObject(steps, "params_stepped", (double)st->params_stepped);
+	cJSON_AddNumberToObject(steps, "params_per_s", (double)recent / RATE_WINDOW);
+	cJSON_AddNumberToObject(steps, "rate_window_s", RATE_WINDOW);
+	cJSON_AddNumberToObject(steps, "compute_params_per_s", st->compute_ns == 0 ? 0 :
+	    (double)st->params_stepped / ((double)st->compute_ns / 1e9));
+	add_latency(steps, st);
+}
+
+static void
+add_tiers(cJSON *root, const struct zd_daemon *d)
+{
+	struct zt_arena_stats as;
+	cJSON *tiers = cJSON_AddObjectToObject(root, "tiers");
+	cJSON *pinned, *shm;
+
+	if (tiers == NULL)
+		return;
+	zt_arena_get_stats(d->arena, &as);
+	pinned = cJSON_AddObjectToObject(tiers, "pinned");
+	if (pinned != NULL) {
+		cJSON_AddNumberToObject(pinned, "budget_bytes", (double)as.budget_bytes);
+		cJSON_AddNumberToObject(pinned, "used_bytes", (double)as.used_bytes);
+		cJSON_AddNumberToObject(pinned, "locked_bytes", (double)as.pinned_bytes);
+		cJSON_AddNumberToObject(pinned, "unlocked_bytes", (double)as.unpinned_bytes);
+		cJSON_AddNumberToObject(pinned, "allocations", (double)as.allocations);
+		cJSON_AddNumberToObject(pinned, "memlock_limit_bytes", as.memlock_limit == UINT64_MAX ?
+		    -1 : (double)as.memlock_limit);
+		cJSON_AddNumberToObject(pinned, "numa_node", as.numa_node);
+	}
+	shm = cJSON_AddObjectToObject(tiers, "shm");
+	if (shm != NULL) {
+		cJSON_AddNumberToObject(shm, "budget_bytes", (double)d->cfg.shm_budget);
+		cJSON_AddNumberToObject(shm, "used_bytes", (double)d->shm_bytes);
+		cJSON_AddNumberToObject(shm, "objects", d->shm_objects);
+	}
+}
+
+static void
+add_malloc(cJSON *root)
+{
+	cJSON *m = cJSON_AddObjectToObject(root, "malloc");
+
+	if (m == NULL)
+		return;
+#if HAVE_JEMALLOC
+	uint64_t epoch = 1;
+	size_t resident = 0, allocated = 0, len = sizeof(size_t);
+
+	/* jemalloc's statistics are a snapshot taken at the last epoch bump. */
+	mallctl("epoch", &epoch, &(size_t){ sizeof(epoch) }, &epoch, sizeof(epoch));
+	mallctl("stats.resident", &resident, &len, NULL, 0);
+	len = sizeof(size_t);
+	mallctl("stats.allocated", &allocated, &len, NULL, 0);
+	cJSON_AddStringToObject(m, "allocator", "jemalloc");
+	cJSON_AddNumberToObject(m, "resident_bytes", (double)resident);
+	cJSON_AddNumberToObject(m, "allocated_bytes", (double)allocated);
+#else
+	cJSON_AddStringToObject(m, "allocator", "libc");
+#endif
+}
+
+static cJSON *
+jobs_array(const struct zd_daemon *d)
+{
+	cJSON *jobs = cJSON_CreateArray();
+	const struct zd_job *job;
+
+	if (jobs == NULL)
+		return NULL;
+	TAILQ_FOREACH(job, &d->jobs, entry) {
+		cJSON *j = cJSON_CreateObject();
+
+		if (j == NULL)
+			break;
+		cJSON_AddNumberToObject(j, "id", (double)job->id);
+		cJSON_AddStringToObject(j, "name", job->name);
+		cJSON_AddNumberToObject(j, "uid", job->uid);
+		cJSON_AddNumberToObject(j, "world_size", job->world_size);
+		cJSON_AddNumberToObject(j, "ranks_attached", job->ranks_attached);
+		cJSON_AddNumberToObject(j, "tensors", (double)job->tensors);
+		cJSON_AddNumberToObject(j, "params", (double)job->params);
+		cJSON_AddNumberToObject(j, "steps_applied", (double)job->steps_applied);
+		cJSON_AddNumberToObject(j, "steps_skipped", (double)job->steps_skipped);
+		cJSON_AddNumberToObject(j, "steps_failed", (double)job->steps_failed);
+		cJSON_AddNumberToObject(j, "last_step", (double)job->last_step);
+		cJSON_AddItemToArray(jobs, j);
+	}
+	return jobs;
+}
+
+static char *
+print_and_free(cJSON *root)
+{
+	char *text = cJSON_PrintUnformatted(root);
+
+	cJSON_Delete(root);
+	return text;
+}
+
+char *
+zd_stats_json(struct zd_daemon *d)
+{
+	cJSON *root = cJSON_CreateObject();
+	uint64_t tensors = 0, params = 0;
+	const struct zd_job *job;
+
+	if (root == NULL)
+		return NULL;
+	TAILQ_FOREACH(job, &d->jobs, entry) {
+		tensors += job->tensors;
+		params += job->params;
+	}
+	cJSON_AddStringToObject(root, "version", ZOFFLOAD_VERSION);
+	cJSON_AddNumberToObject(root, "pid", (double)getpid());
+	cJSON_AddNumberToObject(root, "uptime_s", (double)(zd_now_ns() - d->started_ns) / 1e9);
+	cJSON_AddStringToObject(root, "kernel_isa", zk_isa_name(d->isa));
+	cJSON_AddNumberToObject(root, "worker_threads", d->cfg.worker_threads);
+	cJSON_AddNumberToObject(root, "sessions", d->nsessions);
+	cJSON_AddNumberToObject(root, "tensors", (double)tensors);
+	cJSON_AddNumberToObject(root, "params", (double)params);
+	add_tiers(root, d);
+	add_malloc(root);
+	add_steps(root, d);
+	cJSON_AddItemToObject(root, "jobs", jobs_array(d));
+	return print_and_free(root);
+}
+
+char *
+zd_jobs_json(struct zd_daemon *d)
+{
+	cJSON *root = cJSON_CreateObject();
+
+	if (root == NULL)
+		return NULL;
+	cJSON_AddItemToObject(root, "jobs", jobs_array(d));
+	return print_and_free(root);
+}

@@ -1,0 +1,193 @@
+/* The zoffload wire format: versioned header, typed payloads, full validation. */
+#ifndef ZP_PROTO_H
+#define ZP_PROTO_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+/*
+ * Every message on the SOCK_SEQPACKET control socket is one datagram:
+ *
+ *	u32 magic	ZP_MAGIC
+ *	u16 version	ZP_VERSION
+ *	u16 type	enum zp_type
+ *	u64 request_id	echoed by the reply; events carry the id of what caused them
+ *	u32 payload_len	bytes after the header, must equal the datagram's rest
+ *	u32 reserved	zero
+ *
+ * All integers little-endian, doubles as their IEEE-754 bits.  Strings are a
+ * u16 length and that many bytes, no NUL, no control characters.
+ */
+#define ZP_MAGIC		0x46464f5au	/* "ZOFF" */
+#define ZP_VERSION		1
+#define ZP_HEADER_SIZE		24
+#define ZP_MAX_PAYLOAD		(64u * 1024)
+#define ZP_MAX_MESSAGE		(ZP_HEADER_SIZE + ZP_MAX_PAYLOAD)
+#define ZP_MAX_FDS		2
+#define ZP_NAME_MAX		127	/* tensor, job and client names */
+#define ZP_ERRMSG_MAX		255
+#define ZP_MAX_STEP_TENSORS	4096
+#define ZP_MAX_XFER		(256ull << 20)
+
+/* Requests 1-63 (client to daemon), replies 64-127, events 128-191. */
+#define ZP_TYPES(X)							\
+	X(HELLO, 1)							\
+	X(PING, 2)							\
+	X(JOB_OPEN, 3)							\
+	X(JOB_CLOSE, 4)							\
+	X(TENSOR_REGISTER, 5)						\
+	X(TENSOR_UNREGISTER, 6)						\
+	X(XFER_OPEN, 7)							\
+	X(TENSOR_WRITE, 8)						\
+	X(TENSOR_READ, 9)						\
+	X(STEP_SUBMIT, 10)						\
+	X(STATS, 11)							\
+	X(JOBS, 12)							\
+	X(OK, 64)							\
+	X(ERROR, 65)							\
+	X(HELLO_OK, 66)							\
+	X(PONG, 67)							\
+	X(JOB_OK, 68)							\
+	X(TENSOR_OK, 69)						\
+	X(XFER_OK, 70)							\
+	X(JSON, 71)							\
+	X(TENSOR_DONE, 128)						\
+	X(STEP_DONE, 129)
+
+enum zp_type {
+#define ZP_TYPE_ENUM(name, value) ZP_##name = value,
+	ZP_TYPES(ZP_TYPE_ENUM)
+#undef ZP_TYPE_ENUM
+};
+
+#define ZP_STATUSES(X)							\
+	X(OK, "ok")							\
+	X(SHORT, "message shorter than its header")			\
+	X(LONG, "message longer than the protocol allows")		\
+	X(MAGIC, "bad magic")						\
+	X(VERSION, "unsupported protocol version")			\
+	X(TYPE, "unknown message type")					\
+	X(LENGTH, "payload length does not match the message")		\
+	X(RESERVED, "reserved header field is not zero")		\
+	X(TRUNCATED, "payload ends inside a field")			\
+	X(TRAILING, "payload has bytes left over")			\
+	X(STRING, "bad string")						\
+	X(VALUE, "field out of range")					\
+	X(NOSPACE, "encode buffer too small")
+
+enum zp_status {
+#define ZP_STATUS_ENUM(name, text) ZP_S_##name,
+	ZP_STATUSES(ZP_STATUS_ENUM)
+#undef ZP_STATUS_ENUM
+	ZP_S_COUNT
+};
+
+enum zp_dtype { ZP_DTYPE_F32 = 0, ZP_DTYPE_BF16 = 1, ZP_DTYPE_F16 = 2, ZP_DTYPE_COUNT };
+enum zp_optim { ZP_OPTIM_ADAMW = 0, ZP_OPTIM_ADAM = 1, ZP_OPTIM_ADAGRAD = 2, ZP_OPTIM_LION = 3, ZP_OPTIM_COUNT };
+enum zp_state { ZP_STATE_MASTER = 0, ZP_STATE_EXP_AVG = 1, ZP_STATE_EXP_AVG_SQ = 2, ZP_STATE_COUNT };
+enum zp_step_status { ZP_STEP_APPLIED = 0, ZP_STEP_SKIPPED_NONFINITE = 1, ZP_STEP_FAILED = 2, ZP_STEP_STATUS_COUNT };
+
+/* STEP_SUBMIT flags */
+#define ZP_STEP_NO_BIAS_CORRECTION	(1u << 0)
+#define ZP_STEP_CHECK_FINITE		(1u << 1)
+#define ZP_STEP_FLAGS_ALL		(ZP_STEP_NO_BIAS_CORRECTION | ZP_STEP_CHECK_FINITE)
+
+struct zp_header {
+	uint16_t version;
+	uint16_t type;
+	uint64_t request_id;
+	uint32_t payload_len;
+};
+
+/* HELLO: str client_name */
+struct zp_hello { char client_name[ZP_NAME_MAX + 1]; };
+/* JOB_OPEN: str job_name, u32 rank, u32 world_size (rank < world_size <= 65536) */
+struct zp_job_open { char job_name[ZP_NAME_MAX + 1]; uint32_t rank; uint32_t world_size; };
+/* TENSOR_REGISTER: str name, u64 numel (> 0), u8 grad_dtype, u8 param_dtype */
+struct zp_tensor_register {
+	char name[ZP_NAME_MAX + 1];
+	uint64_t numel;
+	uint8_t grad_dtype;
+	uint8_t param_dtype;
+};
+/* TENSOR_UNREGISTER: u32 handle */
+struct zp_tensor_handle { uint32_t handle; };
+/* TENSOR_WRITE / TENSOR_READ: u32 handle, u8 state, u64 offset, u64 count (fp32 elements via the xfer window) */
+struct zp_tensor_io { uint32_t handle; uint8_t state; uint64_t offset; uint64_t count; };
+/*
+ * STEP_SUBMIT: u64 step, u8 optim, u8 flags, f64 lr, beta1, beta2, eps,
+ * weight_decay, lr_decay, grad_scale, max_grad_norm, u32 count, then count u32 handles.
+ */
+struct zp_step_submit {
+	uint64_t step;
+	uint8_t optim;
+	uint8_t flags;
+	double lr, beta1, beta2, eps, weight_decay, lr_decay, grad_scale, max_grad_norm;
+	uint32_t count;
+	uint32_t handles[ZP_MAX_STEP_TENSORS];
+};
+/* ERROR: i32 code (negative errno), str message */
+struct zp_error { int32_t code; char message[ZP_ERRMSG_MAX + 1]; };
+/* HELLO_OK: u32 session_id, u32 uid the daemon sees, str daemon_version */
+struct zp_hello_ok { uint32_t session_id; uint32_t uid; char daemon_version[ZP_NAME_MAX + 1]; };
+/* JOB_OK: u64 job_id, u64 last_step (0 for a new job) */
+struct zp_job_ok { uint64_t job_id; uint64_t last_step; };
+/* TENSOR_OK: u32 handle, u64 grad_bytes, u64 param_bytes; fds: grad slot, param slot */
+struct zp_tensor_ok { uint32_t handle; uint64_t grad_bytes; uint64_t param_bytes; };
+/* XFER_OK: u64 bytes; fd: the window */
+struct zp_xfer_ok { uint64_t bytes; };
+/* JSON: the rest of the payload is UTF-8 JSON text (not NUL-terminated on the wire) */
+struct zp_json { const char *text; uint32_t len; };
+/* TENSOR_DONE: u32 handle, u64 step, u8 status, i32 error */
+struct zp_tensor_done { uint32_t handle; uint64_t step; uint8_t status; int32_t error; };
+/* STEP_DONE: u64 step, u8 status, i32 error, f64 grad_norm, u64 latency_ns, u32 count */
+struct zp_step_done {
+	uint64_t step;
+	uint8_t status;
+	int32_t error;
+	double grad_norm;
+	uint64_t latency_ns;
+	uint32_t count;
+};
+
+struct zp_msg {
+	struct zp_header hdr;
+	union {
+		struct zp_hello hello;
+		struct zp_job_open job_open;
+		struct zp_tensor_register tensor_register;
+		struct zp_tensor_handle tensor_handle;
+		struct zp_tensor_io tensor_io;
+		struct zp_step_submit step_submit;
+		struct zp_error error;
+		struct zp_hello_ok hello_ok;
+		struct zp_job_ok job_ok;
+		struct zp_tensor_ok tensor_ok;
+		struct zp_xfer_ok xfer_ok;
+		struct zp_json json;
+		struct zp_tensor_done tensor_done;
+		struct zp_step_done step_done;
+	} u;
+};
+
+const char *zp_type_name(uint16_t type);	/* NULL for an unknown type */
+const char *zp_status_str(enum zp_status status);
+/* Number of fds a message of this type carries. */
+unsigned zp_type_fds(uint16_t type);
+bool zp_type_is_request(uint16_t type);
+
+/*
+ * Encode msg (hdr.version and hdr.payload_len are filled in) into buf.
+ * Sets *ret_len on success.
+ */
+enum zp_status zp_encode(const struct zp_msg *msg, void *buf, size_t cap, size_t *ret_len);
+
+/*
+ * Decode and validate one datagram.  On failure why (nullable) gets a line
+ * naming the message type and the field.  A JSON payload points into buf.
+ */
+enum zp_status zp_decode(const void *buf, size_t len, struct zp_msg *msg, char *why,
+    size_t why_len);
+
+#endif
