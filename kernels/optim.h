@@ -110,4 +110,13 @@ uint16_t zk_f32_to_bf16(float f);	/* round to nearest even; NaN stays NaN */
 float zk_f16_to_f32(uint16_t h);
 uint16_t zk_f32_to_f16(float f);	/* round to nearest even; overflow to inf */
 
+/*
+ * Bandwidth probe for benchmarks (an addition to the original interface):
+ * moves exactly the bytes zk_step moves for the same tensor, the same way
+ * (master/m/v read and written in place, grad read, param streamed out),
+ * with no arithmetic.  Contents of master/m/v are left unchanged; param gets
+ * garbage.
+ */
+int zk_step_memonly(enum zk_isa isa, const struct zk_tensor *t, size_t begin, size_t end);
+
 #endif

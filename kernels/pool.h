@@ -31,4 +31,14 @@ int zk_pool_step(struct zk_pool *pool, enum zk_isa isa, const struct zk_hparams 
 int zk_pool_grad_check(struct zk_pool *pool, enum zk_isa isa, const struct zk_tensor *tensors,
     size_t ntensors, double grad_scale, struct zk_grad_stats *stats);
 
+/* Additions to the original interface, for benchmarks and tools. */
+
+/* Blocking: zk_step_memonly over the tensors, split exactly as zk_pool_step splits them. */
+int zk_pool_memonly(struct zk_pool *pool, enum zk_isa isa, const struct zk_tensor *tensors,
+    size_t ntensors);
+
+/* Blocking: fn(arg, i, nthreads) on every thread i of the pool (i = 0 is the caller). */
+int zk_pool_run(struct zk_pool *pool, void (*fn)(void *arg, unsigned idx, unsigned nthreads),
+    void *arg);
+
 #endif

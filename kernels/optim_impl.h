@@ -1,0 +1,143 @@
+/* Internal to kernels/: per-step constants and the per-ISA entry points behind zk_step. */
+#ifndef ZK_OPTIM_IMPL_H
+#define ZK_OPTIM_IMPL_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "optim.h"
+
+/*
+ * Gradient-check lanes: every variant (scalar included) sums element i of a
+ * range into lane i % ZK_GRAD_LANES and folds the lanes in one fixed tree, so
+ * the norm is bit-identical across ISAs, not only across thread counts.  32
+ * lanes = four zmm or eight ymm double accumulators: enough independent adds
+ * to hide the add latency.
+ */
+#define ZK_GRAD_LANES 32
+
+/*
+ * Per-step constants, computed once in double (as PyTorch computes them in
+ * Python) and rounded to float, which is what PyTorch's float kernels see.
+ */
+struct zk_consts {
+	float inv_scale;	/* (float)(1 / grad_scale), as GradScaler.unscale_ */
+	float clip;		/* (float)clip_coef */
+	float decay;		/* AdamW, Lion: 1 - lr*wd */
+	float wd;		/* Adam, Adagrad: L2 coefficient folded into g */
+	bool l2;		/* PyTorch skips g += wd*p when wd == 0 */
+	bool lerp_small;	/* |w| < 0.5 picks PyTorch's lerp branch */
+	float lerp_w;		/* 1 - beta1 */
+	float lerp_omw;		/* 1 - lerp_w, in float as PyTorch's lerp does */
+	float beta1;		/* Lion */
+	float omb1;		/* Lion: 1 - beta1 */
+	float beta2;
+	float omb2;		/* 1 - beta2 */
+	float bc2_sqrt;		/* sqrt(1 - beta2^step), 1 without bias correction */
+	float eps;
+	float neg_step;		/* -lr/bc1 (Adam), -clr (Adagrad), -lr (Lion) */
+};
+
+int zk_consts_init(const struct zk_hparams *hp, struct zk_consts *c);
+
+/* [begin, end) already validated by zk_step. */
+typedef void zk_step_fn(const struct zk_consts *c, enum zk_optim optim,
+    const struct zk_tensor *t, size_t begin, size_t end);
+typedef void zk_grad_fn(const void *grad, enum zk_dtype dtype, float inv_scale,
+    size_t begin, size_t end, struct zk_grad_stats *stats);
+typedef void zk_memonly_fn(const struct zk_tensor *t, size_t begin, size_t end);
+
+zk_step_fn zk_step_scalar, zk_step_avx2, zk_step_avx512;
+zk_grad_fn zk_grad_scalar, zk_grad_avx2, zk_grad_avx512;
+zk_memonly_fn zk_memonly_scalar, zk_memonly_avx2, zk_memonly_avx512;
+
+/* Shared fold of the lane sums so every variant rounds the same way. */
+static inline double zk_fold_lanes(double *acc)
+{
+	for (unsigned s = ZK_GRAD_LANES / 2; s; s >>= 1)
+		for (unsigned j = 0; j < s; j++)
+			acc[j] += acc[j + s];
+	return acc[0];
+}
+
+/*
+ * Scalar conversions, inline so the reference kernel does not pay a call per
+ * element.  NaN handling matches what F16C (vcvtph2ps/vcvtps2ph) does, so the
+ * scalar reference and the SIMD variants agree bit for bit; the tests check
+ * these against the hardware over every half value.
+ */
+static inline float zk__bits_f32(uint32_t u)
+{
+	float f;
+
+	__builtin_memcpy(&f, &u, sizeof(f));
+	return f;
+}
+
+static inline uint32_t zk__f32_bits(float f)
+{
+	uint32_t u;
+
+	__builtin_memcpy(&u, &f, sizeof(u));
+	return u;
+}
+
+static inline float zk__bf16_to_f32(uint16_t h)
+{
+	return zk__bits_f32((uint32_t)h << 16);
+}
+
+static inline uint16_t zk__f32_to_bf16(float f)
+{
+	uint32_t u = zk__f32_bits(f);
+
+	/* Setting the quiet bit keeps a NaN whose payload sits in the low 16 bits a NaN. */
+	if ((u & 0x7fffffffu) > 0x7f800000u)
+		return (uint16_t)((u >> 16) | 0x0040u);
+	u += 0x7fffu + ((u >> 16) & 1u);
+	return (uint16_t)(u >> 16);
+}
+
+static inline float zk__f16_to_f32(uint16_t h)
+{
+	uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
+	uint32_t e = (h >> 10) & 0x1fu, m = h & 0x3ffu;
+
+	if (e == 0x1f)
+		return zk__bits_f32(sign | 0x7f800000u | (m << 13) | (m ? 0x00400000u : 0));
+	if (e)
+		return zk__bits_f32(sign | ((e + 112) << 23) | (m << 13));
+	/* Zero or subnormal: m * 2^-24 is exact in float. */
+	return zk__bits_f32(sign | zk__f32_bits((float)m * 0x1p-24f));
+}
+
+static inline uint16_t zk__f32_to_f16(float f)
+{
+	uint32_t u = zk__f32_bits(f);
+	uint16_t sign = (uint16_t)((u >> 16) & 0x8000u);
+	uint32_t a = u & 0x7fffffffu;
+
+	if (a > 0x7f800000u)
+		return (uint16_t)(sign | 0x7e00u | ((a >> 13) & 0x3ffu));
+	if (a >= 0x477ff000u)	/* >= 65520 rounds to inf */
+		return (uint16_t)(sign | 0x7c00u);
+	if (a >= 0x38800000u) {	/* normal half: rebias the exponent, round the mantissa */
+		uint32_t r = a - 0x38000000u;
+
+		r += 0xfffu + ((r >> 13) & 1u);
+		return (uint16_t)(sign | (r >> 13));
+	}
+	uint32_t e = a >> 23;
+	if (e < 102)		/* below 2^-25: rounds to zero, incl. f32 subnormals */
+		return sign;
+	uint32_t m = (a & 0x7fffffu) | 0x800000u;
+	uint32_t sh = 126 - e;	/* 14..24: value = m * 2^-sh half-subnormal units */
+	uint32_t q = m >> sh, rem = m & ((1u << sh) - 1), half = 1u << (sh - 1);
+
+	if (rem > half || (rem == half && (q & 1u)))
+		q++;
+	return (uint16_t)(sign | q);
+}
+
+#endif
