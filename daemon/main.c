@@ -16,6 +16,7 @@ usage(FILE *f)
 	    "usage: zoffloadd [--config PATH] [--socket PATH] [--log-level LEVEL] [--check-config]\n"
 	    "\n"
 	    "  -c, --config PATH     configuration file (default %s; built-in defaults if absent)\n"
+	    "  -D, --no-config       ignore any configuration file: built-in defaults only\n"
 	    "  -s, --socket PATH     listen here instead of the configured socket path\n"
 	    "  -l, --log-level L     error, warn, info or debug\n"
 	    "  -n, --check-config    validate the configuration and exit\n"
@@ -28,6 +29,7 @@ main(int argc, char **argv)
 {
 	static const struct option opts[] = {
 		{ "config", required_argument, NULL, 'c' },
+		{ "no-config", no_argument, NULL, 'D' },
 		{ "socket", required_argument, NULL, 's' },
 		{ "log-level", required_argument, NULL, 'l' },
 		{ "check-config", no_argument, NULL, 'n' },
@@ -37,13 +39,14 @@ main(int argc, char **argv)
 	};
 	struct zd_daemon d = { 0 };
 	const char *config_path = NULL, *socket_path = NULL, *level = NULL;
-	bool check_only = false;
+	bool check_only = false, no_config = false;
 	char err[512];
 	int c, r;
 
-	while ((c = getopt_long(argc, argv, "c:s:l:nVh", opts, NULL)) != -1) {
+	while ((c = getopt_long(argc, argv, "c:Ds:l:nVh", opts, NULL)) != -1) {
 		switch (c) {
 		case 'c': config_path = optarg; break;
+		case 'D': no_config = true; break;
 		case 's': socket_path = optarg; break;
 		case 'l': level = optarg; break;
 		case 'n': check_only = true; break;
@@ -64,7 +67,13 @@ main(int argc, char **argv)
 	}
 	/* An explicit --config must exist; the default path may be absent. */
 	d.config_path = config_path != NULL ? config_path : ZOFFLOAD_DEFAULT_CONFIG;
-	r = zd_config_load(d.config_path, config_path == NULL, &d.cfg, err, sizeof(err));
+	if (no_config && config_path != NULL) {
+		fprintf(stderr, "zoffloadd: --config and --no-config exclude each other\n");
+		zd_config_clear(&d.cfg);
+		return 2;
+	}
+	r = no_config ? 0 : zd_config_load(d.config_path, config_path == NULL, &d.cfg, err,
+	    sizeof(err));
 	if (r < 0) {
 		fprintf(stderr, "zoffloadd: %s\n", err);
 		zd_config_clear(&d.cfg);

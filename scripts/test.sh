@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# Install what is missing, build with warnings as errors, run every test.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+. scripts/deps.sh
+install_deps
+
+build=build-test
+[ -f "$build/build.ninja" ] || meson setup "$build" -Dwerror=true >/dev/null
+ninja -C "$build"
+
+set +e
+meson test -C "$build" --print-errorlogs --num-processes 2 "$@"
+status=$?
+set -e
+# One closing line in the form every CI reader understands.
+python3 - "$build/meson-logs/testlog.json" <<'PY'
+import json, sys
+counts = {"OK": 0, "FAIL": 0, "SKIP": 0, "TIMEOUT": 0, "ERROR": 0, "EXPECTEDFAIL": 0}
+for line in open(sys.argv[1]):
+    r = json.loads(line).get("result")
+    counts[r] = counts.get(r, 0) + 1
+failed = counts["FAIL"] + counts["TIMEOUT"] + counts["ERROR"]
+print(f"tests: {counts['OK']} passed, {failed} failed, {counts['SKIP']} skipped")
+PY
+exit $status
