@@ -232,6 +232,8 @@ main(int argc, char **argv)
 	uint64_t nparams = 0;
 	double t0;
 
+	/* Progress lines must reach a pipe as they happen. */
+	setvbuf(stdout, NULL, _IOLBF, 0);
 	while ((opt = getopt_long(argc, argv, "s:n:H:b:j:", opts, NULL)) != -1) {
 		switch (opt) {
 		case 's': socket_path = optarg; break;

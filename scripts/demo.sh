@@ -33,9 +33,25 @@ done
 sed 's/^/    /' "$tmp/zoffloadd.log"
 
 echo "==> training the example MLP (optimizer steps in zoffloadd)"
-"$build/examples/mlp_train" --socket "$sock" "$@"
-
-echo "==> zoffctl stats"
+"$build/examples/mlp_train" --socket "$sock" "$@" >"$tmp/train.log" &
+train_pid=$!
+tail -f --pid=$train_pid "$tmp/train.log" &
+# A snapshot while the job is attached: its tensors and state show in the tiers.
+for _ in $(seq 200); do
+	grep -q "^step   10 " "$tmp/train.log" 2>/dev/null && break
+	kill -0 $train_pid 2>/dev/null || break
+	sleep 0.05
+done
+if kill -0 $train_pid 2>/dev/null; then
+	"$build/client/zoffctl" --socket "$sock" stats >"$tmp/stats-during.txt" || true
+fi
+wait $train_pid
+sleep 0.2
+if [ -s "$tmp/stats-during.txt" ]; then
+	echo "==> zoffctl stats, during training"
+	cat "$tmp/stats-during.txt"
+fi
+echo "==> zoffctl stats, after training"
 "$build/client/zoffctl" --socket "$sock" stats
 
 kill -TERM "$daemon_pid"
