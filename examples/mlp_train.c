@@ -197,6 +197,26 @@ register_layer(struct zc_conn *c, struct layer *l, int index)
 	return zc_tensor_register(c, &d, l->b, &l->tb);
 }
 
+static void
+model_free(struct model *m)
+{
+	if (m->layers != NULL) {
+		for (int i = 0; i < m->nlayers; i++) {
+			free(m->layers[i].w);
+			free(m->layers[i].gw);
+			free(m->layers[i].b);
+			free(m->layers[i].gb);
+		}
+	}
+	for (int i = 0; m->act != NULL && i <= m->nlayers; i++) {
+		free(m->act[i]);
+		free(m->dact[i]);
+	}
+	free(m->layers);
+	free(m->act);
+	free(m->dact);
+}
+
 static double
 now_s(void)
 {
@@ -224,7 +244,7 @@ main(int argc, char **argv)
 		.weight_decay = 0.01, .check_finite = true, .max_grad_norm = 1.0,
 	};
 	struct model m = { .nlayers = 3 };
-	struct zc_tensor **set;
+	struct zc_tensor **set = NULL;
 	struct zc_conn *c;
 	struct zc_step_result res;
 	float *data, teacher[256 * NCLASSES];
@@ -278,6 +298,8 @@ main(int argc, char **argv)
 	r = zc_connect(socket_path, &c);
 	if (r < 0) {
 		fprintf(stderr, "mlp_train: cannot connect to zoffloadd: %s\n", strerror(-r));
+		free(data);
+		free(labels);
 		return 1;
 	}
 	r = zc_job_open(c, job, 0, 1);
@@ -342,10 +364,16 @@ main(int argc, char **argv)
 			    res.status == ZC_STEP_SKIPPED_NONFINITE ? "  (skipped: inf/NaN)" : "");
 	}
 	printf("mlp_train: %d steps in %.1f s\n", steps, now_s() - t0);
-	zc_disconnect(c);
-	return 0;
+	r = 0;
+	goto out;
 fail:
 	fprintf(stderr, "mlp_train: %s\n", zc_errmsg(c));
+	r = 1;
+out:
 	zc_disconnect(c);
-	return 1;
+	model_free(&m);
+	free(set);
+	free(data);
+	free(labels);
+	return r;
 }
