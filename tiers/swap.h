@@ -1,0 +1,186 @@
+/* The NVMe swap engine: async O_DIRECT I/O on extents striped over swap paths. */
+#ifndef ZT_SWAP_H
+#define ZT_SWAP_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+/*
+ * Everything here is driven by one thread (the daemon's loop): submission,
+ * zs_engine_process() and the callbacks it runs.  Functions return 0 or a
+ * negative code: -errno, or one of the -ZS_E_* codes below.
+ */
+
+#define ZS_MAX_PATHS 8
+/* Buffers that can be registered with the ring at once. */
+#define ZS_MAX_BUFFERS 64
+
+/* Codes beyond errno, returned negated; zs_strerror() names both kinds. */
+#define ZS_ERROR_LIST(X) \
+	X(ZS_E_NOURING, 4096, "io_uring is unavailable and the configuration does not allow the pthread fallback") \
+	X(ZS_E_NODIRECT, 4097, "the swap path's filesystem does not support O_DIRECT") \
+	X(ZS_E_STALLED, 4098, "the kernel kept returning no progress for an I/O")
+
+enum zs_error {
+#define ZS_ERROR_ENUM(name, value, text) name = value,
+	ZS_ERROR_LIST(ZS_ERROR_ENUM)
+#undef ZS_ERROR_ENUM
+};
+
+/* Never NULL; for 0, -errno and -ZS_E_*. */
+const char *zs_strerror(int code);
+
+enum zs_engine_kind {
+	ZS_ENGINE_AUTO,		/* io_uring; pthread only when allow_fallback */
+	ZS_ENGINE_URING,
+	ZS_ENGINE_PTHREAD,
+};
+
+struct zs_path {
+	/*
+	 * A directory: an unnamed O_TMPFILE is created there and vanishes with
+	 * the engine.  Anything else: that file (created if missing, kept on
+	 * close) or block device.
+	 */
+	const char *path;
+	uint64_t capacity;	/* bytes; 0: the config's default (a block device: all of it) */
+};
+
+/*
+ * Fault injection below the engine, for tests: consulted for every operation
+ * the engine hands to the kernel (or to a worker thread), retries included.
+ */
+struct zs_inject_op {
+	unsigned path;
+	bool write;
+	uint64_t offset;	/* in the swap file */
+	uint32_t len;
+	void *buf;		/* where the range's bytes come from or go */
+	unsigned attempt;	/* 0 for the first try of this operation */
+};
+
+struct zs_inject {
+	/* 0: submit; negative: complete with this result without doing the I/O. */
+	int (*prepare)(void *arg, const struct zs_inject_op *op);
+	/* The result the engine sees instead of res (bytes or -errno). */
+	int (*complete)(void *arg, const struct zs_inject_op *op, int res);
+	void *arg;
+};
+
+struct zs_config {
+	const struct zs_path *paths;
+	unsigned npaths;		/* 1 .. ZS_MAX_PATHS */
+	uint64_t capacity;		/* default per path */
+	uint32_t stripe_unit;		/* 0: 1 MiB; a multiple of the allocation granularity */
+	unsigned queue_depth;		/* operations in flight at most; 0: 32 */
+	unsigned threads;		/* pthread engine workers; 0: queue_depth */
+	enum zs_engine_kind engine;
+	bool allow_fallback;		/* AUTO may fall back to pthread */
+	/* Behave as if io_uring_queue_init() failed (also: env ZOFFLOAD_SWAP_NO_URING=1). */
+	bool force_no_uring;
+	const struct zs_inject *inject;	/* NULL in production */
+};
+
+/* Why zs_engine_new() failed, for the daemon's message. */
+struct zs_error_info {
+	int path;		/* index into config->paths, -1: not about one path */
+	const char *step;	/* "open", "fallocate", "io_uring_queue_init", ... */
+	int cause;		/* -errno of that step */
+};
+
+struct zs_engine;
+
+/*
+ * Opens and preallocates every path (so a full disk shows here, not during
+ * training) and starts the engine.  info, when not NULL, is filled on failure.
+ */
+int zs_engine_new(const struct zs_config *config, struct zs_engine **ret,
+    struct zs_error_info *info);
+/*
+ * Completes requests not yet started with -ECANCELED, waits for those in
+ * flight, runs their callbacks (where new requests get -ESHUTDOWN), then
+ * frees.  NULL is fine.
+ */
+void zs_engine_free(struct zs_engine *engine);
+
+/* Readable when zs_engine_process() has work; level-triggered. */
+int zs_engine_fd(const struct zs_engine *engine);
+/* Reaps completions, runs their callbacks here; number of callbacks run or -errno. */
+int zs_engine_process(struct zs_engine *engine);
+/* Polls the fd up to timeout_ms (-1: forever), then processes.  For tools and tests. */
+int zs_engine_wait(struct zs_engine *engine, int timeout_ms);
+
+/*
+ * Registers memory (from the pinned arena) with the kernel so I/O into it
+ * skips the per-request page pinning.  I/O into unregistered memory works
+ * too, only slower.  -ENOSPC when ZS_MAX_BUFFERS are registered.
+ */
+int zs_engine_register_buffer(struct zs_engine *engine, void *ptr, size_t len);
+int zs_engine_unregister_buffer(struct zs_engine *engine, void *ptr);
+
+/* Offsets, lengths and buffer addresses of I/O must be multiples of these. */
+uint32_t zs_engine_offset_align(const struct zs_engine *engine);
+uint32_t zs_engine_mem_align(const struct zs_engine *engine);
+/* "io_uring" or "pthread". */
+const char *zs_engine_name(const struct zs_engine *engine);
+
+/* Space on the swap paths; striped over all of them in stripe units. */
+struct zs_extent {
+	uint64_t size;			/* rounded up to the allocation granularity */
+	uint32_t first_path;		/* holds the extent's first stripe unit */
+	uint32_t npaths;
+	uint64_t offset[ZS_MAX_PATHS];	/* of this extent's run in each path's file */
+};
+
+int zs_extent_alloc(struct zs_engine *engine, uint64_t size, struct zs_extent *ret);
+/* No I/O on it may be in flight. */
+void zs_extent_free(struct zs_engine *engine, const struct zs_extent *extent);
+
+/* result: 0 when all of len was transferred, else -errno / -ZS_E_*. */
+typedef void zs_callback(int result, void *arg);
+
+/*
+ * Queue I/O of [offset, offset + len) of the extent.  0: cb runs exactly once,
+ * from a later zs_engine_process(); negative: rejected, cb never runs.  The
+ * extent may be reused once this returns; buf must stay until cb.
+ */
+int zs_read(struct zs_engine *engine, const struct zs_extent *extent,
+    uint64_t offset, void *buf, size_t len, zs_callback *cb, void *arg);
+int zs_write(struct zs_engine *engine, const struct zs_extent *extent,
+    uint64_t offset, const void *buf, size_t len, zs_callback *cb, void *arg);
+
+struct zs_path_stats {
+	const char *engine;
+	uint64_t capacity;
+	uint64_t used_bytes;
+	uint64_t bytes_read;
+	uint64_t bytes_written;
+	uint32_t in_flight;		/* operations */
+	uint64_t errors_eio;
+	uint64_t errors_enospc;
+	uint64_t errors_other;
+	uint32_t dio_offset_align;
+	uint32_t dio_mem_align;
+};
+
+struct zs_engine_stats {
+	const char *engine;
+	int uring_error;		/* why io_uring is not used (-errno), 0 if it is */
+	unsigned npaths;
+	unsigned queue_depth;
+	uint32_t stripe_unit;
+	uint32_t in_flight;		/* operations, never above queue_depth */
+	uint32_t in_flight_peak;
+	uint64_t requests_queued;	/* accepted, callback not yet run */
+	uint64_t requests_done;
+	uint64_t retries;		/* -EAGAIN / -EINTR resubmitted */
+	uint64_t short_ios;		/* partial transfers resubmitted for the rest */
+	uint64_t buffers_registered;
+};
+
+int zs_engine_path_stats(const struct zs_engine *engine, unsigned path,
+    struct zs_path_stats *ret);
+void zs_engine_stats(const struct zs_engine *engine, struct zs_engine_stats *ret);
+
+#endif

@@ -1,0 +1,200 @@
+/* Swap space: per-path free lists and extents striped over all paths. */
+#include <errno.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "swap_impl.h"
+
+/*
+ * A sorted array of free ranges, first fit.  Extents are tensors' state,
+ * allocated when a job registers them, not per I/O, so O(ranges) is fine and
+ * coalescing on release keeps the array short.
+ */
+int
+zs_space_init(struct zs_space *s, uint64_t capacity)
+{
+	memset(s, 0, sizeof(*s));
+	s->capacity = capacity;
+	if (capacity == 0)
+		return 0;
+	s->cap = 16;
+	s->free = calloc(s->cap, sizeof(*s->free));
+	if (s->free == NULL)
+		return -ENOMEM;
+	s->free[0] = (struct zs_range){ .off = 0, .len = capacity };
+	s->nfree = 1;
+	return 0;
+}
+
+void
+zs_space_fini(struct zs_space *s)
+{
+	free(s->free);
+	s->free = NULL;
+	s->nfree = s->cap = 0;
+}
+
+int
+zs_space_alloc(struct zs_space *s, uint64_t len, uint64_t *ret)
+{
+	unsigned i;
+
+	for (i = 0; i < s->nfree; i++) {
+		struct zs_range *r = &s->free[i];
+
+		if (r->len < len)
+			continue;
+		*ret = r->off;
+		r->off += len;
+		r->len -= len;
+		if (r->len == 0) {
+			memmove(r, r + 1, (s->nfree - i - 1) * sizeof(*r));
+			s->nfree--;
+		}
+		s->used += len;
+		return 0;
+	}
+	return -ENOSPC;
+}
+
+static int
+space_grow(struct zs_space *s)
+{
+	struct zs_range *n;
+	unsigned cap = s->cap ? s->cap * 2 : 16;
+
+	n = realloc(s->free, cap * sizeof(*n));
+	if (n == NULL)
+		return -ENOMEM;
+	s->free = n;
+	s->cap = cap;
+	return 0;
+}
+
+void
+zs_space_release(struct zs_space *s, uint64_t off, uint64_t len)
+{
+	unsigned lo = 0, hi = s->nfree, i;
+	bool join_prev, join_next;
+
+	/* First free range after off. */
+	while (lo < hi) {
+		unsigned mid = (lo + hi) / 2;
+
+		if (s->free[mid].off < off)
+			lo = mid + 1;
+		else
+			hi = mid;
+	}
+	i = lo;
+	join_prev = i > 0 && s->free[i - 1].off + s->free[i - 1].len == off;
+	join_next = i < s->nfree && off + len == s->free[i].off;
+	s->used -= len;
+	if (join_prev && join_next) {
+		s->free[i - 1].len += len + s->free[i].len;
+		memmove(&s->free[i], &s->free[i + 1], (s->nfree - i - 1) * sizeof(s->free[0]));
+		s->nfree--;
+	} else if (join_prev) {
+		s->free[i - 1].len += len;
+	} else if (join_next) {
+		s->free[i].off = off;
+		s->free[i].len += len;
+	} else {
+		/*
+		 * Out of memory for the range array leaks the range (counted as
+		 * used) rather than failing a release the caller cannot retry.
+		 */
+		if (s->nfree == s->cap && space_grow(s) < 0) {
+			s->used += len;
+			return;
+		}
+		memmove(&s->free[i + 1], &s->free[i], (s->nfree - i) * sizeof(s->free[0]));
+		s->free[i] = (struct zs_range){ .off = off, .len = len };
+		s->nfree++;
+	}
+}
+
+/* Bytes of an extent of size bytes, starting on path first, that land on path p. */
+static uint64_t
+extent_share(const struct zs_engine *e, uint64_t size, unsigned first, unsigned p)
+{
+	uint64_t nunits = (size + e->unit - 1) / e->unit;
+	uint64_t i = (p + e->npaths - first) % e->npaths;
+	uint64_t units, last = nunits - 1, bytes;
+
+	if (i >= nunits)
+		return 0;
+	units = (nunits - 1 - i) / e->npaths + 1;
+	bytes = units * e->unit;
+	/* The extent's last unit may be short. */
+	if (last % e->npaths == i)
+		bytes -= nunits * e->unit - size;
+	return bytes;
+}
+
+int
+zs_extent_alloc(struct zs_engine *e, uint64_t size, struct zs_extent *ret)
+{
+	struct zs_extent x;
+	uint64_t best = 0;
+	unsigned p, first = 0;
+	int r;
+
+	if (size == 0)
+		return -EINVAL;
+	if (size > UINT64_MAX - e->granule)
+		return -ENOSPC;
+	size = (size + e->granule - 1) / e->granule * e->granule;
+
+	/* Start where most room is left, so that small extents spread over paths. */
+	for (p = 0; p < e->npaths; p++) {
+		unsigned q = (e->rr + p) % e->npaths;
+		uint64_t room = e->files[q].space.capacity - e->files[q].space.used;
+
+		if (p == 0 || room > best) {
+			best = room;
+			first = q;
+		}
+	}
+	memset(&x, 0, sizeof(x));
+	x.size = size;
+	x.first_path = first;
+	x.npaths = e->npaths;
+	for (p = 0; p < e->npaths; p++) {
+		uint64_t share = extent_share(e, size, first, p);
+
+		x.offset[p] = UINT64_MAX;
+		if (share == 0)
+			continue;
+		r = zs_space_alloc(&e->files[p].space, share, &x.offset[p]);
+		if (r < 0)
+			goto fail;
+	}
+	e->rr++;
+	*ret = x;
+	return 0;
+
+fail:
+	while (p-- > 0) {
+		uint64_t share = extent_share(e, size, first, p);
+
+		if (share != 0)
+			zs_space_release(&e->files[p].space, x.offset[p], share);
+	}
+	return r;
+}
+
+void
+zs_extent_free(struct zs_engine *e, const struct zs_extent *x)
+{
+	unsigned p;
+
+	if (x == NULL || x->size == 0 || x->npaths != e->npaths)
+		return;
+	for (p = 0; p < e->npaths; p++) {
+		uint64_t share = extent_share(e, x->size, x->first_path, p);
+
+		if (share != 0)
+			zs_space_release(&e->files[p].space, x->offset[p], share);
+	}
+}
