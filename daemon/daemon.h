@@ -76,6 +76,12 @@ struct zd_batch {
 	size_t count;
 	struct zd_tensor **tensors;
 	struct zk_tensor *views;
+	uint32_t lane;				/* fairness key: the submitting session */
+	/* Stepper-owned progress while in flight. */
+	struct zk_hparams hp_run;		/* hp with the clip coefficient applied */
+	bool checked;
+	size_t next_tensor;
+	size_t next_offset;
 	/* Written by the stepper, read by the loop after completion. */
 	enum zp_step_status status;
 	int error;

@@ -139,6 +139,7 @@ zd_step_submit(struct zd_session *s, const struct zp_msg *msg)
 		};
 	}
 	b->session = s;
+	b->lane = s->id;
 	b->request_id = msg->hdr.request_id;
 	b->isa = d->isa;
 	b->check_finite = (req->flags & ZP_STEP_CHECK_FINITE) != 0;

@@ -11,20 +11,36 @@
 #include "pool.h"
 #include "stepper.h"
 
+/*
+ * Work is done in quanta of at most this many elements, taken round robin
+ * from the sessions that have work, so that a job stepping a billion
+ * parameters delays a small job by one quantum (about 10 ms), not a step.
+ * A multiple of every kernel's slice alignment, so slices stay aligned.
+ */
+#define QUANTUM_ELEMENTS (4u << 20)
+
 struct completion_node {
 	struct zd_completion c;
 	struct completion_node *next;
 };
+
+/* One session's queue of batches, oldest first. */
+struct lane {
+	TAILQ_ENTRY(lane) entry;
+	uint32_t key;
+	struct zd_batch_list batches;
+};
+
+TAILQ_HEAD(lane_list, lane);
 
 struct zd_stepper {
 	struct zk_pool *pool;
 	pthread_t thread;
 	pthread_mutex_t lock;
 	pthread_cond_t cond;
-	struct zd_batch_list queue;
+	struct lane_list lanes;		/* lanes with work; the head goes next */
 	bool stopping;
 	int efd;
-	/* Completions, oldest first. */
 	struct completion_node *head;
 	struct completion_node **tail;
 };
@@ -37,7 +53,7 @@ post(struct zd_stepper *st, struct zd_batch *b, size_t index)
 
 	/*
 	 * Out of memory here would lose a completion and leave a tensor busy
-	 * forever; spin until the allocator recovers rather than drop it.
+	 * forever; wait for the allocator rather than drop it.
 	 */
 	while (n == NULL) {
 		usleep(1000);
@@ -54,68 +70,131 @@ post(struct zd_stepper *st, struct zd_batch *b, size_t index)
 }
 
 static void
-run_batch(struct zd_stepper *st, struct zd_batch *b)
+finish(struct zd_stepper *st, struct zd_batch *b, enum zp_step_status status, int error)
 {
-	uint64_t t0 = zd_now_ns();
-	struct zk_hparams hp = b->hp;
+	b->status = status;
+	b->error = error;
+	b->next_tensor = b->count;
+	post(st, b, SIZE_MAX);
+}
+
+/* The finiteness check and the global norm cover the whole set before any of it is applied. */
+static void
+check_batch(struct zd_stepper *st, struct zd_batch *b)
+{
+	struct zk_grad_stats gs = { 0 };
 	int r;
 
+	b->checked = true;
+	b->hp_run = b->hp;
 	b->status = ZP_STEP_APPLIED;
-	b->error = 0;
 	b->grad_norm = NAN;
-	/* The finiteness check covers the whole set before any of it is applied. */
-	if (b->check_finite || b->max_grad_norm > 0) {
-		struct zk_grad_stats gs = { 0 };
-
-		r = zk_pool_grad_check(st->pool, b->isa, b->views, b->count, hp.grad_scale, &gs);
-		if (r < 0) {
-			b->status = ZP_STEP_FAILED;
-			b->error = r;
-			goto done;
-		}
-		b->grad_norm = sqrt(gs.sumsq);
-		if (gs.nonfinite > 0 && b->check_finite) {
-			b->status = ZP_STEP_SKIPPED_NONFINITE;
-			goto done;
-		}
-		/* torch.nn.utils.clip_grad_norm_: coef = max_norm / (norm + 1e-6), capped at 1. */
-		if (b->max_grad_norm > 0 && isfinite(b->grad_norm)) {
-			double coef = b->max_grad_norm / (b->grad_norm + 1e-6);
-
-			hp.clip_coef = coef < 1.0 ? coef : 1.0;
-		}
+	if (!b->check_finite && !(b->max_grad_norm > 0))
+		return;
+	r = zk_pool_grad_check(st->pool, b->isa, b->views, b->count, b->hp.grad_scale, &gs);
+	if (r < 0) {
+		finish(st, b, ZP_STEP_FAILED, r);
+		return;
 	}
-	for (size_t i = 0; i < b->count; i++) {
-		r = zk_pool_step(st->pool, b->isa, &hp, &b->views[i], 1);
-		if (r < 0) {
-			b->status = ZP_STEP_FAILED;
-			b->error = r;
-			goto done;
-		}
-		post(st, b, i);
+	b->grad_norm = sqrt(gs.sumsq);
+	if (gs.nonfinite > 0 && b->check_finite) {
+		finish(st, b, ZP_STEP_SKIPPED_NONFINITE, 0);
+		return;
 	}
-done:
-	b->compute_ns = zd_now_ns() - t0;
-	post(st, b, SIZE_MAX);
+	/* torch.nn.utils.clip_grad_norm_: coef = max_norm / (norm + 1e-6), capped at 1. */
+	if (b->max_grad_norm > 0 && isfinite(b->grad_norm)) {
+		double coef = b->max_grad_norm / (b->grad_norm + 1e-6);
+
+		b->hp_run.clip_coef = coef < 1.0 ? coef : 1.0;
+	}
+}
+
+/* A view of elements [off, off + n) of a tensor. */
+static struct zk_tensor
+slice(const struct zk_tensor *t, size_t off, size_t n)
+{
+	struct zk_tensor s = *t;
+
+	s.master += off;
+	s.m += off;
+	s.v += off;
+	s.grad = (const char *)t->grad + off * zk_dtype_size(t->grad_dtype);
+	if (t->param != NULL)
+		s.param = (char *)t->param + off * zk_dtype_size(t->param_dtype);
+	s.n = n;
+	return s;
+}
+
+/* One quantum of a batch: the check, or up to QUANTUM_ELEMENTS of one tensor. */
+static void
+run_quantum(struct zd_stepper *st, struct zd_batch *b)
+{
+	uint64_t t0 = zd_now_ns();
+	const struct zk_tensor *t;
+	struct zk_tensor part;
+	size_t n;
+	int r;
+
+	if (!b->checked) {
+		check_batch(st, b);
+		goto out;
+	}
+	t = &b->views[b->next_tensor];
+	n = t->n - b->next_offset;
+	if (n > QUANTUM_ELEMENTS)
+		n = QUANTUM_ELEMENTS;
+	part = slice(t, b->next_offset, n);
+	r = zk_pool_step(st->pool, b->isa, &b->hp_run, &part, 1);
+	if (r < 0) {
+		finish(st, b, ZP_STEP_FAILED, r);
+		goto out;
+	}
+	b->next_offset += n;
+	if (b->next_offset == t->n) {
+		post(st, b, b->next_tensor);
+		b->next_tensor++;
+		b->next_offset = 0;
+		if (b->next_tensor == b->count)
+			finish(st, b, ZP_STEP_APPLIED, 0);
+	}
+out:
+	b->compute_ns += zd_now_ns() - t0;
+}
+
+static bool
+batch_done(const struct zd_batch *b)
+{
+	return b->checked && b->next_tensor >= b->count;
 }
 
 static void *
 stepper_main(void *arg)
 {
 	struct zd_stepper *st = arg;
+	struct lane *lane;
 	struct zd_batch *b;
 
 	pthread_mutex_lock(&st->lock);
 	for (;;) {
-		while (TAILQ_EMPTY(&st->queue) && !st->stopping)
+		while (TAILQ_EMPTY(&st->lanes) && !st->stopping)
 			pthread_cond_wait(&st->cond, &st->lock);
-		b = TAILQ_FIRST(&st->queue);
-		if (b == NULL)
+		lane = TAILQ_FIRST(&st->lanes);
+		if (lane == NULL)
 			break;
-		TAILQ_REMOVE(&st->queue, b, entry);
+		b = TAILQ_FIRST(&lane->batches);
 		pthread_mutex_unlock(&st->lock);
-		run_batch(st, b);
+
+		run_quantum(st, b);
+
 		pthread_mutex_lock(&st->lock);
+		if (batch_done(b))
+			TAILQ_REMOVE(&lane->batches, b, entry);
+		/* Round robin: this lane goes to the back, or away when empty. */
+		TAILQ_REMOVE(&st->lanes, lane, entry);
+		if (TAILQ_EMPTY(&lane->batches))
+			free(lane);
+		else
+			TAILQ_INSERT_TAIL(&st->lanes, lane, entry);
 	}
 	pthread_mutex_unlock(&st->lock);
 	return NULL;
@@ -131,7 +210,7 @@ zd_stepper_new(struct zk_pool *pool, struct zd_stepper **ret)
 	if (st == NULL)
 		return -ENOMEM;
 	st->pool = pool;
-	TAILQ_INIT(&st->queue);
+	TAILQ_INIT(&st->lanes);
 	st->tail = &st->head;
 	pthread_mutex_init(&st->lock, NULL);
 	pthread_cond_init(&st->cond, NULL);
@@ -161,6 +240,7 @@ zd_stepper_free(struct zd_stepper *st)
 
 	if (st == NULL)
 		return;
+	/* Batches still queued run to the end first: their tensors' memory is ours to free. */
 	pthread_mutex_lock(&st->lock);
 	st->stopping = true;
 	pthread_cond_signal(&st->cond);
@@ -185,8 +265,28 @@ zd_stepper_fd(const struct zd_stepper *st)
 void
 zd_stepper_submit(struct zd_stepper *st, struct zd_batch *b)
 {
+	struct lane *lane;
+
+	b->checked = false;
+	b->next_tensor = 0;
+	b->next_offset = 0;
+	b->compute_ns = 0;
 	pthread_mutex_lock(&st->lock);
-	TAILQ_INSERT_TAIL(&st->queue, b, entry);
+	TAILQ_FOREACH(lane, &st->lanes, entry)
+		if (lane->key == b->lane)
+			break;
+	if (lane == NULL) {
+		/* Not allocated under the lock's hot path often: one per session with work. */
+		lane = malloc(sizeof(*lane));
+		while (lane == NULL) {
+			usleep(1000);
+			lane = malloc(sizeof(*lane));
+		}
+		lane->key = b->lane;
+		TAILQ_INIT(&lane->batches);
+		TAILQ_INSERT_TAIL(&st->lanes, lane, entry);
+	}
+	TAILQ_INSERT_TAIL(&lane->batches, b, entry);
 	pthread_cond_signal(&st->cond);
 	pthread_mutex_unlock(&st->lock);
 }
