@@ -215,6 +215,7 @@ int zk_consts_init(const struct zk_hparams *hp, struct zk_consts *c)
 		break;
 	}
 	c->bc2_sqrt = (float)sqrt(bc2);
+	c->bc2_one = c->bc2_sqrt == 1.0f;
 	c->neg_step = (float)-lr_eff;
 
 	if (!isfinite(c->inv_scale) || !isfinite(c->neg_step) || !isfinite(c->decay) ||

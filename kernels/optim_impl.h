@@ -9,11 +9,14 @@
 #include "optim.h"
 
 /*
- * Gradient-check lanes: every variant (scalar included) sums element i of a
- * range into lane i % ZK_GRAD_LANES and folds the lanes in one fixed tree, so
- * the norm is bit-identical across ISAs, not only across thread counts.  32
- * lanes = four zmm or eight ymm double accumulators: enough independent adds
- * to hide the add latency.
+ * Gradient-check lanes.  Squares are summed in double: the square of a float
+ * is exact in double (48 significant bits), so only the additions round, and
+ * at 2^-53 each a 2^28-element shard loses nothing a float norm would notice;
+ * float accumulation would need compensation to say the same.  Every variant
+ * (scalar included) adds element i of a range into lane i % ZK_GRAD_LANES and
+ * folds the lanes in one fixed tree, so the norm is bit-identical across ISAs,
+ * not only across thread counts.  32 lanes = four zmm or eight ymm double
+ * accumulators: enough independent adds to hide the add latency.
  */
 #define ZK_GRAD_LANES 32
 
@@ -35,6 +38,7 @@ struct zk_consts {
 	float beta2;
 	float omb2;		/* 1 - beta2 */
 	float bc2_sqrt;		/* sqrt(1 - beta2^step), 1 without bias correction */
+	bool bc2_one;		/* bc2_sqrt == 1: the division is the identity and is skipped */
 	float eps;
 	float neg_step;		/* -lr/bc1 (Adam), -clr (Adagrad), -lr (Lion) */
 };

@@ -126,14 +126,16 @@ ZK_INLINE vh vf_to_f16(vf x) { return _mm256_cvtps_ph(x, ZK_RND); }
 ZK_INLINE vh vf_to_bf16(vf x)
 {
 	vi u = _mm256_castps_si256(x);
-	vi hi = _mm256_srli_epi32(u, 16);
-	vi lsb = _mm256_and_si256(hi, _mm256_set1_epi32(1));
-	vi r = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7fff)), lsb), 16);
+	vi lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+	vi r = _mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7fff)), lsb);
 	vi nan = _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q));
+	/* Bytes 2-3 of each dword, i.e. the top half: a shuffle does the >> 16 and the packing. */
+	const vi hi16 = _mm256_setr_epi8(2, 3, 6, 7, 10, 11, 14, 15, -1, -1, -1, -1, -1, -1, -1, -1,
+	    2, 3, 6, 7, 10, 11, 14, 15, -1, -1, -1, -1, -1, -1, -1, -1);
 
-	r = _mm256_blendv_epi8(r, _mm256_or_si256(hi, _mm256_set1_epi32(0x40)), nan);
-	/* Values fit 16 bits, so unsigned saturation never bites; fix the lane order after. */
-	r = _mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0x08);
+	/* NaN: no rounding, quiet bit set, as the scalar reference does. */
+	r = _mm256_blendv_epi8(r, _mm256_or_si256(u, _mm256_set1_epi32(0x00400000)), nan);
+	r = _mm256_permute4x64_epi64(_mm256_shuffle_epi8(r, hi16), 0x08);
 	return _mm256_castsi256_si128(r);
 }
 

@@ -1,0 +1,315 @@
+/* Optimizer step throughput per ISA, dtype mix and thread count, beside the memory-only limit measured in the same run. */
+#include <errno.h>
+#include <stdbool.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <time.h>
+
+#include "optim.h"
+#include "pool.h"
+
+struct mix {
+	enum zk_optim optim;
+	enum zk_dtype grad, param;
+	bool all_isas;		/* else only the best ISA, to keep the run short */
+	uint64_t step0;		/* first step number */
+};
+
+static const struct mix mixes[] = {
+	{ ZK_OPTIM_ADAMW, ZK_DTYPE_BF16, ZK_DTYPE_BF16, true, 1 },	/* the target case */
+	/* Same, late in training: sqrt(1 - beta2^step) == 1.0f, one division fewer per element. */
+	{ ZK_OPTIM_ADAMW, ZK_DTYPE_BF16, ZK_DTYPE_BF16, true, 100000 },
+	{ ZK_OPTIM_ADAMW, ZK_DTYPE_F16, ZK_DTYPE_F16, true, 1 },
+	{ ZK_OPTIM_ADAMW, ZK_DTYPE_F32, ZK_DTYPE_BF16, true, 1 },
+	{ ZK_OPTIM_ADAMW, ZK_DTYPE_F32, ZK_DTYPE_F32, true, 1 },
+	{ ZK_OPTIM_ADAM, ZK_DTYPE_BF16, ZK_DTYPE_BF16, false, 1 },
+	{ ZK_OPTIM_ADAGRAD, ZK_DTYPE_BF16, ZK_DTYPE_BF16, false, 1 },
+	{ ZK_OPTIM_LION, ZK_DTYPE_BF16, ZK_DTYPE_BF16, false, 1 },
+};
+
+struct arrays {
+	void *base;
+	size_t len;
+	float *master, *m, *v, *grad, *param;
+	double *ta, *tb, *tc;	/* triad */
+	size_t n;
+};
+
+struct opts {
+	size_t sizes[4];
+	size_t nsizes;
+	int reps;
+	bool json;
+	int isa;		/* -1: every ISA the CPU has */
+	unsigned threads;	/* 0: 1 and 2 */
+};
+
+static bool first_json = true;
+
+static double now(void)
+{
+	struct timespec ts;
+
+	clock_gettime(CLOCK_MONOTONIC, &ts);
+	return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+}
+
+static void report(const struct opts *o, const char *name, double value, const char *unit,
+    double limit)
+{
+	if (o->json) {
+		printf("%s\n  {\"name\": \"%s\", \"value\": %.6g, \"unit\": \"%s\", ", first_json ? "[" : ",",
+		    name, value, unit);
+		if (limit > 0)
+			printf("\"limit\": %.6g, \"ratio\": %.4f}", limit, value / limit);
+		else
+			printf("\"limit\": null, \"ratio\": null}");
+		first_json = false;
+	} else if (limit > 0) {
+		printf("%-44s %9.1f M%-8s limit %9.1f  ratio %.3f\n", name, value / 1e6, unit, limit / 1e6,
+		    value / limit);
+	} else {
+		printf("%-44s %9.2f %s\n", name, value, unit);
+	}
+	fflush(stdout);
+}
+
+/*
+ * One mapping for everything.  Arrays sit a few KiB more than their size
+ * apart: placed an exact power of two apart they alias in the caches and
+ * DRAM banks, which halved bandwidth on the development machine.
+ */
+static int arrays_new(size_t n, struct arrays *a)
+{
+	const size_t pad = 4096 + 64;
+	size_t bytes = n * sizeof(float), off = 0;
+	size_t tri = n * sizeof(double) / 2;	/* triad arrays: n/2 doubles, 2 bytes/param each */
+	char *p;
+
+	memset(a, 0, sizeof(*a));
+	a->n = n;
+	a->len = 5 * (bytes + 6 * pad) + 3 * (tri + 6 * pad);
+	p = mmap(NULL, a->len, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+	if (p == MAP_FAILED)
+		return -errno;
+	madvise(p, a->len, MADV_HUGEPAGE);	/* fewer TLB misses over GiBs; fine if refused */
+	a->base = p;
+#define PLACE(field, type, size) do { off += pad; a->field = (type *)(void *)(p + off); off += (size); } while (0)
+	PLACE(master, float, bytes);
+	PLACE(m, float, bytes);
+	PLACE(v, float, bytes);
+	PLACE(grad, float, bytes);
+	PLACE(param, float, bytes);
+	PLACE(ta, double, tri);
+	PLACE(tb, double, tri);
+	PLACE(tc, double, tri);
+#undef PLACE
+	return 0;
+}
+
+static void arrays_fill(struct arrays *a)
+{
+	uint64_t s = 1;
+
+	for (size_t i = 0; i < a->n; i++) {
+		s = s * 6364136223846793005ull + 1442695040888963407ull;
+		float r = (float)(s >> 40) * 0x1p-24f - 0.5f;
+
+		a->master[i] = r;
+		a->m[i] = r * 1e-2f;
+		a->v[i] = r * r * 1e-4f;
+		a->param[i] = 0;
+	}
+	for (size_t i = 0; i < a->n / 2; i++) {
+		a->ta[i] = 0;
+		a->tb[i] = 1.0;
+		a->tc[i] = 2.0;
+	}
+}
+
+static void fill_grad(struct arrays *a, enum zk_dtype dt)
+{
+	for (size_t i = 0; i < a->n; i++) {
+		float g = (float)((i * 2654435761u) % 2001) * 1e-3f - 1.0f;
+
+		if (dt == ZK_DTYPE_F32)
+			a->grad[i] = g;
+		else
+			((uint16_t *)a->grad)[i] = dt == ZK_DTYPE_BF16 ? zk_f32_to_bf16(g) : zk_f32_to_f16(g);
+	}
+}
+
+struct triad {
+	double *a, *b, *c;
+	size_t n;
+};
+
+static void triad_slice(void *arg, unsigned idx, unsigned nthreads)
+{
+	struct triad *t = arg;
+	size_t lo = t->n * idx / nthreads, hi = t->n * (idx + 1) / nthreads;
+
+	for (size_t i = lo; i < hi; i++)
+		t->a[i] = t->b[i] + 3.0 * t->c[i];
+}
+
+static int bench_size(const struct opts *o, size_t n)
+{
+	struct arrays a;
+	char name[128];
+	int r;
+
+	r = arrays_new(n, &a);
+	if (r < 0)
+		return r;
+	arrays_fill(&a);
+	for (unsigned threads = 1; threads <= 2; threads++) {
+		struct zk_pool *pool;
+		struct triad tr = { a.ta, a.tb, a.tc, n / 2 };
+		double best = 1e30;
+
+		if (o->threads && threads != o->threads)
+			continue;
+		r = zk_pool_new(threads, NULL, 0, &pool);
+		if (r < 0)
+			goto out;
+		/* STREAM triad for context: 24 bytes per element as STREAM counts them. */
+		for (int rep = 0; rep < o->reps; rep++) {
+			double t0 = now();
+
+			zk_pool_run(pool, triad_slice, &tr);
+			double dt = now() - t0;
+			best = dt < best ? dt : best;
+		}
+		snprintf(name, sizeof(name), "triad/t=%u/n=%zuM", threads, n >> 20);
+		report(o, name, 24.0 * (double)tr.n / best / 1e9, "GB/s", 0);
+
+		for (size_t mi = 0; mi < sizeof(mixes) / sizeof(mixes[0]); mi++) {
+			const struct mix *mx = &mixes[mi];
+
+			fill_grad(&a, mx->grad);
+			for (int isa = ZK_ISA_COUNT - 1; isa >= 0; isa--) {
+				struct zk_tensor t = { a.master, a.m, a.v, a.grad, mx->grad, a.param, mx->param, n };
+				struct zk_hparams h = {
+					.optim = mx->optim, .lr = 1e-4, .beta1 = 0.9, .beta2 = 0.999,
+					.eps = 1e-8, .weight_decay = 0.01, .step = mx->step0,
+					.bias_correction = true, .grad_scale = 1, .clip_coef = 1,
+				};
+				/*
+				 * The scalar reference has no streaming stores of its own worth
+				 * measuring: its limit is the best ISA's probe, i.e. the machine's.
+				 */
+				enum zk_isa probe = isa == ZK_ISA_SCALAR ? zk_isa_best() : (enum zk_isa)isa;
+				double bs = 1e30, bm = 1e30;
+
+				if (!zk_isa_supported((enum zk_isa)isa) || (o->isa >= 0 && isa != o->isa))
+					continue;
+				if (!mx->all_isas && isa != (int)zk_isa_best())
+					continue;
+				/* The scalar reference is not a throughput target: only the headline mix. */
+				if (isa == ZK_ISA_SCALAR && mi != 0)
+					continue;
+				if (mx->optim == ZK_OPTIM_ADAGRAD || mx->optim == ZK_OPTIM_LION)
+					t.v = NULL;
+				/* Interleave step and probe so drift (other jobs on the box) hits both alike. */
+				for (int rep = 0; rep < o->reps; rep++) {
+					double t0 = now();
+
+					r = zk_pool_memonly(pool, probe, &t, 1);
+					double t1 = now();
+					if (r == 0)
+						r = zk_pool_step(pool, (enum zk_isa)isa, &h, &t, 1);
+					double t2 = now();
+					if (r < 0) {
+						zk_pool_free(pool);
+						goto out;
+					}
+					bm = t1 - t0 < bm ? t1 - t0 : bm;
+					bs = t2 - t1 < bs ? t2 - t1 : bs;
+					h.step++;
+				}
+				snprintf(name, sizeof(name), "%s/%s/g=%s/p=%s/t=%u/n=%zuM%s",
+				    zk_optim_name(mx->optim), zk_isa_name((enum zk_isa)isa),
+				    zk_dtype_name(mx->grad), zk_dtype_name(mx->param), threads, n >> 20,
+				    mx->step0 > 1 ? "/late" : "");
+				report(o, name, (double)n / bs, "params/s", (double)n / bm);
+			}
+		}
+		zk_pool_free(pool);
+	}
+out:
+	munmap(a.base, a.len);
+	return r;
+}
+
+static int parse_size(const char *s, size_t *ret)
+{
+	char *end;
+	unsigned long long v = strtoull(s, &end, 10);
+
+	if (end == s)
+		return -EINVAL;
+	if (*end == 'M' || *end == 'm')
+		v <<= 20, end++;
+	else if (*end == 'K' || *end == 'k')
+		v <<= 10, end++;
+	if (*end || v < 1024)
+		return -EINVAL;
+	*ret = (size_t)v;
+	return 0;
+}
+
+int main(int argc, char **argv)
+{
+	struct opts o = { .reps = 5, .isa = -1 };
+
+	for (int i = 1; i < argc; i++) {
+		if (!strcmp(argv[i], "--json")) {
+			o.json = true;
+		} else if (!strcmp(argv[i], "--size") && i + 1 < argc && o.nsizes < 4) {
+			if (parse_size(argv[++i], &o.sizes[o.nsizes++]) < 0) {
+				fprintf(stderr, "bad --size %s (e.g. 16M)\n", argv[i]);
+				return 2;
+			}
+		} else if (!strcmp(argv[i], "--isa") && i + 1 < argc) {
+			enum zk_isa isa;
+
+			if (zk_isa_parse(argv[++i], &isa) < 0) {
+				fprintf(stderr, "bad --isa %s\n", argv[i]);
+				return 2;
+			}
+			o.isa = (int)isa;
+		} else if (!strcmp(argv[i], "--threads") && i + 1 < argc) {
+			o.threads = (unsigned)atoi(argv[++i]);
+		} else if (!strcmp(argv[i], "--reps") && i + 1 < argc) {
+			o.reps = atoi(argv[++i]);
+			if (o.reps < 1)
+				o.reps = 1;
+		} else {
+			fprintf(stderr, "usage: %s [--size N[K|M]]... [--isa NAME] [--threads 1|2] [--reps N] [--json]\n", argv[0]);
+			return 2;
+		}
+	}
+	if (!o.nsizes) {
+		o.sizes[0] = 16u << 20;
+		o.sizes[1] = 256u << 20;
+		o.nsizes = 2;
+	}
+	if (!o.json)
+		printf("best of %d; figure and limit in M params/s (limit: memory-only kernel, same bytes, same stores)\n",
+		    o.reps);
+	for (size_t i = 0; i < o.nsizes; i++) {
+		int r = bench_size(&o, o.sizes[i]);
+
+		if (r < 0) {
+			fprintf(stderr, "bench_optimizer: size %zu: %s\n", o.sizes[i], strerror(-r));
+			return 1;
+		}
+	}
+	if (o.json)
+		printf("%s]\n", first_json ? "[" : "\n");
+	return 0;
+}
