@@ -32,7 +32,10 @@ struct zc_tensor {
 	void *param;
 	size_t param_bytes;
 	bool pending;
+	uint64_t last_step;
 	struct zc_step_result result;
+	zc_release_fn *release;		/* see zc_tensor_set_release_hook */
+	void *release_arg;
 };
 
 struct zc_conn {
@@ -42,6 +45,7 @@ struct zc_conn {
 	uint8_t *buf;
 	struct zp_msg *msg;
 	bool job_open;
+	uint64_t job_last_step;
 	uint32_t session_id;
 	struct zc_tensor **tensors;	/* by handle - 1 */
 	uint32_t tensor_cap;
@@ -166,6 +170,8 @@ recv_one(struct zc_conn *c, int *fds, unsigned *nfds, int flags)
 
 		if (t != NULL) {
 			t->pending = false;
+			if (m->u.tensor_done.status == ZP_STEP_APPLIED)
+				t->last_step = m->u.tensor_done.step;
 			t->result = (struct zc_step_result){
 				.step = m->u.tensor_done.step,
 				.status = (enum zc_step_status)m->u.tensor_done.status,
@@ -317,6 +323,9 @@ fail:
 static void
 tensor_unmap(struct zc_tensor *t)
 {
+	/* Before munmap: a driver's registration must not outlive the mapping. */
+	if (t->release != NULL)
+		t->release(t, t->release_arg);
 	munmap(t->grad, t->grad_bytes);
 	munmap(t->param, t->param_bytes);
 	free(t);
@@ -360,9 +369,28 @@ zc_job_open(struct zc_conn *c, const char *job_name, uint32_t rank, uint32_t wor
 	if (world_size == 0 || rank >= world_size)
 		return seterr(c, -EINVAL, "rank %u is not below world size %u", rank, world_size);
 	r = rpc(c, &m, ZP_JOB_OK, NULL);
-	if (r == 0)
+	if (r == 0) {
 		c->job_open = true;
+		c->job_last_step = c->msg->u.job_ok.last_step;
+	}
 	return r;
+}
+
+uint64_t
+zc_job_last_step(const struct zc_conn *c)
+{
+	return c->job_last_step;
+}
+
+int
+zc_job_drop(struct zc_conn *c, const char *job_name)
+{
+	struct zp_msg m = { .hdr = { .type = ZP_JOB_DROP } };
+
+	if (job_name == NULL || strlen(job_name) == 0 || strlen(job_name) > ZP_NAME_MAX)
+		return seterr(c, -EINVAL, "job name must be 1 to %d bytes", ZP_NAME_MAX);
+	snprintf(m.u.job_drop.job_name, sizeof(m.u.job_drop.job_name), "%s", job_name);
+	return rpc(c, &m, ZP_OK, NULL);
 }
 
 int
@@ -482,6 +510,7 @@ zc_tensor_register(struct zc_conn *c, const struct zc_tensor_desc *desc, const f
 	struct zp_msg m = { .hdr = { .type = ZP_TENSOR_REGISTER } };
 	struct zc_tensor *t;
 	char saved[sizeof(c->err)];
+	bool resumed;
 	int fds[2], r;
 
 	if (desc->name == NULL || strlen(desc->name) == 0 || strlen(desc->name) > ZP_NAME_MAX)
@@ -509,6 +538,8 @@ zc_tensor_register(struct zc_conn *c, const struct zc_tensor_desc *desc, const f
 	t->numel = desc->numel;
 	t->grad_bytes = c->msg->u.tensor_ok.grad_bytes;
 	t->param_bytes = c->msg->u.tensor_ok.param_bytes;
+	t->last_step = c->msg->u.tensor_ok.last_step;
+	resumed = c->msg->u.tensor_ok.resumed != 0;
 	if (t->grad_bytes != desc->numel * zk_dtype_size((enum zk_dtype)desc->grad_dtype) ||
 	    t->param_bytes != desc->numel * zk_dtype_size((enum zk_dtype)desc->param_dtype)) {
 		r = seterr(c, -EBADMSG, "zoffloadd sized the slots of '%s' wrongly", desc->name);
@@ -531,7 +562,9 @@ zc_tensor_register(struct zc_conn *c, const struct zc_tensor_desc *desc, const f
 		seterr(c, r, "out of memory");
 		goto fail_mapped;
 	}
-	r = tensor_copy(t, ZP_TENSOR_WRITE, ZC_STATE_MASTER, 0, t->numel, (float *)init);
+	/* Taken back from a rank that died: its state is newer than any initial values. */
+	r = resumed ? 0 : tensor_copy(t, ZP_TENSOR_WRITE, ZC_STATE_MASTER, 0, t->numel,
+	    (float *)init);
 	if (r < 0) {
 		c->tensors[t->handle - 1] = NULL;
 		goto fail_mapped;
@@ -574,10 +607,23 @@ zc_tensor_unregister(struct zc_tensor *t)
 	return 0;
 }
 
+void
+zc_tensor_set_release_hook(struct zc_tensor *t, zc_release_fn *fn, void *arg)
+{
+	t->release = fn;
+	t->release_arg = fn != NULL ? arg : NULL;
+}
+
 uint64_t
 zc_tensor_numel(const struct zc_tensor *t)
 {
 	return t->numel;
+}
+
+uint64_t
+zc_tensor_last_step(const struct zc_tensor *t)
+{
+	return t->last_step;
 }
 
 void *

@@ -38,10 +38,20 @@ ZC_API void zc_disconnect(struct zc_conn *conn);
 /* Text of the last error on this connection (never NULL). */
 ZC_API const char *zc_errmsg(const struct zc_conn *conn);
 
-/* One job per connection: the ranks of one training run share a name. */
+/*
+ * One job per connection: the ranks of one training run share a name.  A
+ * rank whose process died (no zc_job_close) keeps its state in the daemon for
+ * limits.detach_grace_s; a new process opening the same job and rank and
+ * registering the same tensors gets that state back (zc_tensor_last_step).
+ */
 ZC_API int zc_job_open(struct zc_conn *conn, const char *job_name, uint32_t rank,
     uint32_t world_size);
+/* Highest step any rank of the open job has completed (0 for a new job). */
+ZC_API uint64_t zc_job_last_step(const struct zc_conn *conn);
+/* Frees the job's state, detached ranks included. */
 ZC_API int zc_job_close(struct zc_conn *conn);
+/* Frees another job of this uid (root: any): its ranks are disconnected. */
+ZC_API int zc_job_drop(struct zc_conn *conn, const char *job_name);
 
 struct zc_tensor_desc {
 	const char *name;		/* unique within the job and rank, <= 127 bytes */
@@ -50,14 +60,28 @@ struct zc_tensor_desc {
 	enum zc_dtype param_dtype;	/* what the daemon writes into the param slot */
 };
 
-/* init: numel fp32 initial master values (copied; the call returns when they are in). */
+/*
+ * init: numel fp32 initial master values (copied; the call returns when they
+ * are in).  When the tensor is taken back from a rank that died, init is not
+ * used and zc_tensor_last_step() says which step its state is at.
+ */
 ZC_API int zc_tensor_register(struct zc_conn *conn, const struct zc_tensor_desc *desc,
     const float *init, struct zc_tensor **ret);
 ZC_API int zc_tensor_unregister(struct zc_tensor *tensor);
 ZC_API uint64_t zc_tensor_numel(const struct zc_tensor *tensor);
+/* Last step applied to this tensor: 0 when new, the step to resume after when taken back. */
+ZC_API uint64_t zc_tensor_last_step(const struct zc_tensor *tensor);
 /* Shared memory the client writes gradients into and reads parameters from. */
 ZC_API void *zc_tensor_grad_slot(struct zc_tensor *tensor, size_t *ret_bytes);
 ZC_API const void *zc_tensor_param_slot(struct zc_tensor *tensor, size_t *ret_bytes);
+/*
+ * Called once, just before the tensor's slots are unmapped (by
+ * zc_tensor_unregister, zc_job_close or zc_disconnect), so that a layer that
+ * registered the slots with a driver (libzclient_cuda: cudaHostRegister) can
+ * unregister them first.  One hook per tensor; fn NULL removes it.
+ */
+typedef void zc_release_fn(struct zc_tensor *tensor, void *arg);
+ZC_API void zc_tensor_set_release_hook(struct zc_tensor *tensor, zc_release_fn *fn, void *arg);
 /* Copy out count fp32 values of master weights or moments starting at offset. */
 ZC_API int zc_tensor_read(struct zc_tensor *tensor, enum zc_state which, uint64_t offset,
     uint64_t count, float *dst);

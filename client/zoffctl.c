@@ -19,7 +19,8 @@ usage(FILE *f)
 	    "\n"
 	    "commands:\n"
 	    "  stats [--json] [--watch SECONDS]   tiers, jobs, sessions, step throughput and latency\n"
-	    "  jobs [--json]                      jobs and their ranks\n"
+	    "  jobs [--json]                      jobs and their ranks, attached and detached\n"
+	    "  drop JOB                           free a job (its ranks are disconnected)\n"
 	    "  ping [--count N]                   control round trip\n"
 	    "\n"
 	    "The socket is --socket, else $ZOFFLOAD_SOCKET, else the built-in default.\n");
@@ -84,18 +85,45 @@ print_jobs_table(const cJSON *jobs)
 	const cJSON *j;
 	char a[32];
 
-	printf("%-24s %6s %6s %7s %8s %10s %9s %8s %6s %9s\n", "JOB", "ID", "UID", "RANKS",
-	    "TENSORS", "PARAMS", "APPLIED", "SKIPPED", "FAILED", "LAST STEP");
+	printf("%-24s %6s %6s %7s %8s %8s %10s %9s %8s %6s %9s\n", "JOB", "ID", "UID", "RANKS",
+	    "DETACHED", "TENSORS", "PARAMS", "APPLIED", "SKIPPED", "FAILED", "LAST STEP");
 	if (cJSON_GetArraySize(jobs) == 0) {
 		printf("(no jobs)\n");
 		return;
 	}
 	cJSON_ArrayForEach(j, jobs) {
-		printf("%-24s %6.0f %6.0f %3.0f/%-3.0f %8.0f %10s %9.0f %8.0f %6.0f %9.0f\n",
+		printf("%-24s %6.0f %6.0f %3.0f/%-3.0f %8.0f %8.0f %10s %9.0f %8.0f %6.0f %9.0f\n",
 		    str(j, "name"), num(j, "id"), num(j, "uid"), num(j, "ranks_attached"),
-		    num(j, "world_size"), num(j, "tensors"), count(num(j, "params"), a, sizeof(a)),
+		    num(j, "world_size"), num(j, "ranks_detached"), num(j, "tensors"), count(num(j, "params"), a, sizeof(a)),
 		    num(j, "steps_applied"), num(j, "steps_skipped"), num(j, "steps_failed"),
 		    num(j, "last_step"));
+	}
+}
+
+static void
+print_nvme(const cJSON *s)
+{
+	const cJSON *nvme = cJSON_GetObjectItemCaseSensitive(
+	    cJSON_GetObjectItemCaseSensitive(s, "tiers"), "nvme");
+	const cJSON *p;
+	char a[32], b[32], c[32], d[32];
+
+	if (nvme == NULL || strcmp(str(nvme, "engine"), "off") == 0) {
+		printf("nvme     off (no swap.paths)\n");
+		return;
+	}
+	printf("nvme     engine %s, queue depth %.0f, %.0f in flight%s%s\n", str(nvme, "engine"),
+	    num(nvme, "queue_depth"), num(nvme, "in_flight"),
+	    cJSON_GetObjectItemCaseSensitive(nvme, "io_uring_unavailable") ?
+	    ", io_uring unavailable: " : "",
+	    cJSON_GetObjectItemCaseSensitive(nvme, "io_uring_unavailable") ?
+	    str(nvme, "io_uring_unavailable") : "");
+	cJSON_ArrayForEach(p, cJSON_GetObjectItemCaseSensitive(nvme, "paths")) {
+		printf("  %-40s %10s of %-10s read %s/s write %s/s  errors eio %.0f enospc %.0f "
+		    "other %.0f\n", str(p, "path"), bytes(num(p, "used_bytes"), a, sizeof(a)),
+		    bytes(num(p, "capacity_bytes"), b, sizeof(b)),
+		    bytes(num(p, "read_bps"), c, sizeof(c)), bytes(num(p, "write_bps"), d, sizeof(d)),
+		    num(p, "errors_eio"), num(p, "errors_enospc"), num(p, "errors_other"));
 	}
 }
 
@@ -116,6 +144,7 @@ print_stats(const cJSON *s)
 	    bytes(num(s, "tiers.pinned.locked_bytes"), c, sizeof(c)),
 	    bytes(num(s, "tiers.pinned.unlocked_bytes"), d, sizeof(d)),
 	    bytes(num(s, "tiers.pinned.memlock_limit_bytes"), e, sizeof(e)));
+	print_nvme(s);
 	printf("shm      %12s %12s   (%.0f objects)\n",
 	    bytes(num(s, "tiers.shm.used_bytes"), a, sizeof(a)),
 	    bytes(num(s, "tiers.shm.budget_bytes"), b, sizeof(b)), num(s, "tiers.shm.objects"));
@@ -184,6 +213,17 @@ cmd_json(struct zc_conn *c, bool jobs, bool json, double watch)
 		if (interrupted)
 			return 0;
 	}
+}
+
+static int
+cmd_drop(struct zc_conn *c, const char *job)
+{
+	if (zc_job_drop(c, job) < 0) {
+		fprintf(stderr, "zoffctl: drop %s: %s\n", job, zc_errmsg(c));
+		return 1;
+	}
+	printf("job '%s' dropped\n", job);
+	return 0;
 }
 
 static int
@@ -257,7 +297,7 @@ main(int argc, char **argv)
 		{ NULL, 0, NULL, 0 },
 	};
 	struct options o = { .count = 1 };
-	const char *cmd, *where;
+	const char *cmd, *where, *job = NULL;
 	struct zc_conn *c;
 	int opt, r;
 
@@ -273,11 +313,19 @@ main(int argc, char **argv)
 	while ((opt = getopt_long(argc, argv, "s:jw:n:h", opts, NULL)) != -1)
 		if ((r = take_option(opt, optarg, &o)) != 0)
 			return r == 1 ? 0 : r;
+	if (strcmp(cmd, "drop") == 0) {
+		if (optind >= argc) {
+			fprintf(stderr, "zoffctl: drop needs a job name\n");
+			return 2;
+		}
+		job = argv[optind++];
+	}
 	if (optind < argc) {
 		fprintf(stderr, "zoffctl: unexpected argument '%s'\n", argv[optind]);
 		return 2;
 	}
-	if (strcmp(cmd, "stats") != 0 && strcmp(cmd, "jobs") != 0 && strcmp(cmd, "ping") != 0) {
+	if (strcmp(cmd, "stats") != 0 && strcmp(cmd, "jobs") != 0 && strcmp(cmd, "ping") != 0 &&
+	    strcmp(cmd, "drop") != 0) {
 		fprintf(stderr, "zoffctl: unknown command '%s'\n", cmd);
 		usage(stderr);
 		return 2;
@@ -292,6 +340,8 @@ main(int argc, char **argv)
 	signal(SIGINT, on_sigint);
 	if (strcmp(cmd, "ping") == 0)
 		r = cmd_ping(c, o.count);
+	else if (job != NULL)
+		r = cmd_drop(c, job);
 	else
 		r = cmd_json(c, strcmp(cmd, "jobs") == 0, o.json, o.watch);
 	zc_disconnect(c);

@@ -93,6 +93,7 @@ zd_config_defaults(struct zd_config *cfg)
 	cfg->swap_fallback = true;
 	cfg->max_clients = 1024;
 	cfg->max_queued_messages = 8192;
+	cfg->detach_grace_s = 300;
 	cfg->log_level = ZD_LOG_INFO;
 	if (cfg->source == NULL || cfg->socket_path == NULL || cfg->isa == NULL ||
 	    cfg->swap_engine == NULL) {
@@ -401,10 +402,17 @@ parse_swap(struct parse_ctx *ctx, const cJSON *s, struct zd_config *cfg)
 static void
 parse_limits(struct parse_ctx *ctx, const cJSON *s, struct zd_config *cfg)
 {
-	static const char *const keys[] = { "max_clients", "max_queued_messages", NULL };
+	static const char *const keys[] = { "max_clients", "max_clients_per_uid",
+		"max_queued_messages", "uid_pinned_budget", "uid_swap_budget", "detach_grace_s",
+		NULL };
 
 	check_keys(ctx, s, "limits", keys);
 	get_unsigned(ctx, s, "limits", "max_clients", 1, 1000000, &cfg->max_clients);
+	get_unsigned(ctx, s, "limits", "max_clients_per_uid", 0, 1000000,
+	    &cfg->max_clients_per_uid);
+	get_size(ctx, s, "limits", "uid_pinned_budget", 0, &cfg->uid_pinned_budget);
+	get_size(ctx, s, "limits", "uid_swap_budget", 0, &cfg->uid_swap_budget);
+	get_unsigned(ctx, s, "limits", "detach_grace_s", 0, 7 * 24 * 3600, &cfg->detach_grace_s);
 	get_unsigned(ctx, s, "limits", "max_queued_messages", 16, 1000000,
 	    &cfg->max_queued_messages);
 }

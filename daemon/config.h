@@ -43,7 +43,11 @@ struct zd_config {
 	bool swap_fallback;
 
 	unsigned max_clients;
+	unsigned max_clients_per_uid;	/* 0: no per-uid cap */
 	unsigned max_queued_messages;	/* per session, before it is dropped as not reading */
+	uint64_t uid_pinned_budget;	/* 0: no per-uid cap */
+	uint64_t uid_swap_budget;	/* 0: no per-uid cap */
+	unsigned detach_grace_s;	/* how long a dead rank's state waits for it; 0: freed at once */
 
 	enum zd_log_level log_level;
 };

@@ -16,6 +16,7 @@
 struct event;
 struct event_base;
 struct zd_stepper;
+struct zs_engine;
 struct zd_session;
 struct zk_pool;
 
@@ -44,6 +45,10 @@ struct zd_tensor {
 	struct zd_shm param_slot;
 	bool busy;			/* in a batch the stepper owns */
 	uint64_t last_step;
+	uint32_t rank;
+	bool detached;			/* its rank died; kept for a reattach until the grace ends */
+	uint64_t detached_ns;
+	TAILQ_ENTRY(zd_tensor) detached_entry;
 };
 
 struct zd_job {
@@ -60,6 +65,18 @@ struct zd_job {
 	uint64_t steps_skipped;
 	uint64_t steps_failed;
 	uint64_t last_step;
+	bool dropping;			/* zoffctl drop: nothing is kept for a reattach */
+	TAILQ_HEAD(, zd_tensor) detached;
+	unsigned ndetached;
+};
+
+/* What one uid holds, against the per-uid limits. */
+struct zd_uid {
+	TAILQ_ENTRY(zd_uid) entry;
+	uid_t uid;
+	unsigned sessions;
+	uint64_t pinned_bytes;
+	uint64_t swap_bytes;
 };
 
 /* One STEP_SUBMIT: owned by the loop, read by the stepper while in flight. */
@@ -108,6 +125,7 @@ struct zd_session {
 	unsigned outq_len;
 	struct zd_job *job;
 	uint32_t rank;
+	struct zd_uid *uid_usage;
 	struct zd_tensor **tensors;	/* indexed by handle - 1; NULL after unregister */
 	uint32_t ntensor_slots;
 	uint32_t tensor_cap;
@@ -132,6 +150,14 @@ struct zd_step_stats {
 	uint64_t latency_count;
 };
 
+/* Per swap path byte counters at the last housekeeping tick, for bandwidth. */
+struct zd_swap_sample {
+	uint64_t bytes_read;
+	uint64_t bytes_written;
+	double read_bps;
+	double write_bps;
+};
+
 struct zd_daemon {
 	struct zd_config cfg;
 	const char *config_path;
@@ -144,10 +170,17 @@ struct zd_daemon {
 	struct zt_arena *arena;
 	struct zk_pool *pool;
 	struct zd_stepper *stepper;
+	struct zs_engine *swap;		/* NULL: no NVMe tier configured */
+	struct event *ev_swap;
+	struct event *ev_tick;		/* housekeeping, once a second */
+	struct event *ev_watchdog;
+	uint64_t last_tick_ns;
+	struct zd_swap_sample swap_samples[ZD_MAX_SWAP_PATHS];
 	enum zk_isa isa;
 	TAILQ_HEAD(, zd_session) sessions;
 	unsigned nsessions;
 	TAILQ_HEAD(, zd_job) jobs;
+	TAILQ_HEAD(, zd_uid) uids;
 	uint32_t next_session_id;
 	uint64_t next_job_id;
 	uint64_t shm_bytes;
@@ -181,10 +214,19 @@ void zd_handle_request(struct zd_session *s, const struct zp_msg *msg);
 /* job.c */
 int zd_job_attach(struct zd_session *s, const char *name, uint32_t rank, uint32_t world_size,
     char *err, size_t errlen);
-void zd_job_detach(struct zd_session *s);
-void zd_job_unref(struct zd_daemon *d, struct zd_job *job);
+/* keep: the rank died, its tensors wait detach_grace_s for a reattach. */
+void zd_job_detach(struct zd_session *s, bool keep);
+/* true when that was the last reference and the job is gone. */
+bool zd_job_unref(struct zd_daemon *d, struct zd_job *job);
+/* Frees detached tensors past the grace period, or all of them. */
+void zd_job_expire_detached(struct zd_daemon *d, bool all);
+int zd_job_drop(struct zd_session *s, const char *name, char *err, size_t errlen);
+unsigned zd_job_detached_ranks(const struct zd_job *job);
+struct zd_uid *zd_uid_get(struct zd_daemon *d, uid_t uid);
+void zd_uid_put(struct zd_daemon *d, struct zd_uid *u);
+/* *ret_resumed: an existing detached tensor of this rank was taken over. */
 int zd_tensor_create(struct zd_session *s, const struct zp_tensor_register *req,
-    struct zd_tensor **ret, char *err, size_t errlen);
+    struct zd_tensor **ret, bool *ret_resumed, char *err, size_t errlen);
 /* Frees it now, or orphans it until its batch completes. */
 void zd_tensor_release(struct zd_daemon *d, struct zd_tensor *t);
 void zd_tensor_write_param(struct zd_tensor *t, uint64_t offset, uint64_t count);
@@ -192,6 +234,9 @@ void zd_tensor_write_param(struct zd_tensor *t, uint64_t offset, uint64_t count)
 /* step.c: the loop side of the step */
 void zd_step_submit(struct zd_session *s, const struct zp_msg *msg);
 void zd_step_completions(struct zd_daemon *d);
+
+/* server.c */
+void zd_tick(struct zd_daemon *d);
 
 /* stats.c */
 void zd_stats_record(struct zd_daemon *d, const struct zd_batch *b, uint64_t params);

@@ -64,6 +64,7 @@ zd_job_attach(struct zd_session *s, const char *name, uint32_t rank, uint32_t wo
 		snprintf(job->name, sizeof(job->name), "%s", name);
 		job->uid = s->uid;
 		job->world_size = world_size;
+		TAILQ_INIT(&job->detached);
 		TAILQ_INSERT_TAIL(&d->jobs, job, entry);
 		log_info("job '%s' (id %llu) opened by uid %u, world size %u", name,
 		    (unsigned long long)job->id, (unsigned)s->uid, world_size);
@@ -75,33 +76,188 @@ zd_job_attach(struct zd_session *s, const char *name, uint32_t rank, uint32_t wo
 	return 0;
 }
 
-void
+bool
 zd_job_unref(struct zd_daemon *d, struct zd_job *job)
 {
 	if (--job->refs > 0)
-		return;
+		return false;
 	log_info("job '%s' (id %llu) closed after %llu steps", job->name,
 	    (unsigned long long)job->id, (unsigned long long)job->steps_applied);
 	TAILQ_REMOVE(&d->jobs, job, entry);
 	free(job);
+	return true;
+}
+
+struct zd_uid *
+zd_uid_get(struct zd_daemon *d, uid_t uid)
+{
+	struct zd_uid *u;
+
+	TAILQ_FOREACH(u, &d->uids, entry)
+		if (u->uid == uid)
+			return u;
+	u = calloc(1, sizeof(*u));
+	if (u == NULL)
+		return NULL;
+	u->uid = uid;
+	TAILQ_INSERT_TAIL(&d->uids, u, entry);
+	return u;
+}
+
+/* Forgets a uid that holds nothing any more. */
+void
+zd_uid_put(struct zd_daemon *d, struct zd_uid *u)
+{
+	if (u == NULL || u->sessions > 0 || u->pinned_bytes > 0 || u->swap_bytes > 0)
+		return;
+	TAILQ_REMOVE(&d->uids, u, entry);
+	free(u);
+}
+
+static void tensor_free(struct zd_daemon *d, struct zd_tensor *t);
+
+/* A dead rank's tensor waits for a new process of the same job and rank. */
+static void
+keep_detached(struct zd_job *job, struct zd_tensor *t)
+{
+	t->session = NULL;
+	t->detached = true;
+	t->detached_ns = zd_now_ns();
+	TAILQ_INSERT_TAIL(&job->detached, t, detached_entry);
+	job->ndetached++;
+	job->refs++;
 }
 
 void
-zd_job_detach(struct zd_session *s)
+zd_job_detach(struct zd_session *s, bool keep)
 {
 	struct zd_job *job = s->job;
+	unsigned kept = 0;
 
+	keep = keep && job != NULL && !job->dropping && s->daemon->cfg.detach_grace_s > 0 &&
+	    !s->daemon->draining;
 	for (uint32_t i = 0; i < s->ntensor_slots; i++) {
-		if (s->tensors[i] != NULL) {
-			zd_tensor_release(s->daemon, s->tensors[i]);
-			s->tensors[i] = NULL;
+		struct zd_tensor *t = s->tensors[i];
+
+		if (t == NULL)
+			continue;
+		s->tensors[i] = NULL;
+		if (keep) {
+			keep_detached(job, t);
+			kept++;
+		} else {
+			zd_tensor_release(s->daemon, t);
 		}
 	}
 	if (job == NULL)
 		return;
+	if (kept > 0)
+		log_info("job '%s' rank %u detached (pid %d): %u tensor(s) wait %u s for a reattach",
+		    job->name, s->rank, (int)s->pid, kept, s->daemon->cfg.detach_grace_s);
 	job->ranks_attached--;
 	s->job = NULL;
 	zd_job_unref(s->daemon, job);
+}
+
+/* Frees one detached tensor; true when the job went with it. */
+static bool
+free_detached(struct zd_daemon *d, struct zd_job *job, struct zd_tensor *t)
+{
+	TAILQ_REMOVE(&job->detached, t, detached_entry);
+	job->ndetached--;
+	t->detached = false;
+	/* Busy: freed when its batch completes, which drops this reference then. */
+	if (t->busy) {
+		t->session = NULL;
+		return false;
+	}
+	tensor_free(d, t);
+	return zd_job_unref(d, job);
+}
+
+void
+zd_job_expire_detached(struct zd_daemon *d, bool all)
+{
+	uint64_t now = zd_now_ns(), grace = (uint64_t)d->cfg.detach_grace_s * 1000000000ull;
+	struct zd_job *job, *next_job;
+	struct zd_tensor *t, *next;
+
+	for (job = TAILQ_FIRST(&d->jobs); job != NULL; job = next_job) {
+		next_job = TAILQ_NEXT(job, entry);
+		for (t = TAILQ_FIRST(&job->detached); t != NULL; t = next) {
+			next = TAILQ_NEXT(t, detached_entry);
+			if (!all && now - t->detached_ns < grace)
+				continue;
+			if (!all)
+				log_info("job '%s' rank %u: tensor '%s' not reattached within %u s, freed",
+				    job->name, t->rank, t->name, d->cfg.detach_grace_s);
+			if (free_detached(d, job, t))
+				break;
+		}
+	}
+}
+
+int
+zd_job_drop(struct zd_session *s, const char *name, char *err, size_t errlen)
+{
+	struct zd_daemon *d = s->daemon;
+	struct zd_session *other, *next_s;
+	struct zd_job *job;
+	unsigned closed = 0;
+
+	TAILQ_FOREACH(job, &d->jobs, entry)
+		if (strcmp(job->name, name) == 0)
+			break;
+	if (job == NULL) {
+		snprintf(err, errlen, "no job named '%s'", name);
+		return -ENOENT;
+	}
+	if (job->uid != s->uid && s->uid != 0) {
+		snprintf(err, errlen, "job '%s' belongs to uid %u", name, (unsigned)job->uid);
+		return -EPERM;
+	}
+	if (s->job == job) {
+		snprintf(err, errlen, "this connection is a rank of job '%s'; close it instead", name);
+		return -EBUSY;
+	}
+	job->dropping = true;
+	/* Hold the job across the clean-up: its last reference may go in the middle. */
+	job->refs++;
+	for (other = TAILQ_FIRST(&d->sessions); other != NULL; other = next_s) {
+		next_s = TAILQ_NEXT(other, entry);
+		if (other->job == job) {
+			zd_session_error(other, 0, -ECONNABORTED, "job '%s' was dropped", name);
+			zd_session_close(other);
+			closed++;
+		}
+	}
+	while (!TAILQ_EMPTY(&job->detached))
+		(void)free_detached(d, job, TAILQ_FIRST(&job->detached));
+	log_info("job '%s' dropped by uid %u (pid %d): %u rank(s) disconnected", name,
+	    (unsigned)s->uid, (int)s->pid, closed);
+	zd_job_unref(d, job);
+	return 0;
+}
+
+unsigned
+zd_job_detached_ranks(const struct zd_job *job)
+{
+	const struct zd_tensor *t, *u;
+	unsigned ranks = 0;
+
+	/* Distinct ranks; the list holds only dead ranks' tensors. */
+	TAILQ_FOREACH(t, &job->detached, detached_entry) {
+		bool seen = false;
+
+		TAILQ_FOREACH(u, &job->detached, detached_entry) {
+			if (u == t)
+				break;
+			if (u->rank == t->rank)
+				seen = true;
+		}
+		ranks += !seen;
+	}
+	return ranks;
 }
 
 static void
@@ -109,8 +265,15 @@ tensor_free(struct zd_daemon *d, struct zd_tensor *t)
 {
 	zd_shm_destroy(d, &t->grad_slot);
 	zd_shm_destroy(d, &t->param_slot);
-	if (t->state != NULL)
+	if (t->state != NULL) {
+		struct zd_uid *u = t->job != NULL ? zd_uid_get(d, t->job->uid) : NULL;
+
 		zt_arena_release(d->arena, t->state, t->state_bytes, t->state_pinned);
+		if (u != NULL) {
+			u->pinned_bytes -= t->state_bytes;
+			zd_uid_put(d, u);
+		}
+	}
 	if (t->job != NULL) {
 		t->job->tensors--;
 		t->job->params -= t->numel;
@@ -167,13 +330,53 @@ human(uint64_t bytes, char *buf, size_t len)
 	snprintf(buf, len, "%.1f %s", v, units[u]);
 }
 
+/* A new process of a dead rank takes its tensor back, state and slots as they were. */
+static int
+resume_detached(struct zd_session *s, const struct zp_tensor_register *req,
+    struct zd_tensor **ret, char *err, size_t errlen)
+{
+	struct zd_job *job = s->job;
+	struct zd_tensor *t;
+	int r;
+
+	TAILQ_FOREACH(t, &job->detached, detached_entry)
+		if (t->rank == s->rank && strcmp(t->name, req->name) == 0)
+			break;
+	if (t == NULL)
+		return 0;
+	if (t->numel != req->numel || t->grad_dtype != (enum zk_dtype)req->grad_dtype ||
+	    t->param_dtype != (enum zk_dtype)req->param_dtype) {
+		snprintf(err, errlen, "tensor '%s' of rank %u is kept with %llu elements, grads %s, "
+		    "params %s; it cannot be taken back as %llu elements, %s, %s", t->name, t->rank,
+		    (unsigned long long)t->numel, zk_dtype_name(t->grad_dtype),
+		    zk_dtype_name(t->param_dtype), (unsigned long long)req->numel,
+		    zk_dtype_name((enum zk_dtype)req->grad_dtype),
+		    zk_dtype_name((enum zk_dtype)req->param_dtype));
+		return -EINVAL;
+	}
+	r = add_handle(s, t);
+	if (r < 0) {
+		snprintf(err, errlen, "too many tensors on this connection");
+		return r;
+	}
+	TAILQ_REMOVE(&job->detached, t, detached_entry);
+	job->ndetached--;
+	t->detached = false;
+	t->session = s;
+	/* The session's own reference to the job covers it now. */
+	job->refs--;
+	*ret = t;
+	return 1;
+}
+
 int
 zd_tensor_create(struct zd_session *s, const struct zp_tensor_register *req,
-    struct zd_tensor **ret, char *err, size_t errlen)
+    struct zd_tensor **ret, bool *ret_resumed, char *err, size_t errlen)
 {
 	struct zd_daemon *d = s->daemon;
 	struct zd_tensor *t;
 	struct zt_arena_stats as;
+	struct zd_uid *u;
 	size_t stride;
 	char a[32], b[32], c[32];
 	int r;
@@ -182,6 +385,13 @@ zd_tensor_create(struct zd_session *s, const struct zp_tensor_register *req,
 		snprintf(err, errlen, "open a job before registering tensors");
 		return -ENOTCONN;
 	}
+	r = resume_detached(s, req, ret, err, errlen);
+	if (r != 0) {
+		if (r > 0)
+			*ret_resumed = true;
+		return r < 0 ? r : 0;
+	}
+	*ret_resumed = false;
 	for (uint32_t i = 0; i < s->ntensor_slots; i++) {
 		if (s->tensors[i] != NULL && strcmp(s->tensors[i]->name, req->name) == 0) {
 			snprintf(err, errlen, "tensor '%s' is already registered on this rank",
@@ -207,6 +417,22 @@ zd_tensor_create(struct zd_session *s, const struct zp_tensor_register *req,
 
 	stride = array_stride(t->numel);
 	t->state_bytes = 3 * stride;
+	u = zd_uid_get(d, s->uid);
+	if (u == NULL) {
+		snprintf(err, errlen, "out of memory");
+		r = -ENOMEM;
+		goto fail;
+	}
+	if (d->cfg.uid_pinned_budget > 0 &&
+	    u->pinned_bytes + t->state_bytes > d->cfg.uid_pinned_budget) {
+		human(t->state_bytes, a, sizeof(a));
+		human(u->pinned_bytes, b, sizeof(b));
+		human(d->cfg.uid_pinned_budget, c, sizeof(c));
+		snprintf(err, errlen, "tensor '%s' needs %s of optimizer state; uid %u has %s of its "
+		    "%s (limits.uid_pinned_budget) in use", t->name, a, (unsigned)s->uid, b, c);
+		r = -EDQUOT;
+		goto fail;
+	}
 	r = zt_arena_alloc(d->arena, t->state_bytes, &t->state, &t->state_pinned);
 	if (r < 0) {
 		zt_arena_get_stats(d->arena, &as);
@@ -226,6 +452,11 @@ zd_tensor_create(struct zd_session *s, const struct zp_tensor_register *req,
 		t->state = NULL;
 		goto fail;
 	}
+	u->pinned_bytes += t->state_bytes;
+	/* From here tensor_free undoes the job's and the uid's counts. */
+	t->job = s->job;
+	s->job->tensors++;
+	s->job->params += t->numel;
 	t->master = t->state;
 	t->m = (float *)((char *)t->state + stride);
 	t->v = (float *)((char *)t->state + 2 * stride);
@@ -252,9 +483,7 @@ zd_tensor_create(struct zd_session *s, const struct zp_tensor_register *req,
 		goto fail;
 	}
 	t->session = s;
-	t->job = s->job;
-	s->job->tensors++;
-	s->job->params += t->numel;
+	t->rank = s->rank;
 	*ret = t;
 	return 0;
 fail:

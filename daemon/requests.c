@@ -75,9 +75,10 @@ handle_tensor_register(struct zd_session *s, const struct zp_msg *msg)
 	struct zp_msg m = { .hdr = { .type = ZP_TENSOR_OK, .request_id = msg->hdr.request_id } };
 	char err[ZP_ERRMSG_MAX + 1];
 	struct zd_tensor *t;
+	bool resumed;
 	int fds[2], r;
 
-	r = zd_tensor_create(s, &msg->u.tensor_register, &t, err, sizeof(err));
+	r = zd_tensor_create(s, &msg->u.tensor_register, &t, &resumed, err, sizeof(err));
 	if (r < 0) {
 		zd_session_error(s, msg->hdr.request_id, r, "%s", err);
 		log_info("session %u: %s", s->id, err);
@@ -86,6 +87,8 @@ handle_tensor_register(struct zd_session *s, const struct zp_msg *msg)
 	m.u.tensor_ok.handle = t->handle;
 	m.u.tensor_ok.grad_bytes = t->grad_slot.bytes;
 	m.u.tensor_ok.param_bytes = t->param_slot.bytes;
+	m.u.tensor_ok.resumed = resumed;
+	m.u.tensor_ok.last_step = t->last_step;
 	fds[0] = t->grad_slot.fd;
 	fds[1] = t->param_slot.fd;
 	(void)zd_session_send(s, &m, fds, 2);
@@ -230,7 +233,7 @@ zd_handle_request(struct zd_session *s, const struct zp_msg *msg)
 			zd_session_error(s, id, -EBUSY, "steps are still in flight; wait for them first");
 			return;
 		}
-		zd_job_detach(s);
+		zd_job_detach(s, false);
 		reply_ok(s, id);
 		break;
 	case ZP_TENSOR_REGISTER:
@@ -249,6 +252,16 @@ zd_handle_request(struct zd_session *s, const struct zp_msg *msg)
 	case ZP_STEP_SUBMIT:
 		zd_step_submit(s, msg);
 		break;
+	case ZP_JOB_DROP: {
+		char err[ZP_ERRMSG_MAX + 1];
+		int r = zd_job_drop(s, msg->u.job_drop.job_name, err, sizeof(err));
+
+		if (r < 0)
+			zd_session_error(s, id, r, "%s", err);
+		else
+			reply_ok(s, id);
+		break;
+	}
 	case ZP_STATS:
 		reply_json(s, id, zd_stats_json(s->daemon));
 		break;

@@ -20,6 +20,7 @@
 #include "pool.h"
 #include "server.h"
 #include "stepper.h"
+#include "swap.h"
 
 uint64_t
 zd_now_ns(void)
@@ -263,11 +264,155 @@ signal_cb(evutil_socket_t sig, short what, void *arg)
 	log_info("%s: no new connections; finishing %u step(s) in flight",
 	    sig == SIGTERM ? "SIGTERM" : "SIGINT", d->inflight_batches);
 	d->draining = true;
+	(void)zd_notify("STOPPING=1");
 	if (d->ev_listen != NULL) {
 		event_free(d->ev_listen);
 		d->ev_listen = NULL;
 	}
 	maybe_finish(d);
+}
+
+static void
+swap_cb(evutil_socket_t fd, short what, void *arg)
+{
+	struct zd_daemon *d = arg;
+	int r = zs_engine_process(d->swap);
+
+	if (r < 0)
+		log_warn(r, "swap engine");
+}
+
+static int
+start_swap(struct zd_daemon *d)
+{
+	struct zs_path paths[ZD_MAX_SWAP_PATHS];
+	struct zs_error_info info = { .path = -1 };
+	struct zs_engine_stats es;
+	struct zs_config zc = {
+		.paths = paths,
+		.npaths = d->cfg.nswap_paths,
+		.stripe_unit = (uint32_t)d->cfg.swap_block_size,
+		.queue_depth = d->cfg.swap_queue_depth,
+		.allow_fallback = d->cfg.swap_fallback,
+	};
+	int r;
+
+	if (d->cfg.nswap_paths == 0) {
+		log_info("NVMe tier off: no swap.paths configured");
+		return 0;
+	}
+	if (d->cfg.nswap_paths > ZS_MAX_PATHS) {
+		log_errorx("swap.paths: %u paths, the engine takes at most %d", d->cfg.nswap_paths,
+		    ZS_MAX_PATHS);
+		return -EINVAL;
+	}
+	for (unsigned i = 0; i < d->cfg.nswap_paths; i++)
+		paths[i] = (struct zs_path){ d->cfg.swap_paths[i].path, d->cfg.swap_paths[i].capacity };
+	if (strcmp(d->cfg.swap_engine, "io_uring") == 0)
+		zc.engine = ZS_ENGINE_URING;
+	else if (strcmp(d->cfg.swap_engine, "pthread") == 0)
+		zc.engine = ZS_ENGINE_PTHREAD;
+	else
+		zc.engine = ZS_ENGINE_AUTO;
+	r = zs_engine_new(&zc, &d->swap, &info);
+	if (r < 0) {
+		if (info.path >= 0)
+			log_errorx("swap path %s: %s failed: %s", paths[info.path].path,
+			    info.step ? info.step : "setup", zs_strerror(info.cause ? info.cause : r));
+		else
+			log_errorx("swap engine: %s%s%s%s", zs_strerror(r),
+			    info.step ? " (" : "", info.step ? info.step : "", info.step ? ")" : "");
+		return r;
+	}
+	zs_engine_stats(d->swap, &es);
+	if (es.uring_error != 0)
+		log_warnx("io_uring is unavailable (%s): swapping with the pthread fallback "
+		    "(swap.fallback is true)", zs_strerror(es.uring_error));
+	for (unsigned i = 0; i < d->cfg.nswap_paths; i++) {
+		struct zs_path_stats ps;
+		char cap[32];
+
+		zs_engine_path_stats(d->swap, i, &ps);
+		fmt_bytes(ps.capacity, cap, sizeof(cap));
+		log_info("NVMe tier: %s, %s preallocated, O_DIRECT alignment %u", paths[i].path, cap,
+		    ps.dio_offset_align);
+	}
+	log_info("NVMe tier: %s engine, queue depth %u, stripe unit %u KiB over %u path(s)",
+	    zs_engine_name(d->swap), es.queue_depth, es.stripe_unit >> 10, es.npaths);
+	d->ev_swap = event_new(d->base, zs_engine_fd(d->swap), EV_READ | EV_PERSIST, swap_cb, d);
+	if (d->ev_swap == NULL || event_add(d->ev_swap, NULL) != 0)
+		return -ENOMEM;
+	return 0;
+}
+
+static void
+tick_cb(evutil_socket_t fd, short what, void *arg)
+{
+	zd_tick(arg);
+}
+
+void
+zd_tick(struct zd_daemon *d)
+{
+	uint64_t now = zd_now_ns();
+	double dt = (double)(now - d->last_tick_ns) / 1e9;
+
+	d->last_tick_ns = now;
+	if (d->swap != NULL) {
+		for (unsigned i = 0; i < d->cfg.nswap_paths && i < ZD_MAX_SWAP_PATHS; i++) {
+			struct zd_swap_sample *smp = &d->swap_samples[i];
+			struct zs_path_stats ps;
+
+			if (zs_engine_path_stats(d->swap, i, &ps) != 0)
+				continue;
+			if (dt > 0) {
+				smp->read_bps = (double)(ps.bytes_read - smp->bytes_read) / dt;
+				smp->write_bps = (double)(ps.bytes_written - smp->bytes_written) / dt;
+			}
+			smp->bytes_read = ps.bytes_read;
+			smp->bytes_written = ps.bytes_written;
+		}
+	}
+	zd_job_expire_detached(d, false);
+	/* systemctl status shows this line. */
+	if (now / 1000000000ull % 10 == 0) {
+		char status[160];
+
+		snprintf(status, sizeof(status), "STATUS=%u sessions, %llu steps applied, kernels %s",
+		    d->nsessions, (unsigned long long)d->steps.batches_applied, zk_isa_name(d->isa));
+		(void)zd_notify(status);
+	}
+}
+
+static void
+watchdog_cb(evutil_socket_t fd, short what, void *arg)
+{
+	(void)zd_notify("WATCHDOG=1");
+}
+
+/* systemd's WatchdogSec=: ping at half the interval it asked for. */
+static int
+start_watchdog(struct zd_daemon *d)
+{
+	const char *usec = getenv("WATCHDOG_USEC"), *pid = getenv("WATCHDOG_PID");
+	unsigned long long us;
+	struct timeval tv;
+
+	if (usec == NULL)
+		return 0;
+	if (pid != NULL && strtol(pid, NULL, 10) != (long)getpid())
+		return 0;
+	us = strtoull(usec, NULL, 10);
+	if (us == 0)
+		return 0;
+	tv.tv_sec = (time_t)(us / 2 / 1000000);
+	tv.tv_usec = (suseconds_t)(us / 2 % 1000000);
+	d->ev_watchdog = event_new(d->base, -1, EV_PERSIST, watchdog_cb, d);
+	if (d->ev_watchdog == NULL || event_add(d->ev_watchdog, &tv) != 0)
+		return -ENOMEM;
+	(void)zd_notify("WATCHDOG=1");
+	log_info("systemd watchdog: pinging every %llu ms", us / 2000);
+	return 0;
 }
 
 int
@@ -279,6 +424,7 @@ zd_server_run(struct zd_daemon *d)
 
 	TAILQ_INIT(&d->sessions);
 	TAILQ_INIT(&d->jobs);
+	TAILQ_INIT(&d->uids);
 	d->listen_fd = -1;
 	d->started_ns = zd_now_ns();
 	signal(SIGPIPE, SIG_IGN);
@@ -325,6 +471,9 @@ zd_server_run(struct zd_daemon *d)
 		r = -ENOMEM;
 		goto out;
 	}
+	r = start_swap(d);
+	if (r < 0)
+		goto out;
 	r = open_listener(d);
 	if (r < 0)
 		goto out;
@@ -343,6 +492,13 @@ zd_server_run(struct zd_daemon *d)
 			goto out;
 		}
 	}
+	d->last_tick_ns = zd_now_ns();
+	d->ev_tick = event_new(d->base, -1, EV_PERSIST, tick_cb, d);
+	if (d->ev_tick == NULL || event_add(d->ev_tick, &(struct timeval){ 1, 0 }) != 0 ||
+	    start_watchdog(d) != 0) {
+		r = -ENOMEM;
+		goto out;
+	}
 	log_info("zoffloadd listening on %s: %u worker threads, kernels %s, config %s",
 	    d->cfg.socket_path, threads, zk_isa_name(d->isa), d->cfg.source);
 	zd_notify_ready(d);
@@ -354,6 +510,8 @@ zd_server_run(struct zd_daemon *d)
 out:
 	while (!TAILQ_EMPTY(&d->sessions))
 		zd_session_close(TAILQ_FIRST(&d->sessions));
+	/* Detached ranks' state goes with the daemon. */
+	zd_job_expire_detached(d, true);
 	/* Batches still queued finish first; none can be left after a drain. */
 	zd_stepper_free(d->stepper);
 	for (size_t i = 0; i < sizeof(d->ev_signals) / sizeof(d->ev_signals[0]); i++)
@@ -363,6 +521,13 @@ out:
 		event_free(d->ev_listen);
 	if (d->ev_stepper != NULL)
 		event_free(d->ev_stepper);
+	if (d->ev_tick != NULL)
+		event_free(d->ev_tick);
+	if (d->ev_watchdog != NULL)
+		event_free(d->ev_watchdog);
+	if (d->ev_swap != NULL)
+		event_free(d->ev_swap);
+	zs_engine_free(d->swap);
 	if (d->listen_fd >= 0) {
 		close(d->listen_fd);
 		unlink(d->cfg.socket_path);

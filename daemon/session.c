@@ -39,6 +39,23 @@ zd_session_accept(struct zd_daemon *d, int fd)
 		close(fd);
 		return;
 	}
+	if (d->cfg.max_clients_per_uid > 0) {
+		struct zd_uid *u = zd_uid_get(d, cred.uid);
+
+		if (u != NULL && u->sessions >= d->cfg.max_clients_per_uid) {
+			struct zp_msg m = { .hdr = { .type = ZP_ERROR } };
+
+			m.u.error.code = -EUSERS;
+			snprintf(m.u.error.message, sizeof(m.u.error.message),
+			    "uid %u already has %u connections (limits.max_clients_per_uid)",
+			    (unsigned)cred.uid, u->sessions);
+			(void)zp_send(fd, &m, NULL, 0);
+			log_warnx("refused a client of uid %u: %u connections", (unsigned)cred.uid,
+			    u->sessions);
+			close(fd);
+			return;
+		}
+	}
 	s = calloc(1, sizeof(*s));
 	if (s == NULL) {
 		log_warnx("out of memory accepting a client");
@@ -67,6 +84,9 @@ zd_session_accept(struct zd_daemon *d, int fd)
 		close(fd);
 		return;
 	}
+	s->uid_usage = zd_uid_get(d, s->uid);
+	if (s->uid_usage != NULL)
+		s->uid_usage->sessions++;
 	TAILQ_INSERT_TAIL(&d->sessions, s, entry);
 	d->nsessions++;
 	log_debug("session %u: connected, pid %d uid %u", s->id, (int)s->pid, (unsigned)s->uid);
@@ -83,7 +103,12 @@ zd_session_close(struct zd_session *s)
 	/* Batches in flight finish without us; their tensors are freed when they do. */
 	TAILQ_FOREACH(b, &s->inflight, session_entry)
 		b->session = NULL;
-	zd_job_detach(s);
+	/* A connection that goes without JOB_CLOSE is a rank that died: keep its state a while. */
+	zd_job_detach(s, true);
+	if (s->uid_usage != NULL) {
+		s->uid_usage->sessions--;
+		zd_uid_put(d, s->uid_usage);
+	}
 	zd_shm_destroy(d, &s->xfer);
 	while ((o = TAILQ_FIRST(&s->outq)) != NULL) {
 		TAILQ_REMOVE(&s->outq, o, entry);

@@ -6,6 +6,7 @@
 
 #include "build_config.h"
 #include "daemon.h"
+#include "swap.h"
 
 #if HAVE_JEMALLOC
 #include <jemalloc/jemalloc.h>
@@ -107,6 +108,74 @@ add_steps(cJSON *root, const struct zd_daemon *d)
 }
 
 static void
+add_nvme(cJSON *tiers, const struct zd_daemon *d)
+{
+	struct zs_engine_stats es;
+	cJSON *nvme, *paths;
+
+	nvme = cJSON_AddObjectToObject(tiers, "nvme");
+	if (nvme == NULL)
+		return;
+	if (d->swap == NULL) {
+		cJSON_AddStringToObject(nvme, "engine", "off");
+		return;
+	}
+	zs_engine_stats(d->swap, &es);
+	cJSON_AddStringToObject(nvme, "engine", zs_engine_name(d->swap));
+	if (es.uring_error != 0)
+		cJSON_AddStringToObject(nvme, "io_uring_unavailable", zs_strerror(es.uring_error));
+	cJSON_AddNumberToObject(nvme, "queue_depth", es.queue_depth);
+	cJSON_AddNumberToObject(nvme, "stripe_unit", es.stripe_unit);
+	cJSON_AddNumberToObject(nvme, "in_flight", es.in_flight);
+	cJSON_AddNumberToObject(nvme, "in_flight_peak", es.in_flight_peak);
+	cJSON_AddNumberToObject(nvme, "retries", (double)es.retries);
+	cJSON_AddNumberToObject(nvme, "short_ios", (double)es.short_ios);
+	paths = cJSON_AddArrayToObject(nvme, "paths");
+	for (unsigned i = 0; paths != NULL && i < es.npaths && i < ZD_MAX_SWAP_PATHS; i++) {
+		struct zs_path_stats ps;
+		cJSON *p = cJSON_CreateObject();
+
+		if (p == NULL || zs_engine_path_stats(d->swap, i, &ps) != 0) {
+			cJSON_Delete(p);
+			continue;
+		}
+		cJSON_AddStringToObject(p, "path", d->cfg.swap_paths[i].path);
+		cJSON_AddNumberToObject(p, "capacity_bytes", (double)ps.capacity);
+		cJSON_AddNumberToObject(p, "used_bytes", (double)ps.used_bytes);
+		cJSON_AddNumberToObject(p, "read_bytes", (double)ps.bytes_read);
+		cJSON_AddNumberToObject(p, "written_bytes", (double)ps.bytes_written);
+		cJSON_AddNumberToObject(p, "read_bps", d->swap_samples[i].read_bps);
+		cJSON_AddNumberToObject(p, "write_bps", d->swap_samples[i].write_bps);
+		cJSON_AddNumberToObject(p, "in_flight", ps.in_flight);
+		cJSON_AddNumberToObject(p, "errors_eio", (double)ps.errors_eio);
+		cJSON_AddNumberToObject(p, "errors_enospc", (double)ps.errors_enospc);
+		cJSON_AddNumberToObject(p, "errors_other", (double)ps.errors_other);
+		cJSON_AddItemToArray(paths, p);
+	}
+}
+
+static void
+add_uids(cJSON *root, const struct zd_daemon *d)
+{
+	cJSON *uids = cJSON_AddArrayToObject(root, "uids");
+	const struct zd_uid *u;
+
+	TAILQ_FOREACH(u, &d->uids, entry) {
+		cJSON *o = cJSON_CreateObject();
+
+		if (uids == NULL || o == NULL) {
+			cJSON_Delete(o);
+			return;
+		}
+		cJSON_AddNumberToObject(o, "uid", u->uid);
+		cJSON_AddNumberToObject(o, "sessions", u->sessions);
+		cJSON_AddNumberToObject(o, "pinned_bytes", (double)u->pinned_bytes);
+		cJSON_AddNumberToObject(o, "swap_bytes", (double)u->swap_bytes);
+		cJSON_AddItemToArray(uids, o);
+	}
+}
+
+static void
 add_tiers(cJSON *root, const struct zd_daemon *d)
 {
 	struct zt_arena_stats as;
@@ -127,6 +196,7 @@ add_tiers(cJSON *root, const struct zd_daemon *d)
 		    -1 : (double)as.memlock_limit);
 		cJSON_AddNumberToObject(pinned, "numa_node", as.numa_node);
 	}
+	add_nvme(tiers, d);
 	shm = cJSON_AddObjectToObject(tiers, "shm");
 	if (shm != NULL) {
 		cJSON_AddNumberToObject(shm, "budget_bytes", (double)d->cfg.shm_budget);
@@ -177,6 +247,8 @@ jobs_array(const struct zd_daemon *d)
 		cJSON_AddNumberToObject(j, "uid", job->uid);
 		cJSON_AddNumberToObject(j, "world_size", job->world_size);
 		cJSON_AddNumberToObject(j, "ranks_attached", job->ranks_attached);
+		cJSON_AddNumberToObject(j, "ranks_detached", zd_job_detached_ranks(job));
+		cJSON_AddNumberToObject(j, "tensors_detached", job->ndetached);
 		cJSON_AddNumberToObject(j, "tensors", (double)job->tensors);
 		cJSON_AddNumberToObject(j, "params", (double)job->params);
 		cJSON_AddNumberToObject(j, "steps_applied", (double)job->steps_applied);
@@ -221,6 +293,7 @@ zd_stats_json(struct zd_daemon *d)
 	add_tiers(root, d);
 	add_malloc(root);
 	add_steps(root, d);
+	add_uids(root, d);
 	cJSON_AddItemToObject(root, "jobs", jobs_array(d));
 	return print_and_free(root);
 }

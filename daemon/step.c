@@ -165,6 +165,9 @@ tensor_done(struct zd_daemon *d, struct zd_batch *b, size_t i, enum zp_step_stat
 	if (t->session == NULL) {
 		struct zd_job *job = t->job;
 
+		/* Kept for a reattach: only its rank died. */
+		if (t->detached)
+			return;
 		zd_tensor_release(d, t);
 		zd_job_unref(d, job);
 		return;

@@ -69,13 +69,13 @@ post(struct zd_stepper *st, struct zd_batch *b, size_t index)
 	(void)!write(st->efd, &one, sizeof(one));
 }
 
+/* The batch's own completion is posted by stepper_main, once nothing here touches it again. */
 static void
 finish(struct zd_stepper *st, struct zd_batch *b, enum zp_step_status status, int error)
 {
 	b->status = status;
 	b->error = error;
 	b->next_tensor = b->count;
-	post(st, b, SIZE_MAX);
 }
 
 /* The finiteness check and the global norm cover the whole set before any of it is applied. */
@@ -173,6 +173,7 @@ stepper_main(void *arg)
 	struct zd_stepper *st = arg;
 	struct lane *lane;
 	struct zd_batch *b;
+	bool done;
 
 	pthread_mutex_lock(&st->lock);
 	for (;;) {
@@ -185,9 +186,10 @@ stepper_main(void *arg)
 		pthread_mutex_unlock(&st->lock);
 
 		run_quantum(st, b);
+		done = batch_done(b);
 
 		pthread_mutex_lock(&st->lock);
-		if (batch_done(b))
+		if (done)
 			TAILQ_REMOVE(&lane->batches, b, entry);
 		/* Round robin: this lane goes to the back, or away when empty. */
 		TAILQ_REMOVE(&st->lanes, lane, entry);
@@ -195,6 +197,15 @@ stepper_main(void *arg)
 			free(lane);
 		else
 			TAILQ_INSERT_TAIL(&st->lanes, lane, entry);
+		/*
+		 * Posted last: the loop frees the batch as soon as it reaps this,
+		 * so it must be off the lane and its compute_ns final by then.
+		 */
+		if (done) {
+			pthread_mutex_unlock(&st->lock);
+			post(st, b, SIZE_MAX);
+			pthread_mutex_lock(&st->lock);
+		}
 	}
 	pthread_mutex_unlock(&st->lock);
 	return NULL;

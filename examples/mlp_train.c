@@ -248,7 +248,7 @@ main(int argc, char **argv)
 	struct zc_conn *c;
 	struct zc_step_result res;
 	float *data, teacher[256 * NCLASSES];
-	int *labels, opt, r;
+	int *labels, opt, r, first;
 	uint64_t nparams = 0;
 	double t0;
 
@@ -333,8 +333,12 @@ main(int argc, char **argv)
 	    "AdamW in zoffloadd\n", dims[0], dims[1], dims[2], dims[3], (double)nparams / 1e6);
 
 	set = xcalloc((size_t)m.nlayers * 2, sizeof(*set));
+	/* A rank that died and came back carries on from the daemon's state. */
+	first = (int)zc_tensor_last_step(m.layers[0].tw) + 1;
+	if (first > 1)
+		printf("mlp_train: resumed job '%s' after step %d\n", job, first - 1);
 	t0 = now_s();
-	for (int step = 1; step <= steps; step++) {
+	for (int step = first; step <= steps; step++) {
 		int start = ((step - 1) * batch) % (ndata - batch + 1);
 		double loss;
 
@@ -363,8 +367,11 @@ main(int argc, char **argv)
 			    loss, res.grad_norm, (double)res.latency_ns / 1e6,
 			    res.status == ZC_STEP_SKIPPED_NONFINITE ? "  (skipped: inf/NaN)" : "");
 	}
-	printf("mlp_train: %d steps in %.1f s\n", steps, now_s() - t0);
-	r = 0;
+	printf("mlp_train: steps %d to %d in %.1f s\n", first, steps, now_s() - t0);
+	/* Done: nothing to keep for a reattach. */
+	r = zc_job_close(c);
+	if (r < 0)
+		goto fail;
 	goto out;
 fail:
 	fprintf(stderr, "mlp_train: %s\n", zc_errmsg(c));

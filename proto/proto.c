@@ -257,6 +257,9 @@ encode_payload(const struct zp_msg *m, struct wbuf *w)
 		put_u32(w, m->u.job_open.rank);
 		put_u32(w, m->u.job_open.world_size);
 		break;
+	case ZP_JOB_DROP:
+		put_str(w, m->u.job_drop.job_name);
+		break;
 	case ZP_TENSOR_REGISTER:
 		put_str(w, m->u.tensor_register.name);
 		put_u64(w, m->u.tensor_register.numel);
@@ -313,6 +316,8 @@ encode_payload(const struct zp_msg *m, struct wbuf *w)
 		put_u32(w, m->u.tensor_ok.handle);
 		put_u64(w, m->u.tensor_ok.grad_bytes);
 		put_u64(w, m->u.tensor_ok.param_bytes);
+		put_u8(w, m->u.tensor_ok.resumed);
+		put_u64(w, m->u.tensor_ok.last_step);
 		break;
 	case ZP_XFER_OK:
 		put_u64(w, m->u.xfer_ok.bytes);
@@ -383,6 +388,9 @@ decode_payload(struct rbuf *r, struct zp_msg *m)
 		check(r, j->rank < j->world_size, "rank");
 		break;
 	}
+	case ZP_JOB_DROP:
+		get_str(r, m->u.job_drop.job_name, ZP_NAME_MAX, 1, "job_name");
+		break;
 	case ZP_TENSOR_REGISTER: {
 		struct zp_tensor_register *t = &m->u.tensor_register;
 
@@ -456,6 +464,9 @@ decode_payload(struct rbuf *r, struct zp_msg *m)
 		m->u.tensor_ok.handle = get_u32(r, "handle");
 		m->u.tensor_ok.grad_bytes = get_u64(r, "grad_bytes");
 		m->u.tensor_ok.param_bytes = get_u64(r, "param_bytes");
+		m->u.tensor_ok.resumed = get_u8(r, "resumed");
+		check(r, m->u.tensor_ok.resumed <= 1, "resumed");
+		m->u.tensor_ok.last_step = get_u64(r, "last_step");
 		break;
 	case ZP_XFER_OK:
 		m->u.xfer_ok.bytes = get_u64(r, "bytes");

@@ -44,6 +44,7 @@
 	X(STEP_SUBMIT, 10)						\
 	X(STATS, 11)							\
 	X(JOBS, 12)							\
+	X(JOB_DROP, 13)							\
 	X(OK, 64)							\
 	X(ERROR, 65)							\
 	X(HELLO_OK, 66)							\
@@ -102,6 +103,8 @@ struct zp_header {
 
 /* HELLO: str client_name */
 struct zp_hello { char client_name[ZP_NAME_MAX + 1]; };
+/* JOB_DROP: str job_name (a job of this uid, or any for root) */
+struct zp_job_drop { char job_name[ZP_NAME_MAX + 1]; };
 /* JOB_OPEN: str job_name, u32 rank, u32 world_size (rank < world_size <= 65536) */
 struct zp_job_open { char job_name[ZP_NAME_MAX + 1]; uint32_t rank; uint32_t world_size; };
 /* TENSOR_REGISTER: str name, u64 numel (> 0), u8 grad_dtype, u8 param_dtype */
@@ -133,8 +136,18 @@ struct zp_error { int32_t code; char message[ZP_ERRMSG_MAX + 1]; };
 struct zp_hello_ok { uint32_t session_id; uint32_t uid; char daemon_version[ZP_NAME_MAX + 1]; };
 /* JOB_OK: u64 job_id, u64 last_step (0 for a new job) */
 struct zp_job_ok { uint64_t job_id; uint64_t last_step; };
-/* TENSOR_OK: u32 handle, u64 grad_bytes, u64 param_bytes; fds: grad slot, param slot */
-struct zp_tensor_ok { uint32_t handle; uint64_t grad_bytes; uint64_t param_bytes; };
+/*
+ * TENSOR_OK: u32 handle, u64 grad_bytes, u64 param_bytes, u8 resumed, u64 last_step;
+ * fds: grad slot, param slot.  resumed: the tensor was kept from a rank that died and
+ * holds its state as of last_step; the client sends no initial values then.
+ */
+struct zp_tensor_ok {
+	uint32_t handle;
+	uint64_t grad_bytes;
+	uint64_t param_bytes;
+	uint8_t resumed;
+	uint64_t last_step;
+};
 /* XFER_OK: u64 bytes; fd: the window */
 struct zp_xfer_ok { uint64_t bytes; };
 /* JSON: the rest of the payload is UTF-8 JSON text (not NUL-terminated on the wire) */
@@ -156,6 +169,7 @@ struct zp_msg {
 	union {
 		struct zp_hello hello;
 		struct zp_job_open job_open;
+		struct zp_job_drop job_drop;
 		struct zp_tensor_register tensor_register;
 		struct zp_tensor_handle tensor_handle;
 		struct zp_tensor_io tensor_io;
