@@ -1,0 +1,266 @@
+/* zoffloadd's configuration: defaults, a full file, and errors that name the file, the key and the value. */
+#include <criterion/criterion.h>
+#include <errno.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/sysinfo.h>
+#include <unistd.h>
+
+#include "build_config.h"
+#include "config.h"
+
+static struct zd_config cfg;
+static char err[512];
+static char tmpdir[] = "/tmp/zoff-config-XXXXXX";
+static char path[64];
+
+static void
+setup(void)
+{
+	cr_assert_eq(zd_config_defaults(&cfg), 0);
+	err[0] = '\0';
+	cr_assert_not_null(mkdtemp(tmpdir));
+	snprintf(path, sizeof(path), "%s/zoffload.conf", tmpdir);
+}
+
+static void
+teardown(void)
+{
+	zd_config_clear(&cfg);
+	unlink(path);
+	rmdir(tmpdir);
+}
+
+TestSuite(config, .init = setup, .fini = teardown);
+
+static void
+write_file(const char *text)
+{
+	FILE *f = fopen(path, "w");
+
+	cr_assert_not_null(f);
+	cr_assert_eq(fputs(text, f) >= 0, 1);
+	cr_assert_eq(fclose(f), 0);
+}
+
+/* Parsing text must fail, and the message must contain every one of the NULL-terminated words. */
+static void
+expect_error(const char *text, ...)
+{
+	va_list ap;
+	const char *word;
+	int r;
+
+	/* A refused file may leave cfg half-applied (main exits then): start each case afresh. */
+	zd_config_clear(&cfg);
+	cr_assert_eq(zd_config_defaults(&cfg), 0);
+	r = zd_config_parse(text, "/etc/zoffload-test.conf", &cfg, err, sizeof(err));
+	cr_assert_eq(r, -EINVAL, "accepted: %s", text);
+	cr_assert(strstr(err, "/etc/zoffload-test.conf") != NULL, "'%s' does not name the file", err);
+	va_start(ap, text);
+	while ((word = va_arg(ap, const char *)) != NULL)
+		cr_assert(strstr(err, word) != NULL, "'%s' does not mention %s", err, word);
+	va_end(ap);
+}
+
+Test(config, defaults)
+{
+	struct sysinfo si;
+	uint64_t ram;
+
+	cr_assert_eq(sysinfo(&si), 0);
+	ram = (uint64_t)si.totalram * si.mem_unit;
+	cr_assert_str_eq(cfg.source, "built-in defaults");
+	cr_assert_str_eq(cfg.socket_path, ZOFFLOAD_DEFAULT_SOCKET);
+	cr_assert_eq(cfg.socket_mode, 0660);
+	cr_assert_null(cfg.socket_group);
+	/* Half of RAM, measured here independently (sysinfo, not sysconf). */
+	cr_assert_eq(cfg.pinned_budget, ram / 2, "%llu vs %llu",
+	    (unsigned long long)cfg.pinned_budget, (unsigned long long)(ram / 2));
+	cr_assert_eq(cfg.shm_budget, ram / 2);
+	cr_assert_eq(cfg.numa_node, -1);
+	cr_assert_not(cfg.require_pinned);
+	cr_assert(cfg.hugepages);
+	cr_assert_eq(cfg.xfer_window, 16u << 20);
+	cr_assert_eq(cfg.worker_threads, 0);
+	cr_assert_eq(cfg.ncpus, 0);
+	cr_assert_str_eq(cfg.isa, "auto");
+	cr_assert_eq(cfg.nswap_paths, 0);
+	cr_assert_eq(cfg.swap_block_size, 1u << 20);
+	cr_assert_eq(cfg.swap_queue_depth, 32);
+	cr_assert_str_eq(cfg.swap_engine, "auto");
+	cr_assert(cfg.swap_fallback);
+	cr_assert_eq(cfg.max_clients, 1024);
+	cr_assert_eq(cfg.max_queued_messages, 8192);
+	cr_assert_eq(cfg.log_level, ZD_LOG_INFO);
+}
+
+Test(config, full_file)
+{
+	write_file(
+	    "{\n"
+	    "  \"socket\": { \"path\": \"/run/zoff/test.sock\", \"mode\": \"0600\", \"group\": \"train\" },\n"
+	    "  \"memory\": { \"pinned_budget\": \"12G\", \"numa_node\": 1, \"require_pinned\": true,\n"
+	    "              \"hugepages\": false, \"shm_budget\": 1073741824, \"xfer_window\": \"64MiB\" },\n"
+	    "  \"compute\": { \"worker_threads\": 6, \"cpus\": [0, 2, 4, 1023], \"isa\": \"scalar\" },\n"
+	    "  \"swap\": { \"paths\": [ { \"path\": \"/nvme0/swap\", \"capacity\": \"100G\" },\n"
+	    "                        { \"path\": \"/nvme1/swap\", \"capacity\": \"1T\" } ],\n"
+	    "            \"block_size\": \"4M\", \"queue_depth\": 128, \"engine\": \"pthread\",\n"
+	    "            \"fallback\": false },\n"
+	    "  \"limits\": { \"max_clients\": 64, \"max_queued_messages\": 16 },\n"
+	    "  \"log\": { \"level\": \"debug\" }\n"
+	    "}\n");
+	cr_assert_eq(zd_config_load(path, false, &cfg, err, sizeof(err)), 0, "%s", err);
+	cr_assert_str_eq(cfg.source, path);
+	cr_assert_str_eq(cfg.socket_path, "/run/zoff/test.sock");
+	cr_assert_eq(cfg.socket_mode, 0600);
+	cr_assert_str_eq(cfg.socket_group, "train");
+	cr_assert_eq(cfg.pinned_budget, 12ull << 30);
+	cr_assert_eq(cfg.numa_node, 1);
+	cr_assert(cfg.require_pinned);
+	cr_assert_not(cfg.hugepages);
+	cr_assert_eq(cfg.shm_budget, 1ull << 30);
+	cr_assert_eq(cfg.xfer_window, 64u << 20);
+	cr_assert_eq(cfg.worker_threads, 6);
+	cr_assert_eq(cfg.ncpus, 4);
+	cr_assert_eq(cfg.cpus[0], 0);
+	cr_assert_eq(cfg.cpus[1], 2);
+	cr_assert_eq(cfg.cpus[2], 4);
+	cr_assert_eq(cfg.cpus[3], 1023);
+	cr_assert_str_eq(cfg.isa, "scalar");
+	cr_assert_eq(cfg.nswap_paths, 2);
+	cr_assert_str_eq(cfg.swap_paths[0].path, "/nvme0/swap");
+	cr_assert_eq(cfg.swap_paths[0].capacity, 100ull << 30);
+	cr_assert_str_eq(cfg.swap_paths[1].path, "/nvme1/swap");
+	cr_assert_eq(cfg.swap_paths[1].capacity, 1ull << 40);
+	cr_assert_eq(cfg.swap_block_size, 4u << 20);
+	cr_assert_eq(cfg.swap_queue_depth, 128);
+	cr_assert_str_eq(cfg.swap_engine, "pthread");
+	cr_assert_not(cfg.swap_fallback);
+	cr_assert_eq(cfg.max_clients, 64);
+	cr_assert_eq(cfg.max_queued_messages, 16);
+	cr_assert_eq(cfg.log_level, ZD_LOG_DEBUG);
+}
+
+/* A partial file changes only what it names. */
+Test(config, partial_file_keeps_defaults)
+{
+	cr_assert_eq(zd_config_parse("{\"memory\": {\"numa_node\": 0}}", "x.conf", &cfg, err,
+	    sizeof(err)), 0, "%s", err);
+	cr_assert_eq(cfg.numa_node, 0);
+	cr_assert_eq(cfg.socket_mode, 0660);
+	cr_assert_str_eq(cfg.isa, "auto");
+	cr_assert_eq(cfg.max_clients, 1024);
+	cr_assert_str_eq(cfg.source, "x.conf");
+	cr_assert_eq(zd_config_parse("{}", "empty.conf", &cfg, err, sizeof(err)), 0, "%s", err);
+}
+
+Test(config, missing_file)
+{
+	char missing[96];
+
+	snprintf(missing, sizeof(missing), "%s/does-not-exist.conf", tmpdir);
+	cr_assert_eq(zd_config_load(missing, false, &cfg, err, sizeof(err)), -ENOENT);
+	cr_assert(strstr(err, missing) != NULL, "'%s' does not name the path", err);
+	/* The default path may be absent: then the defaults stand. */
+	err[0] = '\0';
+	cr_assert_eq(zd_config_load(missing, true, &cfg, err, sizeof(err)), 0);
+	cr_assert_str_eq(cfg.source, "built-in defaults");
+	/* Other errors than absence are not excused by missing_ok. */
+	cr_assert_lt(zd_config_load(tmpdir, true, &cfg, err, sizeof(err)), 0,
+	    "a directory loaded as a config");
+	cr_assert(strstr(err, tmpdir) != NULL, "'%s' does not name the path", err);
+}
+
+Test(config, unknown_keys)
+{
+	expect_error("{\"sockets\": {}}", "'sockets'", NULL);
+	expect_error("{\"socket\": {\"pth\": \"/x\"}}", "socket.pth", NULL);
+	expect_error("{\"memory\": {\"pinned\": \"1G\"}}", "memory.pinned", NULL);
+	expect_error("{\"compute\": {\"threads\": 2}}", "compute.threads", NULL);
+	expect_error("{\"swap\": {\"paths\": [{\"path\": \"/a\", \"capacity\": \"1G\", \"size\": 1}]}}",
+	    "swap.paths[].size", NULL);
+	expect_error("{\"log\": {\"lvl\": \"info\"}}", "log.lvl", NULL);
+	/* Keys are case-sensitive: a misspelt case is a typo too. */
+	expect_error("{\"Socket\": {}}", "Socket", NULL);
+}
+
+/* Through the file loader, the message names the file it read. */
+Test(config, unknown_key_names_file)
+{
+	write_file("{\"socket\": {\"pth\": \"/x\"}}");
+	cr_assert_eq(zd_config_load(path, false, &cfg, err, sizeof(err)), -EINVAL);
+	cr_assert(strstr(err, path) != NULL, "'%s' does not name %s", err, path);
+	cr_assert(strstr(err, "socket.pth") != NULL, "'%s'", err);
+}
+
+Test(config, bad_values)
+{
+	expect_error("{\"socket\": {\"mode\": \"0999\"}}", "socket.mode", "0999", NULL);
+	expect_error("{\"socket\": {\"mode\": \"01000\"}}", "socket.mode", "01000", NULL);
+	expect_error("{\"socket\": {\"mode\": 660}}", "socket.mode", "660", NULL);
+	expect_error("{\"socket\": {\"path\": \"\"}}", "socket.path", NULL);
+	expect_error("{\"memory\": {\"numa_node\": -2}}", "memory.numa_node", "-2", NULL);
+	expect_error("{\"memory\": {\"numa_node\": 1.5}}", "memory.numa_node", "1.5", NULL);
+	expect_error("{\"memory\": {\"pinned_budget\": \"12Q\"}}", "memory.pinned_budget", "12Q",
+	    NULL);
+	expect_error("{\"memory\": {\"pinned_budget\": \"512K\"}}", "memory.pinned_budget",
+	    "512K", NULL);
+	expect_error("{\"memory\": {\"shm_budget\": -1}}", "memory.shm_budget", "-1", NULL);
+	expect_error("{\"memory\": {\"xfer_window\": \"1G\"}}", "memory.xfer_window", NULL);
+	expect_error("{\"memory\": {\"hugepages\": \"yes\"}}", "memory.hugepages", "yes", NULL);
+	expect_error("{\"compute\": {\"isa\": \"sse9\"}}", "compute.isa", "sse9", NULL);
+	expect_error("{\"compute\": {\"worker_threads\": 5000}}", "compute.worker_threads", "5000",
+	    NULL);
+	expect_error("{\"compute\": {\"cpus\": [0, 1024]}}", "compute.cpus", "1024", NULL);
+	expect_error("{\"compute\": {\"cpus\": \"0-3\"}}", "compute.cpus", "0-3", NULL);
+	expect_error("{\"swap\": {\"paths\": [{\"path\": \"/nvme0/swap\"}]}}", "swap.paths[0]",
+	    "capacity", NULL);
+	expect_error("{\"swap\": {\"paths\": [{\"capacity\": \"1G\"}]}}", "swap.paths[0]", "path",
+	    NULL);
+	expect_error("{\"swap\": {\"block_size\": 12288}}", "swap.block_size", "12288", NULL);
+	expect_error("{\"swap\": {\"engine\": \"aio\"}}", "swap.engine", "aio", NULL);
+	expect_error("{\"limits\": {\"max_clients\": 0}}", "limits.max_clients", "0", NULL);
+	expect_error("{\"log\": {\"level\": \"loud\"}}", "log.level", "loud", NULL);
+	expect_error("{\"memory\": 5}", "'memory'", NULL);
+	expect_error("[1, 2]", "top level", NULL);
+}
+
+Test(config, not_json_names_line)
+{
+	expect_error("{\n  \"socket\": {\n    \"path\": \"/x\",\n  }\n}\n", "line 4", "JSON", NULL);
+	expect_error("socket = /x\n", "line 1", NULL);
+	/* Something after the object is not JSON either. */
+	expect_error("{}\n\n{}", "line 3", NULL);
+}
+
+Test(config, parse_size)
+{
+	static const struct { const char *text; uint64_t value; } good[] = {
+		{ "0", 0 }, { "1024", 1024 }, { "4K", 4096 }, { "4k", 4096 },
+		{ "512M", 512ull << 20 }, { "4G", 4ull << 30 }, { "4GB", 4ull << 30 },
+		{ "4GiB", 4ull << 30 }, { "4gib", 4ull << 30 }, { "2T", 2ull << 40 },
+		{ "16777215T", 16777215ull << 40 },
+		{ "18446744073709551615", UINT64_MAX },
+	};
+	static const struct { const char *text; int error; } bad[] = {
+		{ "", -EINVAL }, { "-1", -EINVAL }, { " 4G", -EINVAL }, { "G", -EINVAL },
+		{ "4X", -EINVAL }, { "4 G", -EINVAL }, { "4GiBs", -EINVAL }, { "4B", -EINVAL },
+		{ "4.5G", -EINVAL }, { "12Q", -EINVAL }, { "0x10", -EINVAL },
+		{ "18446744073709551616", -ERANGE }, { "16777216T", -ERANGE },
+	};
+	uint64_t v;
+
+	for (size_t i = 0; i < sizeof(good) / sizeof(good[0]); i++) {
+		v = 12345;
+		cr_assert_eq(zd_parse_size(good[i].text, &v), 0, "'%s' refused", good[i].text);
+		cr_assert_eq(v, good[i].value, "'%s' gave %llu", good[i].text, (unsigned long long)v);
+	}
+	for (size_t i = 0; i < sizeof(bad) / sizeof(bad[0]); i++) {
+		v = 12345;
+		cr_assert_eq(zd_parse_size(bad[i].text, &v), bad[i].error, "'%s'", bad[i].text);
+		cr_assert_eq(v, 12345, "'%s' wrote the result on failure", bad[i].text);
+	}
+	cr_assert_eq(zd_parse_size(NULL, &v), -EINVAL);
+}
