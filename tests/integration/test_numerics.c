@@ -1,0 +1,446 @@
+/* A real zoffloadd's Adam/AdamW steps against a double-precision reference written here, driven through libzclient. */
+#include <criterion/criterion.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "itd.h"
+
+/*
+ * Tolerance: the daemon keeps master, m and v in fp32 and rounds after every
+ * operation; the reference is double.  Each step rounds p twice (decay,
+ * update), m and v a few times each, every rounding at most half an ulp,
+ * i.e. 2^-24 of the largest magnitude.  Over 20 steps the roundings of p add
+ * up to at most 40 half-ulps worst case (2.4e-6 relative) but they are
+ * independent, so the sum grows like sqrt(40); m and v are moving averages
+ * that forget old errors (by 0.9 and 0.999 a step).  Measured on these seeds,
+ * the worst element of any array is off by 6e-7 of the array's maximum.
+ * 2e-6 leaves 3x room for that and for the fp32 rounding of the
+ * hyperparameters (1 - beta1 = 0.1 is not exact in fp32), and is still ~1000
+ * times smaller than one step's update (lr = 2e-3), so a wrong formula, a
+ * missing bias correction or decay, or a skipped step cannot pass.
+ */
+#define REL_TOL 2e-6
+#define STEPS 20
+
+/* Not multiples of any vector width, and one smaller than a vector. */
+static const size_t sizes[] = { 100003, 33335, 17 };
+#define NT (sizeof(sizes) / sizeof(sizes[0]))
+
+struct ref {
+	size_t n;
+	enum zc_dtype grad_dtype;
+	enum zc_dtype param_dtype;
+	double *p, *m, *v;
+	double *g;		/* the gradient the daemon consumes this step, unscaled */
+	struct zc_tensor *t;
+};
+
+static struct itd daemon_;
+static struct zc_conn *conn;
+static struct ref refs[NT];
+
+static void
+setup(void)
+{
+	itd_start(&daemon_, NULL);
+	conn = itd_connect(&daemon_);
+	cr_assert_eq(zc_job_open(conn, "numerics", 0, 1), 0, "%s", zc_errmsg(conn));
+}
+
+static void
+teardown(void)
+{
+	zc_disconnect(conn);
+	conn = NULL;
+	for (size_t i = 0; i < NT; i++) {
+		free(refs[i].p);
+		free(refs[i].m);
+		free(refs[i].v);
+		free(refs[i].g);
+		memset(&refs[i], 0, sizeof(refs[i]));
+	}
+	itd_cleanup(&daemon_);
+}
+
+TestSuite(numerics, .init = setup, .fini = teardown, .timeout = 60);
+
+static void
+register_tensors(struct itd_rng *rng, const enum zc_dtype *grad_dtypes, enum zc_dtype param_dtype)
+{
+	char name[32];
+
+	for (size_t k = 0; k < NT; k++) {
+		struct ref *r = &refs[k];
+		float *init = malloc(sizes[k] * sizeof(float));
+		struct zc_tensor_desc desc = { .name = name, .numel = sizes[k],
+			.grad_dtype = grad_dtypes[k], .param_dtype = param_dtype };
+		int rc;
+
+		r->n = sizes[k];
+		r->grad_dtype = grad_dtypes[k];
+		r->param_dtype = param_dtype;
+		r->p = calloc(r->n, sizeof(double));
+		r->m = calloc(r->n, sizeof(double));
+		r->v = calloc(r->n, sizeof(double));
+		r->g = calloc(r->n, sizeof(double));
+		cr_assert(init && r->p && r->m && r->v && r->g);
+		for (size_t i = 0; i < r->n; i++) {
+			init[i] = (float)itd_uniform(rng);
+			r->p[i] = init[i];
+		}
+		snprintf(name, sizeof(name), "layer%zu.weight", k);
+		rc = zc_tensor_register(conn, &desc, init, &r->t);
+		cr_assert_eq(rc, 0, "register %s: %s", name, zc_errmsg(conn));
+		free(init);
+	}
+}
+
+/*
+ * Writes a fresh random gradient into each grad slot and records the value
+ * the daemon will consume: the dtype's own rounding, then divided by scale.
+ */
+static void
+fill_grads(struct itd_rng *rng, double scale)
+{
+	for (size_t k = 0; k < NT; k++) {
+		struct ref *r = &refs[k];
+		void *slot = zc_tensor_grad_slot(r->t, NULL);
+
+		for (size_t i = 0; i < r->n; i++) {
+			switch (r->grad_dtype) {
+			case ZC_F32: {
+				float g = (float)(itd_uniform(rng) * scale);
+
+				((float *)slot)[i] = g;
+				r->g[i] = (double)g / scale;
+				break;
+			}
+			case ZC_BF16: {
+				/* Truncation makes a bf16 value without the daemon's converter. */
+				float f = (float)(itd_uniform(rng) * scale);
+				uint32_t bits;
+
+				memcpy(&bits, &f, sizeof(bits));
+				((uint16_t *)slot)[i] = (uint16_t)(bits >> 16);
+				r->g[i] = (double)itd_bf16_to_f32((uint16_t)(bits >> 16)) / scale;
+				break;
+			}
+			case ZC_F16: {
+				/*
+				 * Random fp16 bit patterns, exponents 0 (subnormal) to 26
+				 * (< 4096): what a loss-scaled fp16 backward leaves behind.
+				 */
+				uint64_t x = itd_rand(rng);
+				uint16_t h = (uint16_t)(((x & 1) << 15) | (((x >> 1) % 27) << 10) |
+				    ((x >> 8) & 0x3ff));
+
+				((uint16_t *)slot)[i] = h;
+				r->g[i] = (double)itd_f16_to_f32(h) / scale;
+				break;
+			}
+			}
+		}
+	}
+}
+
+static void
+ref_step(struct ref *r, const struct zc_step_params *sp)
+{
+	itd_ref_adam(r->p, r->m, r->v, r->g, r->n, sp);
+}
+
+static double
+sum_sq(void)
+{
+	double s = 0;
+
+	for (size_t k = 0; k < NT; k++)
+		for (size_t i = 0; i < refs[k].n; i++)
+			s += refs[k].g[i] * refs[k].g[i];
+	return s;
+}
+
+static void
+compare_state(const char *what, struct ref *r, enum zc_state which, const double *want)
+{
+	float *got = malloc(r->n * sizeof(float));
+	double max_err = 0, max_mag = 0;
+	size_t worst = 0;
+	int rc;
+
+	cr_assert_not_null(got);
+	rc = zc_tensor_read(r->t, which, 0, r->n, got);
+	cr_assert_eq(rc, 0, "zc_tensor_read: %s", zc_errmsg(conn));
+	for (size_t i = 0; i < r->n; i++) {
+		double err = fabs((double)got[i] - want[i]);
+
+		cr_assert(isfinite(got[i]), "%s[%zu] of %zu is %f", what, i, r->n, got[i]);
+		if (err > max_err) {
+			max_err = err;
+			worst = i;
+		}
+		if (fabs(want[i]) > max_mag)
+			max_mag = fabs(want[i]);
+	}
+	cr_assert_gt(max_mag, 0, "%s: reference is all zero", what);
+	cr_assert_leq(max_err, REL_TOL * max_mag,
+	    "%s (n=%zu): max error %.3g at [%zu] (got %.9g, want %.9g) > %.1g x %.3g", what, r->n,
+	    max_err, worst, (double)got[worst], want[worst], REL_TOL, max_mag);
+	free(got);
+}
+
+/* The param slot is the master weights rounded to the slot's dtype, exactly. */
+static void
+check_param_slot(struct ref *r)
+{
+	const void *slot = zc_tensor_param_slot(r->t, NULL);
+	float *master = malloc(r->n * sizeof(float));
+
+	cr_assert_not_null(master);
+	cr_assert_eq(zc_tensor_read(r->t, ZC_STATE_MASTER, 0, r->n, master), 0, "%s",
+	    zc_errmsg(conn));
+	for (size_t i = 0; i < r->n; i++) {
+		if (r->param_dtype == ZC_BF16) {
+			uint16_t want = itd_f32_to_bf16_rne(master[i]);
+			uint16_t got = ((const uint16_t *)slot)[i];
+
+			cr_assert_eq(got, want, "param[%zu] = 0x%04x, bf16(%.9g) is 0x%04x", i, got,
+			    (double)master[i], want);
+		} else if (r->param_dtype == ZC_F32) {
+			cr_assert_eq(memcmp(&((const float *)slot)[i], &master[i], 4), 0,
+			    "param[%zu] = %.9g, master %.9g", i, (double)((const float *)slot)[i],
+			    (double)master[i]);
+		}
+	}
+	free(master);
+}
+
+static void
+compare_all(void)
+{
+	for (size_t k = 0; k < NT; k++) {
+		compare_state("master", &refs[k], ZC_STATE_MASTER, refs[k].p);
+		compare_state("exp_avg", &refs[k], ZC_STATE_EXP_AVG, refs[k].m);
+		compare_state("exp_avg_sq", &refs[k], ZC_STATE_EXP_AVG_SQ, refs[k].v);
+		check_param_slot(&refs[k]);
+	}
+}
+
+/* Submits the set, waits, checks every tensor and the set applied step sp->step. */
+static void
+step_and_check(const struct zc_step_params *sp, struct zc_step_result *ret)
+{
+	struct zc_tensor *ts[NT];
+	struct zc_step_result res;
+	int rc;
+
+	for (size_t k = 0; k < NT; k++)
+		ts[k] = refs[k].t;
+	rc = zc_step_submit(conn, sp, ts, NT);
+	cr_assert_eq(rc, 0, "submit step %llu: %s", (unsigned long long)sp->step, zc_errmsg(conn));
+	for (size_t k = 0; k < NT; k++) {
+		rc = zc_wait_tensor(ts[k], &res);
+		cr_assert_eq(rc, 0, "wait tensor %zu: %s", k, zc_errmsg(conn));
+		cr_assert_eq(res.status, ZC_STEP_APPLIED, "tensor %zu step %llu: status %d", k,
+		    (unsigned long long)sp->step, res.status);
+		cr_assert_eq(res.step, sp->step);
+	}
+	rc = zc_wait_all(conn, &res);
+	cr_assert_eq(rc, 0, "wait all: %s", zc_errmsg(conn));
+	cr_assert_eq(res.status, ZC_STEP_APPLIED);
+	cr_assert_eq(res.step, sp->step);
+	if (ret != NULL)
+		*ret = res;
+	for (size_t k = 0; k < NT; k++)
+		ref_step(&refs[k], sp);
+}
+
+static void
+run(enum zc_optim optim, const enum zc_dtype *grad_dtypes, enum zc_dtype param_dtype,
+    double grad_scale, uint64_t seed)
+{
+	struct itd_rng rng = { seed };
+	struct zc_step_params sp = { .optim = optim, .lr = 2e-3, .beta1 = 0.9, .beta2 = 0.999,
+		.eps = 1e-8, .weight_decay = 0.1, .grad_scale = grad_scale,
+		.check_finite = grad_scale != 1.0 };
+	struct zc_step_result res;
+
+	register_tensors(&rng, grad_dtypes, param_dtype);
+	for (uint64_t t = 1; t <= STEPS; t++) {
+		sp.step = t;
+		/* A per-step lr, as a schedule would send. */
+		sp.lr = 2e-3 * (1.0 - 0.02 * (double)t);
+		fill_grads(&rng, grad_scale);
+		step_and_check(&sp, &res);
+		/*
+		 * With check_finite the daemon reports the set's global norm of the
+		 * unscaled gradients; it sums squares in double, so 1e-9 relative.
+		 */
+		if (sp.check_finite) {
+			double want = sqrt(sum_sq());
+
+			cr_assert(fabs(res.grad_norm - want) <= 1e-9 * want,
+			    "grad_norm %.12g, want %.12g", res.grad_norm, want);
+		}
+	}
+	compare_all();
+}
+
+Test(numerics, adamw_f32_grads_bf16_params)
+{
+	static const enum zc_dtype g[NT] = { ZC_F32, ZC_F32, ZC_F32 };
+
+	run(ZC_ADAMW, g, ZC_BF16, 1.0, 0x1234567);
+}
+
+Test(numerics, adam_l2_weight_decay)
+{
+	static const enum zc_dtype g[NT] = { ZC_F32, ZC_F32, ZC_F32 };
+
+	run(ZC_ADAM, g, ZC_F32, 1.0, 0xabcdef);
+}
+
+Test(numerics, adamw_bf16_grads)
+{
+	static const enum zc_dtype g[NT] = { ZC_BF16, ZC_BF16, ZC_BF16 };
+
+	run(ZC_ADAMW, g, ZC_BF16, 1.0, 0x5eed);
+}
+
+Test(numerics, adamw_f16_grads_loss_scale)
+{
+	static const enum zc_dtype g[NT] = { ZC_F16, ZC_F16, ZC_F16 };
+
+	run(ZC_ADAMW, g, ZC_BF16, 1024.0, 0xf16f16);
+}
+
+/* Tensors of different gradient dtypes in one set, with Adam. */
+Test(numerics, adam_mixed_grad_dtypes_loss_scale)
+{
+	static const enum zc_dtype g[NT] = { ZC_F16, ZC_BF16, ZC_F32 };
+
+	run(ZC_ADAM, g, ZC_F32, 1024.0, 0x77);
+}
+
+struct snapshot {
+	float *state[3];
+	void *param;
+	size_t param_bytes;
+};
+
+static void
+take_snapshot(struct snapshot *s, struct ref *r)
+{
+	const void *slot = zc_tensor_param_slot(r->t, &s->param_bytes);
+
+	for (int w = 0; w < 3; w++) {
+		s->state[w] = malloc(r->n * sizeof(float));
+		cr_assert_not_null(s->state[w]);
+		cr_assert_eq(zc_tensor_read(r->t, (enum zc_state)w, 0, r->n, s->state[w]), 0, "%s",
+		    zc_errmsg(conn));
+	}
+	s->param = malloc(s->param_bytes);
+	cr_assert_not_null(s->param);
+	memcpy(s->param, slot, s->param_bytes);
+}
+
+static void
+expect_unchanged(struct snapshot *s, struct ref *r, size_t k)
+{
+	float *now = malloc(r->n * sizeof(float));
+
+	cr_assert_not_null(now);
+	for (int w = 0; w < 3; w++) {
+		cr_assert_eq(zc_tensor_read(r->t, (enum zc_state)w, 0, r->n, now), 0, "%s",
+		    zc_errmsg(conn));
+		cr_assert_eq(memcmp(now, s->state[w], r->n * sizeof(float)), 0,
+		    "tensor %zu state %d changed by a skipped step", k, w);
+	}
+	cr_assert_eq(memcmp(zc_tensor_param_slot(r->t, NULL), s->param, s->param_bytes), 0,
+	    "tensor %zu param slot changed by a skipped step", k);
+	free(now);
+}
+
+static void
+free_snapshot(struct snapshot *s)
+{
+	for (int w = 0; w < 3; w++)
+		free(s->state[w]);
+	free(s->param);
+}
+
+/* Submits with one poisoned gradient and expects the whole set skipped, nothing touched. */
+static void
+expect_skipped(const struct zc_step_params *sp)
+{
+	struct zc_tensor *ts[NT];
+	struct snapshot snap[NT];
+	struct zc_step_result res;
+	int rc;
+
+	for (size_t k = 0; k < NT; k++) {
+		ts[k] = refs[k].t;
+		take_snapshot(&snap[k], &refs[k]);
+	}
+	rc = zc_step_submit(conn, sp, ts, NT);
+	cr_assert_eq(rc, 0, "%s", zc_errmsg(conn));
+	rc = zc_wait_all(conn, &res);
+	cr_assert_eq(rc, 0, "a skipped set is not an error: %s", zc_errmsg(conn));
+	cr_assert_eq(res.status, ZC_STEP_SKIPPED_NONFINITE, "set status %d", res.status);
+	cr_assert_eq(res.step, sp->step);
+	for (size_t k = 0; k < NT; k++) {
+		rc = zc_wait_tensor(ts[k], &res);
+		cr_assert_eq(rc, 0);
+		cr_assert_eq(res.status, ZC_STEP_SKIPPED_NONFINITE, "tensor %zu status %d", k,
+		    res.status);
+		cr_assert_eq(res.step, sp->step);
+		expect_unchanged(&snap[k], &refs[k], k);
+		free_snapshot(&snap[k]);
+	}
+}
+
+Test(numerics, nonfinite_set_skipped)
+{
+	static const enum zc_dtype g[NT] = { ZC_F32, ZC_F16, ZC_BF16 };
+	struct itd_rng rng = { 99 };
+	struct zc_step_params sp = { .optim = ZC_ADAMW, .lr = 2e-3, .beta1 = 0.9, .beta2 = 0.999,
+		.eps = 1e-8, .weight_decay = 0.1, .grad_scale = 1024, .check_finite = true };
+	uint16_t *h;
+	float *f;
+
+	register_tensors(&rng, g, ZC_BF16);
+	sp.step = 1;
+	fill_grads(&rng, 1024);
+	step_and_check(&sp, NULL);
+
+	/* Step 2, fp16 overflow in one element of the middle tensor: the whole set waits. */
+	sp.step = 2;
+	fill_grads(&rng, 1024);
+	h = zc_tensor_grad_slot(refs[1].t, NULL);
+	h[refs[1].n / 2] = 0x7c00;	/* +inf */
+	expect_skipped(&sp);
+
+	/* Step 2 again (a skipped step does not count), NaN in the last element of the last tensor. */
+	fill_grads(&rng, 1024);
+	h = zc_tensor_grad_slot(refs[2].t, NULL);
+	h[refs[2].n - 1] = 0x7fc1;	/* bf16 NaN */
+	expect_skipped(&sp);
+
+	/* -inf in fp32, first element. */
+	fill_grads(&rng, 1024);
+	f = zc_tensor_grad_slot(refs[0].t, NULL);
+	f[0] = -INFINITY;
+	expect_skipped(&sp);
+
+	/* Clean gradients: step 2 applies, then 3. */
+	fill_grads(&rng, 1024);
+	step_and_check(&sp, NULL);
+	sp.step = 3;
+	fill_grads(&rng, 1024);
+	step_and_check(&sp, NULL);
+	compare_all();
+	cr_assert_eq(itd_stat(conn, "steps.skipped_nonfinite"), 3);
+	cr_assert_eq(itd_stat(conn, "steps.applied"), 3);
+}
