@@ -358,9 +358,22 @@ zc_disconnect(struct zc_conn *c)
 int
 zc_job_open(struct zc_conn *c, const char *job_name, uint32_t rank, uint32_t world_size)
 {
+	return zc_job_open_opts(c, job_name, rank, world_size, NULL);
+}
+
+int
+zc_job_open_opts(struct zc_conn *c, const char *job_name, uint32_t rank, uint32_t world_size,
+    const struct zc_job_options *opts)
+{
 	struct zp_msg m = { .hdr = { .type = ZP_JOB_OPEN } };
 	int r;
 
+	if (opts != NULL && (unsigned)opts->policy > ZC_POLICY_AUTO)
+		return seterr(c, -EINVAL, "unknown policy %d", (int)opts->policy);
+	if (opts != NULL) {
+		m.u.job_open.policy = (uint8_t)opts->policy;
+		m.u.job_open.pinned_budget = opts->pinned_budget;
+	}
 	if (job_name == NULL || strlen(job_name) == 0 || strlen(job_name) > ZP_NAME_MAX)
 		return seterr(c, -EINVAL, "job name must be 1 to %d bytes", ZP_NAME_MAX);
 	snprintf(m.u.job_open.job_name, sizeof(m.u.job_open.job_name), "%s", job_name);

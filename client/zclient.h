@@ -46,6 +46,22 @@ ZC_API const char *zc_errmsg(const struct zc_conn *conn);
  */
 ZC_API int zc_job_open(struct zc_conn *conn, const char *job_name, uint32_t rank,
     uint32_t world_size);
+
+/* Where the job's optimizer state lives; decided by the job's first rank. */
+enum zc_policy {
+	ZC_POLICY_DEFAULT = 0,	/* the daemon's memory.policy */
+	ZC_POLICY_CPU = 1,	/* pinned host memory only */
+	ZC_POLICY_NVME = 2,	/* NVMe swap, stepped through pinned staging buffers */
+	ZC_POLICY_AUTO = 3,	/* pinned while it fits the job's budget, the rest on NVMe */
+};
+
+struct zc_job_options {
+	enum zc_policy policy;
+	uint64_t pinned_budget;	/* bytes of pinned state for the job; 0: the daemon's default */
+};
+
+ZC_API int zc_job_open_opts(struct zc_conn *conn, const char *job_name, uint32_t rank,
+    uint32_t world_size, const struct zc_job_options *options);
 /* Highest step any rank of the open job has completed (0 for a new job). */
 ZC_API uint64_t zc_job_last_step(const struct zc_conn *conn);
 /* Frees the job's state, detached ranks included. */

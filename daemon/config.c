@@ -91,6 +91,9 @@ zd_config_defaults(struct zd_config *cfg)
 	cfg->swap_queue_depth = 32;
 	cfg->swap_engine = strdup("auto");
 	cfg->swap_fallback = true;
+	cfg->staging_buffers = 4;
+	cfg->chunk_elements = 4u << 20;
+	cfg->policy = 3;
 	cfg->max_clients = 1024;
 	cfg->max_queued_messages = 8192;
 	cfg->detach_grace_s = 300;
@@ -285,7 +288,8 @@ static void
 parse_memory(struct parse_ctx *ctx, const cJSON *s, struct zd_config *cfg)
 {
 	static const char *const keys[] = { "pinned_budget", "numa_node", "require_pinned",
-		"hugepages", "shm_budget", "xfer_window", NULL };
+		"hugepages", "shm_budget", "xfer_window", "policy", "job_pinned_budget", NULL };
+	const cJSON *policy;
 	long node = cfg->numa_node;
 
 	check_keys(ctx, s, "memory", keys);
@@ -296,6 +300,18 @@ parse_memory(struct parse_ctx *ctx, const cJSON *s, struct zd_config *cfg)
 	get_bool(ctx, s, "memory", "hugepages", &cfg->hugepages);
 	get_size(ctx, s, "memory", "shm_budget", 1 << 20, &cfg->shm_budget);
 	get_size(ctx, s, "memory", "xfer_window", 64 << 10, &cfg->xfer_window);
+	get_size(ctx, s, "memory", "job_pinned_budget", 0, &cfg->job_pinned_budget);
+	policy = cJSON_GetObjectItemCaseSensitive(s, "policy");
+	if (policy != NULL && ctx->status == 0) {
+		if (cJSON_IsString(policy) && strcmp(policy->valuestring, "cpu") == 0)
+			cfg->policy = 1;
+		else if (cJSON_IsString(policy) && strcmp(policy->valuestring, "nvme") == 0)
+			cfg->policy = 2;
+		else if (cJSON_IsString(policy) && strcmp(policy->valuestring, "auto") == 0)
+			cfg->policy = 3;
+		else
+			bad_value(ctx, "memory", policy, "one of \"cpu\", \"nvme\", \"auto\"");
+	}
 	if (ctx->status == 0 && cfg->xfer_window > (256ull << 20))
 		perr(ctx, "memory.xfer_window: %llu bytes exceeds the 256 MiB protocol limit",
 		    (unsigned long long)cfg->xfer_window);
@@ -339,7 +355,7 @@ static void
 parse_swap(struct parse_ctx *ctx, const cJSON *s, struct zd_config *cfg)
 {
 	static const char *const keys[] = { "paths", "block_size", "queue_depth", "engine",
-		"fallback", NULL };
+		"fallback", "staging_buffers", "chunk_elements", NULL };
 	static const char *const path_keys[] = { "path", "capacity", NULL };
 	const cJSON *paths, *p;
 
@@ -355,6 +371,13 @@ parse_swap(struct parse_ctx *ctx, const cJSON *s, struct zd_config *cfg)
 		perr(ctx, "swap.engine: \"%s\" is not one of auto, io_uring, pthread",
 		    cfg->swap_engine);
 	get_bool(ctx, s, "swap", "fallback", &cfg->swap_fallback);
+	get_unsigned(ctx, s, "swap", "staging_buffers", 2, 256, &cfg->staging_buffers);
+	get_size(ctx, s, "swap", "chunk_elements", 1024, &cfg->chunk_elements);
+	/* Whole 4 KiB pages per array keep every chunk's I/O aligned for O_DIRECT. */
+	if (ctx->status == 0 && (cfg->chunk_elements % 1024 != 0 ||
+	    cfg->chunk_elements > (256u << 20)))
+		perr(ctx, "swap.chunk_elements: %llu is not a multiple of 1024 up to 256M",
+		    (unsigned long long)cfg->chunk_elements);
 	paths = cJSON_GetObjectItemCaseSensitive(s, "paths");
 	if (paths == NULL || ctx->status != 0)
 		return;

@@ -29,6 +29,8 @@ struct zd_config {
 	bool hugepages;
 	uint64_t shm_budget;		/* grad/param slots and transfer windows */
 	uint64_t xfer_window;
+	uint8_t policy;			/* enum zp_policy: where jobs' state goes by default */
+	uint64_t job_pinned_budget;	/* 0: no per-job cap */
 
 	unsigned worker_threads;	/* 0: one per online CPU */
 	int cpus[ZD_MAX_CPUS];
@@ -41,6 +43,8 @@ struct zd_config {
 	unsigned swap_queue_depth;
 	char *swap_engine;		/* "auto", "io_uring", "pthread" */
 	bool swap_fallback;
+	unsigned staging_buffers;	/* NVMe chunks in flight at once (read, step, write) */
+	uint64_t chunk_elements;	/* elements of one tensor per NVMe chunk */
 
 	unsigned max_clients;
 	unsigned max_clients_per_uid;	/* 0: no per-uid cap */

@@ -17,6 +17,9 @@ struct event;
 struct event_base;
 struct zd_stepper;
 struct zs_engine;
+struct zs_extent;
+struct zd_nvme_work;
+struct zd_task;
 struct zd_session;
 struct zk_pool;
 
@@ -43,6 +46,9 @@ struct zd_tensor {
 	float *v;
 	struct zd_shm grad_slot;
 	struct zd_shm param_slot;
+	bool on_nvme;			/* state lives in extent, chunk by chunk */
+	struct zs_extent *extent;
+	uint64_t chunk_elements;	/* elements per chunk on NVMe */
 	bool busy;			/* in a batch the stepper owns */
 	uint64_t last_step;
 	uint32_t rank;
@@ -66,6 +72,10 @@ struct zd_job {
 	uint64_t steps_failed;
 	uint64_t last_step;
 	bool dropping;			/* zoffctl drop: nothing is kept for a reattach */
+	uint8_t policy;			/* enum zp_policy */
+	uint64_t pinned_budget;		/* 0: only the daemon's */
+	uint64_t pinned_bytes;
+	uint64_t nvme_bytes;
 	TAILQ_HEAD(, zd_tensor) detached;
 	unsigned ndetached;
 };
@@ -79,33 +89,30 @@ struct zd_uid {
 	uint64_t swap_bytes;
 };
 
-/* One STEP_SUBMIT: owned by the loop, read by the stepper while in flight. */
+/* One STEP_SUBMIT: owned by the loop; its tasks run on the stepper. */
 struct zd_batch {
-	TAILQ_ENTRY(zd_batch) entry;		/* stepper queue */
 	TAILQ_ENTRY(zd_batch) session_entry;	/* the session's in-flight list */
 	struct zd_session *session;		/* NULL once the session went away */
+	uint32_t lane;
 	uint64_t request_id;
 	struct zk_hparams hp;
+	struct zk_hparams hp_run;		/* hp with the clip coefficient applied */
 	enum zk_isa isa;
 	bool check_finite;
 	double max_grad_norm;
 	uint64_t submit_ns;
 	size_t count;
-	struct zd_tensor **tensors;
-	struct zk_tensor *views;
-	uint32_t lane;				/* fairness key: the submitting session */
-	/* Stepper-owned progress while in flight. */
-	struct zk_hparams hp_run;		/* hp with the clip coefficient applied */
-	bool checked;
-	size_t next_tensor;
-	size_t next_offset;
-	/* Written by the stepper, read by the loop after completion. */
+	struct zd_tensor **tensors;		/* NULL once that tensor is done */
+	struct zk_tensor *views;		/* grads and params; state only when pinned */
+	size_t *pending;			/* units (slices, chunks) not yet finished */
+	int *errors;				/* first error per tensor */
+	size_t tensors_left;
+	struct zk_grad_stats check;		/* written by the CHECK task */
 	enum zp_step_status status;
 	int error;
 	double grad_norm;
 	uint64_t compute_ns;
 };
-
 TAILQ_HEAD(zd_batch_list, zd_batch);
 
 struct zd_session {
@@ -150,6 +157,29 @@ struct zd_step_stats {
 	uint64_t latency_count;
 };
 
+/* A pinned buffer that holds one NVMe chunk (master, m, v) while it is read, stepped, written. */
+struct zd_staging {
+	TAILQ_ENTRY(zd_staging) entry;
+	void *buf;
+	size_t bytes;
+	bool pinned;
+};
+
+/* Pipeline counters for zoffctl stats. */
+struct zd_tier_stats {
+	uint64_t pinned_steps;		/* tensor steps served from the pinned tier */
+	uint64_t nvme_steps;		/* ... and from NVMe */
+	uint64_t chunks_read;
+	uint64_t chunks_written;
+	uint64_t bytes_read;
+	uint64_t bytes_written;
+	uint64_t io_errors;
+	uint64_t compute_waits;		/* compute idle while chunks were being read */
+	uint64_t compute_wait_ns;
+	uint64_t io_waits;		/* chunks ready to read, every staging buffer busy */
+	uint64_t io_wait_ns;
+};
+
 /* Per swap path byte counters at the last housekeeping tick, for bandwidth. */
 struct zd_swap_sample {
 	uint64_t bytes_read;
@@ -176,6 +206,15 @@ struct zd_daemon {
 	struct event *ev_watchdog;
 	uint64_t last_tick_ns;
 	struct zd_swap_sample swap_samples[ZD_MAX_SWAP_PATHS];
+	struct zt_arena *staging_arena;
+	struct zd_staging *staging;
+	unsigned nstaging;
+	TAILQ_HEAD(, zd_staging) staging_free;
+	TAILQ_HEAD(, zd_nvme_work) nvme_queue;	/* chunks waiting for a staging buffer */
+	unsigned tasks_outstanding;	/* on the stepper */
+	uint64_t compute_idle_since;	/* when tasks_outstanding last fell to 0 */
+	uint64_t io_blocked_since;	/* 0, or since when work waits for a buffer */
+	struct zd_tier_stats tier;
 	enum zk_isa isa;
 	TAILQ_HEAD(, zd_session) sessions;
 	unsigned nsessions;
@@ -186,6 +225,7 @@ struct zd_daemon {
 	uint64_t shm_bytes;
 	unsigned shm_objects;
 	unsigned inflight_batches;
+	unsigned inflight_xfers;	/* TENSOR_READ/WRITE on NVMe tensors; a drain waits for them */
 	bool draining;
 	uint64_t started_ns;
 	struct zd_step_stats steps;
@@ -212,8 +252,8 @@ struct zd_tensor *zd_session_tensor(struct zd_session *s, uint32_t handle);
 void zd_handle_request(struct zd_session *s, const struct zp_msg *msg);
 
 /* job.c */
-int zd_job_attach(struct zd_session *s, const char *name, uint32_t rank, uint32_t world_size,
-    char *err, size_t errlen);
+int zd_job_attach(struct zd_session *s, const struct zp_job_open *req, char *err,
+    size_t errlen);
 /* keep: the rank died, its tensors wait detach_grace_s for a reattach. */
 void zd_job_detach(struct zd_session *s, bool keep);
 /* true when that was the last reference and the job is gone. */
@@ -229,11 +269,28 @@ int zd_tensor_create(struct zd_session *s, const struct zp_tensor_register *req,
     struct zd_tensor **ret, bool *ret_resumed, char *err, size_t errlen);
 /* Frees it now, or orphans it until its batch completes. */
 void zd_tensor_release(struct zd_daemon *d, struct zd_tensor *t);
-void zd_tensor_write_param(struct zd_tensor *t, uint64_t offset, uint64_t count);
+/* The param slot mirrors the master weights: elements [offset, offset + count) from src. */
+void zd_tensor_write_param(struct zd_tensor *t, uint64_t offset, uint64_t count,
+    const float *src);
 
 /* step.c: the loop side of the step */
 void zd_step_submit(struct zd_session *s, const struct zp_msg *msg);
 void zd_step_completions(struct zd_daemon *d);
+/* A unit of tensor i (slice or chunk) finished, with 0 or -errno. */
+void zd_step_unit_done(struct zd_daemon *d, struct zd_batch *b, size_t i, int error);
+void zd_step_post(struct zd_daemon *d, struct zd_task *task);
+/* Clears busy; frees the tensor when its session went away and nobody keeps it. */
+void zd_tensor_unbusy(struct zd_daemon *d, struct zd_tensor *t);
+
+/* tier.c: where state lives, and the NVMe pipeline */
+#define ZD_QUANTUM_ELEMENTS (4u << 20)
+int zd_tier_start(struct zd_daemon *d);
+void zd_tier_stop(struct zd_daemon *d);
+int zd_tier_place(struct zd_session *s, struct zd_tensor *t, char *err, size_t errlen);
+void zd_tier_release(struct zd_daemon *d, struct zd_tensor *t);
+void zd_tier_queue_step(struct zd_daemon *d, struct zd_batch *b, size_t i);
+void zd_tier_step_computed(struct zd_daemon *d, struct zd_task *task);
+void zd_tier_xfer(struct zd_session *s, struct zd_tensor *t, const struct zp_msg *msg);
 
 /* server.c */
 void zd_tick(struct zd_daemon *d);

@@ -7,25 +7,11 @@
 #include "daemon.h"
 #include "log.h"
 
-/*
- * master, m and v sit in one allocation; an exact power-of-two distance
- * between them aliases in the cache and halved bandwidth when measured, so
- * each array is padded by a few KiB past its page-rounded size.
- */
-#define STATE_PAD 4160
-
-static size_t
-array_stride(uint64_t numel)
-{
-	size_t bytes = (size_t)numel * sizeof(float);
-
-	return (bytes + 4095) / 4096 * 4096 + STATE_PAD;
-}
-
 int
-zd_job_attach(struct zd_session *s, const char *name, uint32_t rank, uint32_t world_size,
-    char *err, size_t errlen)
+zd_job_attach(struct zd_session *s, const struct zp_job_open *req, char *err, size_t errlen)
 {
+	const char *name = req->job_name;
+	uint32_t rank = req->rank, world_size = req->world_size;
 	struct zd_daemon *d = s->daemon;
 	struct zd_session *other;
 	struct zd_job *job;
@@ -65,6 +51,10 @@ zd_job_attach(struct zd_session *s, const char *name, uint32_t rank, uint32_t wo
 		job->uid = s->uid;
 		job->world_size = world_size;
 		TAILQ_INIT(&job->detached);
+		/* The first rank decides where the job's state goes. */
+		job->policy = req->policy != ZP_POLICY_DEFAULT ? req->policy : d->cfg.policy;
+		job->pinned_budget = req->pinned_budget > 0 ? req->pinned_budget :
+		    d->cfg.job_pinned_budget;
 		TAILQ_INSERT_TAIL(&d->jobs, job, entry);
 		log_info("job '%s' (id %llu) opened by uid %u, world size %u", name,
 		    (unsigned long long)job->id, (unsigned)s->uid, world_size);
@@ -265,14 +255,17 @@ tensor_free(struct zd_daemon *d, struct zd_tensor *t)
 {
 	zd_shm_destroy(d, &t->grad_slot);
 	zd_shm_destroy(d, &t->param_slot);
-	if (t->state != NULL) {
+	if (t->state != NULL || t->on_nvme) {
 		struct zd_uid *u = t->job != NULL ? zd_uid_get(d, t->job->uid) : NULL;
 
-		zt_arena_release(d->arena, t->state, t->state_bytes, t->state_pinned);
 		if (u != NULL) {
-			u->pinned_bytes -= t->state_bytes;
-			zd_uid_put(d, u);
+			if (t->on_nvme)
+				u->swap_bytes -= t->state_bytes;
+			else
+				u->pinned_bytes -= t->state_bytes;
 		}
+		zd_tier_release(d, t);
+		zd_uid_put(d, u);
 	}
 	if (t->job != NULL) {
 		t->job->tensors--;
@@ -377,7 +370,6 @@ zd_tensor_create(struct zd_session *s, const struct zp_tensor_register *req,
 	struct zd_tensor *t;
 	struct zt_arena_stats as;
 	struct zd_uid *u;
-	size_t stride;
 	char a[32], b[32], c[32];
 	int r;
 
@@ -415,52 +407,46 @@ zd_tensor_create(struct zd_session *s, const struct zp_tensor_register *req,
 	t->grad_dtype = (enum zk_dtype)req->grad_dtype;
 	t->param_dtype = (enum zk_dtype)req->param_dtype;
 
-	stride = array_stride(t->numel);
-	t->state_bytes = 3 * stride;
 	u = zd_uid_get(d, s->uid);
 	if (u == NULL) {
 		snprintf(err, errlen, "out of memory");
 		r = -ENOMEM;
 		goto fail;
 	}
-	if (d->cfg.uid_pinned_budget > 0 &&
-	    u->pinned_bytes + t->state_bytes > d->cfg.uid_pinned_budget) {
-		human(t->state_bytes, a, sizeof(a));
-		human(u->pinned_bytes, b, sizeof(b));
-		human(d->cfg.uid_pinned_budget, c, sizeof(c));
-		snprintf(err, errlen, "tensor '%s' needs %s of optimizer state; uid %u has %s of its "
-		    "%s (limits.uid_pinned_budget) in use", t->name, a, (unsigned)s->uid, b, c);
-		r = -EDQUOT;
-		goto fail;
-	}
-	r = zt_arena_alloc(d->arena, t->state_bytes, &t->state, &t->state_pinned);
-	if (r < 0) {
-		zt_arena_get_stats(d->arena, &as);
-		human(t->state_bytes, a, sizeof(a));
-		human(as.used_bytes, b, sizeof(b));
-		human(as.budget_bytes, c, sizeof(c));
-		if (r == -ENOSPC)
+	err[0] = '\0';
+	/* From here tensor_free undoes the job's counts. */
+	t->job = s->job;
+	s->job->tensors++;
+	s->job->params += t->numel;
+	r = zd_tier_place(s, t, err, errlen);
+	if (r < 0 && err[0] == '\0') {
+		if (r == -ENOSPC || r == -ENOMEM) {
+			zt_arena_get_stats(d->arena, &as);
+			human(t->state_bytes, a, sizeof(a));
+			human(as.used_bytes, b, sizeof(b));
+			human(as.budget_bytes, c, sizeof(c));
+		}
+		if (r == -ENOSPC && d->swap == NULL)
 			snprintf(err, errlen, "tensor '%s' needs %s of optimizer state; the pinned "
-			    "budget has %s of %s in use", t->name, a, b, c);
+			    "budget has %s of %s in use and no swap.paths are configured", t->name, a,
+			    b, c);
+		else if (r == -ENOSPC && s->job->policy == ZP_POLICY_CPU)
+			snprintf(err, errlen, "tensor '%s' needs %s of optimizer state; the pinned "
+			    "budget has %s of %s in use (the job's policy is cpu)", t->name, a, b, c);
 		else if (r == -ENOMEM)
 			snprintf(err, errlen, "tensor '%s': cannot pin %s: the memlock limit is "
 			    "exhausted (raise LimitMEMLOCK= or set memory.require_pinned to false)",
 			    t->name, a);
 		else
-			snprintf(err, errlen, "tensor '%s': cannot allocate %s of state: %s",
-			    t->name, a, strerror(-r));
-		t->state = NULL;
-		goto fail;
+			snprintf(err, errlen, "tensor '%s': cannot allocate its state: %s", t->name,
+			    strerror(-r));
 	}
-	u->pinned_bytes += t->state_bytes;
-	/* From here tensor_free undoes the job's and the uid's counts. */
-	t->job = s->job;
-	s->job->tensors++;
-	s->job->params += t->numel;
-	t->master = t->state;
-	t->m = (float *)((char *)t->state + stride);
-	t->v = (float *)((char *)t->state + 2 * stride);
-
+	if (r < 0)
+		goto fail;
+	if (t->on_nvme)
+		u->swap_bytes += t->state_bytes;
+	else
+		u->pinned_bytes += t->state_bytes;
 	r = zd_shm_create(d, "zoffload-grad", t->numel * zk_dtype_size(t->grad_dtype), false,
 	    &t->grad_slot);
 	if (r == 0)
@@ -492,10 +478,8 @@ fail:
 }
 
 void
-zd_tensor_write_param(struct zd_tensor *t, uint64_t offset, uint64_t count)
+zd_tensor_write_param(struct zd_tensor *t, uint64_t offset, uint64_t count, const float *src)
 {
-	const float *src = t->master + offset;
-
 	switch (t->param_dtype) {
 	case ZK_DTYPE_F32:
 		memcpy((float *)t->param_slot.map + offset, src, count * sizeof(float));

@@ -59,7 +59,7 @@ handle_job_open(struct zd_session *s, const struct zp_msg *msg)
 	char err[ZP_ERRMSG_MAX + 1];
 	int r;
 
-	r = zd_job_attach(s, req->job_name, req->rank, req->world_size, err, sizeof(err));
+	r = zd_job_attach(s, req, err, sizeof(err));
 	if (r < 0) {
 		zd_session_error(s, msg->hdr.request_id, r, "%s", err);
 		return;
@@ -179,12 +179,17 @@ handle_tensor_io(struct zd_session *s, const struct zp_msg *msg)
 		    (unsigned long long)io->count, s->xfer.bytes);
 		return;
 	}
+	/* On NVMe: chunk by chunk through staging buffers; the reply comes when done. */
+	if (t->on_nvme) {
+		zd_tier_xfer(s, t, msg);
+		return;
+	}
 	state = state_array(t, io->state) + io->offset;
 	if (msg->hdr.type == ZP_TENSOR_WRITE) {
 		memcpy(state, s->xfer.map, io->count * sizeof(float));
 		/* The param slot always mirrors the master weights. */
 		if (io->state == ZP_STATE_MASTER)
-			zd_tensor_write_param(t, io->offset, io->count);
+			zd_tensor_write_param(t, io->offset, io->count, state);
 	} else {
 		memcpy(s->xfer.map, state, io->count * sizeof(float));
 	}

@@ -198,7 +198,7 @@ accept_cb(evutil_socket_t lfd, short what, void *arg)
 static void
 maybe_finish(struct zd_daemon *d)
 {
-	if (d->draining && d->inflight_batches == 0)
+	if (d->draining && d->inflight_batches == 0 && d->inflight_xfers == 0)
 		event_base_loopbreak(d->base);
 }
 
@@ -272,6 +272,8 @@ signal_cb(evutil_socket_t sig, short what, void *arg)
 	maybe_finish(d);
 }
 
+static void maybe_finish(struct zd_daemon *d);
+
 static void
 swap_cb(evutil_socket_t fd, short what, void *arg)
 {
@@ -280,6 +282,7 @@ swap_cb(evutil_socket_t fd, short what, void *arg)
 
 	if (r < 0)
 		log_warn(r, "swap engine");
+	maybe_finish(d);
 }
 
 static int
@@ -472,8 +475,14 @@ zd_server_run(struct zd_daemon *d)
 		goto out;
 	}
 	r = start_swap(d);
-	if (r < 0)
+	if (r == 0)
+		r = zd_tier_start(d);
+	if (r < 0) {
+		if (d->swap != NULL)
+			log_error(r, "NVMe tier: cannot set up %u staging buffers",
+			    d->cfg.staging_buffers);
 		goto out;
+	}
 	r = open_listener(d);
 	if (r < 0)
 		goto out;
@@ -527,7 +536,9 @@ out:
 		event_free(d->ev_watchdog);
 	if (d->ev_swap != NULL)
 		event_free(d->ev_swap);
+	/* The engine runs its last callbacks into the staging buffers: free it first. */
 	zs_engine_free(d->swap);
+	zd_tier_stop(d);
 	if (d->listen_fd >= 0) {
 		close(d->listen_fd);
 		unlink(d->cfg.socket_path);

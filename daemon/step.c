@@ -54,8 +54,14 @@ batch_free(struct zd_batch *b)
 			b->tensors[i]->busy = false;
 	free(b->tensors);
 	free(b->views);
+	free(b->pending);
+	free(b->errors);
 	free(b);
 }
+
+static void batch_end_all(struct zd_daemon *d, struct zd_batch *b, enum zp_step_status status,
+    int error);
+static void batch_run(struct zd_daemon *d, struct zd_batch *b);
 
 void
 zd_step_submit(struct zd_session *s, const struct zp_msg *msg)
@@ -73,8 +79,11 @@ zd_step_submit(struct zd_session *s, const struct zp_msg *msg)
 	if (b != NULL) {
 		b->tensors = calloc(req->count, sizeof(*b->tensors));
 		b->views = calloc(req->count, sizeof(*b->views));
+		b->pending = calloc(req->count, sizeof(*b->pending));
+		b->errors = calloc(req->count, sizeof(*b->errors));
 	}
-	if (b == NULL || b->tensors == NULL || b->views == NULL) {
+	if (b == NULL || b->tensors == NULL || b->views == NULL || b->pending == NULL ||
+	    b->errors == NULL) {
 		if (b != NULL)
 			batch_free(b);
 		refuse(s, msg, -ENOMEM, "out of memory");
@@ -145,9 +154,41 @@ zd_step_submit(struct zd_session *s, const struct zp_msg *msg)
 	b->check_finite = (req->flags & ZP_STEP_CHECK_FINITE) != 0;
 	b->max_grad_norm = req->max_grad_norm;
 	b->submit_ns = zd_now_ns();
+	b->hp_run = b->hp;
+	b->status = ZP_STEP_APPLIED;
+	b->grad_norm = NAN;
+	b->tensors_left = b->count;
 	TAILQ_INSERT_TAIL(&s->inflight, b, session_entry);
 	d->inflight_batches++;
-	zd_stepper_submit(d->stepper, b);
+	/* The finiteness check and the global norm cover the whole set before any of it runs. */
+	if (b->check_finite || b->max_grad_norm > 0) {
+		struct zd_task *task = calloc(1, sizeof(*task));
+
+		if (task == NULL) {
+			batch_end_all(d, b, ZP_STEP_FAILED, -ENOMEM);
+			return;
+		}
+		task->kind = ZD_TASK_CHECK;
+		task->lane = b->lane;
+		task->batch = b;
+		zd_step_post(d, task);
+		return;
+	}
+	batch_run(d, b);
+}
+
+/* Clears busy; frees the tensor when its session went away and nobody keeps it. */
+void
+zd_tensor_unbusy(struct zd_daemon *d, struct zd_tensor *t)
+{
+	struct zd_job *job = t->job;
+
+	t->busy = false;
+	/* Orphaned (no session, not kept for a reattach): it waited only for us. */
+	if (t->session == NULL && !t->detached) {
+		zd_tensor_release(d, t);
+		zd_job_unref(d, job);
+	}
 }
 
 /* Tensor done: free it if its session went away, else tell the client. */
@@ -159,26 +200,22 @@ tensor_done(struct zd_daemon *d, struct zd_batch *b, size_t i, enum zp_step_stat
 	struct zp_msg m = { .hdr = { .type = ZP_TENSOR_DONE, .request_id = b->request_id } };
 
 	b->tensors[i] = NULL;
-	t->busy = false;
-	if (status == ZP_STEP_APPLIED)
+	b->tensors_left--;
+	if (status == ZP_STEP_APPLIED) {
 		t->last_step = b->hp.step;
-	if (t->session == NULL) {
-		struct zd_job *job = t->job;
-
-		/* Kept for a reattach: only its rank died. */
-		if (t->detached)
-			return;
-		zd_tensor_release(d, t);
-		zd_job_unref(d, job);
-		return;
+		if (t->on_nvme)
+			d->tier.nvme_steps++;
+		else
+			d->tier.pinned_steps++;
 	}
-	if (b->session == NULL)
-		return;
-	m.u.tensor_done.handle = t->handle;
-	m.u.tensor_done.step = b->hp.step;
-	m.u.tensor_done.status = status;
-	m.u.tensor_done.error = error;
-	(void)zd_session_send(b->session, &m, NULL, 0);
+	if (b->session != NULL && t->session == b->session) {
+		m.u.tensor_done.handle = t->handle;
+		m.u.tensor_done.step = b->hp.step;
+		m.u.tensor_done.status = status;
+		m.u.tensor_done.error = error;
+		(void)zd_session_send(b->session, &m, NULL, 0);
+	}
+	zd_tensor_unbusy(d, t);
 }
 
 static void
@@ -187,11 +224,8 @@ batch_done(struct zd_daemon *d, struct zd_batch *b)
 	struct zd_session *s = b->session;
 	uint64_t params = 0;
 
-	for (size_t i = 0; i < b->count; i++) {
-		if (b->tensors[i] != NULL)
-			tensor_done(d, b, i, b->status, b->error);
+	for (size_t i = 0; i < b->count; i++)
 		params += b->views[i].n;
-	}
 	zd_stats_record(d, b, b->status == ZP_STEP_APPLIED ? params : 0);
 	if (s != NULL) {
 		struct zd_job *job = s->job;
@@ -220,18 +254,147 @@ batch_done(struct zd_daemon *d, struct zd_batch *b)
 	batch_free(b);
 }
 
+/* Ends every tensor still open with one status (a skipped or failed check). */
+static void
+batch_end_all(struct zd_daemon *d, struct zd_batch *b, enum zp_step_status status, int error)
+{
+	b->status = status;
+	b->error = error;
+	for (size_t i = 0; i < b->count; i++)
+		if (b->tensors[i] != NULL)
+			tensor_done(d, b, i, status, error);
+	batch_done(d, b);
+}
+
+void
+zd_step_unit_done(struct zd_daemon *d, struct zd_batch *b, size_t i, int error)
+{
+	if (error < 0 && b->errors[i] == 0)
+		b->errors[i] = error;
+	if (--b->pending[i] > 0)
+		return;
+	if (b->errors[i] < 0) {
+		b->status = ZP_STEP_FAILED;
+		if (b->error == 0)
+			b->error = b->errors[i];
+	}
+	tensor_done(d, b, i, b->errors[i] < 0 ? ZP_STEP_FAILED : ZP_STEP_APPLIED, b->errors[i]);
+	if (b->tensors_left == 0)
+		batch_done(d, b);
+}
+
+void
+zd_step_post(struct zd_daemon *d, struct zd_task *task)
+{
+	uint64_t now = zd_now_ns();
+
+	/* The stepper sat idle: compute waited on I/O since its last task came back. */
+	if (d->tasks_outstanding == 0 && d->compute_idle_since != 0 && task->staging != NULL) {
+		d->tier.compute_waits++;
+		d->tier.compute_wait_ns += now - d->compute_idle_since;
+	}
+	d->tasks_outstanding++;
+	zd_stepper_submit(d->stepper, task);
+}
+
+/* Pinned tensors step in place, a slice at a time; NVMe tensors go through staging. */
+static void
+batch_run(struct zd_daemon *d, struct zd_batch *b)
+{
+	size_t count = b->count;
+
+	/* Units can fail on the spot; this guard keeps the batch alive until the loop ends. */
+	b->tensors_left++;
+	for (size_t i = 0; i < count; i++) {
+		struct zd_tensor *t = b->tensors[i];
+		const struct zk_tensor *v = &b->views[i];
+		size_t nslices;
+
+		if (t->on_nvme) {
+			zd_tier_queue_step(d, b, i);
+			continue;
+		}
+		nslices = (v->n + ZD_QUANTUM_ELEMENTS - 1) / ZD_QUANTUM_ELEMENTS;
+		b->pending[i] = nslices;
+		for (size_t k = 0; k < nslices; k++) {
+			size_t off = k * ZD_QUANTUM_ELEMENTS, n = v->n - off;
+			struct zd_task *task = calloc(1, sizeof(*task));
+
+			if (n > ZD_QUANTUM_ELEMENTS)
+				n = ZD_QUANTUM_ELEMENTS;
+			if (task == NULL) {
+				zd_step_unit_done(d, b, i, -ENOMEM);
+				continue;
+			}
+			task->kind = ZD_TASK_STEP;
+			task->lane = b->lane;
+			task->batch = b;
+			task->index = i;
+			task->view = *v;
+			task->view.master += off;
+			task->view.m += off;
+			task->view.v += off;
+			task->view.grad = (const char *)v->grad + off * zk_dtype_size(v->grad_dtype);
+			task->view.param = (char *)v->param + off * zk_dtype_size(v->param_dtype);
+			task->view.n = n;
+			zd_step_post(d, task);
+		}
+	}
+	if (--b->tensors_left == 0)
+		batch_done(d, b);
+}
+
+static void
+check_done(struct zd_daemon *d, struct zd_task *task)
+{
+	struct zd_batch *b = task->batch;
+
+	b->grad_norm = sqrt(b->check.sumsq);
+	if (task->result < 0) {
+		batch_end_all(d, b, ZP_STEP_FAILED, task->result);
+		return;
+	}
+	if (b->check.nonfinite > 0 && b->check_finite) {
+		batch_end_all(d, b, ZP_STEP_SKIPPED_NONFINITE, 0);
+		return;
+	}
+	/* torch.nn.utils.clip_grad_norm_: coef = max_norm / (norm + 1e-6), capped at 1. */
+	if (b->max_grad_norm > 0 && isfinite(b->grad_norm)) {
+		double coef = b->max_grad_norm / (b->grad_norm + 1e-6);
+
+		b->hp_run.clip_coef = coef < 1.0 ? coef : 1.0;
+	}
+	batch_run(d, b);
+}
+
 void
 zd_step_completions(struct zd_daemon *d)
 {
-	struct zd_completion done[64];
+	struct zd_task *done[64];
 	size_t n;
 
 	while ((n = zd_stepper_reap(d->stepper, done, 64)) > 0) {
 		for (size_t i = 0; i < n; i++) {
-			if (done[i].index == SIZE_MAX)
-				batch_done(d, done[i].batch);
-			else
-				tensor_done(d, done[i].batch, done[i].index, ZP_STEP_APPLIED, 0);
+			struct zd_task *task = done[i];
+
+			d->tasks_outstanding--;
+			if (d->tasks_outstanding == 0)
+				d->compute_idle_since = zd_now_ns();
+			task->batch->compute_ns += task->compute_ns;
+			if (task->kind == ZD_TASK_CHECK) {
+				check_done(d, task);
+				free(task);
+			} else if (task->staging != NULL) {
+				/* Lives in the chunk's I/O record; the tier writes the chunk back. */
+				zd_tier_step_computed(d, task);
+			} else {
+				struct zd_batch *b = task->batch;
+				size_t index = task->index;
+				int result = task->result;
+
+				free(task);
+				zd_step_unit_done(d, b, index, result);
+			}
 		}
 	}
 }

@@ -256,6 +256,8 @@ encode_payload(const struct zp_msg *m, struct wbuf *w)
 		put_str(w, m->u.job_open.job_name);
 		put_u32(w, m->u.job_open.rank);
 		put_u32(w, m->u.job_open.world_size);
+		put_u8(w, m->u.job_open.policy);
+		put_u64(w, m->u.job_open.pinned_budget);
 		break;
 	case ZP_JOB_DROP:
 		put_str(w, m->u.job_drop.job_name);
@@ -386,6 +388,9 @@ decode_payload(struct rbuf *r, struct zp_msg *m)
 		j->world_size = get_u32(r, "world_size");
 		check(r, j->world_size >= 1 && j->world_size <= 65536, "world_size");
 		check(r, j->rank < j->world_size, "rank");
+		j->policy = get_u8(r, "policy");
+		check(r, j->policy < ZP_POLICY_COUNT, "policy");
+		j->pinned_budget = get_u64(r, "pinned_budget");
 		break;
 	}
 	case ZP_JOB_DROP:

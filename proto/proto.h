@@ -87,6 +87,8 @@ enum zp_status {
 enum zp_dtype { ZP_DTYPE_F32 = 0, ZP_DTYPE_BF16 = 1, ZP_DTYPE_F16 = 2, ZP_DTYPE_COUNT };
 enum zp_optim { ZP_OPTIM_ADAMW = 0, ZP_OPTIM_ADAM = 1, ZP_OPTIM_ADAGRAD = 2, ZP_OPTIM_LION = 3, ZP_OPTIM_COUNT };
 enum zp_state { ZP_STATE_MASTER = 0, ZP_STATE_EXP_AVG = 1, ZP_STATE_EXP_AVG_SQ = 2, ZP_STATE_COUNT };
+/* Where a job's optimizer state lives. */
+enum zp_policy { ZP_POLICY_DEFAULT = 0, ZP_POLICY_CPU = 1, ZP_POLICY_NVME = 2, ZP_POLICY_AUTO = 3, ZP_POLICY_COUNT };
 enum zp_step_status { ZP_STEP_APPLIED = 0, ZP_STEP_SKIPPED_NONFINITE = 1, ZP_STEP_FAILED = 2, ZP_STEP_STATUS_COUNT };
 
 /* STEP_SUBMIT flags */
@@ -105,8 +107,17 @@ struct zp_header {
 struct zp_hello { char client_name[ZP_NAME_MAX + 1]; };
 /* JOB_DROP: str job_name (a job of this uid, or any for root) */
 struct zp_job_drop { char job_name[ZP_NAME_MAX + 1]; };
-/* JOB_OPEN: str job_name, u32 rank, u32 world_size (rank < world_size <= 65536) */
-struct zp_job_open { char job_name[ZP_NAME_MAX + 1]; uint32_t rank; uint32_t world_size; };
+/*
+ * JOB_OPEN: str job_name, u32 rank, u32 world_size (rank < world_size <= 65536),
+ * u8 policy (enum zp_policy), u64 pinned_budget (0: the daemon's default)
+ */
+struct zp_job_open {
+	char job_name[ZP_NAME_MAX + 1];
+	uint32_t rank;
+	uint32_t world_size;
+	uint8_t policy;
+	uint64_t pinned_budget;
+};
 /* TENSOR_REGISTER: str name, u64 numel (> 0), u8 grad_dtype, u8 param_dtype */
 struct zp_tensor_register {
 	char name[ZP_NAME_MAX + 1];

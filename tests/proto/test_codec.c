@@ -222,10 +222,14 @@ Test(codec, round_trip_job_open)
 	in.u.job_open.job_name[ZP_NAME_MAX] = '\0';
 	in.u.job_open.rank = 65535;
 	in.u.job_open.world_size = 65536;
+	in.u.job_open.policy = ZP_POLICY_AUTO;
+	in.u.job_open.pinned_budget = UINT64_MAX - 1;
 	round_trip(ZP_JOB_OPEN, UINT64_MAX);
 	cr_assert_str_eq(out.u.job_open.job_name, in.u.job_open.job_name);
 	cr_assert_eq(out.u.job_open.rank, 65535);
 	cr_assert_eq(out.u.job_open.world_size, 65536);
+	cr_assert_eq(out.u.job_open.policy, ZP_POLICY_AUTO);
+	cr_assert_eq(out.u.job_open.pinned_budget, UINT64_MAX - 1);
 }
 
 Test(codec, round_trip_tensor_register)
@@ -477,9 +481,12 @@ Test(codec, truncated_fields)
 	in.u.job_open.rank = 1;
 	in.u.job_open.world_size = 2;
 	len = encode(&in);
-	/* Cut into world_size, the last field. */
+	/* Cut into pinned_budget, the last field. */
 	fix_len(len - 2);
-	expect_reject(len - 2, ZP_S_TRUNCATED, "JOB_OPEN", "world_size");
+	expect_reject(len - 2, ZP_S_TRUNCATED, "JOB_OPEN", "pinned_budget");
+	/* Cut into world_size: after the name, rank and two of its bytes. */
+	fix_len(ZP_HEADER_SIZE + 2 + 3 + 4 + 2);
+	expect_reject(ZP_HEADER_SIZE + 2 + 3 + 4 + 2, ZP_S_TRUNCATED, "JOB_OPEN", "world_size");
 	/* Only the name's length prefix, claiming more bytes than follow. */
 	fix_len(ZP_HEADER_SIZE + 2);
 	expect_reject(ZP_HEADER_SIZE + 2, ZP_S_TRUNCATED, "JOB_OPEN", "job_name");
@@ -623,6 +630,9 @@ Test(codec, out_of_range)
 	expect_value("JOB_OPEN", "rank");
 	job_open(UINT32_MAX, 8);
 	expect_value("JOB_OPEN", "rank");
+	job_open(0, 1);
+	in.u.job_open.policy = ZP_POLICY_COUNT;
+	expect_value("JOB_OPEN", "policy");
 
 	tensor_register(1, ZP_DTYPE_F32, ZP_DTYPE_F32);
 	len = encode(&in);

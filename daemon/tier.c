@@ -1,0 +1,492 @@
+/* Where optimizer state lives (pinned or NVMe), and the read → step → write pipeline for NVMe. */
+#include <errno.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "daemon.h"
+#include "log.h"
+#include "msgio.h"
+#include "stepper.h"
+#include "swap.h"
+
+/*
+ * On NVMe a tensor is a run of chunks; chunk c holds elements
+ * [c*C, (c+1)*C) as master, m, v back to back, each C*4 bytes (C a
+ * multiple of 1024, so every array and chunk is 4 KiB aligned).  One chunk
+ * is one sequential read and one sequential write.
+ */
+
+enum work_kind { WORK_STEP, WORK_READ, WORK_WRITE };
+
+/* Chunks of one tensor waiting for staging buffers: a step, or a TENSOR_READ/WRITE. */
+struct zd_nvme_work {
+	TAILQ_ENTRY(zd_nvme_work) entry;
+	enum work_kind kind;
+	struct zd_tensor *tensor;
+	struct zd_batch *batch;		/* WORK_STEP */
+	size_t index;
+	uint64_t next_chunk;
+	uint64_t end_chunk;
+	unsigned outstanding;		/* chunks in flight */
+	int error;
+	/* TENSOR_READ / TENSOR_WRITE */
+	uint32_t session_id;
+	uint64_t request_id;
+	uint8_t state;
+	uint64_t offset;
+	uint64_t count;
+};
+
+/* One chunk in flight through a staging buffer. */
+struct chunk_io {
+	struct zd_daemon *d;
+	struct zd_nvme_work *work;
+	struct zd_staging *staging;
+	uint64_t chunk;
+	struct zd_task task;
+};
+
+static uint64_t
+chunk_bytes(const struct zd_tensor *t)
+{
+	return 3 * t->chunk_elements * sizeof(float);
+}
+
+static uint64_t
+chunk_count(const struct zd_tensor *t)
+{
+	return (t->numel + t->chunk_elements - 1) / t->chunk_elements;
+}
+
+static uint64_t
+chunk_len(const struct zd_tensor *t, uint64_t c)
+{
+	uint64_t left = t->numel - c * t->chunk_elements;
+
+	return left < t->chunk_elements ? left : t->chunk_elements;
+}
+
+int
+zd_tier_start(struct zd_daemon *d)
+{
+	size_t bytes = (size_t)(3 * d->cfg.chunk_elements * sizeof(float));
+	int r;
+
+	TAILQ_INIT(&d->staging_free);
+	TAILQ_INIT(&d->nvme_queue);
+	if (d->swap == NULL)
+		return 0;
+	/* Staging is pinned like the state, but outside the state's budget. */
+	r = zt_arena_new(&(struct zt_arena_config){
+		.budget_bytes = (uint64_t)bytes * d->cfg.staging_buffers,
+		.numa_node = d->cfg.numa_node,
+		.hugepages = true,
+	}, &d->staging_arena);
+	if (r < 0)
+		return r;
+	d->staging = calloc(d->cfg.staging_buffers, sizeof(*d->staging));
+	if (d->staging == NULL)
+		return -ENOMEM;
+	for (unsigned i = 0; i < d->cfg.staging_buffers; i++) {
+		struct zd_staging *sb = &d->staging[i];
+
+		r = zt_arena_alloc(d->staging_arena, bytes, &sb->buf, &sb->pinned);
+		if (r < 0)
+			return r;
+		sb->bytes = bytes;
+		d->nstaging++;
+		/* Fixed buffers spare the kernel a page walk per I/O; not having them is fine. */
+		(void)zs_engine_register_buffer(d->swap, sb->buf, bytes);
+		TAILQ_INSERT_TAIL(&d->staging_free, sb, entry);
+	}
+	log_info("NVMe tier: %u staging buffers of %zu MiB, chunks of %llu elements",
+	    d->nstaging, bytes >> 20, (unsigned long long)d->cfg.chunk_elements);
+	return 0;
+}
+
+void
+zd_tier_stop(struct zd_daemon *d)
+{
+	for (unsigned i = 0; i < d->nstaging; i++) {
+		if (d->swap != NULL)
+			(void)zs_engine_unregister_buffer(d->swap, d->staging[i].buf);
+		zt_arena_release(d->staging_arena, d->staging[i].buf, d->staging[i].bytes,
+		    d->staging[i].pinned);
+	}
+	free(d->staging);
+	d->staging = NULL;
+	d->nstaging = 0;
+	zt_arena_free(d->staging_arena);
+	d->staging_arena = NULL;
+}
+
+static int
+place_nvme(struct zd_daemon *d, struct zd_tensor *t)
+{
+	uint64_t c = d->cfg.chunk_elements;
+	int r;
+
+	/* Small tensors get small chunks, so they do not take a whole chunk of disk. */
+	if (t->numel < c)
+		c = (t->numel + 1023) / 1024 * 1024;
+	t->chunk_elements = c;
+	t->extent = calloc(1, sizeof(*t->extent));
+	if (t->extent == NULL)
+		return -ENOMEM;
+	r = zs_extent_alloc(d->swap, chunk_count(t) * chunk_bytes(t), t->extent);
+	if (r < 0) {
+		free(t->extent);
+		t->extent = NULL;
+		return r;
+	}
+	t->on_nvme = true;
+	t->state_bytes = chunk_count(t) * chunk_bytes(t);
+	return 0;
+}
+
+static void
+human(uint64_t bytes, char *buf, size_t len)
+{
+	static const char *const units[] = { "B", "KiB", "MiB", "GiB", "TiB" };
+	double v = (double)bytes;
+	unsigned u = 0;
+
+	while (v >= 1024 && u < 4) {
+		v /= 1024;
+		u++;
+	}
+	snprintf(buf, len, "%.1f %s", v, units[u]);
+}
+
+/*
+ * Pinned when the policy and the budgets (daemon, job, uid) allow it, else
+ * NVMe for auto and nvme jobs.  master, m and v sit in one allocation; each
+ * array is padded a few KiB past its page-rounded size, because an exact
+ * power-of-two distance between them aliases in the cache and halved
+ * bandwidth when measured.
+ */
+int
+zd_tier_place(struct zd_session *s, struct zd_tensor *t, char *err, size_t errlen)
+{
+	struct zd_daemon *d = s->daemon;
+	struct zd_job *job = s->job;
+	struct zd_uid *u = s->uid_usage;
+	uint8_t policy = job->policy;
+	size_t stride = ((size_t)t->numel * sizeof(float) + 4095) / 4096 * 4096 + 4160;
+	uint64_t pinned = 3 * stride, job_budget = job->pinned_budget;
+	bool over_job, over_uid;
+	char a[32], b[32];
+	int r;
+
+	if (policy == ZP_POLICY_AUTO && d->swap == NULL)
+		policy = ZP_POLICY_CPU;
+	over_job = job_budget > 0 && job->pinned_bytes + pinned > job_budget;
+	over_uid = d->cfg.uid_pinned_budget > 0 && u != NULL &&
+	    u->pinned_bytes + pinned > d->cfg.uid_pinned_budget;
+	if (policy == ZP_POLICY_NVME || (policy == ZP_POLICY_AUTO && (over_job || over_uid)))
+		goto nvme;
+	if (over_job || over_uid) {
+		human(pinned, a, sizeof(a));
+		human(over_job ? job_budget : d->cfg.uid_pinned_budget, b, sizeof(b));
+		snprintf(err, errlen, "tensor '%s' needs %s of optimizer state, past the %s %s "
+		    "(the job's policy is cpu)", t->name, a, b, over_job ? "pinned budget of job" :
+		    "limits.uid_pinned_budget of its uid");
+		return -EDQUOT;
+	}
+	t->state_bytes = pinned;
+	r = zt_arena_alloc(d->arena, t->state_bytes, &t->state, &t->state_pinned);
+	if (r == 0) {
+		t->master = t->state;
+		t->m = (float *)((char *)t->state + stride);
+		t->v = (float *)((char *)t->state + 2 * stride);
+		job->pinned_bytes += t->state_bytes;
+		return 0;
+	}
+	t->state = NULL;
+	if (policy == ZP_POLICY_CPU || r != -ENOSPC)
+		return r;
+nvme:
+	if (d->swap == NULL) {
+		snprintf(err, errlen, "tensor '%s': the job keeps state on NVMe but no swap.paths "
+		    "are configured", t->name);
+		return -ENODEV;
+	}
+	r = place_nvme(d, t);
+	if (r == 0)
+		job->nvme_bytes += t->state_bytes;
+	if (r == 0 && d->cfg.uid_swap_budget > 0 && u != NULL &&
+	    u->swap_bytes + t->state_bytes > d->cfg.uid_swap_budget) {
+		zd_tier_release(d, t);
+		human(t->state_bytes, a, sizeof(a));
+		human(d->cfg.uid_swap_budget, b, sizeof(b));
+		snprintf(err, errlen, "tensor '%s' needs %s of swap, past the %s "
+		    "limits.uid_swap_budget of its uid", t->name, a, b);
+		return -EDQUOT;
+	}
+	if (r < 0) {
+		human(3 * t->numel * sizeof(float), a, sizeof(a));
+		snprintf(err, errlen, "tensor '%s': no room for %s of state on the swap paths: %s",
+		    t->name, a, zs_strerror(r));
+		return r;
+	}
+	return 0;
+}
+
+void
+zd_tier_release(struct zd_daemon *d, struct zd_tensor *t)
+{
+	if (t->on_nvme) {
+		zs_extent_free(d->swap, t->extent);
+		free(t->extent);
+		t->extent = NULL;
+		t->on_nvme = false;
+		if (t->job != NULL)
+			t->job->nvme_bytes -= t->state_bytes;
+	} else if (t->state != NULL) {
+		zt_arena_release(d->arena, t->state, t->state_bytes, t->state_pinned);
+		if (t->job != NULL)
+			t->job->pinned_bytes -= t->state_bytes;
+	}
+	t->state = NULL;
+}
+
+static void pump(struct zd_daemon *d);
+
+static void
+work_chunk_finished(struct zd_daemon *d, struct chunk_io *io, int error)
+{
+	struct zd_nvme_work *w = io->work;
+
+	if (error < 0) {
+		d->tier.io_errors++;
+		if (w->error == 0)
+			w->error = error;
+	}
+	TAILQ_INSERT_TAIL(&d->staging_free, io->staging, entry);
+	free(io);
+	w->outstanding--;
+	if (w->kind == WORK_STEP) {
+		zd_step_unit_done(d, w->batch, w->index, error);
+		if (w->outstanding == 0 && w->next_chunk == w->end_chunk)
+			free(w);
+	} else if (w->outstanding == 0 && w->next_chunk == w->end_chunk) {
+		struct zd_session *s;
+		struct zd_tensor *t = w->tensor;
+
+		TAILQ_FOREACH(s, &d->sessions, entry)
+			if (s->id == w->session_id)
+				break;
+		if (s != NULL && w->error == 0) {
+			struct zp_msg m = { .hdr = { .type = ZP_OK, .request_id = w->request_id } };
+
+			(void)zd_session_send(s, &m, NULL, 0);
+		} else if (s != NULL) {
+			zd_session_error(s, w->request_id, w->error, "tensor '%s': NVMe %s failed: %s",
+			    t->name, w->kind == WORK_READ ? "read" : "write", zs_strerror(w->error));
+		}
+		zd_tensor_unbusy(d, t);
+		d->inflight_xfers--;
+		free(w);
+	}
+	pump(d);
+}
+
+static void
+write_done(int result, void *arg)
+{
+	struct chunk_io *io = arg;
+
+	if (result == 0) {
+		io->d->tier.chunks_written++;
+		io->d->tier.bytes_written += chunk_bytes(io->work->tensor);
+	}
+	work_chunk_finished(io->d, io, result);
+}
+
+static void
+write_back(struct zd_daemon *d, struct chunk_io *io)
+{
+	struct zd_tensor *t = io->work->tensor;
+	int r = zs_write(d->swap, t->extent, io->chunk * chunk_bytes(t), io->staging->buf,
+	    chunk_bytes(t), write_done, io);
+
+	if (r < 0)
+		work_chunk_finished(d, io, r);
+}
+
+/* TENSOR_READ / TENSOR_WRITE: copy the part of this chunk the request covers. */
+static void
+xfer_chunk(struct zd_daemon *d, struct chunk_io *io)
+{
+	struct zd_nvme_work *w = io->work;
+	struct zd_tensor *t = w->tensor;
+	struct zd_session *s;
+	uint64_t first = io->chunk * t->chunk_elements, last = first + chunk_len(t, io->chunk);
+	uint64_t from = w->offset > first ? w->offset : first;
+	uint64_t to = w->offset + w->count < last ? w->offset + w->count : last;
+	float *array = (float *)io->staging->buf + (size_t)w->state * t->chunk_elements;
+	float *window;
+
+	TAILQ_FOREACH(s, &d->sessions, entry)
+		if (s->id == w->session_id)
+			break;
+	if (s == NULL || s->xfer.map == NULL) {
+		work_chunk_finished(d, io, -ECONNRESET);
+		return;
+	}
+	window = (float *)s->xfer.map + (from - w->offset);
+	if (w->kind == WORK_READ) {
+		memcpy(window, array + (from - first), (to - from) * sizeof(float));
+		work_chunk_finished(d, io, 0);
+		return;
+	}
+	memcpy(array + (from - first), window, (to - from) * sizeof(float));
+	if (w->state == ZP_STATE_MASTER)
+		zd_tensor_write_param(t, from, to - from, array + (from - first));
+	write_back(d, io);
+}
+
+static void
+read_done(int result, void *arg)
+{
+	struct chunk_io *io = arg;
+	struct zd_daemon *d = io->d;
+	struct zd_nvme_work *w = io->work;
+	struct zd_tensor *t = w->tensor;
+	struct zd_batch *b = w->batch;
+	uint64_t off, n;
+	float *buf;
+
+	if (result < 0) {
+		work_chunk_finished(d, io, result);
+		return;
+	}
+	d->tier.chunks_read++;
+	d->tier.bytes_read += chunk_bytes(t);
+	if (w->kind != WORK_STEP) {
+		xfer_chunk(d, io);
+		return;
+	}
+	buf = io->staging->buf;
+	off = io->chunk * t->chunk_elements;
+	n = chunk_len(t, io->chunk);
+	io->task = (struct zd_task){
+		.kind = ZD_TASK_STEP,
+		.lane = b->lane,
+		.batch = b,
+		.index = w->index,
+		.staging = io->staging,
+		.chunk = io->chunk,
+		.view = {
+			.master = buf,
+			.m = buf + t->chunk_elements,
+			.v = buf + 2 * t->chunk_elements,
+			.grad = (const char *)t->grad_slot.map + off * zk_dtype_size(t->grad_dtype),
+			.grad_dtype = t->grad_dtype,
+			.param = (char *)t->param_slot.map + off * zk_dtype_size(t->param_dtype),
+			.param_dtype = t->param_dtype,
+			.n = n,
+		},
+	};
+	zd_step_post(d, &io->task);
+}
+
+void
+zd_tier_step_computed(struct zd_daemon *d, struct zd_task *task)
+{
+	struct chunk_io *io = (struct chunk_io *)((char *)task - offsetof(struct chunk_io, task));
+
+	if (task->result < 0) {
+		work_chunk_finished(d, io, task->result);
+		return;
+	}
+	write_back(d, io);
+}
+
+/* Starts reads while staging buffers are free; counts the time work waits for one. */
+static void
+pump(struct zd_daemon *d)
+{
+	struct zd_nvme_work *w;
+	struct zd_staging *sb;
+	struct chunk_io *io;
+	uint64_t now = zd_now_ns();
+	int r;
+
+	while ((w = TAILQ_FIRST(&d->nvme_queue)) != NULL) {
+		sb = TAILQ_FIRST(&d->staging_free);
+		if (sb == NULL) {
+			if (d->io_blocked_since == 0) {
+				d->io_blocked_since = now;
+				d->tier.io_waits++;
+			}
+			return;
+		}
+		io = calloc(1, sizeof(*io));
+		if (io == NULL)
+			return;
+		TAILQ_REMOVE(&d->staging_free, sb, entry);
+		io->d = d;
+		io->work = w;
+		io->staging = sb;
+		io->chunk = w->next_chunk++;
+		w->outstanding++;
+		if (w->next_chunk == w->end_chunk)
+			TAILQ_REMOVE(&d->nvme_queue, w, entry);
+		r = zs_read(d->swap, w->tensor->extent, io->chunk * chunk_bytes(w->tensor), sb->buf,
+		    chunk_bytes(w->tensor), read_done, io);
+		if (r < 0)
+			work_chunk_finished(d, io, r);
+	}
+	if (d->io_blocked_since != 0) {
+		d->tier.io_wait_ns += now - d->io_blocked_since;
+		d->io_blocked_since = 0;
+	}
+}
+
+void
+zd_tier_queue_step(struct zd_daemon *d, struct zd_batch *b, size_t i)
+{
+	struct zd_tensor *t = b->tensors[i];
+	struct zd_nvme_work *w = calloc(1, sizeof(*w));
+
+	if (w == NULL) {
+		zd_step_unit_done(d, b, i, -ENOMEM);
+		return;
+	}
+	w->kind = WORK_STEP;
+	w->tensor = t;
+	w->batch = b;
+	w->index = i;
+	w->end_chunk = chunk_count(t);
+	b->pending[i] = w->end_chunk;
+	TAILQ_INSERT_TAIL(&d->nvme_queue, w, entry);
+	pump(d);
+}
+
+void
+zd_tier_xfer(struct zd_session *s, struct zd_tensor *t, const struct zp_msg *msg)
+{
+	const struct zp_tensor_io *req = &msg->u.tensor_io;
+	struct zd_nvme_work *w = calloc(1, sizeof(*w));
+
+	if (w == NULL) {
+		zd_session_error(s, msg->hdr.request_id, -ENOMEM, "out of memory");
+		return;
+	}
+	w->kind = msg->hdr.type == ZP_TENSOR_READ ? WORK_READ : WORK_WRITE;
+	w->tensor = t;
+	w->session_id = s->id;
+	w->request_id = msg->hdr.request_id;
+	w->state = req->state;
+	w->offset = req->offset;
+	w->count = req->count;
+	w->next_chunk = req->offset / t->chunk_elements;
+	w->end_chunk = (req->offset + req->count + t->chunk_elements - 1) / t->chunk_elements;
+	/* No step may touch the chunks while they are read and patched. */
+	t->busy = true;
+	s->daemon->inflight_xfers++;
+	TAILQ_INSERT_TAIL(&s->daemon->nvme_queue, w, entry);
+	pump(s->daemon);
+}
