@@ -74,6 +74,7 @@ struct zc_tensor_desc {
 	uint64_t numel;
 	enum zc_dtype grad_dtype;	/* what the client writes into the grad slot */
 	enum zc_dtype param_dtype;	/* what the daemon writes into the param slot */
+	bool param_offload;		/* params live on the daemon's tiers between uses */
 };
 
 /*
@@ -135,6 +136,28 @@ ZC_API int zc_step_submit(struct zc_conn *conn, const struct zc_step_params *par
 ZC_API int zc_wait_tensor(struct zc_tensor *tensor, struct zc_step_result *ret);
 /* Waits for every submitted step; ret (nullable) gets the last set's result. */
 ZC_API int zc_wait_all(struct zc_conn *conn, struct zc_step_result *ret);
+
+/*
+ * Parameter offload (ZeRO-Infinity offload_param), for tensors registered
+ * with param_offload: after zc_param_release the param slot's memory goes
+ * back to the system and the parameters live on the daemon's tiers (pinned
+ * or NVMe, beside the tensor's state).  zc_param_prefetch asks for a list of
+ * tensors ahead of use without waiting; zc_param_wait returns once that
+ * tensor's slot holds its parameters again, waiting only if they have not
+ * arrived.  Release only what the GPU has copied; a step refills the slot.
+ */
+ZC_API int zc_param_prefetch(struct zc_conn *conn, struct zc_tensor *const *tensors,
+    size_t ntensors);
+ZC_API int zc_param_wait(struct zc_tensor *tensor);
+ZC_API int zc_param_release(struct zc_conn *conn, struct zc_tensor *const *tensors,
+    size_t ntensors);
+
+struct zc_param_stats {
+	uint64_t hits;		/* zc_param_wait found the params already there */
+	uint64_t misses;	/* ... had to wait for them (or fetch them itself) */
+	uint64_t wait_ns;	/* time spent waiting in zc_param_wait */
+};
+ZC_API void zc_param_stats(const struct zc_conn *conn, struct zc_param_stats *ret);
 
 /* Control: round trip time; daemon stats and jobs as JSON (free() the string). */
 ZC_API int zc_ping(struct zc_conn *conn, uint64_t *ret_rtt_ns);

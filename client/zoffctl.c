@@ -83,20 +83,22 @@ static void
 print_jobs_table(const cJSON *jobs)
 {
 	const cJSON *j;
-	char a[32];
+	char a[32], b[32], c[32];
 
-	printf("%-24s %6s %6s %7s %8s %8s %10s %9s %8s %6s %9s\n", "JOB", "ID", "UID", "RANKS",
-	    "DETACHED", "TENSORS", "PARAMS", "APPLIED", "SKIPPED", "FAILED", "LAST STEP");
+	printf("%-20s %4s %6s %7s %8s %7s %10s %10s %10s %8s %7s %6s %9s\n", "JOB", "ID", "UID",
+	    "RANKS", "DETACHED", "TENSORS", "PARAMS", "PINNED", "NVME", "APPLIED", "SKIPPED",
+	    "FAILED", "LAST STEP");
 	if (cJSON_GetArraySize(jobs) == 0) {
 		printf("(no jobs)\n");
 		return;
 	}
 	cJSON_ArrayForEach(j, jobs) {
-		printf("%-24s %6.0f %6.0f %3.0f/%-3.0f %8.0f %8.0f %10s %9.0f %8.0f %6.0f %9.0f\n",
-		    str(j, "name"), num(j, "id"), num(j, "uid"), num(j, "ranks_attached"),
-		    num(j, "world_size"), num(j, "ranks_detached"), num(j, "tensors"), count(num(j, "params"), a, sizeof(a)),
-		    num(j, "steps_applied"), num(j, "steps_skipped"), num(j, "steps_failed"),
-		    num(j, "last_step"));
+		printf("%-20s %4.0f %6.0f %3.0f/%-3.0f %8.0f %7.0f %10s %10s %10s %8.0f %7.0f %6.0f "
+		    "%9.0f\n", str(j, "name"), num(j, "id"), num(j, "uid"), num(j, "ranks_attached"),
+		    num(j, "world_size"), num(j, "ranks_detached"), num(j, "tensors"),
+		    count(num(j, "params"), a, sizeof(a)), bytes(num(j, "pinned_bytes"), b, sizeof(b)),
+		    bytes(num(j, "nvme_bytes"), c, sizeof(c)), num(j, "steps_applied"),
+		    num(j, "steps_skipped"), num(j, "steps_failed"), num(j, "last_step"));
 	}
 }
 
@@ -158,6 +160,21 @@ print_stats(const cJSON *s)
 	printf("rate     %s params/s over the last %.0f s   (compute alone %s params/s)\n",
 	    count(num(s, "steps.params_per_s"), a, sizeof(a)), num(s, "steps.rate_window_s"),
 	    count(num(s, "steps.compute_params_per_s"), b, sizeof(b)));
+	if (num(s, "pipeline.tensor_steps_nvme") > 0 || num(s, "pipeline.params.fetches") > 0) {
+		printf("pipeline tensor steps pinned %.0f / nvme %.0f (pinned hit rate %.0f%%), "
+		    "chunks read %.0f written %.0f, io errors %.0f\n",
+		    num(s, "pipeline.tensor_steps_pinned"), num(s, "pipeline.tensor_steps_nvme"),
+		    100 * num(s, "pipeline.pinned_hit_rate"), num(s, "pipeline.chunks_read"),
+		    num(s, "pipeline.chunks_written"), num(s, "pipeline.io_errors"));
+		printf("stalls   compute waiting on I/O %.0f (%.1f ms), I/O waiting on compute %.0f "
+		    "(%.1f ms)\n", num(s, "pipeline.compute_waiting_on_io"),
+		    num(s, "pipeline.compute_waiting_on_io_ms"), num(s, "pipeline.io_waiting_on_compute"),
+		    num(s, "pipeline.io_waiting_on_compute_ms"));
+		printf("params   fetches %.0f  hits %.0f  misses %.0f  staged %s  written back %s\n",
+		    num(s, "pipeline.params.fetches"), num(s, "pipeline.params.hits"),
+		    num(s, "pipeline.params.misses"), bytes(num(s, "pipeline.params.bytes_staged"), a,
+		    sizeof(a)), bytes(num(s, "pipeline.params.bytes_written_back"), b, sizeof(b)));
+	}
 	if (num(lat, "samples") > 0)
 		printf("latency  last %.3f ms  mean %.3f  p50 %.3f  p99 %.3f  max %.3f  "
 		    "(%.0f samples)\n", num(lat, "last"), num(lat, "mean"), num(lat, "p50"),

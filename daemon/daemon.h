@@ -46,6 +46,13 @@ struct zd_tensor {
 	float *v;
 	struct zd_shm grad_slot;
 	struct zd_shm param_slot;
+	bool param_offload;		/* low-precision params live on the tiers, slot staged on request */
+	bool param_resident;		/* the param slot holds the current params */
+	bool param_dirty;		/* ... newer than the store */
+	void *param_store;		/* pinned store, or NULL when it is on NVMe */
+	size_t param_store_bytes;
+	bool param_store_pinned;
+	uint64_t param_store_offset;	/* in extent, for NVMe tensors */
 	bool on_nvme;			/* state lives in extent, chunk by chunk */
 	struct zs_extent *extent;
 	uint64_t chunk_elements;	/* elements per chunk on NVMe */
@@ -178,6 +185,12 @@ struct zd_tier_stats {
 	uint64_t compute_wait_ns;
 	uint64_t io_waits;		/* chunks ready to read, every staging buffer busy */
 	uint64_t io_wait_ns;
+	uint64_t param_fetches;		/* tensors asked for */
+	uint64_t param_hits;		/* already in their slot */
+	uint64_t param_misses;		/* staged from the store */
+	uint64_t param_bytes_staged;
+	uint64_t param_releases;
+	uint64_t param_bytes_written;	/* dirty slots written back to the store */
 };
 
 /* Per swap path byte counters at the last housekeeping tick, for bandwidth. */
@@ -291,6 +304,8 @@ void zd_tier_release(struct zd_daemon *d, struct zd_tensor *t);
 void zd_tier_queue_step(struct zd_daemon *d, struct zd_batch *b, size_t i);
 void zd_tier_step_computed(struct zd_daemon *d, struct zd_task *task);
 void zd_tier_xfer(struct zd_session *s, struct zd_tensor *t, const struct zp_msg *msg);
+void zd_tier_param_fetch(struct zd_session *s, const struct zp_msg *msg);
+void zd_tier_param_release(struct zd_session *s, const struct zp_msg *msg);
 
 /* server.c */
 void zd_tick(struct zd_daemon *d);

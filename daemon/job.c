@@ -338,7 +338,8 @@ resume_detached(struct zd_session *s, const struct zp_tensor_register *req,
 	if (t == NULL)
 		return 0;
 	if (t->numel != req->numel || t->grad_dtype != (enum zk_dtype)req->grad_dtype ||
-	    t->param_dtype != (enum zk_dtype)req->param_dtype) {
+	    t->param_dtype != (enum zk_dtype)req->param_dtype ||
+	    t->param_offload != ((req->flags & ZP_TENSOR_PARAM_OFFLOAD) != 0)) {
 		snprintf(err, errlen, "tensor '%s' of rank %u is kept with %llu elements, grads %s, "
 		    "params %s; it cannot be taken back as %llu elements, %s, %s", t->name, t->rank,
 		    (unsigned long long)t->numel, zk_dtype_name(t->grad_dtype),
@@ -406,6 +407,8 @@ zd_tensor_create(struct zd_session *s, const struct zp_tensor_register *req,
 	t->numel = req->numel;
 	t->grad_dtype = (enum zk_dtype)req->grad_dtype;
 	t->param_dtype = (enum zk_dtype)req->param_dtype;
+	t->param_offload = (req->flags & ZP_TENSOR_PARAM_OFFLOAD) != 0;
+	t->param_resident = true;
 
 	u = zd_uid_get(d, s->uid);
 	if (u == NULL) {
@@ -451,7 +454,7 @@ zd_tensor_create(struct zd_session *s, const struct zp_tensor_register *req,
 	    &t->grad_slot);
 	if (r == 0)
 		r = zd_shm_create(d, "zoffload-param", t->numel * zk_dtype_size(t->param_dtype),
-		    true, &t->param_slot);
+		    !t->param_offload, &t->param_slot);
 	if (r < 0) {
 		human(d->shm_bytes, a, sizeof(a));
 		human(d->cfg.shm_budget, b, sizeof(b));
@@ -480,6 +483,7 @@ fail:
 void
 zd_tensor_write_param(struct zd_tensor *t, uint64_t offset, uint64_t count, const float *src)
 {
+	t->param_dirty = true;
 	switch (t->param_dtype) {
 	case ZK_DTYPE_F32:
 		memcpy((float *)t->param_slot.map + offset, src, count * sizeof(float));

@@ -85,8 +85,9 @@ handle_tensor_register(struct zd_session *s, const struct zp_msg *msg)
 		return;
 	}
 	m.u.tensor_ok.handle = t->handle;
-	m.u.tensor_ok.grad_bytes = t->grad_slot.bytes;
-	m.u.tensor_ok.param_bytes = t->param_slot.bytes;
+	/* The client maps what it uses; the memfds are page-rounded. */
+	m.u.tensor_ok.grad_bytes = t->numel * zk_dtype_size(t->grad_dtype);
+	m.u.tensor_ok.param_bytes = t->numel * zk_dtype_size(t->param_dtype);
 	m.u.tensor_ok.resumed = resumed;
 	m.u.tensor_ok.last_step = t->last_step;
 	fds[0] = t->grad_slot.fd;
@@ -179,6 +180,11 @@ handle_tensor_io(struct zd_session *s, const struct zp_msg *msg)
 		    (unsigned long long)io->count, s->xfer.bytes);
 		return;
 	}
+	if (msg->hdr.type == ZP_TENSOR_WRITE && io->state == ZP_STATE_MASTER && !t->param_resident) {
+		zd_session_error(s, msg->hdr.request_id, -EAGAIN, "tensor '%s': its params were "
+		    "released; fetch them before writing master weights", t->name);
+		return;
+	}
 	/* On NVMe: chunk by chunk through staging buffers; the reply comes when done. */
 	if (t->on_nvme) {
 		zd_tier_xfer(s, t, msg);
@@ -267,6 +273,12 @@ zd_handle_request(struct zd_session *s, const struct zp_msg *msg)
 			reply_ok(s, id);
 		break;
 	}
+	case ZP_PARAM_FETCH:
+		zd_tier_param_fetch(s, msg);
+		break;
+	case ZP_PARAM_RELEASE:
+		zd_tier_param_release(s, msg);
+		break;
 	case ZP_STATS:
 		reply_json(s, id, zd_stats_json(s->daemon));
 		break;

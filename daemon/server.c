@@ -538,6 +538,7 @@ out:
 		event_free(d->ev_swap);
 	/* The engine runs its last callbacks into the staging buffers: free it first. */
 	zs_engine_free(d->swap);
+	d->swap = NULL;
 	zd_tier_stop(d);
 	if (d->listen_fd >= 0) {
 		close(d->listen_fd);

@@ -17,6 +17,8 @@ zd_shm_create(struct zd_daemon *d, const char *name, size_t bytes, bool client_r
 	int fd, r;
 	void *map;
 
+	/* Whole pages, so O_DIRECT can move a slot's last page too. */
+	bytes = (bytes + 4095) / 4096 * 4096;
 	if (d->shm_bytes + bytes > d->cfg.shm_budget)
 		return -ENOSPC;
 	fd = memfd_create(name, MFD_CLOEXEC | MFD_ALLOW_SEALING);

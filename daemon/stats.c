@@ -155,6 +155,43 @@ add_nvme(cJSON *tiers, const struct zd_daemon *d)
 }
 
 static void
+add_pipeline(cJSON *root, const struct zd_daemon *d)
+{
+	const struct zd_tier_stats *t = &d->tier;
+	cJSON *p = cJSON_AddObjectToObject(root, "pipeline");
+	cJSON *params;
+	double steps = (double)(t->pinned_steps + t->nvme_steps);
+
+	if (p == NULL)
+		return;
+	cJSON_AddNumberToObject(p, "tensor_steps_pinned", (double)t->pinned_steps);
+	cJSON_AddNumberToObject(p, "tensor_steps_nvme", (double)t->nvme_steps);
+	/* Share of tensor steps whose state was already in pinned memory. */
+	cJSON_AddNumberToObject(p, "pinned_hit_rate", steps > 0 ? (double)t->pinned_steps / steps : 0);
+	cJSON_AddNumberToObject(p, "staging_buffers", d->nstaging);
+	cJSON_AddNumberToObject(p, "chunks_read", (double)t->chunks_read);
+	cJSON_AddNumberToObject(p, "chunks_written", (double)t->chunks_written);
+	cJSON_AddNumberToObject(p, "bytes_read", (double)t->bytes_read);
+	cJSON_AddNumberToObject(p, "bytes_written", (double)t->bytes_written);
+	cJSON_AddNumberToObject(p, "io_errors", (double)t->io_errors);
+	cJSON_AddNumberToObject(p, "compute_waiting_on_io", (double)t->compute_waits);
+	cJSON_AddNumberToObject(p, "compute_waiting_on_io_ms", (double)t->compute_wait_ns / 1e6);
+	cJSON_AddNumberToObject(p, "io_waiting_on_compute", (double)t->io_waits);
+	cJSON_AddNumberToObject(p, "io_waiting_on_compute_ms", (double)t->io_wait_ns / 1e6);
+	params = cJSON_AddObjectToObject(p, "params");
+	if (params == NULL)
+		return;
+	cJSON_AddNumberToObject(params, "fetches", (double)t->param_fetches);
+	cJSON_AddNumberToObject(params, "hits", (double)t->param_hits);
+	cJSON_AddNumberToObject(params, "misses", (double)t->param_misses);
+	cJSON_AddNumberToObject(params, "hit_rate", t->param_fetches > 0 ?
+	    (double)t->param_hits / (double)t->param_fetches : 0);
+	cJSON_AddNumberToObject(params, "bytes_staged", (double)t->param_bytes_staged);
+	cJSON_AddNumberToObject(params, "releases", (double)t->param_releases);
+	cJSON_AddNumberToObject(params, "bytes_written_back", (double)t->param_bytes_written);
+}
+
+static void
 add_uids(cJSON *root, const struct zd_daemon *d)
 {
 	cJSON *uids = cJSON_AddArrayToObject(root, "uids");
@@ -249,6 +286,10 @@ jobs_array(const struct zd_daemon *d)
 		cJSON_AddNumberToObject(j, "ranks_attached", job->ranks_attached);
 		cJSON_AddNumberToObject(j, "ranks_detached", zd_job_detached_ranks(job));
 		cJSON_AddNumberToObject(j, "tensors_detached", job->ndetached);
+		cJSON_AddStringToObject(j, "policy", job->policy == ZP_POLICY_CPU ? "cpu" :
+		    job->policy == ZP_POLICY_NVME ? "nvme" : "auto");
+		cJSON_AddNumberToObject(j, "pinned_bytes", (double)job->pinned_bytes);
+		cJSON_AddNumberToObject(j, "nvme_bytes", (double)job->nvme_bytes);
 		cJSON_AddNumberToObject(j, "tensors", (double)job->tensors);
 		cJSON_AddNumberToObject(j, "params", (double)job->params);
 		cJSON_AddNumberToObject(j, "steps_applied", (double)job->steps_applied);
@@ -293,6 +334,7 @@ zd_stats_json(struct zd_daemon *d)
 	add_tiers(root, d);
 	add_malloc(root);
 	add_steps(root, d);
+	add_pipeline(root, d);
 	add_uids(root, d);
 	cJSON_AddItemToObject(root, "jobs", jobs_array(d));
 	return print_and_free(root);

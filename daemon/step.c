@@ -203,6 +203,9 @@ tensor_done(struct zd_daemon *d, struct zd_batch *b, size_t i, enum zp_step_stat
 	b->tensors_left--;
 	if (status == ZP_STEP_APPLIED) {
 		t->last_step = b->hp.step;
+		/* The step wrote every parameter into the slot. */
+		t->param_resident = true;
+		t->param_dirty = true;
 		if (t->on_nvme)
 			d->tier.nvme_steps++;
 		else
@@ -288,10 +291,17 @@ zd_step_post(struct zd_daemon *d, struct zd_task *task)
 {
 	uint64_t now = zd_now_ns();
 
-	/* The stepper sat idle: compute waited on I/O since its last task came back. */
-	if (d->tasks_outstanding == 0 && d->compute_idle_since != 0 && task->staging != NULL) {
+	/*
+	 * The stepper sat idle while this chunk was read: compute waited on I/O
+	 * from the later of its last task and this read's start (before that the
+	 * client was computing, not us).
+	 */
+	if (d->tasks_outstanding == 0 && task->staging != NULL) {
+		uint64_t since = d->compute_idle_since > task->io_start_ns ? d->compute_idle_since :
+		    task->io_start_ns;
+
 		d->tier.compute_waits++;
-		d->tier.compute_wait_ns += now - d->compute_idle_since;
+		d->tier.compute_wait_ns += now - since;
 	}
 	d->tasks_outstanding++;
 	zd_stepper_submit(d->stepper, task);

@@ -31,6 +31,7 @@ struct zd_task {
 	struct zk_tensor view;		/* STEP: the slice, in place or in a staging buffer */
 	struct zd_staging *staging;	/* NVMe chunk being stepped, NULL in place */
 	uint64_t chunk;
+	uint64_t io_start_ns;		/* NVMe: when its read was issued */
 	int result;
 	uint64_t compute_ns;
 };

@@ -1,5 +1,6 @@
 /* Where optimizer state lives (pinned or NVMe), and the read → step → write pipeline for NVMe. */
 #include <errno.h>
+#include <fcntl.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -44,6 +45,7 @@ struct chunk_io {
 	struct zd_nvme_work *work;
 	struct zd_staging *staging;
 	uint64_t chunk;
+	uint64_t start_ns;
 	struct zd_task task;
 };
 
@@ -121,10 +123,16 @@ zd_tier_stop(struct zd_daemon *d)
 	d->staging_arena = NULL;
 }
 
+static size_t
+param_store_bytes(const struct zd_tensor *t)
+{
+	return ((size_t)t->numel * zk_dtype_size(t->param_dtype) + 4095) / 4096 * 4096;
+}
+
 static int
 place_nvme(struct zd_daemon *d, struct zd_tensor *t)
 {
-	uint64_t c = d->cfg.chunk_elements;
+	uint64_t c = d->cfg.chunk_elements, bytes;
 	int r;
 
 	/* Small tensors get small chunks, so they do not take a whole chunk of disk. */
@@ -134,14 +142,21 @@ place_nvme(struct zd_daemon *d, struct zd_tensor *t)
 	t->extent = calloc(1, sizeof(*t->extent));
 	if (t->extent == NULL)
 		return -ENOMEM;
-	r = zs_extent_alloc(d->swap, chunk_count(t) * chunk_bytes(t), t->extent);
+	/* Offloaded params follow the state chunks in the same extent. */
+	bytes = chunk_count(t) * chunk_bytes(t);
+	if (t->param_offload) {
+		t->param_store_offset = bytes;
+		t->param_store_bytes = param_store_bytes(t);
+		bytes += t->param_store_bytes;
+	}
+	r = zs_extent_alloc(d->swap, bytes, t->extent);
 	if (r < 0) {
 		free(t->extent);
 		t->extent = NULL;
 		return r;
 	}
 	t->on_nvme = true;
-	t->state_bytes = chunk_count(t) * chunk_bytes(t);
+	t->state_bytes = bytes;
 	return 0;
 }
 
@@ -174,7 +189,8 @@ zd_tier_place(struct zd_session *s, struct zd_tensor *t, char *err, size_t errle
 	struct zd_uid *u = s->uid_usage;
 	uint8_t policy = job->policy;
 	size_t stride = ((size_t)t->numel * sizeof(float) + 4095) / 4096 * 4096 + 4160;
-	uint64_t pinned = 3 * stride, job_budget = job->pinned_budget;
+	uint64_t pinned = 3 * stride + (t->param_offload ? param_store_bytes(t) : 0);
+	uint64_t job_budget = job->pinned_budget;
 	bool over_job, over_uid;
 	char a[32], b[32];
 	int r;
@@ -194,9 +210,14 @@ zd_tier_place(struct zd_session *s, struct zd_tensor *t, char *err, size_t errle
 		    "limits.uid_pinned_budget of its uid");
 		return -EDQUOT;
 	}
+	/* Offloaded params of a pinned tensor are kept pinned after its state. */
 	t->state_bytes = pinned;
 	r = zt_arena_alloc(d->arena, t->state_bytes, &t->state, &t->state_pinned);
 	if (r == 0) {
+		if (t->param_offload) {
+			t->param_store = (char *)t->state + 3 * stride;
+			t->param_store_bytes = param_store_bytes(t);
+		}
 		t->master = t->state;
 		t->m = (float *)((char *)t->state + stride);
 		t->v = (float *)((char *)t->state + 2 * stride);
@@ -378,6 +399,7 @@ read_done(int result, void *arg)
 		.index = w->index,
 		.staging = io->staging,
 		.chunk = io->chunk,
+		.io_start_ns = io->start_ns,
 		.view = {
 			.master = buf,
 			.m = buf + t->chunk_elements,
@@ -431,6 +453,7 @@ pump(struct zd_daemon *d)
 		io->work = w;
 		io->staging = sb;
 		io->chunk = w->next_chunk++;
+		io->start_ns = now;
 		w->outstanding++;
 		if (w->next_chunk == w->end_chunk)
 			TAILQ_REMOVE(&d->nvme_queue, w, entry);
@@ -489,4 +512,229 @@ zd_tier_xfer(struct zd_session *s, struct zd_tensor *t, const struct zp_msg *msg
 	s->daemon->inflight_xfers++;
 	TAILQ_INSERT_TAIL(&s->daemon->nvme_queue, w, entry);
 	pump(s->daemon);
+}
+
+/* PARAM_FETCH and PARAM_RELEASE on NVMe tensors: one reply (or READY) per tensor when its I/O ends. */
+struct param_io {
+	struct zd_daemon *d;
+	struct zd_tensor *tensor;
+	uint32_t session_id;
+	uint64_t request_id;
+	bool fetch;
+	struct param_release *release;	/* the release this write belongs to */
+};
+
+/* One PARAM_RELEASE, answered when its last write-back lands. */
+struct param_release {
+	uint32_t session_id;
+	uint64_t request_id;
+	unsigned outstanding;
+	int error;
+};
+
+static struct zd_session *
+session_by_id(struct zd_daemon *d, uint32_t id)
+{
+	struct zd_session *s;
+
+	TAILQ_FOREACH(s, &d->sessions, entry)
+		if (s->id == id)
+			return s;
+	return NULL;
+}
+
+static void
+send_param_ready(struct zd_session *s, uint64_t request_id, uint32_t handle, int error)
+{
+	struct zp_msg m = { .hdr = { .type = ZP_PARAM_READY, .request_id = request_id } };
+
+	m.u.param_ready.handle = handle;
+	m.u.param_ready.error = error;
+	(void)zd_session_send(s, &m, NULL, 0);
+}
+
+/* The slot's pages go back to the kernel; the next fetch refills them. */
+static void
+evict_slot(struct zd_tensor *t)
+{
+	(void)fallocate(t->param_slot.fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, 0,
+	    (off_t)t->param_slot.bytes);
+	t->param_resident = false;
+}
+
+static void
+release_answer(struct zd_daemon *d, struct param_release *rel)
+{
+	struct zd_session *s = session_by_id(d, rel->session_id);
+
+	if (s != NULL && rel->error == 0) {
+		struct zp_msg m = { .hdr = { .type = ZP_OK, .request_id = rel->request_id } };
+
+		(void)zd_session_send(s, &m, NULL, 0);
+	} else if (s != NULL) {
+		zd_session_error(s, rel->request_id, rel->error, "writing released params to NVMe "
+		    "failed: %s", zs_strerror(rel->error));
+	}
+	free(rel);
+}
+
+static void
+param_io_done(int result, void *arg)
+{
+	struct param_io *io = arg;
+	struct zd_daemon *d = io->d;
+	struct zd_tensor *t = io->tensor;
+	struct zd_session *s = session_by_id(d, io->session_id);
+	uint32_t handle = t->session == s ? t->handle : 0;
+
+	if (result < 0)
+		d->tier.io_errors++;
+	if (io->fetch) {
+		if (result == 0) {
+			t->param_resident = true;
+			t->param_dirty = false;
+			d->tier.param_bytes_staged += t->param_store_bytes;
+		}
+		if (s != NULL && handle != 0)
+			send_param_ready(s, io->request_id, handle, result);
+	} else {
+		if (result == 0) {
+			d->tier.param_bytes_written += t->param_store_bytes;
+			t->param_dirty = false;
+			evict_slot(t);
+		} else if (io->release->error == 0) {
+			io->release->error = result;
+		}
+		if (--io->release->outstanding == 0)
+			release_answer(d, io->release);
+	}
+	zd_tensor_unbusy(d, t);
+	d->inflight_xfers--;
+	free(io);
+}
+
+static struct zd_tensor *
+param_tensor(struct zd_session *s, uint32_t handle, int *error)
+{
+	struct zd_tensor *t = zd_session_tensor(s, handle);
+
+	*error = t == NULL ? -ENOENT : t->busy ? -EBUSY : 0;
+	return *error == 0 ? t : NULL;
+}
+
+static int
+start_param_io(struct zd_session *s, struct zd_tensor *t, uint64_t request_id, bool fetch,
+    struct param_release *rel)
+{
+	struct zd_daemon *d = s->daemon;
+	struct param_io *io = calloc(1, sizeof(*io));
+	int r;
+
+	if (io == NULL)
+		return -ENOMEM;
+	*io = (struct param_io){ .d = d, .tensor = t, .session_id = s->id,
+		.request_id = request_id, .fetch = fetch, .release = rel };
+	t->busy = true;
+	d->inflight_xfers++;
+	if (fetch)
+		r = zs_read(d->swap, t->extent, t->param_store_offset, t->param_slot.map,
+		    t->param_store_bytes, param_io_done, io);
+	else
+		r = zs_write(d->swap, t->extent, t->param_store_offset, t->param_slot.map,
+		    t->param_store_bytes, param_io_done, io);
+	if (r < 0) {
+		t->busy = false;
+		d->inflight_xfers--;
+		free(io);
+	}
+	return r;
+}
+
+void
+zd_tier_param_fetch(struct zd_session *s, const struct zp_msg *msg)
+{
+	const struct zp_handles *h = &msg->u.handles;
+	struct zd_daemon *d = s->daemon;
+
+	for (uint32_t i = 0; i < h->count; i++) {
+		struct zd_tensor *t;
+		int error;
+
+		t = param_tensor(s, h->handles[i], &error);
+		if (t == NULL) {
+			send_param_ready(s, msg->hdr.request_id, h->handles[i], error);
+			continue;
+		}
+		d->tier.param_fetches++;
+		if (!t->param_offload || t->param_resident) {
+			d->tier.param_hits++;
+			send_param_ready(s, msg->hdr.request_id, t->handle, 0);
+			continue;
+		}
+		d->tier.param_misses++;
+		if (!t->on_nvme) {
+			memcpy(t->param_slot.map, t->param_store, t->param_store_bytes);
+			t->param_resident = true;
+			t->param_dirty = false;
+			d->tier.param_bytes_staged += t->param_store_bytes;
+			send_param_ready(s, msg->hdr.request_id, t->handle, 0);
+			continue;
+		}
+		error = start_param_io(s, t, msg->hdr.request_id, true, NULL);
+		if (error < 0)
+			send_param_ready(s, msg->hdr.request_id, t->handle, error);
+	}
+}
+
+void
+zd_tier_param_release(struct zd_session *s, const struct zp_msg *msg)
+{
+	const struct zp_handles *h = &msg->u.handles;
+	struct zd_daemon *d = s->daemon;
+	struct param_release *rel;
+	int error;
+
+	/* Check every handle first: a release is all or nothing. */
+	for (uint32_t i = 0; i < h->count; i++) {
+		if (param_tensor(s, h->handles[i], &error) == NULL) {
+			zd_session_error(s, msg->hdr.request_id, error, "PARAM_RELEASE: tensor handle "
+			    "%u %s", h->handles[i], error == -EBUSY ? "is in a step or transfer" :
+			    "is not on this connection");
+			return;
+		}
+	}
+	rel = calloc(1, sizeof(*rel));
+	if (rel == NULL) {
+		zd_session_error(s, msg->hdr.request_id, -ENOMEM, "out of memory");
+		return;
+	}
+	rel->session_id = s->id;
+	rel->request_id = msg->hdr.request_id;
+	/* Held until every write is queued, so an immediate failure cannot answer early. */
+	rel->outstanding = 1;
+	for (uint32_t i = 0; i < h->count; i++) {
+		struct zd_tensor *t = zd_session_tensor(s, h->handles[i]);
+
+		if (!t->param_offload || !t->param_resident || t->busy)
+			continue;
+		d->tier.param_releases++;
+		if (!t->param_dirty) {
+			evict_slot(t);
+		} else if (!t->on_nvme) {
+			memcpy(t->param_store, t->param_slot.map, t->param_store_bytes);
+			d->tier.param_bytes_written += t->param_store_bytes;
+			t->param_dirty = false;
+			evict_slot(t);
+		} else {
+			rel->outstanding++;
+			error = start_param_io(s, t, msg->hdr.request_id, false, rel);
+			if (error < 0) {
+				rel->outstanding--;
+				if (rel->error == 0)
+					rel->error = error;
+			}
+		}
+	}
+	if (--rel->outstanding == 0)
+		release_answer(d, rel);
 }

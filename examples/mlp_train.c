@@ -19,6 +19,7 @@ struct layer {
 };
 
 struct model {
+	bool offload_params;	/* params live in zoffloadd between uses (ZeRO-Infinity offload_param) */
 	int nlayers;
 	struct layer *layers;
 	float **act;		/* act[0] = input, act[i+1] = output of layer i */
@@ -177,9 +178,10 @@ backward_layer(struct model *m, int li, int batch)
 }
 
 static int
-register_layer(struct zc_conn *c, struct layer *l, int index)
+register_layer(struct zc_conn *c, struct layer *l, int index, bool offload)
 {
-	struct zc_tensor_desc d = { .grad_dtype = ZC_BF16, .param_dtype = ZC_BF16 };
+	struct zc_tensor_desc d = { .grad_dtype = ZC_BF16, .param_dtype = ZC_BF16,
+		.param_offload = offload };
 	float scale = sqrtf(2.0f / (float)l->in);	/* He initialisation for ReLU */
 	char name[64];
 	int r;
@@ -235,6 +237,7 @@ main(int argc, char **argv)
 		{ "hidden", required_argument, NULL, 'H' },
 		{ "batch", required_argument, NULL, 'b' },
 		{ "job", required_argument, NULL, 'j' },
+		{ "offload-params", no_argument, NULL, 'P' },
 		{ NULL, 0, NULL, 0 },
 	};
 	const char *socket_path = NULL, *job = "mlp-example";
@@ -254,16 +257,17 @@ main(int argc, char **argv)
 
 	/* Progress lines must reach a pipe as they happen. */
 	setvbuf(stdout, NULL, _IOLBF, 0);
-	while ((opt = getopt_long(argc, argv, "s:n:H:b:j:", opts, NULL)) != -1) {
+	while ((opt = getopt_long(argc, argv, "s:n:H:b:j:P", opts, NULL)) != -1) {
 		switch (opt) {
 		case 's': socket_path = optarg; break;
 		case 'n': steps = atoi(optarg); break;
 		case 'H': hidden = atoi(optarg); break;
 		case 'b': batch = atoi(optarg); break;
 		case 'j': job = optarg; break;
+		case 'P': m.offload_params = true; break;
 		default:
 			fprintf(stderr, "usage: mlp_train [--socket PATH] [--steps N] [--hidden N] "
-			    "[--batch N] [--job NAME]\n");
+			    "[--batch N] [--job NAME] [--offload-params]\n");
 			return 2;
 		}
 	}
@@ -324,7 +328,7 @@ main(int argc, char **argv)
 		l->gw = xcalloc((size_t)l->in * l->out, sizeof(float));
 		l->b = xcalloc((size_t)l->out, sizeof(float));
 		l->gb = xcalloc((size_t)l->out, sizeof(float));
-		r = register_layer(c, l, i);
+		r = register_layer(c, l, i, m.offload_params);
 		if (r < 0)
 			goto fail;
 		nparams += (uint64_t)l->in * l->out + l->out;
@@ -333,6 +337,10 @@ main(int argc, char **argv)
 	    "AdamW in zoffloadd\n", dims[0], dims[1], dims[2], dims[3], (double)nparams / 1e6);
 
 	set = xcalloc((size_t)m.nlayers * 2, sizeof(*set));
+	for (int i = 0; i < m.nlayers; i++) {
+		set[2 * i] = m.layers[i].tw;
+		set[2 * i + 1] = m.layers[i].tb;
+	}
 	/* A rank that died and came back carries on from the daemon's state. */
 	first = (int)zc_tensor_last_step(m.layers[0].tw) + 1;
 	if (first > 1)
@@ -342,8 +350,15 @@ main(int argc, char **argv)
 		int start = ((step - 1) * batch) % (ndata - batch + 1);
 		double loss;
 
-		for (int i = 0; i < m.nlayers; i++)
+		/* Offloaded params: ask for every layer up front, wait for each as it is used. */
+		if (m.offload_params && (r = zc_param_prefetch(c, set, (size_t)m.nlayers * 2)) < 0)
+			goto fail;
+		for (int i = 0; i < m.nlayers; i++) {
+			if (m.offload_params && ((r = zc_param_wait(m.layers[i].tw)) < 0 ||
+			    (r = zc_param_wait(m.layers[i].tb)) < 0))
+				goto fail;
 			load_params(&m.layers[i]);
+		}
 		memcpy(m.act[0], data + (size_t)start * input, sizeof(float) * batch * input);
 		forward(&m, batch);
 		loss = loss_and_grad(&m, labels + start, batch);
@@ -352,8 +367,6 @@ main(int argc, char **argv)
 		for (int i = m.nlayers - 1; i >= 0; i--) {
 			backward_layer(&m, i, batch);
 			store_grads(&m.layers[i]);
-			set[2 * i] = m.layers[i].tw;
-			set[2 * i + 1] = m.layers[i].tb;
 		}
 		sp.step = (uint64_t)step;
 		r = zc_step_submit(c, &sp, set, (size_t)m.nlayers * 2);
@@ -362,12 +375,23 @@ main(int argc, char **argv)
 		r = zc_wait_all(c, &res);
 		if (r < 0)
 			goto fail;
+		/* Our copies are taken: the daemon may move the params out of memory. */
+		if (m.offload_params && (r = zc_param_release(c, set, (size_t)m.nlayers * 2)) < 0)
+			goto fail;
 		if (step == 1 || step % 10 == 0 || step == steps)
 			printf("step %4d  loss %.4f  grad norm %.3f  daemon step %.2f ms%s\n", step,
 			    loss, res.grad_norm, (double)res.latency_ns / 1e6,
 			    res.status == ZC_STEP_SKIPPED_NONFINITE ? "  (skipped: inf/NaN)" : "");
 	}
 	printf("mlp_train: steps %d to %d in %.1f s\n", first, steps, now_s() - t0);
+	if (m.offload_params) {
+		struct zc_param_stats ps;
+
+		zc_param_stats(c, &ps);
+		printf("mlp_train: offloaded params: %llu hits, %llu misses, %.1f ms waiting\n",
+		    (unsigned long long)ps.hits, (unsigned long long)ps.misses,
+		    (double)ps.wait_ns / 1e6);
+	}
 	/* Done: nothing to keep for a reattach. */
 	r = zc_job_close(c);
 	if (r < 0)

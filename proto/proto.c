@@ -267,6 +267,21 @@ encode_payload(const struct zp_msg *m, struct wbuf *w)
 		put_u64(w, m->u.tensor_register.numel);
 		put_u8(w, m->u.tensor_register.grad_dtype);
 		put_u8(w, m->u.tensor_register.param_dtype);
+		put_u8(w, m->u.tensor_register.flags);
+		break;
+	case ZP_PARAM_FETCH:
+	case ZP_PARAM_RELEASE:
+		put_u32(w, m->u.handles.count);
+		if (m->u.handles.count > ZP_MAX_STEP_TENSORS) {
+			w->overflow = true;
+			break;
+		}
+		for (uint32_t i = 0; i < m->u.handles.count; i++)
+			put_u32(w, m->u.handles.handles[i]);
+		break;
+	case ZP_PARAM_READY:
+		put_u32(w, m->u.param_ready.handle);
+		put_u32(w, (uint32_t)m->u.param_ready.error);
 		break;
 	case ZP_TENSOR_UNREGISTER:
 		put_u32(w, m->u.tensor_handle.handle);
@@ -406,8 +421,24 @@ decode_payload(struct rbuf *r, struct zp_msg *m)
 		check(r, t->grad_dtype < ZP_DTYPE_COUNT, "grad_dtype");
 		t->param_dtype = get_u8(r, "param_dtype");
 		check(r, t->param_dtype < ZP_DTYPE_COUNT, "param_dtype");
+		t->flags = get_u8(r, "flags");
+		check(r, (t->flags & ~ZP_TENSOR_FLAGS_ALL) == 0, "flags");
 		break;
 	}
+	case ZP_PARAM_FETCH:
+	case ZP_PARAM_RELEASE:
+		m->u.handles.count = get_u32(r, "count");
+		check(r, m->u.handles.count >= 1 && m->u.handles.count <= ZP_MAX_STEP_TENSORS,
+		    "count");
+		if (r->status != ZP_S_OK || !need(r, (size_t)m->u.handles.count * 4, "handles"))
+			break;
+		for (uint32_t i = 0; i < m->u.handles.count; i++)
+			m->u.handles.handles[i] = get_u32(r, "handles");
+		break;
+	case ZP_PARAM_READY:
+		m->u.param_ready.handle = get_u32(r, "handle");
+		m->u.param_ready.error = (int32_t)get_u32(r, "error");
+		break;
 	case ZP_TENSOR_UNREGISTER:
 		m->u.tensor_handle.handle = get_u32(r, "handle");
 		break;

@@ -45,6 +45,8 @@
 	X(STATS, 11)							\
 	X(JOBS, 12)							\
 	X(JOB_DROP, 13)							\
+	X(PARAM_FETCH, 14)						\
+	X(PARAM_RELEASE, 15)						\
 	X(OK, 64)							\
 	X(ERROR, 65)							\
 	X(HELLO_OK, 66)							\
@@ -54,7 +56,8 @@
 	X(XFER_OK, 70)							\
 	X(JSON, 71)							\
 	X(TENSOR_DONE, 128)						\
-	X(STEP_DONE, 129)
+	X(STEP_DONE, 129)						\
+	X(PARAM_READY, 130)
 
 enum zp_type {
 #define ZP_TYPE_ENUM(name, value) ZP_##name = value,
@@ -118,13 +121,22 @@ struct zp_job_open {
 	uint8_t policy;
 	uint64_t pinned_budget;
 };
-/* TENSOR_REGISTER: str name, u64 numel (> 0), u8 grad_dtype, u8 param_dtype */
+/* TENSOR_REGISTER flags */
+#define ZP_TENSOR_PARAM_OFFLOAD		(1u << 0)	/* params live on the tiers; slot staged on request */
+#define ZP_TENSOR_FLAGS_ALL		ZP_TENSOR_PARAM_OFFLOAD
+
+/* TENSOR_REGISTER: str name, u64 numel (> 0), u8 grad_dtype, u8 param_dtype, u8 flags */
 struct zp_tensor_register {
 	char name[ZP_NAME_MAX + 1];
 	uint64_t numel;
 	uint8_t grad_dtype;
 	uint8_t param_dtype;
+	uint8_t flags;
 };
+/* PARAM_FETCH, PARAM_RELEASE: u32 count (1..ZP_MAX_STEP_TENSORS), then count u32 handles */
+struct zp_handles { uint32_t count; uint32_t handles[ZP_MAX_STEP_TENSORS]; };
+/* PARAM_READY: u32 handle, i32 error (0: the param slot holds the parameters) */
+struct zp_param_ready { uint32_t handle; int32_t error; };
 /* TENSOR_UNREGISTER: u32 handle */
 struct zp_tensor_handle { uint32_t handle; };
 /* TENSOR_WRITE / TENSOR_READ: u32 handle, u8 state, u64 offset, u64 count (fp32 elements via the xfer window) */
@@ -183,6 +195,8 @@ struct zp_msg {
 		struct zp_job_drop job_drop;
 		struct zp_tensor_register tensor_register;
 		struct zp_tensor_handle tensor_handle;
+		struct zp_handles handles;
+		struct zp_param_ready param_ready;
 		struct zp_tensor_io tensor_io;
 		struct zp_step_submit step_submit;
 		struct zp_error error;

@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # The main job end to end: install what is missing, build, start zoffloadd on a temporary
-# socket with built-in defaults, train the example MLP through it, show the stats, stop.
+# socket with built-in defaults plus a small pinned budget and a temporary swap directory,
+# train the example MLP through it (its optimizer state is twice the pinned budget, so it
+# spills to the swap directory; its parameters are offloaded too), show the stats, stop.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 . scripts/deps.sh
@@ -22,8 +24,16 @@ cleanup() {
 trap cleanup EXIT
 
 sock="$tmp/zoffload.sock"
-echo "==> starting zoffloadd on $sock"
-"$build/daemon/zoffloadd" --no-config --socket "$sock" 2>"$tmp/zoffloadd.log" &
+mkdir "$tmp/swap"
+# Everything else stays at the built-in defaults.
+cat >"$tmp/zoffload.conf" <<CONF
+{
+  "memory": { "pinned_budget": "16M" },
+  "swap": { "paths": [ { "path": "$tmp/swap", "capacity": "512M" } ], "chunk_elements": 1048576 }
+}
+CONF
+echo "==> starting zoffloadd on $sock (pinned budget 16 MiB, swap in $tmp/swap)"
+"$build/daemon/zoffloadd" --config "$tmp/zoffload.conf" --socket "$sock" 2>"$tmp/zoffloadd.log" &
 daemon_pid=$!
 for _ in $(seq 100); do
 	[ -S "$sock" ] && break
@@ -33,7 +43,7 @@ done
 sed 's/^/    /' "$tmp/zoffloadd.log"
 
 echo "==> training the example MLP (optimizer steps in zoffloadd)"
-"$build/examples/mlp_train" --socket "$sock" "$@" >"$tmp/train.log" &
+"$build/examples/mlp_train" --socket "$sock" --offload-params "$@" >"$tmp/train.log" &
 train_pid=$!
 tail -f --pid=$train_pid "$tmp/train.log" &
 # A snapshot while the job is attached: its tensors and state show in the tiers.

@@ -154,6 +154,12 @@ fill_valid(uint16_t type)
 		in.u.json.text = "{}";
 		in.u.json.len = 2;
 		break;
+	case ZP_PARAM_FETCH:
+	case ZP_PARAM_RELEASE:
+		in.u.handles.count = 3;
+		in.u.handles.handles[0] = 7;
+		in.u.handles.handles[2] = UINT32_MAX;
+		break;
 	default:
 		/* Names sit first in every payload that starts with one; elsewhere it is a number. */
 		strcpy((char *)&in.u, "nm");
@@ -243,6 +249,10 @@ Test(codec, round_trip_tensor_register)
 	cr_assert_eq(out.u.tensor_register.numel, 1ull << 40);
 	cr_assert_eq(out.u.tensor_register.grad_dtype, ZP_DTYPE_F16);
 	cr_assert_eq(out.u.tensor_register.param_dtype, ZP_DTYPE_BF16);
+	cr_assert_eq(out.u.tensor_register.flags, 0);
+	in.u.tensor_register.flags = ZP_TENSOR_PARAM_OFFLOAD;
+	round_trip(ZP_TENSOR_REGISTER, 8);
+	cr_assert_eq(out.u.tensor_register.flags, ZP_TENSOR_PARAM_OFFLOAD);
 }
 
 Test(codec, round_trip_tensor_unregister)
@@ -747,4 +757,31 @@ Test(codec, why_optional)
 	cr_assert_str_eq(small, "abc");
 	cr_assert_eq(zp_decode(buf, 3, &out, small, sizeof(small)), ZP_S_SHORT);
 	cr_assert_eq(strlen(small), 3, "why not truncated to its buffer");
+}
+
+/* PARAM_FETCH / PARAM_RELEASE carry a list of handles; PARAM_READY answers one. */
+Test(codec, round_trip_param_handles)
+{
+	static const uint16_t types[] = { ZP_PARAM_FETCH, ZP_PARAM_RELEASE };
+
+	for (size_t i = 0; i < 2; i++) {
+		memset(&in, 0, sizeof(in));
+		in.u.handles.count = ZP_MAX_STEP_TENSORS;
+		for (uint32_t k = 0; k < ZP_MAX_STEP_TENSORS; k++)
+			in.u.handles.handles[k] = k * 2654435761u;
+		round_trip(types[i], 40 + i);
+		cr_assert_eq(out.u.handles.count, ZP_MAX_STEP_TENSORS);
+		cr_assert_eq(memcmp(out.u.handles.handles, in.u.handles.handles,
+		    sizeof(in.u.handles.handles)), 0);
+		/* No tensors, or more than a step takes: refused. */
+		in.u.handles.count = 0;
+		in.hdr.type = types[i];
+		expect_value(zp_type_name(types[i]), "count");
+	}
+	memset(&in, 0, sizeof(in));
+	in.u.param_ready.handle = 9;
+	in.u.param_ready.error = -5;
+	round_trip(ZP_PARAM_READY, 99);
+	cr_assert_eq(out.u.param_ready.handle, 9);
+	cr_assert_eq(out.u.param_ready.error, -5);
 }
