@@ -34,6 +34,9 @@ struct zc_tensor {
 	bool pending;
 	uint64_t last_step;
 	struct zc_step_result result;
+	bool param_offload;
+	enum { PARAM_RESIDENT, PARAM_RELEASED, PARAM_FETCHING } param_state;
+	int param_error;
 	zc_release_fn *release;		/* see zc_tensor_set_release_hook */
 	void *release_arg;
 };
@@ -53,6 +56,7 @@ struct zc_conn {
 	size_t xfer_bytes;
 	struct pending_set *sets;
 	struct zc_step_result last;
+	struct zc_param_stats param_stats;
 };
 
 static int
@@ -170,8 +174,11 @@ recv_one(struct zc_conn *c, int *fds, unsigned *nfds, int flags)
 
 		if (t != NULL) {
 			t->pending = false;
-			if (m->u.tensor_done.status == ZP_STEP_APPLIED)
+			if (m->u.tensor_done.status == ZP_STEP_APPLIED) {
 				t->last_step = m->u.tensor_done.step;
+				/* The step wrote the parameters into the slot. */
+				t->param_state = PARAM_RESIDENT;
+			}
 			t->result = (struct zc_step_result){
 				.step = m->u.tensor_done.step,
 				.status = (enum zc_step_status)m->u.tensor_done.status,
@@ -184,6 +191,15 @@ recv_one(struct zc_conn *c, int *fds, unsigned *nfds, int flags)
 	case ZP_STEP_DONE:
 		finish_set(c, &m->u.step_done, m->hdr.request_id);
 		return 0;
+	case ZP_PARAM_READY: {
+		struct zc_tensor *t = tensor_by_handle(c, m->u.param_ready.handle);
+
+		if (t != NULL && t->param_state == PARAM_FETCHING) {
+			t->param_state = m->u.param_ready.error == 0 ? PARAM_RESIDENT : PARAM_RELEASED;
+			t->param_error = m->u.param_ready.error;
+		}
+		return 0;
+	}
 	case ZP_ERROR:
 		/* A refused step: its STEP_DONE follows; keep the reason. */
 		if (is_pending_set(c, m->hdr.request_id)) {
@@ -538,6 +554,7 @@ zc_tensor_register(struct zc_conn *c, const struct zc_tensor_desc *desc, const f
 	m.u.tensor_register.numel = desc->numel;
 	m.u.tensor_register.grad_dtype = (uint8_t)desc->grad_dtype;
 	m.u.tensor_register.param_dtype = (uint8_t)desc->param_dtype;
+	m.u.tensor_register.flags = desc->param_offload ? ZP_TENSOR_PARAM_OFFLOAD : 0;
 	r = rpc(c, &m, ZP_TENSOR_OK, fds);
 	if (r < 0)
 		return r;
@@ -552,6 +569,7 @@ zc_tensor_register(struct zc_conn *c, const struct zc_tensor_desc *desc, const f
 	t->grad_bytes = c->msg->u.tensor_ok.grad_bytes;
 	t->param_bytes = c->msg->u.tensor_ok.param_bytes;
 	t->last_step = c->msg->u.tensor_ok.last_step;
+	t->param_offload = desc->param_offload;
 	resumed = c->msg->u.tensor_ok.resumed != 0;
 	if (t->grad_bytes != desc->numel * zk_dtype_size((enum zk_dtype)desc->grad_dtype) ||
 	    t->param_bytes != desc->numel * zk_dtype_size((enum zk_dtype)desc->param_dtype)) {
@@ -781,6 +799,118 @@ zc_wait_all(struct zc_conn *c, struct zc_step_result *ret)
 	if (r == 0 && c->last.status == ZC_STEP_FAILED)
 		return c->last.error < 0 ? c->last.error : -EIO;
 	return r;
+}
+
+static int wait_until(struct zc_conn *c, bool (*done)(void *), void *arg);
+
+static int
+handles_request(struct zc_conn *c, uint16_t type, struct zc_tensor *const *tensors, size_t n,
+    struct zp_msg **ret)
+{
+	struct zp_msg *m;
+
+	if (n == 0 || n > ZP_MAX_STEP_TENSORS)
+		return seterr(c, -EINVAL, "1 to %d tensors, not %zu", ZP_MAX_STEP_TENSORS, n);
+	for (size_t i = 0; i < n; i++) {
+		if (tensors[i] == NULL || tensors[i]->conn != c)
+			return seterr(c, -EINVAL, "tensor %zu does not belong to this connection", i);
+		if (tensors[i]->pending)
+			return seterr(c, -EBUSY, "tensor %zu is in a step; wait for it first", i);
+	}
+	m = calloc(1, sizeof(*m));
+	if (m == NULL)
+		return seterr(c, -ENOMEM, "out of memory");
+	m->hdr.type = type;
+	m->u.handles.count = (uint32_t)n;
+	for (size_t i = 0; i < n; i++)
+		m->u.handles.handles[i] = tensors[i]->handle;
+	*ret = m;
+	return 0;
+}
+
+int
+zc_param_prefetch(struct zc_conn *c, struct zc_tensor *const *tensors, size_t n)
+{
+	struct zp_msg *m = NULL;
+	int r = handles_request(c, ZP_PARAM_FETCH, tensors, n, &m);
+
+	if (r < 0)
+		return r;
+	/* Only what is not in its slot yet; READY events arrive as the daemon stages them. */
+	m->u.handles.count = 0;
+	for (size_t i = 0; i < n; i++) {
+		if (tensors[i]->param_state != PARAM_RELEASED)
+			continue;
+		tensors[i]->param_state = PARAM_FETCHING;
+		m->u.handles.handles[m->u.handles.count++] = tensors[i]->handle;
+	}
+	r = m->u.handles.count > 0 ? send_msg(c, m) : 0;
+	free(m);
+	return r;
+}
+
+static bool
+param_arrived(void *arg)
+{
+	return ((struct zc_tensor *)arg)->param_state != PARAM_FETCHING;
+}
+
+int
+zc_param_wait(struct zc_tensor *t)
+{
+	struct zc_conn *c = t->conn;
+	uint64_t t0;
+	int r;
+
+	if (t->param_state == PARAM_RESIDENT) {
+		c->param_stats.hits++;
+		return 0;
+	}
+	c->param_stats.misses++;
+	t0 = now_ns();
+	if (t->param_state == PARAM_RELEASED) {
+		r = zc_param_prefetch(c, &t, 1);
+		if (r < 0)
+			return r;
+	}
+	r = wait_until(c, param_arrived, t);
+	c->param_stats.wait_ns += now_ns() - t0;
+	if (r < 0)
+		return r;
+	if (t->param_state != PARAM_RESIDENT)
+		return seterr(c, t->param_error < 0 ? t->param_error : -EIO,
+		    "staging the params failed: %s", strerror(-t->param_error));
+	return 0;
+}
+
+int
+zc_param_release(struct zc_conn *c, struct zc_tensor *const *tensors, size_t n)
+{
+	struct zp_msg *m = NULL;
+	int r = handles_request(c, ZP_PARAM_RELEASE, tensors, n, &m);
+
+	if (r < 0)
+		return r;
+	for (size_t i = 0; i < n; i++) {
+		if (tensors[i]->param_state == PARAM_FETCHING) {
+			free(m);
+			return seterr(c, -EBUSY, "tensor %zu is being fetched; wait for it first", i);
+		}
+	}
+	r = rpc(c, m, ZP_OK, NULL);
+	free(m);
+	if (r < 0)
+		return r;
+	for (size_t i = 0; i < n; i++)
+		if (tensors[i]->param_offload)
+			tensors[i]->param_state = PARAM_RELEASED;
+	return 0;
+}
+
+void
+zc_param_stats(const struct zc_conn *c, struct zc_param_stats *ret)
+{
+	*ret = c->param_stats;
 }
 
 int
