@@ -129,7 +129,8 @@ struct zcc_flat;
 
 /*
  * One per rank: conn has this rank's job open (zc_job_open with the
- * communicator's rank and size); comm is the caller's and outlives this.
+ * communicator's rank and size); conn and comm are the caller's and must
+ * outlive this (zcc_zero3_destroy before zc_disconnect and ncclCommDestroy).
  */
 ZC_API int zcc_zero3_create(struct zc_conn *conn, ncclComm_t comm, struct zcc_zero3 **ret);
 /* Frees every flat parameter (slots, daemon tensors, device shards); NULL is a no-op. */
@@ -181,8 +182,7 @@ ZC_API int zcc_zero3_poll(struct zcc_zero3 *zero3);
 struct zcc_step_summary {
 	uint32_t submitted;	/* flat parameters stepped by the daemon */
 	uint32_t applied;
-	uint32_t skipped;	/* ZC_STEP_SKIPPED_NONFINITE */
-	uint64_t max_latency_ns;	/* longest daemon-side step */
+	uint32_t skipped;	/* ZC_STEP_SKIPPED_NONFINITE: parameters unchanged */
 };
 
 /*

@@ -1,0 +1,206 @@
+#!/usr/bin/env bash
+# GPU machine check, one run (< 5 min on one H200): build with CUDA, CUDA tests, gpu_train vs GPU AdamW, slot bandwidth, AVX-512 kernels.
+#
+# Usage: benchmarks/device/run.sh [BUILD_DIR]        (default build-device, wiped first)
+# Writes its whole output to $OUT/zoffload-device.log when $OUT is set (the device
+# runner brings $OUT back), else to /tmp/zoffload-device/zoffload-device.log.  Exit status 0 only
+# when every step that ran passed; steps that cannot run here are SKIP, not FAIL.
+set -euo pipefail
+
+repo=$(cd "$(dirname "$0")/../.." && pwd)
+cd "$repo"
+build=${1:-build-device}
+# Outside the build dir, which is wiped below.
+logdir=${OUT:-/tmp/zoffload-device}
+mkdir -p "$logdir"
+log="$logdir/zoffload-device.log"
+: >"$log"
+exec > >(tee -a "$log") 2>&1
+
+start_all=$SECONDS
+results=()
+failed=0
+
+section() { printf '\n==== %s  (t=%ds) ====\n' "$*" $((SECONDS - start_all)); }
+
+# run_step NAME CMD...: runs CMD with errexit off, records PASS / SKIP (77) / FAIL (rc).
+run_step() {
+	local name=$1 t0=$SECONDS rc=0
+	shift
+	set +e
+	"$@"
+	rc=$?
+	set -e
+	local verdict
+	# Where nvidia-smi sees a GPU, a step that says "no GPU" is broken, not skipped.
+	if [ "$rc" -eq 77 ] && [ "${gpu_required:-0}" -eq 1 ]; then
+		rc=78
+		echo "(exit 77 on a machine with ${ngpu} GPU(s): counted as a failure)"
+	fi
+	case $rc in
+	0) verdict=PASS ;;
+	77) verdict=SKIP ;;
+	124) verdict="FAIL (timed out)"; failed=$((failed + 1)) ;;
+	*) verdict="FAIL (exit $rc)"; failed=$((failed + 1)) ;;
+	esac
+	results+=("$(printf '%-34s %-18s %4ds' "$name" "$verdict" $((SECONDS - t0)))")
+	return 0
+}
+
+summary() {
+	section "summary"
+	local line
+	for line in "${results[@]}"; do
+		echo "  $line"
+	done
+	echo "  total $((SECONDS - start_all))s; log: $log"
+	[ -n "${daemon_log:-}" ] && [ -f "$daemon_log" ] && cp "$daemon_log" "$logdir/" 2>/dev/null || true
+	[ -f "$build/meson-logs/testlog.txt" ] && cp "$build/meson-logs/testlog.txt" "$logdir/" 2>/dev/null || true
+}
+
+daemon_pid=
+tmp=$(mktemp -d /tmp/zoffload-device.XXXXXX)
+cleanup() {
+	if [ -n "$daemon_pid" ] && kill -0 "$daemon_pid" 2>/dev/null; then
+		kill -TERM "$daemon_pid" 2>/dev/null || true
+		wait "$daemon_pid" 2>/dev/null || true
+	fi
+	rm -rf "$tmp"
+}
+trap cleanup EXIT
+
+section "machine"
+uname -a || true
+nproc || true
+if command -v nvidia-smi >/dev/null 2>&1; then
+	nvidia-smi --query-gpu=index,name,memory.total,driver_version --format=csv || true
+	ngpu=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
+else
+	echo "nvidia-smi not found; the example will count the GPUs itself"
+	ngpu=0
+fi
+gpu_required=0
+[ "${ngpu:-0}" -gt 0 ] && gpu_required=1
+avx512=no
+grep -qw avx512f /proc/cpuinfo && avx512=yes
+echo "GPUs: ${ngpu:-0}   CPU AVX-512: $avx512"
+
+# CUDA: the usual prefix, else wherever nvcc is on PATH.
+cudadir=/usr/local/cuda
+if [ ! -x "$cudadir/bin/nvcc" ] && command -v nvcc >/dev/null 2>&1; then
+	cudadir=$(dirname "$(dirname "$(readlink -f "$(command -v nvcc)")")")
+fi
+echo "CUDA: $cudadir ($("$cudadir/bin/nvcc" --version 2>/dev/null | tail -1 || echo 'nvcc missing'))"
+export PATH="$cudadir/bin:$PATH"
+
+section "dependencies (scripts/deps.sh)"
+# No network here except perhaps the package mirrors: bounded, and a failure is not fatal;
+# the build below says what is really missing.
+install_ok=0
+timeout 150 bash -c '. scripts/deps.sh && install_deps' || install_ok=$?
+[ "$install_ok" -eq 0 ] || echo "warning: installing missing packages failed (exit $install_ok); trying the build anyway"
+for tool in meson ninja pkg-config; do
+	command -v "$tool" >/dev/null 2>&1 || echo "warning: $tool not found"
+done
+
+section "configure and build ($build, -Dcuda=enabled)"
+rm -rf "$build"
+setup_ok=0
+meson setup "$build" -Dcuda=enabled -Dcudadir="$cudadir" --buildtype=release || setup_ok=$?
+if [ "$setup_ok" -ne 0 ]; then
+	# jemalloc is the one optional library that defaults to required.
+	echo "meson setup failed; retrying without jemalloc"
+	rm -rf "$build"
+	setup_ok=0
+	meson setup "$build" -Dcuda=enabled -Dcudadir="$cudadir" --buildtype=release \
+		-Djemalloc=disabled || setup_ok=$?
+fi
+if [ "$setup_ok" -ne 0 ]; then
+	results+=("$(printf '%-34s %-18s %4ds' configure "FAIL (exit $setup_ok)" 0)")
+	failed=$((failed + 1))
+	summary
+	exit 1
+fi
+# -k 0: a target that fails to build must not keep the independent ones (the CUDA
+# library and its tests) from being built and run.
+run_step "build" ninja -C "$build" -k 0
+
+section "CUDA tests (meson test --suite cuda)"
+run_step "tests: cuda suite" timeout 240 meson test -C "$build" --no-rebuild --suite cuda \
+	--print-errorlogs
+
+# meson counts a 77 as skipped and still exits 0: on a GPU machine that hides a broken setup.
+if [ "$gpu_required" -eq 1 ] && [ -f "$build/meson-logs/testlog.json" ] &&
+	grep '/ cuda-kernels"' "$build/meson-logs/testlog.json" | grep -q '"result": "SKIP"'; then
+	echo "cuda-kernels skipped although nvidia-smi lists ${ngpu} GPU(s)"
+	results+=("$(printf '%-34s %-18s %4ds' "tests: cuda-kernels ran on GPU" FAIL 0)")
+	failed=$((failed + 1))
+fi
+
+section "CPU kernel tests (meson test --suite kernels)"
+if [ "$avx512" = yes ]; then
+	run_step "tests: kernels (AVX-512 CPU)" timeout 240 meson test -C "$build" --no-rebuild \
+		--suite kernels --print-errorlogs
+else
+	echo "this CPU has no AVX-512: the kernels suite is CI's job"
+	results+=("$(printf '%-34s %-18s %4ds' "tests: kernels (AVX-512 CPU)" SKIP 0)")
+fi
+
+if [ ! -x "$build/daemon/zoffloadd" ]; then
+	echo "no zoffloadd was built: the example and the slot benchmark cannot run"
+	results+=("$(printf '%-34s %-18s %4ds' "zoffloadd built" FAIL 0)")
+	failed=$((failed + 1))
+	summary
+	exit 1
+fi
+
+section "zoffloadd on a temporary socket"
+sock="$tmp/zoffload.sock"
+daemon_log="$tmp/zoffloadd.log"
+"$build/daemon/zoffloadd" --no-config --socket "$sock" 2>"$daemon_log" &
+daemon_pid=$!
+for _ in $(seq 200); do
+	[ -S "$sock" ] && break
+	kill -0 "$daemon_pid" 2>/dev/null || break
+	sleep 0.05
+done
+sed 's/^/    /' "$daemon_log" || true
+if [ ! -S "$sock" ]; then
+	echo "zoffloadd did not come up"
+	results+=("$(printf '%-34s %-18s %4ds' "zoffloadd start" FAIL 0)")
+	failed=$((failed + 1))
+	summary
+	exit 1
+fi
+export ZOFFLOAD_SOCKET="$sock"
+
+section "gpu_train: ZeRO-3 + AdamW in zoffloadd vs GPU-only AdamW, 50 steps"
+ranks=()
+ranks_label="every GPU"
+if [ "${ngpu:-0}" -gt 0 ]; then
+	ranks=(--ranks "$ngpu")
+	ranks_label="$ngpu ranks"
+fi
+run_step "example: gpu_train ($ranks_label)" timeout 180 "$build/examples/gpu_train" \
+	--socket "$sock" --steps 50 ${ranks[@]+"${ranks[@]}"}
+
+section "bench_slots: slot H2D/D2H vs cudaMallocHost (target ratio >= 0.90)"
+run_step "bench: slot bandwidth" timeout 120 "$build/benchmarks/bench_slots" --socket "$sock" \
+	--size 256M --iters 20 --min-ratio 0.9
+
+section "zoffloadd after the runs"
+"$build/client/zoffctl" --socket "$sock" stats || true
+kill -TERM "$daemon_pid" 2>/dev/null || true
+daemon_rc=0
+wait "$daemon_pid" || daemon_rc=$?
+daemon_pid=
+if [ "$daemon_rc" -eq 0 ]; then
+	results+=("$(printf '%-34s %-18s %4ds' "zoffloadd clean stop" PASS 0)")
+else
+	results+=("$(printf '%-34s %-18s %4ds' "zoffloadd clean stop" "FAIL (exit $daemon_rc)" 0)")
+	failed=$((failed + 1))
+fi
+tail -n 20 "$daemon_log" | sed 's/^/    /' || true
+
+summary
+[ "$failed" -eq 0 ]
