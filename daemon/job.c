@@ -309,20 +309,6 @@ add_handle(struct zd_session *s, struct zd_tensor *t)
 	return 0;
 }
 
-static void
-human(uint64_t bytes, char *buf, size_t len)
-{
-	static const char *const units[] = { "B", "KiB", "MiB", "GiB", "TiB" };
-	double v = (double)bytes;
-	unsigned u = 0;
-
-	while (v >= 1024 && u < 4) {
-		v /= 1024;
-		u++;
-	}
-	snprintf(buf, len, "%.1f %s", v, units[u]);
-}
-
 /* A new process of a dead rank takes its tensor back, state and slots as they were. */
 static int
 resume_detached(struct zd_session *s, const struct zp_tensor_register *req,
@@ -425,9 +411,9 @@ zd_tensor_create(struct zd_session *s, const struct zp_tensor_register *req,
 	if (r < 0 && err[0] == '\0') {
 		if (r == -ENOSPC || r == -ENOMEM) {
 			zt_arena_get_stats(d->arena, &as);
-			human(t->state_bytes, a, sizeof(a));
-			human(as.used_bytes, b, sizeof(b));
-			human(as.budget_bytes, c, sizeof(c));
+			zd_fmt_bytes(t->state_bytes, a, sizeof(a));
+			zd_fmt_bytes(as.used_bytes, b, sizeof(b));
+			zd_fmt_bytes(as.budget_bytes, c, sizeof(c));
 		}
 		if (r == -ENOSPC && d->swap == NULL)
 			snprintf(err, errlen, "tensor '%s' needs %s of optimizer state; the pinned "
@@ -456,8 +442,8 @@ zd_tensor_create(struct zd_session *s, const struct zp_tensor_register *req,
 		r = zd_shm_create(d, "zoffload-param", t->numel * zk_dtype_size(t->param_dtype),
 		    !t->param_offload, &t->param_slot);
 	if (r < 0) {
-		human(d->shm_bytes, a, sizeof(a));
-		human(d->cfg.shm_budget, b, sizeof(b));
+		zd_fmt_bytes(d->shm_bytes, a, sizeof(a));
+		zd_fmt_bytes(d->cfg.shm_budget, b, sizeof(b));
 		if (r == -ENOSPC)
 			snprintf(err, errlen, "tensor '%s': its slots exceed the shared-memory budget "
 			    "(%s of %s in use)", t->name, a, b);

@@ -96,3 +96,18 @@ fatalx(const char *fmt, ...)
 	va_end(ap);
 	exit(1);
 }
+
+const char *
+zd_fmt_bytes(unsigned long long bytes, char *buf, unsigned long len)
+{
+	static const char *const units[] = { "B", "KiB", "MiB", "GiB", "TiB" };
+	double v = (double)bytes;
+	unsigned u = 0;
+
+	while (v >= 1024 && u < 4) {
+		v /= 1024;
+		u++;
+	}
+	snprintf(buf, len, "%.1f %s", v, units[u]);
+	return buf;
+}

@@ -20,6 +20,9 @@ void log_error(int err, const char *fmt, ...) ZD_PRINTF(2, 3);
 void log_errorx(const char *fmt, ...) ZD_PRINTF(1, 2);
 void log_info(const char *fmt, ...) ZD_PRINTF(1, 2);
 void log_debug(const char *fmt, ...) ZD_PRINTF(1, 2);
+/* "1.5 GiB": sizes in messages. */
+const char *zd_fmt_bytes(unsigned long long bytes, char *buf, unsigned long len);
+
 __attribute__((noreturn)) void fatalx(const char *fmt, ...) ZD_PRINTF(1, 2);
 
 #endif

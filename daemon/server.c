@@ -42,20 +42,6 @@ have_cap_ipc_lock(void)
 	return (data[CAP_TO_INDEX(CAP_IPC_LOCK)].effective & CAP_TO_MASK(CAP_IPC_LOCK)) != 0;
 }
 
-static void
-fmt_bytes(uint64_t bytes, char *buf, size_t len)
-{
-	static const char *const units[] = { "B", "KiB", "MiB", "GiB", "TiB" };
-	double v = (double)bytes;
-	unsigned u = 0;
-
-	while (v >= 1024 && u < 4) {
-		v /= 1024;
-		u++;
-	}
-	snprintf(buf, len, "%.1f %s", v, units[u]);
-}
-
 /* Says at start what can really be pinned, and why not more. */
 static void
 report_pinning(struct zd_daemon *d)
@@ -64,13 +50,13 @@ report_pinning(struct zd_daemon *d)
 	char budget[32], limit[32];
 
 	zt_arena_get_stats(d->arena, &as);
-	fmt_bytes(as.budget_bytes, budget, sizeof(budget));
+	zd_fmt_bytes(as.budget_bytes, budget, sizeof(budget));
 	if (as.memlock_limit == UINT64_MAX || have_cap_ipc_lock()) {
 		log_info("pinned tier: budget %s, all of it can be locked (%s)", budget,
 		    as.memlock_limit == UINT64_MAX ? "memlock unlimited" : "CAP_IPC_LOCK");
 		return;
 	}
-	fmt_bytes(as.memlock_limit, limit, sizeof(limit));
+	zd_fmt_bytes(as.memlock_limit, limit, sizeof(limit));
 	if (as.memlock_limit >= as.budget_bytes) {
 		log_info("pinned tier: budget %s within the memlock limit of %s", budget, limit);
 		return;
@@ -336,7 +322,7 @@ start_swap(struct zd_daemon *d)
 		char cap[32];
 
 		zs_engine_path_stats(d->swap, i, &ps);
-		fmt_bytes(ps.capacity, cap, sizeof(cap));
+		zd_fmt_bytes(ps.capacity, cap, sizeof(cap));
 		log_info("NVMe tier: %s, %s preallocated, O_DIRECT alignment %u", paths[i].path, cap,
 		    ps.dio_offset_align);
 	}

@@ -160,20 +160,6 @@ place_nvme(struct zd_daemon *d, struct zd_tensor *t)
 	return 0;
 }
 
-static void
-human(uint64_t bytes, char *buf, size_t len)
-{
-	static const char *const units[] = { "B", "KiB", "MiB", "GiB", "TiB" };
-	double v = (double)bytes;
-	unsigned u = 0;
-
-	while (v >= 1024 && u < 4) {
-		v /= 1024;
-		u++;
-	}
-	snprintf(buf, len, "%.1f %s", v, units[u]);
-}
-
 /*
  * Pinned when the policy and the budgets (daemon, job, uid) allow it, else
  * NVMe for auto and nvme jobs.  master, m and v sit in one allocation; each
@@ -203,8 +189,8 @@ zd_tier_place(struct zd_session *s, struct zd_tensor *t, char *err, size_t errle
 	if (policy == ZP_POLICY_NVME || (policy == ZP_POLICY_AUTO && (over_job || over_uid)))
 		goto nvme;
 	if (over_job || over_uid) {
-		human(pinned, a, sizeof(a));
-		human(over_job ? job_budget : d->cfg.uid_pinned_budget, b, sizeof(b));
+		zd_fmt_bytes(pinned, a, sizeof(a));
+		zd_fmt_bytes(over_job ? job_budget : d->cfg.uid_pinned_budget, b, sizeof(b));
 		snprintf(err, errlen, "tensor '%s' needs %s of optimizer state, past the %s %s "
 		    "(the job's policy is cpu)", t->name, a, b, over_job ? "pinned budget of job" :
 		    "limits.uid_pinned_budget of its uid");
@@ -239,14 +225,14 @@ nvme:
 	if (r == 0 && d->cfg.uid_swap_budget > 0 && u != NULL &&
 	    u->swap_bytes + t->state_bytes > d->cfg.uid_swap_budget) {
 		zd_tier_release(d, t);
-		human(t->state_bytes, a, sizeof(a));
-		human(d->cfg.uid_swap_budget, b, sizeof(b));
+		zd_fmt_bytes(t->state_bytes, a, sizeof(a));
+		zd_fmt_bytes(d->cfg.uid_swap_budget, b, sizeof(b));
 		snprintf(err, errlen, "tensor '%s' needs %s of swap, past the %s "
 		    "limits.uid_swap_budget of its uid", t->name, a, b);
 		return -EDQUOT;
 	}
 	if (r < 0) {
-		human(3 * t->numel * sizeof(float), a, sizeof(a));
+		zd_fmt_bytes(3 * t->numel * sizeof(float), a, sizeof(a));
 		snprintf(err, errlen, "tensor '%s': no room for %s of state on the swap paths: %s",
 		    t->name, a, zs_strerror(r));
 		return r;
