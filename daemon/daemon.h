@@ -19,6 +19,7 @@ struct zd_stepper;
 struct zs_engine;
 struct zs_extent;
 struct zd_nvme_work;
+struct zd_nvme_lane;
 struct zd_task;
 struct zd_session;
 struct zk_pool;
@@ -223,7 +224,8 @@ struct zd_daemon {
 	struct zd_staging *staging;
 	unsigned nstaging;
 	TAILQ_HEAD(, zd_staging) staging_free;
-	TAILQ_HEAD(, zd_nvme_work) nvme_queue;	/* chunks waiting for a staging buffer */
+	/* Sessions with chunks waiting for a staging buffer, served round robin. */
+	TAILQ_HEAD(, zd_nvme_lane) nvme_lanes;
 	unsigned tasks_outstanding;	/* on the stepper */
 	uint64_t compute_idle_since;	/* when tasks_outstanding last fell to 0 */
 	uint64_t io_blocked_since;	/* 0, or since when work waits for a buffer */

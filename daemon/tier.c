@@ -39,6 +39,17 @@ struct zd_nvme_work {
 	uint64_t count;
 };
 
+/*
+ * One session's waiting work.  Staging buffers go to the sessions in turn,
+ * a chunk each, so a job with a terabyte on NVMe cannot hold back a small
+ * one's step for longer than a few chunks.
+ */
+struct zd_nvme_lane {
+	TAILQ_ENTRY(zd_nvme_lane) entry;
+	uint32_t key;
+	TAILQ_HEAD(, zd_nvme_work) works;
+};
+
 /* One chunk in flight through a staging buffer. */
 struct chunk_io {
 	struct zd_daemon *d;
@@ -76,7 +87,7 @@ zd_tier_start(struct zd_daemon *d)
 	int r;
 
 	TAILQ_INIT(&d->staging_free);
-	TAILQ_INIT(&d->nvme_queue);
+	TAILQ_INIT(&d->nvme_lanes);
 	if (d->swap == NULL)
 		return 0;
 	/* Staging is pinned like the state, but outside the state's budget. */
@@ -260,6 +271,26 @@ zd_tier_release(struct zd_daemon *d, struct zd_tensor *t)
 
 static void pump(struct zd_daemon *d);
 
+static int
+enqueue(struct zd_daemon *d, uint32_t key, struct zd_nvme_work *w)
+{
+	struct zd_nvme_lane *lane;
+
+	TAILQ_FOREACH(lane, &d->nvme_lanes, entry)
+		if (lane->key == key)
+			break;
+	if (lane == NULL) {
+		lane = calloc(1, sizeof(*lane));
+		if (lane == NULL)
+			return -ENOMEM;
+		lane->key = key;
+		TAILQ_INIT(&lane->works);
+		TAILQ_INSERT_TAIL(&d->nvme_lanes, lane, entry);
+	}
+	TAILQ_INSERT_TAIL(&lane->works, w, entry);
+	return 0;
+}
+
 static void
 work_chunk_finished(struct zd_daemon *d, struct chunk_io *io, int error)
 {
@@ -416,13 +447,15 @@ zd_tier_step_computed(struct zd_daemon *d, struct zd_task *task)
 static void
 pump(struct zd_daemon *d)
 {
+	struct zd_nvme_lane *lane;
 	struct zd_nvme_work *w;
 	struct zd_staging *sb;
 	struct chunk_io *io;
 	uint64_t now = zd_now_ns();
 	int r;
 
-	while ((w = TAILQ_FIRST(&d->nvme_queue)) != NULL) {
+	while ((lane = TAILQ_FIRST(&d->nvme_lanes)) != NULL) {
+		w = TAILQ_FIRST(&lane->works);
 		sb = TAILQ_FIRST(&d->staging_free);
 		if (sb == NULL) {
 			if (d->io_blocked_since == 0) {
@@ -442,7 +475,12 @@ pump(struct zd_daemon *d)
 		io->start_ns = now;
 		w->outstanding++;
 		if (w->next_chunk == w->end_chunk)
-			TAILQ_REMOVE(&d->nvme_queue, w, entry);
+			TAILQ_REMOVE(&lane->works, w, entry);
+		TAILQ_REMOVE(&d->nvme_lanes, lane, entry);
+		if (TAILQ_EMPTY(&lane->works))
+			free(lane);
+		else
+			TAILQ_INSERT_TAIL(&d->nvme_lanes, lane, entry);
 		r = zs_read(d->swap, w->tensor->extent, io->chunk * chunk_bytes(w->tensor), sb->buf,
 		    chunk_bytes(w->tensor), read_done, io);
 		if (r < 0)
@@ -470,7 +508,12 @@ zd_tier_queue_step(struct zd_daemon *d, struct zd_batch *b, size_t i)
 	w->index = i;
 	w->end_chunk = chunk_count(t);
 	b->pending[i] = w->end_chunk;
-	TAILQ_INSERT_TAIL(&d->nvme_queue, w, entry);
+	if (enqueue(d, b->lane, w) < 0) {
+		free(w);
+		b->pending[i] = 1;
+		zd_step_unit_done(d, b, i, -ENOMEM);
+		return;
+	}
 	pump(d);
 }
 
@@ -494,9 +537,13 @@ zd_tier_xfer(struct zd_session *s, struct zd_tensor *t, const struct zp_msg *msg
 	w->next_chunk = req->offset / t->chunk_elements;
 	w->end_chunk = (req->offset + req->count + t->chunk_elements - 1) / t->chunk_elements;
 	/* No step may touch the chunks while they are read and patched. */
+	if (enqueue(s->daemon, s->id, w) < 0) {
+		free(w);
+		zd_session_error(s, msg->hdr.request_id, -ENOMEM, "out of memory");
+		return;
+	}
 	t->busy = true;
 	s->daemon->inflight_xfers++;
-	TAILQ_INSERT_TAIL(&s->daemon->nvme_queue, w, entry);
 	pump(s->daemon);
 }
 
