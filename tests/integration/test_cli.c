@@ -1,5 +1,6 @@
 /* zoffloadd's command line: a missing or bad config stops it with exit 1 and a message naming what is wrong. */
 #include <criterion/criterion.h>
+#include <signal.h>
 #include <stdio.h>
 #include <string.h>
 #include <sys/wait.h>
@@ -93,4 +94,62 @@ Test(cli, start_stop)
 	itd_start(&daemon_, NULL);
 	cr_assert_eq(itd_stop(&daemon_, 10), 0, "%s", itd_log_text(&daemon_));
 	cr_assert(access(daemon_.socket, F_OK) != 0, "socket left behind");
+}
+
+static void
+write_config(const char *path, const char *text)
+{
+	FILE *f = fopen(path, "w");
+
+	cr_assert_not_null(f);
+	fputs(text, f);
+	fclose(f);
+}
+
+/* Polls the pinned budget until it is want (SIGHUP is handled by the loop, not at once). */
+static bool
+budget_becomes(const char *socket, double want)
+{
+	for (int i = 0; i < 100; i++) {
+		struct zc_conn *c;
+		double got = -1;
+
+		if (zc_connect(socket, &c) == 0) {
+			got = itd_stat(c, "tiers.pinned.budget_bytes");
+			zc_disconnect(c);
+		}
+		if (got == want)
+			return true;
+		usleep(20000);
+	}
+	return false;
+}
+
+/*
+ * SIGHUP reloads what can change live (the pinned budget here); a config
+ * that no longer parses is refused with the running one kept, and the
+ * daemon goes on serving.
+ */
+Test(cli, sighup_reload)
+{
+	itd_start(&daemon_, "{ \"memory\": { \"pinned_budget\": \"64M\" }, "
+	    "\"compute\": { \"worker_threads\": 2 } }\n");
+	cr_assert(budget_becomes(daemon_.socket, 64.0 * 1024 * 1024));
+
+	write_config(daemon_.config, "{ \"memory\": { \"pinned_budget\": \"32M\" }, "
+	    "\"compute\": { \"worker_threads\": 2 } }\n");
+	cr_assert_eq(kill(daemon_.pid, SIGHUP), 0);
+	cr_assert(budget_becomes(daemon_.socket, 32.0 * 1024 * 1024), "%s",
+	    itd_log_text(&daemon_));
+
+	write_config(daemon_.config, "{ \"memory\": { \"pinned_budget\": \"lots\" } }\n");
+	cr_assert_eq(kill(daemon_.pid, SIGHUP), 0);
+	/* The refusal is logged; the budget stays. */
+	for (int i = 0; i < 100 && strstr(itd_log_text(&daemon_), "keeping the running") == NULL;
+	     i++)
+		usleep(20000);
+	cr_assert_not_null(strstr(itd_log_text(&daemon_), "memory.pinned_budget"), "%s",
+	    itd_log_text(&daemon_));
+	cr_assert(budget_becomes(daemon_.socket, 32.0 * 1024 * 1024));
+	cr_assert_eq(itd_stop(&daemon_, 10), 0, "%s", itd_log_text(&daemon_));
 }
