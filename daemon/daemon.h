@@ -57,6 +57,7 @@ struct zd_tensor {
 	bool on_nvme;			/* state lives in extent, chunk by chunk */
 	struct zs_extent *extent;
 	uint64_t chunk_elements;	/* elements per chunk on NVMe */
+	uint8_t *chunks_written;	/* bit per chunk: written since placed (else it reads as zeros) */
 	bool busy;			/* in a batch the stepper owns */
 	uint64_t last_step;
 	uint32_t rank;

@@ -151,8 +151,14 @@ place_nvme(struct zd_daemon *d, struct zd_tensor *t)
 		c = (t->numel + 1023) / 1024 * 1024;
 	t->chunk_elements = c;
 	t->extent = calloc(1, sizeof(*t->extent));
-	if (t->extent == NULL)
+	t->chunks_written = calloc((chunk_count(t) + 7) / 8, 1);
+	if (t->extent == NULL || t->chunks_written == NULL) {
+		free(t->extent);
+		free(t->chunks_written);
+		t->extent = NULL;
+		t->chunks_written = NULL;
 		return -ENOMEM;
+	}
 	/* Offloaded params follow the state chunks in the same extent. */
 	bytes = chunk_count(t) * chunk_bytes(t);
 	if (t->param_offload) {
@@ -163,12 +169,40 @@ place_nvme(struct zd_daemon *d, struct zd_tensor *t)
 	r = zs_extent_alloc(d->swap, bytes, t->extent);
 	if (r < 0) {
 		free(t->extent);
+		free(t->chunks_written);
 		t->extent = NULL;
+		t->chunks_written = NULL;
 		return r;
 	}
 	t->on_nvme = true;
 	t->state_bytes = bytes;
+	/* The store holds another tensor's bytes until written: the first release must write. */
+	t->param_dirty = t->param_offload;
 	return 0;
+}
+
+/* "path (used of capacity), ..." for a full swap's message: which disk to grow or clean. */
+static void
+swap_paths_text(struct zd_daemon *d, char *buf, size_t len)
+{
+	size_t off = 0;
+
+	buf[0] = '\0';
+	for (unsigned i = 0; i < d->cfg.nswap_paths && off < len; i++) {
+		struct zs_path_stats ps;
+		char used[32], cap[32];
+		int n;
+
+		if (zs_engine_path_stats(d->swap, i, &ps) != 0)
+			continue;
+		zd_fmt_bytes(ps.used_bytes, used, sizeof(used));
+		zd_fmt_bytes(ps.capacity, cap, sizeof(cap));
+		n = snprintf(buf + off, len - off, "%s%s (%s of %s used)", i > 0 ? ", " : "",
+		    d->cfg.swap_paths[i].path, used, cap);
+		if (n < 0)
+			break;
+		off += (size_t)n;
+	}
 }
 
 /*
@@ -189,7 +223,7 @@ zd_tier_place(struct zd_session *s, struct zd_tensor *t, char *err, size_t errle
 	uint64_t pinned = 3 * stride + (t->param_offload ? param_store_bytes(t) : 0);
 	uint64_t job_budget = job->pinned_budget;
 	bool over_job, over_uid;
-	char a[32], b[32];
+	char a[32], b[32], paths[160];
 	int r;
 
 	if (policy == ZP_POLICY_AUTO && d->swap == NULL)
@@ -244,8 +278,9 @@ nvme:
 	}
 	if (r < 0) {
 		zd_fmt_bytes(3 * t->numel * sizeof(float), a, sizeof(a));
-		snprintf(err, errlen, "tensor '%s': no room for %s of state on the swap paths: %s",
-		    t->name, a, zs_strerror(r));
+		swap_paths_text(d, paths, sizeof(paths));
+		snprintf(err, errlen, "tensor '%s': no room for %s of state on swap.paths %s: %s",
+		    t->name, a, paths, zs_strerror(r));
 		return r;
 	}
 	return 0;
@@ -257,7 +292,9 @@ zd_tier_release(struct zd_daemon *d, struct zd_tensor *t)
 	if (t->on_nvme) {
 		zs_extent_free(d->swap, t->extent);
 		free(t->extent);
+		free(t->chunks_written);
 		t->extent = NULL;
+		t->chunks_written = NULL;
 		t->on_nvme = false;
 		if (t->job != NULL)
 			t->job->nvme_bytes -= t->state_bytes;
@@ -336,6 +373,9 @@ write_done(int result, void *arg)
 	struct chunk_io *io = arg;
 
 	if (result == 0) {
+		struct zd_tensor *t = io->work->tensor;
+
+		t->chunks_written[io->chunk / 8] |= (uint8_t)(1u << (io->chunk % 8));
 		io->d->tier.chunks_written++;
 		io->d->tier.bytes_written += chunk_bytes(io->work->tensor);
 	}
@@ -402,6 +442,13 @@ read_done(int result, void *arg)
 	}
 	d->tier.chunks_read++;
 	d->tier.bytes_read += chunk_bytes(t);
+	/*
+	 * Swap space comes back from freed tensors as they left it: until this
+	 * tensor writes a chunk, the chunk is zeros (m and v start at 0, and no
+	 * job reads another's state).
+	 */
+	if ((t->chunks_written[io->chunk / 8] & (1u << (io->chunk % 8))) == 0)
+		memset(io->staging->buf, 0, chunk_bytes(t));
 	if (w->kind != WORK_STEP) {
 		xfer_chunk(d, io);
 		return;
