@@ -15,7 +15,10 @@
  * On NVMe a tensor is a run of chunks; chunk c holds elements
  * [c*C, (c+1)*C) as master, m, v back to back, each C*4 bytes (C a
  * multiple of 1024, so every array and chunk is 4 KiB aligned).  One chunk
- * is one sequential read and one sequential write.
+ * is one sequential read and one sequential write.  The last chunk holds
+ * only the rest, each array rounded up to 1024 elements: moving a whole
+ * chunk there cost a 4M-element chunk's worth of padding per tensor and
+ * step, 12% of the I/O of bench_step's tensors.
  */
 
 enum work_kind { WORK_STEP, WORK_READ, WORK_WRITE };
@@ -78,6 +81,20 @@ chunk_len(const struct zd_tensor *t, uint64_t c)
 	uint64_t left = t->numel - c * t->chunk_elements;
 
 	return left < t->chunk_elements ? left : t->chunk_elements;
+}
+
+/* Elements per array in chunk c (C, or less in the last): 4 KiB multiples. */
+static uint64_t
+chunk_stride(const struct zd_tensor *t, uint64_t c)
+{
+	return (chunk_len(t, c) + 1023) / 1024 * 1024;
+}
+
+/* Bytes chunk c takes on disk and moves; it starts at c * chunk_bytes(t). */
+static uint64_t
+chunk_io_bytes(const struct zd_tensor *t, uint64_t c)
+{
+	return 3 * chunk_stride(t, c) * sizeof(float);
 }
 
 int
@@ -160,7 +177,7 @@ place_nvme(struct zd_daemon *d, struct zd_tensor *t)
 		return -ENOMEM;
 	}
 	/* Offloaded params follow the state chunks in the same extent. */
-	bytes = chunk_count(t) * chunk_bytes(t);
+	bytes = (chunk_count(t) - 1) * chunk_bytes(t) + chunk_io_bytes(t, chunk_count(t) - 1);
 	if (t->param_offload) {
 		t->param_store_offset = bytes;
 		t->param_store_bytes = param_store_bytes(t);
@@ -377,7 +394,7 @@ write_done(int result, void *arg)
 
 		t->chunks_written[io->chunk / 8] |= (uint8_t)(1u << (io->chunk % 8));
 		io->d->tier.chunks_written++;
-		io->d->tier.bytes_written += chunk_bytes(io->work->tensor);
+		io->d->tier.bytes_written += chunk_io_bytes(t, io->chunk);
 	}
 	work_chunk_finished(io->d, io, result);
 }
@@ -387,7 +404,7 @@ write_back(struct zd_daemon *d, struct chunk_io *io)
 {
 	struct zd_tensor *t = io->work->tensor;
 	int r = zs_write(d->swap, t->extent, io->chunk * chunk_bytes(t), io->staging->buf,
-	    chunk_bytes(t), write_done, io);
+	    chunk_io_bytes(t, io->chunk), write_done, io);
 
 	if (r < 0)
 		work_chunk_finished(d, io, r);
@@ -403,7 +420,7 @@ xfer_chunk(struct zd_daemon *d, struct chunk_io *io)
 	uint64_t first = io->chunk * t->chunk_elements, last = first + chunk_len(t, io->chunk);
 	uint64_t from = w->offset > first ? w->offset : first;
 	uint64_t to = w->offset + w->count < last ? w->offset + w->count : last;
-	float *array = (float *)io->staging->buf + (size_t)w->state * t->chunk_elements;
+	float *array = (float *)io->staging->buf + (size_t)w->state * chunk_stride(t, io->chunk);
 	float *window;
 
 	TAILQ_FOREACH(s, &d->sessions, entry)
@@ -441,14 +458,14 @@ read_done(int result, void *arg)
 		return;
 	}
 	d->tier.chunks_read++;
-	d->tier.bytes_read += chunk_bytes(t);
+	d->tier.bytes_read += chunk_io_bytes(t, io->chunk);
 	/*
 	 * Swap space comes back from freed tensors as they left it: until this
 	 * tensor writes a chunk, the chunk is zeros (m and v start at 0, and no
 	 * job reads another's state).
 	 */
 	if ((t->chunks_written[io->chunk / 8] & (1u << (io->chunk % 8))) == 0)
-		memset(io->staging->buf, 0, chunk_bytes(t));
+		memset(io->staging->buf, 0, chunk_io_bytes(t, io->chunk));
 	if (w->kind != WORK_STEP) {
 		xfer_chunk(d, io);
 		return;
@@ -466,8 +483,8 @@ read_done(int result, void *arg)
 		.io_start_ns = io->start_ns,
 		.view = {
 			.master = buf,
-			.m = buf + t->chunk_elements,
-			.v = buf + 2 * t->chunk_elements,
+			.m = buf + chunk_stride(t, io->chunk),
+			.v = buf + 2 * chunk_stride(t, io->chunk),
 			.grad = (const char *)t->grad_slot.map + off * zk_dtype_size(t->grad_dtype),
 			.grad_dtype = t->grad_dtype,
 			.param = (char *)t->param_slot.map + off * zk_dtype_size(t->param_dtype),
@@ -529,7 +546,7 @@ pump(struct zd_daemon *d)
 		else
 			TAILQ_INSERT_TAIL(&d->nvme_lanes, lane, entry);
 		r = zs_read(d->swap, w->tensor->extent, io->chunk * chunk_bytes(w->tensor), sb->buf,
-		    chunk_bytes(w->tensor), read_done, io);
+		    chunk_io_bytes(w->tensor, io->chunk), read_done, io);
 		if (r < 0)
 			work_chunk_finished(d, io, r);
 	}
