@@ -1,0 +1,650 @@
+/* One offloaded step over state 4x the pinned budget, beside its I/O bound (the swap engine) and compute bound (the kernels), measured in the same run. */
+#include <cjson/cJSON.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <getopt.h>
+#include <inttypes.h>
+#include <signal.h>
+#include <stdarg.h>
+#include <stdbool.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/prctl.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "arena.h"
+#include "optim.h"
+#include "pool.h"
+#include "swap.h"
+#include "zclient.h"
+
+#define MiB (1024.0 * 1024.0)
+
+struct opts {
+	const char *daemon;		/* zoffloadd; $ZOFFLOADD by default */
+	const char *dir;		/* swap and scratch; $TMPDIR or /tmp */
+	uint64_t pinned_budget;
+	uint64_t state_bytes;		/* master + m + v over all tensors */
+	unsigned tensors;
+	unsigned steps;			/* timed, after one warm-up */
+	unsigned threads;		/* daemon workers and the compute bound's pool */
+	unsigned staging;
+	uint64_t chunk_elements;
+	unsigned queue_depth;
+	uint64_t block_size;
+	bool json;
+};
+
+/* What the daemon run measured. */
+struct step_run {
+	double best_s;
+	double mean_s;
+	double nvme_state_bytes;	/* 12 bytes per param of the tensors placed on NVMe */
+	double nvme_placed_bytes;	/* their swap space, chunk rounding included */
+	double pinned_state_bytes;
+	double read_per_step;		/* pipeline counters over the timed steps */
+	double written_per_step;
+	double compute_wait_ms;		/* per step: compute idle, waiting for reads */
+	double io_wait_ms;		/* per step: chunks waiting for a free staging buffer */
+	char engine[32];
+	char isa[16];
+};
+
+static double
+now(void)
+{
+	struct timespec ts;
+
+	clock_gettime(CLOCK_MONOTONIC, &ts);
+	return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+}
+
+static void
+die(const char *fmt, ...) __attribute__((format(printf, 1, 2), noreturn));
+
+static void
+die(const char *fmt, ...)
+{
+	va_list ap;
+
+	fputs("bench_step: ", stderr);
+	va_start(ap, fmt);
+	vfprintf(stderr, fmt, ap);
+	va_end(ap);
+	fputc('\n', stderr);
+	exit(1);
+}
+
+/* Sizes as "256M", "1G" or bytes. */
+static uint64_t
+parse_size(const char *s)
+{
+	char *end;
+	uint64_t v = strtoull(s, &end, 0);
+
+	switch (*end) {
+	case 'k': case 'K': return v << 10;
+	case 'm': case 'M': return v << 20;
+	case 'g': case 'G': return v << 30;
+	default: return v;
+	}
+}
+
+static void
+usage(void)
+{
+	fprintf(stderr,
+	    "usage: bench_step [--daemon PATH] [--dir DIR] [--pinned-budget SIZE] [--state SIZE]\n"
+	    "                  [--tensors N] [--steps N] [--threads N] [--staging N]\n"
+	    "                  [--chunk-elements N] [--queue-depth N] [--block-size SIZE] [--json]\n");
+}
+
+static int
+parse(int argc, char **argv, struct opts *o)
+{
+	static const struct option longopts[] = {
+		{ "daemon", required_argument, NULL, 'd' },
+		{ "dir", required_argument, NULL, 'D' },
+		{ "pinned-budget", required_argument, NULL, 'p' },
+		{ "state", required_argument, NULL, 's' },
+		{ "tensors", required_argument, NULL, 't' },
+		{ "steps", required_argument, NULL, 'n' },
+		{ "threads", required_argument, NULL, 'T' },
+		{ "staging", required_argument, NULL, 'b' },
+		{ "chunk-elements", required_argument, NULL, 'c' },
+		{ "queue-depth", required_argument, NULL, 'q' },
+		{ "block-size", required_argument, NULL, 'B' },
+		{ "json", no_argument, NULL, 'j' },
+		{ NULL, 0, NULL, 0 },
+	};
+	int ch;
+
+	while ((ch = getopt_long(argc, argv, "", longopts, NULL)) != -1) {
+		switch (ch) {
+		case 'd': o->daemon = optarg; break;
+		case 'D': o->dir = optarg; break;
+		case 'p': o->pinned_budget = parse_size(optarg); break;
+		case 's': o->state_bytes = parse_size(optarg); break;
+		case 't': o->tensors = (unsigned)strtoul(optarg, NULL, 0); break;
+		case 'n': o->steps = (unsigned)strtoul(optarg, NULL, 0); break;
+		case 'T': o->threads = (unsigned)strtoul(optarg, NULL, 0); break;
+		case 'b': o->staging = (unsigned)strtoul(optarg, NULL, 0); break;
+		case 'c': o->chunk_elements = parse_size(optarg); break;
+		case 'q': o->queue_depth = (unsigned)strtoul(optarg, NULL, 0); break;
+		case 'B': o->block_size = parse_size(optarg); break;
+		case 'j': o->json = true; break;
+		default: return -1;
+		}
+	}
+	if (o->tensors == 0 || o->steps == 0 || o->threads == 0 || o->staging < 2 ||
+	    o->chunk_elements == 0 || o->chunk_elements % 1024 != 0 || o->queue_depth == 0 ||
+	    o->state_bytes < 12ull * o->tensors || o->pinned_budget < (1 << 20) ||
+	    o->block_size == 0 || (o->block_size & (o->block_size - 1)) != 0)
+		return -1;
+	return 0;
+}
+
+/* Elements of tensor k: the state split evenly, the remainder on the last. */
+static uint64_t
+tensor_numel(const struct opts *o, unsigned k)
+{
+	uint64_t total = o->state_bytes / 12, each = total / o->tensors;
+
+	return k + 1 < o->tensors ? each : total - each * (o->tensors - 1);
+}
+
+static double
+stat_number(struct zc_conn *c, const char *path)
+{
+	char *json = NULL, key[128], *save = NULL, *end;
+	const cJSON *cur;
+	cJSON *root;
+	double v;
+
+	if (zc_stats_json(c, &json) < 0)
+		die("stats: %s", zc_errmsg(c));
+	root = cJSON_Parse(json);
+	snprintf(key, sizeof(key), "%s", path);
+	cur = root;
+	for (char *k = strtok_r(key, ".", &save); k != NULL && cur != NULL;
+	    k = strtok_r(NULL, ".", &save)) {
+		long i = strtol(k, &end, 10);
+
+		cur = *end == '\0' && cJSON_IsArray(cur) ? cJSON_GetArrayItem(cur, (int)i) :
+		    cJSON_GetObjectItemCaseSensitive(cur, k);
+	}
+	if (!cJSON_IsNumber(cur))
+		die("stats have no number at %s", path);
+	v = cur->valuedouble;
+	cJSON_Delete(root);
+	free(json);
+	return v;
+}
+
+static void
+stat_string(struct zc_conn *c, const char *a, const char *b, char *out, size_t len)
+{
+	char *json = NULL;
+	const cJSON *cur;
+	cJSON *root;
+
+	snprintf(out, len, "?");
+	if (zc_stats_json(c, &json) < 0)
+		return;
+	root = cJSON_Parse(json);
+	cur = cJSON_GetObjectItemCaseSensitive(root, a);
+	if (b != NULL)
+		cur = cJSON_GetObjectItemCaseSensitive(cJSON_GetObjectItemCaseSensitive(cur, "nvme"),
+		    b);
+	if (cJSON_IsString(cur))
+		snprintf(out, len, "%s", cur->valuestring);
+	cJSON_Delete(root);
+	free(json);
+}
+
+struct daemon_proc {
+	pid_t pid;
+	char dir[512];
+	char socket[600];
+	char config[600];
+	char log[600];
+};
+
+static void
+daemon_start(struct daemon_proc *dp, const struct opts *o)
+{
+	pid_t parent = getpid();
+	struct zc_conn *c = NULL;
+	double deadline;
+	FILE *f;
+	int fd;
+
+	snprintf(dp->dir, sizeof(dp->dir), "%s/zoff-bench-step-XXXXXX", o->dir);
+	if (mkdtemp(dp->dir) == NULL)
+		die("mkdtemp in %s: %s", o->dir, strerror(errno));
+	snprintf(dp->socket, sizeof(dp->socket), "%s/sock", dp->dir);
+	snprintf(dp->config, sizeof(dp->config), "%s/zoffload.conf", dp->dir);
+	snprintf(dp->log, sizeof(dp->log), "%s/daemon.log", dp->dir);
+	f = fopen(dp->config, "w");
+	if (f == NULL)
+		die("%s: %s", dp->config, strerror(errno));
+	/* Swap twice the state, so placement never fails on rounding. */
+	fprintf(f, "{ \"compute\": { \"worker_threads\": %u }, \"log\": { \"level\": \"info\" },\n"
+	    "  \"memory\": { \"pinned_budget\": %" PRIu64 ", \"policy\": \"auto\" },\n"
+	    "  \"swap\": { \"paths\": [ { \"path\": \"%s\", \"capacity\": %" PRIu64 " } ],\n"
+	    "    \"chunk_elements\": %" PRIu64 ", \"staging_buffers\": %u, \"queue_depth\": %u,\n"
+	    "    \"block_size\": %" PRIu64 " } }\n", o->threads, o->pinned_budget, dp->dir,
+	    2 * o->state_bytes + (64u << 20), o->chunk_elements, o->staging, o->queue_depth,
+	    o->block_size);
+	fclose(f);
+	fd = open(dp->log, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+	if (fd < 0)
+		die("%s: %s", dp->log, strerror(errno));
+	dp->pid = fork();
+	if (dp->pid < 0)
+		die("fork: %s", strerror(errno));
+	if (dp->pid == 0) {
+		prctl(PR_SET_PDEATHSIG, SIGKILL);
+		if (getppid() != parent)
+			_exit(127);
+		dup2(fd, STDOUT_FILENO);
+		dup2(fd, STDERR_FILENO);
+		execl(o->daemon, o->daemon, "--config", dp->config, "--socket", dp->socket,
+		    (char *)NULL);
+		_exit(127);
+	}
+	close(fd);
+	/* Preallocating the swap file takes a moment on a big state. */
+	deadline = now() + 60;
+	while (zc_connect(dp->socket, &c) < 0) {
+		if (waitpid(dp->pid, NULL, WNOHANG) == dp->pid)
+			die("zoffloadd exited at start; see %s", dp->log);
+		if (now() > deadline)
+			die("zoffloadd did not listen within 60 s; see %s", dp->log);
+		usleep(20000);
+	}
+	zc_disconnect(c);
+}
+
+static void
+daemon_stop(struct daemon_proc *dp)
+{
+	int status = 0;
+
+	kill(dp->pid, SIGTERM);
+	if (waitpid(dp->pid, &status, 0) != dp->pid || !WIFEXITED(status) ||
+	    WEXITSTATUS(status) != 0)
+		fprintf(stderr, "bench_step: zoffloadd exited with status 0x%x; see %s\n", status,
+		    dp->log);
+	unlink(dp->socket);
+	unlink(dp->config);
+	unlink(dp->log);
+	rmdir(dp->dir);
+}
+
+/* Small gradients of both signs, the same every step: timing does not depend on the values. */
+static void
+fill_grads(struct zc_tensor *t, uint64_t n, unsigned k)
+{
+	uint16_t *g = zc_tensor_grad_slot(t, NULL);
+	uint64_t x = 0x9e3779b97f4a7c15ull * (k + 1);
+
+	for (uint64_t i = 0; i < n; i++) {
+		x ^= x >> 12;
+		x ^= x << 25;
+		x ^= x >> 27;
+		g[i] = zc_f32_to_bf16((float)((double)(x >> 40) / (double)(1 << 24) - 0.5) * 1e-2f);
+	}
+}
+
+static void
+run_daemon(const struct opts *o, struct step_run *res)
+{
+	struct zc_step_params sp = { .optim = ZC_ADAMW, .lr = 1e-4, .beta1 = 0.9,
+		.beta2 = 0.999, .eps = 1e-8, .weight_decay = 0.01 };
+	struct zc_tensor **t = calloc(o->tensors, sizeof(*t));
+	double r0 = 0, w0 = 0, cw0 = 0, iw0 = 0, sum = 0;
+	struct daemon_proc dp;
+	struct zc_conn *c;
+	float *init;
+	uint64_t maxn = tensor_numel(o, o->tensors - 1);
+
+	init = calloc(maxn, sizeof(float));
+	if (t == NULL || init == NULL)
+		die("out of memory");
+	daemon_start(&dp, o);
+	if (zc_connect(dp.socket, &c) < 0 || zc_job_open(c, "bench_step", 0, 1) < 0)
+		die("job: %s", zc_errmsg(c));
+	for (unsigned k = 0; k < o->tensors; k++) {
+		char name[32];
+		struct zc_tensor_desc desc = { .name = name, .numel = tensor_numel(o, k),
+			.grad_dtype = ZC_BF16, .param_dtype = ZC_BF16 };
+
+		for (uint64_t i = 0; i < desc.numel; i++)
+			init[i] = (float)((int)(i % 2001) - 1000) * 1e-3f;
+		snprintf(name, sizeof(name), "layer%u.weight", k);
+		if (zc_tensor_register(c, &desc, init, &t[k]) < 0)
+			die("register %s: %s", name, zc_errmsg(c));
+		fill_grads(t[k], desc.numel, k);
+		/* Its placement: did the job's NVMe bytes grow? */
+		if (stat_number(c, "jobs.0.nvme_bytes") > res->nvme_placed_bytes) {
+			res->nvme_placed_bytes = stat_number(c, "jobs.0.nvme_bytes");
+			res->nvme_state_bytes += 12.0 * (double)desc.numel;
+		}
+	}
+	free(init);
+	res->pinned_state_bytes = stat_number(c, "jobs.0.pinned_bytes");
+	stat_string(c, "tiers", "engine", res->engine, sizeof(res->engine));
+	stat_string(c, "kernel_isa", NULL, res->isa, sizeof(res->isa));
+	res->best_s = 1e30;
+	for (unsigned i = 0; i <= o->steps; i++) {
+		double t0, dt;
+
+		if (i == 1) {
+			/* Counters from after the warm-up step. */
+			r0 = stat_number(c, "pipeline.bytes_read");
+			w0 = stat_number(c, "pipeline.bytes_written");
+			cw0 = stat_number(c, "pipeline.compute_waiting_on_io_ms");
+			iw0 = stat_number(c, "pipeline.io_waiting_on_compute_ms");
+		}
+		sp.step = i + 1;
+		t0 = now();
+		if (zc_step_submit(c, &sp, t, o->tensors) < 0 || zc_wait_all(c, NULL) < 0)
+			die("step %u: %s", i + 1, zc_errmsg(c));
+		dt = now() - t0;
+		if (i == 0)
+			continue;
+		sum += dt;
+		if (dt < res->best_s)
+			res->best_s = dt;
+	}
+	res->mean_s = sum / o->steps;
+	res->read_per_step = (stat_number(c, "pipeline.bytes_read") - r0) / o->steps;
+	res->written_per_step = (stat_number(c, "pipeline.bytes_written") - w0) / o->steps;
+	res->compute_wait_ms = (stat_number(c, "pipeline.compute_waiting_on_io_ms") - cw0) /
+	    o->steps;
+	res->io_wait_ms = (stat_number(c, "pipeline.io_waiting_on_compute_ms") - iw0) / o->steps;
+	zc_disconnect(c);
+	free(t);
+	daemon_stop(&dp);
+}
+
+/* Chunk-sized requests kept `depth` deep, as the daemon keeps its staging buffers busy. */
+struct stream {
+	struct zs_engine *e;
+	struct zs_extent *x;
+	uint64_t chunk;
+	uint64_t size;
+	uint64_t next;
+	unsigned pending;
+	int error;
+	bool write;
+};
+
+struct slot {
+	struct stream *s;
+	char *buf;
+};
+
+static void stream_done(int result, void *arg);
+
+static void
+stream_issue(struct slot *sl)
+{
+	struct stream *s = sl->s;
+	uint64_t off = s->next;
+	int r;
+
+	s->next += s->chunk;
+	s->pending++;
+	r = s->write ? zs_write(s->e, s->x, off, sl->buf, s->chunk, stream_done, sl) :
+	    zs_read(s->e, s->x, off, sl->buf, s->chunk, stream_done, sl);
+	if (r < 0) {
+		s->pending--;
+		s->error = r;
+	}
+}
+
+static void
+stream_done(int result, void *arg)
+{
+	struct slot *sl = arg;
+	struct stream *s = sl->s;
+
+	s->pending--;
+	if (result < 0 && s->error == 0)
+		s->error = result;
+	if (s->error == 0 && s->next < s->size)
+		stream_issue(sl);
+}
+
+/* Seconds for one sequential pass over size bytes. */
+static double
+engine_pass(struct zs_engine *e, struct zs_extent *x, struct slot *slots, unsigned depth,
+    uint64_t chunk, uint64_t size, bool write)
+{
+	struct stream s = { .e = e, .x = x, .chunk = chunk, .size = size, .write = write };
+	double t0 = now();
+	int r;
+
+	for (unsigned i = 0; i < depth && s.next < s.size; i++) {
+		slots[i].s = &s;
+		stream_issue(&slots[i]);
+	}
+	while (s.pending > 0) {
+		r = zs_engine_wait(e, 5000);
+		if (r < 0 && s.error == 0)
+			s.error = r;
+	}
+	if (s.error != 0)
+		die("engine %s: %s", write ? "write" : "read", zs_strerror(s.error));
+	return now() - t0;
+}
+
+/*
+ * The engine alone, on a file in the same directory, with the daemon's
+ * chunk size, queue depth, stripe unit and pinned, registered buffers:
+ * read and write bandwidth in bytes/s.  The first write pass turns the
+ * preallocated (unwritten) extents into written ones, as registration does
+ * for the daemon; the timed passes are the steady state a step sees.
+ */
+static void
+engine_bandwidth(const struct opts *o, uint64_t bytes, double *ret_read, double *ret_write)
+{
+	uint64_t chunk = 3 * o->chunk_elements * sizeof(float);
+	uint64_t size = (bytes + chunk - 1) / chunk * chunk;
+	struct zs_path path = { o->dir, size + (64u << 20) };
+	struct zs_config zc = { .paths = &path, .npaths = 1, .stripe_unit = (uint32_t)o->block_size,
+		.queue_depth = o->queue_depth, .engine = ZS_ENGINE_AUTO, .allow_fallback = true };
+	struct slot *slots = calloc(o->staging, sizeof(*slots));
+	struct zs_error_info info = { .path = -1 };
+	struct zt_arena *arena;
+	struct zs_engine *e;
+	struct zs_extent x;
+	bool *pinned = calloc(o->staging, sizeof(*pinned));
+	double best_r = 1e30, best_w = 1e30;
+	int r;
+
+	if (slots == NULL || pinned == NULL)
+		die("out of memory");
+	r = zs_engine_new(&zc, &e, &info);
+	if (r < 0)
+		die("swap engine on %s: %s", o->dir, zs_strerror(info.cause ? info.cause : r));
+	r = zt_arena_new(&(struct zt_arena_config){ .budget_bytes = chunk * o->staging,
+		.numa_node = -1, .hugepages = true }, &arena);
+	if (r < 0)
+		die("arena: %s", strerror(-r));
+	for (unsigned i = 0; i < o->staging; i++) {
+		r = zt_arena_alloc(arena, chunk, (void **)&slots[i].buf, &pinned[i]);
+		if (r < 0)
+			die("staging buffer: %s", strerror(-r));
+		memset(slots[i].buf, 0x5a, chunk);
+		(void)zs_engine_register_buffer(e, slots[i].buf, chunk);
+	}
+	r = zs_extent_alloc(e, size, &x);
+	if (r < 0)
+		die("extent of %" PRIu64 " bytes: %s", size, zs_strerror(r));
+	(void)engine_pass(e, &x, slots, o->staging, chunk, size, true);
+	for (int rep = 0; rep < 2; rep++) {
+		double tw = engine_pass(e, &x, slots, o->staging, chunk, size, true);
+		double tr = engine_pass(e, &x, slots, o->staging, chunk, size, false);
+
+		best_w = tw < best_w ? tw : best_w;
+		best_r = tr < best_r ? tr : best_r;
+	}
+	*ret_read = (double)size / best_r;
+	*ret_write = (double)size / best_w;
+	zs_extent_free(e, &x);
+	for (unsigned i = 0; i < o->staging; i++) {
+		(void)zs_engine_unregister_buffer(e, slots[i].buf);
+		zt_arena_release(arena, slots[i].buf, chunk, pinned[i]);
+	}
+	zs_engine_free(e);
+	zt_arena_free(arena);
+	free(slots);
+	free(pinned);
+}
+
+/*
+ * zk_pool_step over the same tensors in memory: same element counts, bf16
+ * grads and params, AdamW, the daemon's thread count and ISA.  Seconds,
+ * best of the timed passes after one warm-up.
+ */
+static double
+compute_bound(const struct opts *o, enum zk_isa isa)
+{
+	struct zk_hparams hp = { .optim = ZK_OPTIM_ADAMW, .lr = 1e-4, .beta1 = 0.9, .beta2 = 0.999,
+		.eps = 1e-8, .weight_decay = 0.01, .bias_correction = true, .grad_scale = 1.0,
+		.clip_coef = 1.0 };
+	struct zk_tensor *ts = calloc(o->tensors, sizeof(*ts));
+	struct zk_pool *pool;
+	double best = 1e30;
+	int r;
+
+	if (ts == NULL)
+		die("out of memory");
+	r = zk_pool_new(o->threads, NULL, 0, &pool);
+	if (r < 0)
+		die("pool: %s", strerror(-r));
+	for (unsigned k = 0; k < o->tensors; k++) {
+		uint64_t n = tensor_numel(o, k);
+		/* Padded apart like the daemon's arrays: power-of-two distances alias in the cache. */
+		size_t stride = ((size_t)n * sizeof(float) + 4095) / 4096 * 4096 + 4160;
+		char *state = aligned_alloc(4096, 3 * stride);
+		uint16_t *grad = aligned_alloc(4096, ((size_t)n * 2 + 4095) / 4096 * 4096);
+		uint16_t *param = aligned_alloc(4096, ((size_t)n * 2 + 4095) / 4096 * 4096);
+
+		if (state == NULL || grad == NULL || param == NULL)
+			die("out of memory for the compute bound");
+		ts[k] = (struct zk_tensor){ .master = (float *)state, .m = (float *)(state + stride),
+			.v = (float *)(state + 2 * stride), .grad = grad, .grad_dtype = ZK_DTYPE_BF16,
+			.param = param, .param_dtype = ZK_DTYPE_BF16, .n = n };
+		for (uint64_t i = 0; i < n; i++) {
+			ts[k].master[i] = (float)((int)(i % 2001) - 1000) * 1e-3f;
+			ts[k].m[i] = 0;
+			ts[k].v[i] = 0;
+			grad[i] = zk_f32_to_bf16((float)((int)(i % 977) - 488) * 1e-5f);
+		}
+		memset(param, 0, (size_t)n * 2);
+	}
+	for (unsigned i = 0; i <= o->steps; i++) {
+		double t0 = now(), dt;
+
+		hp.step = i + 1;
+		r = zk_pool_step(pool, isa, &hp, ts, o->tensors);
+		if (r < 0)
+			die("zk_pool_step: %s", strerror(-r));
+		dt = now() - t0;
+		if (i > 0 && dt < best)
+			best = dt;
+	}
+	for (unsigned k = 0; k < o->tensors; k++) {
+		free(ts[k].master);
+		free((void *)ts[k].grad);
+		free(ts[k].param);
+	}
+	free(ts);
+	zk_pool_free(pool);
+	return best;
+}
+
+int
+main(int argc, char **argv)
+{
+	long ncpu = sysconf(_SC_NPROCESSORS_ONLN);
+	const char *tmp = getenv("TMPDIR");
+	struct opts o = {
+		.daemon = getenv("ZOFFLOADD"),
+		.dir = tmp != NULL && *tmp != '\0' ? tmp : "/tmp",
+		.pinned_budget = 256ull << 20,
+		.state_bytes = 1ull << 30,
+		.tensors = 6,
+		.steps = 3,
+		.threads = ncpu > 0 ? (unsigned)ncpu : 1,
+		/* The daemon's defaults (daemon/config.c). */
+		.staging = 4,
+		.chunk_elements = 4u << 20,
+		.queue_depth = 32,
+		.block_size = 1u << 20,
+	};
+	struct step_run run = { 0 };
+	double bw_read, bw_write, io_s, compute_s, limit;
+	enum zk_isa isa;
+	int r;
+
+	if (parse(argc, argv, &o) < 0) {
+		usage();
+		return 2;
+	}
+	if (o.daemon == NULL || o.daemon[0] == '\0' || access(o.daemon, X_OK) != 0) {
+		fprintf(stderr, "bench_step: no zoffloadd: pass --daemon PATH or set $ZOFFLOADD\n");
+		return 2;
+	}
+	r = zk_isa_select(NULL, &isa);
+	if (r < 0)
+		die("ISA: %s", strerror(-r));
+
+	/* One at a time, so none of the three disturbs another's measurement. */
+	run_daemon(&o, &run);
+	if (run.nvme_state_bytes <= 0)
+		die("no state went to NVMe: raise --state or lower --pinned-budget");
+	engine_bandwidth(&o, (uint64_t)run.nvme_state_bytes, &bw_read, &bw_write);
+	compute_s = compute_bound(&o, isa);
+	/* The state itself, read once and written once: padding the daemon moves counts against it. */
+	io_s = run.nvme_state_bytes / bw_read + run.nvme_state_bytes / bw_write;
+	limit = io_s > compute_s ? io_s : compute_s;
+
+	if (o.json) {
+		printf("[\n  {\"name\": \"step_vs_bound\", \"value\": %.4f, \"unit\": \"s\", "
+		    "\"limit\": %.4f, \"ratio\": %.3f},\n", run.best_s, limit, run.best_s / limit);
+		printf("  {\"name\": \"step_vs_io_bound\", \"value\": %.4f, \"unit\": \"s\", "
+		    "\"limit\": %.4f, \"ratio\": %.3f},\n", run.best_s, io_s, run.best_s / io_s);
+		printf("  {\"name\": \"step_vs_compute_bound\", \"value\": %.4f, \"unit\": \"s\", "
+		    "\"limit\": %.4f, \"ratio\": %.3f}\n]\n", run.best_s, compute_s,
+		    run.best_s / compute_s);
+		return 0;
+	}
+	printf("offloaded AdamW step, bf16 grads and params: %u tensors, %.0f MiB of state "
+	    "(%.1fM params), pinned budget %.0f MiB\n", o.tensors, (double)o.state_bytes / MiB,
+	    (double)(o.state_bytes / 12) / 1e6, (double)o.pinned_budget / MiB);
+	printf("  placed: %.0f MiB pinned, %.0f MiB on NVMe (%s, engine %s); chunks of %" PRIu64
+	    " elements (%.0f MiB), %u staging buffers, queue depth %u, %u threads, %s\n",
+	    run.pinned_state_bytes / MiB, run.nvme_placed_bytes / MiB, o.dir, run.engine,
+	    o.chunk_elements, 3.0 * (double)o.chunk_elements * 4 / MiB, o.staging, o.queue_depth,
+	    o.threads, run.isa);
+	printf("  step time          %8.3f s   (best of %u; mean %.3f s)\n", run.best_s, o.steps,
+	    run.mean_s);
+	printf("  I/O bound          %8.3f s   (%.0f MiB of NVMe state read at %.0f MiB/s and "
+	    "written at %.0f MiB/s, the engine alone)\n", io_s, run.nvme_state_bytes / MiB,
+	    bw_read / MiB, bw_write / MiB);
+	printf("  compute bound      %8.3f s   (zk_pool_step over the same %.1fM params in "
+	    "memory)\n", compute_s, (double)(o.state_bytes / 12) / 1e6);
+	printf("  step / max(bounds) %8.3f     (target <= 1.15)\n", run.best_s / limit);
+	printf("  per step: daemon read %.0f MiB, wrote %.0f MiB; compute waited on reads %.0f ms, "
+	    "reads waited for a staging buffer %.0f ms\n", run.read_per_step / MiB,
+	    run.written_per_step / MiB, run.compute_wait_ms, run.io_wait_ms);
+	return 0;
+}
