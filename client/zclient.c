@@ -151,9 +151,16 @@ recv_one(struct zc_conn *c, int *fds, unsigned *nfds, int flags)
 	ssize_t n;
 
 	n = zp_recv_raw(c->fd, c->buf, ZP_MAX_MESSAGE, fds, ZP_MAX_FDS, nfds, flags);
+	/*
+	 * A daemon that closes with our request unread makes the kernel report
+	 * ECONNRESET once, ahead of what it sent last (the ERROR saying why).
+	 */
+	if (n == -ECONNRESET)
+		n = zp_recv_raw(c->fd, c->buf, ZP_MAX_MESSAGE, fds, ZP_MAX_FDS, nfds,
+		    MSG_DONTWAIT);
 	if (n == -EAGAIN)
 		return 0;
-	if (n == 0)
+	if (n == 0 || n == -ECONNRESET)
 		return seterr(c, -ECONNRESET, "zoffloadd closed the connection");
 	if (n < 0)
 		return seterr(c, (int)n, "receive from zoffloadd: %s", strerror((int)-n));
@@ -206,6 +213,14 @@ recv_one(struct zc_conn *c, int *fds, unsigned *nfds, int flags)
 			seterr(c, m->u.error.code, "%s", m->u.error.message);
 			return 0;
 		}
+		/*
+		 * Request id 0 answers no request: it is about the connection (a
+		 * limit refused it, its job was dropped) and the daemon closes it
+		 * next.  Skipping it as a stray reply would leave only "closed".
+		 */
+		if (m->hdr.request_id == 0)
+			return seterr(c, m->u.error.code < 0 ? m->u.error.code : -EIO, "%s",
+			    m->u.error.message);
 		return 1;
 	default:
 		return 1;
@@ -240,6 +255,13 @@ send_msg(struct zc_conn *c, struct zp_msg *m)
 	if (r < 0)
 		return r;
 	r = zp_send(c->fd, m, NULL, 0);
+	if (r == -EPIPE || r == -ECONNRESET) {
+		/* The daemon may have said why just before it closed: that beats "broken pipe". */
+		int why = drain(c);
+
+		if (why < 0)
+			return why;
+	}
 	if (r < 0)
 		return seterr(c, r, "send %s to zoffloadd: %s", zp_type_name(m->hdr.type),
 		    strerror(-r));

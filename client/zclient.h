@@ -80,7 +80,9 @@ struct zc_tensor_desc {
 /*
  * init: numel fp32 initial master values (copied; the call returns when they
  * are in).  When the tensor is taken back from a rank that died, init is not
- * used and zc_tensor_last_step() says which step its state is at.
+ * used and zc_tensor_last_step() says which step its state is at; -EAGAIN
+ * means a step the dead process submitted is still running on it: register
+ * again shortly.
  */
 ZC_API int zc_tensor_register(struct zc_conn *conn, const struct zc_tensor_desc *desc,
     const float *init, struct zc_tensor **ret);

@@ -214,8 +214,9 @@ get_int(struct parse_ctx *ctx, const cJSON *obj, const char *sec, const char *ke
 
 	if (v == NULL || ctx->status != 0)
 		return;
-	if (!cJSON_IsNumber(v) || v->valuedouble != (double)(long)v->valuedouble ||
-	    v->valuedouble < (double)min || v->valuedouble > (double)max) {
+	/* Range first: converting 1e300 to long is undefined behaviour (found by fuzz_config). */
+	if (!cJSON_IsNumber(v) || v->valuedouble < (double)min || v->valuedouble > (double)max ||
+	    v->valuedouble != (double)(long)v->valuedouble) {
 		snprintf(expected, sizeof(expected), "an integer from %ld to %ld", min, max);
 		bad_value(ctx, sec, v, expected);
 		return;

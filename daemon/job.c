@@ -334,6 +334,15 @@ resume_detached(struct zd_session *s, const struct zp_tensor_register *req,
 		    zk_dtype_name((enum zk_dtype)req->param_dtype));
 		return -EINVAL;
 	}
+	/*
+	 * A step the dead rank submitted is still running on it: its last_step
+	 * is about to change, and the client would resume from the wrong one.
+	 */
+	if (t->busy) {
+		snprintf(err, errlen, "tensor '%s' of rank %u is finishing a step its previous "
+		    "process submitted; register it again when that is done", t->name, t->rank);
+		return -EAGAIN;
+	}
 	r = add_handle(s, t);
 	if (r < 0) {
 		snprintf(err, errlen, "too many tensors on this connection");

@@ -203,6 +203,12 @@ tensor_done(struct zd_daemon *d, struct zd_batch *b, size_t i, enum zp_step_stat
 	b->tensors_left--;
 	if (status == ZP_STEP_APPLIED) {
 		t->last_step = b->hp.step;
+		/*
+		 * The job's too, here: once the rank died, batch_done has no session
+		 * to find the job by, and a reattach would be told an older step.
+		 */
+		if (t->job != NULL && b->hp.step > t->job->last_step)
+			t->job->last_step = b->hp.step;
 		/* The step wrote every parameter into the slot. */
 		t->param_resident = true;
 		t->param_dirty = true;
