@@ -1,4 +1,5 @@
 /* Kernel front end: names, ISA selection, hyperparameter checks, per-step constants, dispatch. */
+#include <cpuid.h>
 #include <errno.h>
 #include <math.h>
 #include <stdlib.h>
@@ -101,6 +102,14 @@ int zk_optim_parse(const char *name, enum zk_optim *ret)
 	return 0;
 }
 
+/* By cpuid: clang before 15 does not know "f16c" in __builtin_cpu_supports. */
+static bool cpu_has_f16c(void)
+{
+	unsigned a, b, c, d;
+
+	return __get_cpuid(1, &a, &b, &c, &d) && (c & bit_F16C) != 0;
+}
+
 bool zk_isa_supported(enum zk_isa isa)
 {
 	__builtin_cpu_init();
@@ -109,7 +118,7 @@ bool zk_isa_supported(enum zk_isa isa)
 		return true;
 	case ZK_ISA_AVX2:
 		return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-		    __builtin_cpu_supports("f16c");
+		    cpu_has_f16c();
 	case ZK_ISA_AVX512:
 		return zk_isa_supported(ZK_ISA_AVX2) && __builtin_cpu_supports("avx512f") &&
 		    __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&

@@ -18,6 +18,12 @@ struct state {
 	struct zk_tensor t[NT];
 };
 
+/* aligned_alloc wants a size that is a multiple of the alignment (ASan enforces it). */
+static void *alloc64(size_t bytes)
+{
+	return aligned_alloc(64, (bytes + 63) / 64 * 64);
+}
+
 static void state_init(struct state *s, uint64_t seed)
 {
 	struct rng r = { seed };
@@ -25,11 +31,11 @@ static void state_init(struct state *s, uint64_t seed)
 	for (size_t k = 0; k < NT; k++) {
 		size_t n = sizes[k], off = k == 1 ? 3 : 0;
 
-		s->master[k] = aligned_alloc(64, (n + 64) * 4);
-		s->m[k] = aligned_alloc(64, (n + 64) * 4);
-		s->v[k] = aligned_alloc(64, (n + 64) * 4);
-		s->param[k] = aligned_alloc(64, (n + 64) * 2);
-		s->grad[k] = aligned_alloc(64, (n + 64) * 2);
+		s->master[k] = alloc64((n + 64) * 4);
+		s->m[k] = alloc64((n + 64) * 4);
+		s->v[k] = alloc64((n + 64) * 4);
+		s->param[k] = alloc64((n + 64) * 2);
+		s->grad[k] = alloc64((n + 64) * 2);
 		cr_assert(s->master[k] && s->m[k] && s->v[k] && s->param[k] && s->grad[k]);
 		for (size_t i = 0; i < n + off; i++) {
 			s->master[k][i] = rng_float(&r, -1, 1);
