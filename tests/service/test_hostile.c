@@ -1,0 +1,535 @@
+/* Hostile and unlucky clients: sealed slots, oversized and fd-stuffed datagrams, a low memlock limit, other uids' jobs, per-uid caps. */
+#include <cjson/cJSON.h>
+#include <criterion/criterion.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <linux/capability.h>
+#include <poll.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/prctl.h>
+#include <sys/resource.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/syscall.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include "msgio.h"
+#include "svc.h"
+
+static struct itd daemon_;
+
+static void
+teardown(void)
+{
+	itd_cleanup(&daemon_);
+}
+
+TestSuite(hostile, .fini = teardown, .timeout = 60);
+
+static void
+expect_serving(void)
+{
+	struct zc_conn *c = itd_connect(&daemon_);
+
+	cr_assert_eq(zc_ping(c, NULL), 0, "ping after the fault: %s", zc_errmsg(c));
+	zc_disconnect(c);
+}
+
+/* Receives one message and keeps its descriptors (itd_raw_recv closes them). */
+static void
+recv_keep_fds(int fd, struct zp_msg *m, int *fds, unsigned *nfds)
+{
+	static uint8_t buf[ZP_MAX_MESSAGE];
+	struct pollfd p = { .fd = fd, .events = POLLIN };
+	char why[256];
+	ssize_t n;
+
+	cr_assert_eq(poll(&p, 1, 5000), 1, "no reply within 5 s");
+	n = zp_recv_raw(fd, buf, sizeof(buf), fds, ZP_MAX_FDS, nfds, 0);
+	cr_assert_gt(n, 0, "recv: %zd", n);
+	cr_assert_eq(zp_decode(buf, (size_t)n, m, why, sizeof(why)), ZP_S_OK, "%s", why);
+}
+
+Test(hostile, slots_are_sealed)
+{
+	static struct zp_msg m;
+	int fd, fds[ZP_MAX_FDS], grad, param;
+	unsigned nfds;
+	struct stat st;
+	void *map;
+	char byte = 1;
+
+	itd_start(&daemon_, NULL);
+	fd = itd_raw_connect(&daemon_);
+	itd_raw_hello(fd);
+	memset(&m, 0, sizeof(m));
+	strcpy(m.u.job_open.job_name, "sealed");
+	m.u.job_open.world_size = 1;
+	itd_raw_send(fd, ZP_JOB_OPEN, 2, &m);
+	cr_assert(itd_raw_recv(fd, &m, 5));
+	cr_assert_eq(m.hdr.type, ZP_JOB_OK, "JOB_OPEN answered %s", zp_type_name(m.hdr.type));
+	memset(&m, 0, sizeof(m));
+	strcpy(m.u.tensor_register.name, "w");
+	m.u.tensor_register.numel = 4096;
+	m.u.tensor_register.grad_dtype = ZP_DTYPE_F32;
+	m.u.tensor_register.param_dtype = ZP_DTYPE_F32;
+	itd_raw_send(fd, ZP_TENSOR_REGISTER, 3, &m);
+	recv_keep_fds(fd, &m, fds, &nfds);
+	cr_assert_eq(m.hdr.type, ZP_TENSOR_OK, "TENSOR_REGISTER answered %s: %s",
+	    zp_type_name(m.hdr.type), m.hdr.type == ZP_ERROR ? m.u.error.message : "");
+	cr_assert_eq(nfds, 2);
+	grad = fds[0];
+	param = fds[1];
+	cr_assert_eq(fstat(grad, &st), 0);
+
+	/* Shrinking would make the daemon's mapping fault; growing is refused as well. */
+	for (int i = 0; i < 2; i++) {
+		int slot = i == 0 ? grad : param;
+
+		errno = 0;
+		cr_assert_neq(ftruncate(slot, 0), 0, "slot %d could be shrunk", i);
+		cr_assert_eq(errno, EPERM, "shrinking slot %d: %s", i, strerror(errno));
+		errno = 0;
+		cr_assert_neq(ftruncate(slot, st.st_size * 2), 0, "slot %d could be grown", i);
+		cr_assert_eq(errno, EPERM, "growing slot %d: %s", i, strerror(errno));
+	}
+	/*
+	 * A hole in the grad slot only zeroes the client's own gradients (the
+	 * daemon's mapping reads zeros, it cannot fault); the param slot,
+	 * sealed against writes, refuses even that.
+	 */
+	cr_assert_eq(fallocate(param, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, 0, st.st_size),
+	    -1, "a hole could be punched into the param slot");
+	cr_assert_eq(errno, EPERM, "%s", strerror(errno));
+	/* The client writes gradients ... */
+	map = mmap(NULL, (size_t)st.st_size, PROT_READ | PROT_WRITE, MAP_SHARED, grad, 0);
+	cr_assert_neq(map, MAP_FAILED, "grad slot: %s", strerror(errno));
+	munmap(map, (size_t)st.st_size);
+	/* ... and only reads parameters. */
+	errno = 0;
+	map = mmap(NULL, (size_t)st.st_size, PROT_READ | PROT_WRITE, MAP_SHARED, param, 0);
+	cr_assert_eq(map, MAP_FAILED, "the param slot could be mapped writable");
+	cr_assert_eq(errno, EPERM, "%s", strerror(errno));
+	cr_assert_eq(pwrite(param, &byte, 1, 0), -1, "the param slot could be written");
+	/* Nor can the seals be taken off. */
+	cr_assert_eq(fcntl(grad, F_GET_SEALS) & F_SEAL_SEAL, F_SEAL_SEAL);
+	close(grad);
+	close(param);
+	close(fd);
+	expect_serving();
+	cr_assert_eq(itd_stop(&daemon_, 10), 0, "%s", itd_log_text(&daemon_));
+}
+
+/* Sends len bytes with nfds copies of stdin attached, past msgio's own limit of ZP_MAX_FDS. */
+static int
+send_with_fds(int sock, const void *buf, size_t len, unsigned nfds)
+{
+	union {
+		struct cmsghdr align;
+		char buf[CMSG_SPACE(sizeof(int) * 64)];
+	} control;
+	struct iovec iov = { .iov_base = (void *)buf, .iov_len = len };
+	struct msghdr mh = { .msg_iov = &iov, .msg_iovlen = 1 };
+	int fds[64];
+
+	cr_assert_leq(nfds, 64);
+	for (unsigned i = 0; i < nfds; i++)
+		fds[i] = STDIN_FILENO;
+	if (nfds > 0) {
+		struct cmsghdr *c;
+
+		memset(&control, 0, sizeof(control));
+		mh.msg_control = control.buf;
+		mh.msg_controllen = CMSG_SPACE(sizeof(int) * nfds);
+		c = CMSG_FIRSTHDR(&mh);
+		c->cmsg_level = SOL_SOCKET;
+		c->cmsg_type = SCM_RIGHTS;
+		c->cmsg_len = CMSG_LEN(sizeof(int) * nfds);
+		memcpy(CMSG_DATA(c), fds, sizeof(int) * nfds);
+	}
+	return sendmsg(sock, &mh, MSG_NOSIGNAL) == (ssize_t)len ? 0 : -errno;
+}
+
+/* Sends, then expects ERROR(code) saying `text` and the end of the connection. */
+static void
+expect_dropped(const void *buf, size_t len, unsigned nfds, int code, const char *text)
+{
+	static struct zp_msg m;
+	int fd = itd_raw_connect(&daemon_);
+	int r;
+
+	itd_raw_hello(fd);
+	r = send_with_fds(fd, buf, len, nfds);
+	cr_assert_eq(r, 0, "sending %zu bytes with %u fds: %s", len, nfds, strerror(-r));
+	cr_assert(itd_raw_recv(fd, &m, 5), "closed without an ERROR for '%s'", text);
+	cr_assert_eq(m.hdr.type, ZP_ERROR, "answered %s", zp_type_name(m.hdr.type));
+	cr_assert_eq(m.u.error.code, code, "code %d for '%s' (%s)", m.u.error.code, text,
+	    m.u.error.message);
+	cr_assert(strstr(m.u.error.message, text) != NULL, "'%s' does not say '%s'",
+	    m.u.error.message, text);
+	cr_assert_not(itd_raw_recv(fd, &m, 5), "connection still open after '%s'", text);
+	close(fd);
+}
+
+/* test_faults covers short, bad magic, bad type, bad length and one fd; these are the rest. */
+Test(hostile, oversized_and_fd_stuffed_datagrams)
+{
+	static uint8_t big[100 << 10];
+	struct zp_msg ping = { .hdr = { .type = ZP_PING } };
+	struct zc_conn *c;
+	unsigned fds0, fds;
+	size_t len;
+	int fd;
+
+	itd_start(&daemon_, NULL);
+	c = itd_connect(&daemon_);
+	fds0 = svc_fd_count(daemon_.pid);
+	cr_assert_eq(zp_encode(&ping, big, sizeof(big), &len), ZP_S_OK);
+
+	/* One byte past the protocol's limit, and well past it. */
+	expect_dropped(big, ZP_MAX_MESSAGE + 1, 0, -EMSGSIZE, "larger than the protocol allows");
+	expect_dropped(big, sizeof(big), 0, -EMSGSIZE, "larger than the protocol allows");
+	/* More descriptors than any message carries: the daemon must close every one it got. */
+	expect_dropped(big, len, 3, -ETOOMANYREFS, "file descriptors");
+	expect_dropped(big, len, 64, -ETOOMANYREFS, "file descriptors");
+	/* Descriptors on an oversized datagram: refused for its size, descriptors closed all the same. */
+	expect_dropped(big, ZP_MAX_MESSAGE + 1, 2, -EMSGSIZE, "larger than the protocol allows");
+	/* An empty datagram reads as the end of the connection: it goes, quietly. */
+	fd = itd_raw_connect(&daemon_);
+	itd_raw_hello(fd);
+	cr_assert_eq(send_with_fds(fd, big, 0, 0), 0);
+	{
+		static struct zp_msg m;
+
+		cr_assert_not(itd_raw_recv(fd, &m, 5), "an empty datagram was answered");
+	}
+	close(fd);
+
+	cr_assert_eq(zc_ping(c, NULL), 0, "%s", zc_errmsg(c));
+	cr_assert_eq(svc_wait_stat(c, "sessions", 1, 10), 1);
+	fds = svc_wait_fds(daemon_.pid, fds0, 10);
+	cr_assert_eq(fds, fds0, "the daemon holds %u descriptors, %u before", fds, fds0);
+	zc_disconnect(c);
+	expect_serving();
+	cr_assert_eq(itd_stop(&daemon_, 10), 0, "%s", itd_log_text(&daemon_));
+}
+
+/*
+ * The daemon must start as an unprivileged service would: no CAP_IPC_LOCK
+ * (dropped from the bounding set, so the exec'd daemon cannot get it back
+ * even as root) and RLIMIT_MEMLOCK of 64 KiB.  Criterion runs each test in
+ * its own process, so this stays inside the test.
+ */
+static void
+lose_memlock(void)
+{
+	struct rlimit rl = { 64 << 10, 64 << 10 };
+
+	/* ASan's mlock interceptor does nothing and reports success. */
+	if (svc_asan())
+		cr_skip_test("AddressSanitizer ignores mlock");
+	if (prctl(PR_CAPBSET_READ, CAP_IPC_LOCK) == 1 &&
+	    prctl(PR_CAPBSET_DROP, CAP_IPC_LOCK) != 0)
+		cr_skip_test("cannot drop CAP_IPC_LOCK here: %s", strerror(errno));
+	cr_assert_eq(setrlimit(RLIMIT_MEMLOCK, &rl), 0, "setrlimit: %s", strerror(errno));
+}
+
+static const struct zc_tensor_desc memlock_desc = { .name = "unpinnable", .numel = 1u << 18,
+	.grad_dtype = ZC_F32, .param_dtype = ZC_BF16 };
+
+Test(hostile, memlock_too_low_required)
+{
+	static const char config[] = "{ \"compute\": { \"worker_threads\": 2 },"
+	    " \"memory\": { \"pinned_budget\": \"64M\", \"require_pinned\": true } }";
+	static float init[1u << 18];
+	struct zc_tensor *t;
+	struct zc_conn *c;
+	int r;
+
+	lose_memlock();
+	itd_start(&daemon_, config);
+	cr_assert(strstr(itd_log_text(&daemon_), "RLIMIT_MEMLOCK is 64.0 KiB") != NULL,
+	    "the start-up log does not say what the memlock limit allows: %s",
+	    itd_log_text(&daemon_));
+	c = itd_connect(&daemon_);
+	cr_assert_eq(zc_job_open(c, "locked-out", 0, 1), 0, "%s", zc_errmsg(c));
+	r = zc_tensor_register(c, &memlock_desc, init, &t);
+	cr_assert_lt(r, 0, "3 MiB of state was taken although only 64 KiB can be locked");
+	cr_assert(strstr(zc_errmsg(c), "memlock") != NULL, "'%s' does not mention memlock",
+	    zc_errmsg(c));
+	cr_assert(strstr(zc_errmsg(c), "unpinnable") != NULL, "'%s' does not name the tensor",
+	    zc_errmsg(c));
+	cr_assert_eq(itd_stat(c, "tiers.pinned.used_bytes"), 0);
+	cr_assert_eq(zc_ping(c, NULL), 0, "%s", zc_errmsg(c));
+	zc_disconnect(c);
+	cr_assert_eq(itd_stop(&daemon_, 10), 0, "%s", itd_log_text(&daemon_));
+}
+
+Test(hostile, memlock_too_low_pageable)
+{
+	static const char config[] = "{ \"compute\": { \"worker_threads\": 2 },"
+	    " \"memory\": { \"pinned_budget\": \"64M\", \"require_pinned\": false } }";
+	static float init[1u << 18], got[1u << 18];
+	struct zc_tensor *t;
+	struct zc_conn *c;
+
+	lose_memlock();
+	for (size_t i = 0; i < memlock_desc.numel; i++)
+		init[i] = (float)i;
+	itd_start(&daemon_, config);
+	cr_assert(strstr(itd_log_text(&daemon_), "only 64.0 KiB can be locked") != NULL,
+	    "the start-up log does not say what can be pinned: %s", itd_log_text(&daemon_));
+	c = itd_connect(&daemon_);
+	cr_assert_eq(zc_job_open(c, "pageable", 0, 1), 0, "%s", zc_errmsg(c));
+	cr_assert_eq(zc_tensor_register(c, &memlock_desc, init, &t), 0, "%s", zc_errmsg(c));
+	cr_assert_gt(itd_stat(c, "tiers.pinned.unlocked_bytes"), 0,
+	    "state beyond the memlock limit is not reported as unlocked");
+	cr_assert_eq(itd_stat(c, "tiers.pinned.memlock_limit_bytes"), 64 << 10);
+	cr_assert_eq(zc_tensor_read(t, ZC_STATE_MASTER, 0, memlock_desc.numel, got), 0, "%s",
+	    zc_errmsg(c));
+	cr_assert(memcmp(got, init, sizeof(got)) == 0, "pageable state lost its values");
+	zc_disconnect(c);
+	cr_assert_eq(itd_stop(&daemon_, 10), 0, "%s", itd_log_text(&daemon_));
+}
+
+/* Socket open to all (mode 0666), so that another uid can reach it. */
+static const char open_config[] = "{ \"compute\": { \"worker_threads\": 2 },"
+    " \"socket\": { \"mode\": \"0666\" } }";
+#define OTHER_UID 65534	/* nobody */
+
+static void
+start_for_other_uids(void)
+{
+	if (geteuid() != 0)
+		cr_skip_test("needs root to act as a second uid");
+	itd_start(&daemon_, open_config);
+	/* mkdtemp made the directory 0700: let the other uid reach the socket in it. */
+	cr_assert_eq(chmod(daemon_.dir, 0711), 0);
+}
+
+/* In the other uid: try to take and to drop root's job. */
+static void
+trespass(void *arg, struct svc_report *out)
+{
+	struct zc_conn *c = NULL;
+	int r;
+
+	r = zc_connect(daemon_.socket, &c);
+	if (r < 0) {
+		out->result = r;
+		snprintf(out->text, sizeof(out->text), "connect: %s", strerror(-r));
+		return;
+	}
+	if (strcmp(arg, "open") == 0)
+		r = zc_job_open(c, "roots-job", 1, 2);
+	else
+		r = zc_job_drop(c, "roots-job");
+	out->result = r;
+	snprintf(out->text, sizeof(out->text), "%s", zc_errmsg(c));
+	zc_disconnect(c);
+}
+
+/* In the other uid: a rank of its own job that registers a tensor and dies (its state is kept). */
+static void
+own_job(void *arg, struct svc_report *out)
+{
+	struct zc_tensor_desc desc = { .name = "w", .numel = 1000, .grad_dtype = ZC_F32,
+		.param_dtype = ZC_F32 };
+	static float init[1000];
+	struct zc_conn *c = NULL;
+	struct zc_tensor *t;
+	int r;
+
+	if ((r = zc_connect(daemon_.socket, &c)) < 0) {
+		out->result = r;
+		return;
+	}
+	if ((r = zc_job_open(c, "nobodys-job", 0, 2)) == 0)
+		r = zc_tensor_register(c, &desc, init, &t);
+	out->result = r;
+	snprintf(out->text, sizeof(out->text), "%s", zc_errmsg(c));
+	/* No zc_disconnect: the process just ends, like a crashed rank. */
+}
+
+/* True when zoffctl jobs --json-like stats list a job of this name. */
+static bool
+has_job(struct zc_conn *c, const char *name, double *ret_uid)
+{
+	char *json = NULL;
+	const cJSON *j;
+	cJSON *root;
+	bool found = false;
+
+	cr_assert_eq(zc_jobs_json(c, &json), 0, "%s", zc_errmsg(c));
+	root = cJSON_Parse(json);
+	cr_assert_not_null(root);
+	cJSON_ArrayForEach(j, cJSON_GetObjectItemCaseSensitive(root, "jobs")) {
+		const cJSON *n = cJSON_GetObjectItemCaseSensitive(j, "name");
+
+		if (cJSON_IsString(n) && strcmp(n->valuestring, name) == 0) {
+			found = true;
+			if (ret_uid != NULL)
+				*ret_uid = cJSON_GetObjectItemCaseSensitive(j, "uid")->valuedouble;
+		}
+	}
+	cJSON_Delete(root);
+	free(json);
+	return found;
+}
+
+Test(hostile, jobs_belong_to_their_uid)
+{
+	struct svc_report rep;
+	struct zc_conn *c, *c2;
+	double uid = -1;
+
+	start_for_other_uids();
+	c = itd_connect(&daemon_);
+	cr_assert_eq(zc_job_open(c, "roots-job", 0, 2), 0, "%s", zc_errmsg(c));
+
+	svc_in_child(OTHER_UID, trespass, "open", &rep);
+	cr_assert_eq(rep.result, -EACCES, "another uid opening root's job: %d %s", rep.result,
+	    rep.text);
+	cr_assert(strstr(rep.text, "belongs to uid 0") != NULL, "'%s'", rep.text);
+	svc_in_child(OTHER_UID, trespass, "drop", &rep);
+	cr_assert_eq(rep.result, -EPERM, "another uid dropping root's job: %d %s", rep.result,
+	    rep.text);
+	cr_assert(strstr(rep.text, "belongs to uid 0") != NULL, "'%s'", rep.text);
+	cr_assert(has_job(c, "roots-job", NULL), "root's job is gone after the attempts");
+
+	/* The other uid's own job, left behind by a rank that died. */
+	svc_in_child(OTHER_UID, own_job, NULL, &rep);
+	cr_assert_eq(rep.result, 0, "the other uid's own job: %d %s", rep.result, rep.text);
+	cr_assert(has_job(c, "nobodys-job", &uid));
+	cr_assert_eq(uid, OTHER_UID);
+	/* Root may join it and may drop it. */
+	c2 = itd_connect(&daemon_);
+	cr_assert_eq(zc_job_open(c2, "nobodys-job", 1, 2), 0, "root joining: %s", zc_errmsg(c2));
+	cr_assert_eq(zc_job_close(c2), 0, "%s", zc_errmsg(c2));
+	zc_disconnect(c2);
+	cr_assert_eq(zc_job_drop(c, "nobodys-job"), 0, "root dropping: %s", zc_errmsg(c));
+	cr_assert_not(has_job(c, "nobodys-job", NULL), "dropped, but still listed");
+	cr_assert_eq(svc_wait_stat(c, "tiers.pinned.used_bytes", 0, 10), 0);
+	zc_disconnect(c);
+	cr_assert_eq(itd_stop(&daemon_, 10), 0, "%s", itd_log_text(&daemon_));
+}
+
+/* A connection past a limit gets one ERROR that names the limit, then the end. */
+static void
+expect_refusal(const char *text)
+{
+	static struct zp_msg m;
+	int fd = itd_raw_connect(&daemon_);
+
+	cr_assert(itd_raw_recv(fd, &m, 5), "closed without saying why");
+	cr_assert_eq(m.hdr.type, ZP_ERROR, "answered %s", zp_type_name(m.hdr.type));
+	cr_assert_eq(m.u.error.code, -EUSERS, "code %d (%s)", m.u.error.code, m.u.error.message);
+	cr_assert(strstr(m.u.error.message, text) != NULL, "'%s' does not name %s",
+	    m.u.error.message, text);
+	cr_assert_not(itd_raw_recv(fd, &m, 5), "still open after the refusal");
+	close(fd);
+}
+
+Test(hostile, max_clients_per_uid)
+{
+	static const char config[] = "{ \"compute\": { \"worker_threads\": 2 },"
+	    " \"limits\": { \"max_clients_per_uid\": 2 } }";
+	struct zc_conn *a, *b, *c = NULL;
+	double deadline;
+	int r;
+
+	itd_start(&daemon_, config);
+	a = itd_connect(&daemon_);
+	b = itd_connect(&daemon_);
+	expect_refusal("limits.max_clients_per_uid");
+	/* libzclient has no connection left to hold the text: the code says it. */
+	r = zc_connect(daemon_.socket, &c);
+	cr_assert_eq(r, -EUSERS, "a third connection of one uid gave %d (%s)", r, strerror(-r));
+	cr_assert(strstr(itd_log_text(&daemon_), "refused a client of uid") != NULL, "%s",
+	    itd_log_text(&daemon_));
+	/* A slot frees when a connection goes; the daemon sees that asynchronously. */
+	zc_disconnect(a);
+	deadline = itd_now() + 10;
+	do {
+		r = zc_connect(daemon_.socket, &c);
+		if (r == 0)
+			break;
+		usleep(10000);
+	} while (itd_now() < deadline);
+	cr_assert_eq(r, 0, "no connection after one of two went: %s", strerror(-r));
+	zc_disconnect(b);
+	zc_disconnect(c);
+	cr_assert_eq(itd_stop(&daemon_, 10), 0, "%s", itd_log_text(&daemon_));
+}
+
+Test(hostile, max_clients)
+{
+	static const char config[] = "{ \"compute\": { \"worker_threads\": 2 },"
+	    " \"limits\": { \"max_clients\": 2 } }";
+	struct zc_conn *a, *b, *c = NULL;
+	int r;
+
+	itd_start(&daemon_, config);
+	a = itd_connect(&daemon_);
+	b = itd_connect(&daemon_);
+	expect_refusal("limits.max_clients)");
+	/*
+	 * Again and again: the daemon may close before or after our HELLO lands,
+	 * and either way the client must report the refusal, not a reset.
+	 */
+	for (int i = 0; i < 200; i++) {
+		r = zc_connect(daemon_.socket, &c);
+		cr_assert_eq(r, -EUSERS, "attempt %d past limits.max_clients gave %d (%s)", i, r,
+		    strerror(-r));
+	}
+	cr_assert(strstr(itd_log_text(&daemon_), "refused a client") != NULL, "%s",
+	    itd_log_text(&daemon_));
+	cr_assert_eq(zc_ping(a, NULL), 0, "%s", zc_errmsg(a));
+	zc_disconnect(a);
+	zc_disconnect(b);
+	cr_assert_eq(itd_stop(&daemon_, 10), 0, "%s", itd_log_text(&daemon_));
+}
+
+Test(hostile, uid_pinned_budget)
+{
+	static const char config[] = "{ \"compute\": { \"worker_threads\": 2 },"
+	    " \"memory\": { \"pinned_budget\": \"256M\" },"
+	    " \"limits\": { \"uid_pinned_budget\": \"16M\" } }";
+	/* 1M elements hold 12 MiB of state: one fits the uid's 16 MiB, a second does not. */
+	struct zc_tensor_desc desc = { .name = "a", .numel = 1u << 20, .grad_dtype = ZC_F32,
+		.param_dtype = ZC_BF16 };
+	static float init[1u << 20];
+	struct zc_conn *c, *c2;
+	struct zc_tensor *t;
+	int r;
+
+	itd_start(&daemon_, config);
+	c = itd_connect(&daemon_);
+	cr_assert_eq(zc_job_open(c, "quota-1", 0, 1), 0, "%s", zc_errmsg(c));
+	cr_assert_eq(zc_tensor_register(c, &desc, init, &t), 0, "%s", zc_errmsg(c));
+	/* The budget is the uid's, across connections and jobs. */
+	c2 = itd_connect(&daemon_);
+	cr_assert_eq(zc_job_open(c2, "quota-2", 0, 1), 0, "%s", zc_errmsg(c2));
+	desc.name = "b";
+	r = zc_tensor_register(c2, &desc, init, &t);
+	cr_assert_eq(r, -EDQUOT, "past the uid's budget gave %d: %s", r, zc_errmsg(c2));
+	cr_assert(strstr(zc_errmsg(c2), "uid_pinned_budget") != NULL, "'%s' does not name the "
+	    "limit", zc_errmsg(c2));
+	cr_assert(strstr(zc_errmsg(c2), "'b'") != NULL, "'%s' does not name the tensor",
+	    zc_errmsg(c2));
+	/* Once the first is gone there is room again. */
+	zc_disconnect(c);
+	cr_assert_eq(svc_wait_stat(c2, "sessions", 1, 10), 1);
+	r = zc_tensor_register(c2, &desc, init, &t);
+	cr_assert_eq(r, -EDQUOT, "the dead rank's kept state should still count: %d", r);
+	cr_assert_eq(zc_job_drop(c2, "quota-1"), 0, "%s", zc_errmsg(c2));
+	cr_assert_eq(zc_tensor_register(c2, &desc, init, &t), 0, "after the drop: %s",
+	    zc_errmsg(c2));
+	zc_disconnect(c2);
+	cr_assert_eq(itd_stop(&daemon_, 10), 0, "%s", itd_log_text(&daemon_));
+}
