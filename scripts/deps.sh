@@ -1,6 +1,7 @@
 # Sourced by demo.sh and test.sh: installs the Debian packages zoffload builds with, if missing.
 ZOFFLOAD_PACKAGES="build-essential pkg-config meson ninja-build liburing-dev libnuma-dev
-libjemalloc-dev libevent-dev libcjson-dev libcriterion-dev fio"
+libjemalloc-dev libevent-dev libcjson-dev libcriterion-dev fio clang libclang-rt-14-dev
+systemd"
 
 install_deps() {
 	local missing=() pkg

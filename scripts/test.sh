@@ -1,16 +1,28 @@
 #!/usr/bin/env bash
 # Install what is missing, build with warnings as errors, run every test.
+# --sanitize: the same in a separate AddressSanitizer + UBSan build (build-sanitize).
+# Other arguments go to `meson test` (a suite: --suite service).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 . scripts/deps.sh
 install_deps
 
 build=build-test
-[ -f "$build/build.ninja" ] || meson setup "$build" -Dwerror=true >/dev/null
+setup=(-Dwerror=true)
+test_args=()
+if [ "${1:-}" = "--sanitize" ]; then
+	shift
+	build=build-sanitize
+	# jemalloc is dropped under sanitizers (meson.build); the runtime resolves at load time.
+	setup+=(-Db_sanitize=address,undefined -Db_lundef=false)
+	# ASan makes the numerics and the 64M-element fairness test a few times slower.
+	test_args+=(--timeout-multiplier 4)
+fi
+[ -f "$build/build.ninja" ] || meson setup "$build" "${setup[@]}" >/dev/null
 ninja -C "$build"
 
 set +e
-meson test -C "$build" --print-errorlogs --num-processes 2 "$@"
+meson test -C "$build" --print-errorlogs --num-processes 2 "${test_args[@]}" "$@"
 status=$?
 set -e
 # One closing line in the form every CI reader understands.
