@@ -1,11 +1,14 @@
-# Sourced by demo.sh and test.sh: installs the Debian packages zoffload builds with, if missing.
-ZOFFLOAD_PACKAGES="build-essential pkg-config meson ninja-build liburing-dev libnuma-dev
-libjemalloc-dev libevent-dev libcjson-dev libcriterion-dev fio clang libclang-rt-14-dev
-systemd"
+# Sourced by demo.sh, test.sh and fuzz.sh: installs the Debian packages they need, if missing.
+# install_deps: what builds and runs zoffload; install_deps test: also what the tests use
+# (Criterion, fio for the swap benchmark, clang for the fuzzers, systemd-analyze for the unit).
+ZOFFLOAD_BUILD_PACKAGES="build-essential pkg-config meson ninja-build liburing-dev libnuma-dev
+libjemalloc-dev libevent-dev libcjson-dev"
+ZOFFLOAD_TEST_PACKAGES="libcriterion-dev fio clang libclang-rt-14-dev systemd"
 
 install_deps() {
-	local missing=() pkg
-	for pkg in $ZOFFLOAD_PACKAGES; do
+	local missing=() pkg packages=$ZOFFLOAD_BUILD_PACKAGES
+	[ "${1:-}" = test ] && packages="$packages $ZOFFLOAD_TEST_PACKAGES"
+	for pkg in $packages; do
 		dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "install ok installed" ||
 			missing+=("$pkg")
 	done

@@ -5,10 +5,10 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 . scripts/deps.sh
-install_deps
+install_deps test
 
 build=build-test
-setup=(-Dwerror=true)
+setup=(-Dwerror=true -Dtests=enabled)
 test_args=()
 if [ "${1:-}" = "--sanitize" ]; then
 	shift
