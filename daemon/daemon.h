@@ -2,6 +2,7 @@
 #ifndef ZD_DAEMON_H
 #define ZD_DAEMON_H
 
+#include <stdarg.h>
 #include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
@@ -262,6 +263,8 @@ int zd_session_send(struct zd_session *s, const struct zp_msg *msg, const int *f
 /* Error reply: code is a negative errno, the text says what was wrong. */
 void zd_session_error(struct zd_session *s, uint64_t request_id, int code, const char *fmt, ...)
     __attribute__((format(printf, 4, 5)));
+void zd_session_verror(struct zd_session *s, uint64_t request_id, int code, const char *fmt,
+    va_list ap) __attribute__((format(printf, 4, 0)));
 struct zd_tensor *zd_session_tensor(struct zd_session *s, uint32_t handle);
 
 /* requests.c */

@@ -184,17 +184,25 @@ zd_session_send(struct zd_session *s, const struct zp_msg *msg, const int *fds, 
 }
 
 void
-zd_session_error(struct zd_session *s, uint64_t request_id, int code, const char *fmt, ...)
+zd_session_verror(struct zd_session *s, uint64_t request_id, int code, const char *fmt,
+    va_list ap)
 {
 	struct zp_msg m = { .hdr = { .type = ZP_ERROR, .request_id = request_id } };
-	va_list ap;
 
 	m.u.error.code = code;
-	va_start(ap, fmt);
 	vsnprintf(m.u.error.message, sizeof(m.u.error.message), fmt, ap);
-	va_end(ap);
 	log_debug("session %u: error reply: %s", s->id, m.u.error.message);
 	(void)zd_session_send(s, &m, NULL, 0);
+}
+
+void
+zd_session_error(struct zd_session *s, uint64_t request_id, int code, const char *fmt, ...)
+{
+	va_list ap;
+
+	va_start(ap, fmt);
+	zd_session_verror(s, request_id, code, fmt, ap);
+	va_end(ap);
 }
 
 struct zd_tensor *

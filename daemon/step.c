@@ -33,15 +33,11 @@ refuse(struct zd_session *s, const struct zp_msg *msg, int error, const char *fm
 static void
 refuse(struct zd_session *s, const struct zp_msg *msg, int error, const char *fmt, ...)
 {
-	struct zp_msg m = { .hdr = { .type = ZP_ERROR, .request_id = msg->hdr.request_id } };
 	va_list ap;
 
-	m.u.error.code = error;
 	va_start(ap, fmt);
-	vsnprintf(m.u.error.message, sizeof(m.u.error.message), fmt, ap);
+	zd_session_verror(s, msg->hdr.request_id, error, fmt, ap);
 	va_end(ap);
-	log_debug("session %u: step refused: %s", s->id, m.u.error.message);
-	(void)zd_session_send(s, &m, NULL, 0);
 	send_step_done(s, NULL, msg->hdr.request_id, msg->u.step_submit.step, ZP_STEP_FAILED,
 	    error, msg->u.step_submit.count);
 }
