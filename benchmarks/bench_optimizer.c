@@ -6,8 +6,8 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
-#include <time.h>
 
+#include "bench_common.h"
 #include "optim.h"
 #include "pool.h"
 
@@ -48,14 +48,6 @@ struct opts {
 };
 
 static bool first_json = true;
-
-static double now(void)
-{
-	struct timespec ts;
-
-	clock_gettime(CLOCK_MONOTONIC, &ts);
-	return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
-}
 
 static void report(const struct opts *o, const char *name, double value, const char *unit,
     double limit)
@@ -178,10 +170,10 @@ static int bench_size(const struct opts *o, size_t n)
 			goto out;
 		/* STREAM triad for context: 24 bytes per element as STREAM counts them. */
 		for (int rep = 0; rep < o->reps; rep++) {
-			double t0 = now();
+			double t0 = bench_now();
 
 			zk_pool_run(pool, triad_slice, &tr);
-			double dt = now() - t0;
+			double dt = bench_now() - t0;
 			best = dt < best ? dt : best;
 		}
 		snprintf(name, sizeof(name), "triad/t=%u/n=%zuM", threads, n >> 20);
@@ -216,13 +208,13 @@ static int bench_size(const struct opts *o, size_t n)
 					t.v = NULL;
 				/* Interleave step and probe so drift (other jobs on the box) hits both alike. */
 				for (int rep = 0; rep < o->reps; rep++) {
-					double t0 = now();
+					double t0 = bench_now();
 
 					r = zk_pool_memonly(pool, probe, &t, 1);
-					double t1 = now();
+					double t1 = bench_now();
 					if (r == 0)
 						r = zk_pool_step(pool, (enum zk_isa)isa, &h, &t, 1);
-					double t2 = now();
+					double t2 = bench_now();
 					if (r < 0) {
 						zk_pool_free(pool);
 						goto out;

@@ -12,10 +12,10 @@
 #include <string.h>
 #include <sys/prctl.h>
 #include <sys/wait.h>
-#include <time.h>
 #include <unistd.h>
 
 #include "arena.h"
+#include "bench_common.h"
 #include "optim.h"
 #include "pool.h"
 #include "swap.h"
@@ -52,15 +52,6 @@ struct step_run {
 	char engine[32];
 	char isa[16];
 };
-
-static double
-now(void)
-{
-	struct timespec ts;
-
-	clock_gettime(CLOCK_MONOTONIC, &ts);
-	return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
-}
 
 static void
 die(const char *fmt, ...) __attribute__((format(printf, 1, 2), noreturn));
@@ -258,11 +249,11 @@ daemon_start(struct daemon_proc *dp, const struct opts *o)
 	}
 	close(fd);
 	/* Preallocating the swap file takes a moment on a big state. */
-	deadline = now() + 60;
+	deadline = bench_now() + 60;
 	while (zc_connect(dp->socket, &c) < 0) {
 		if (waitpid(dp->pid, NULL, WNOHANG) == dp->pid)
 			die("zoffloadd exited at start; see %s", dp->log);
-		if (now() > deadline)
+		if (bench_now() > deadline)
 			die("zoffloadd did not listen within 60 s; see %s", dp->log);
 		usleep(20000);
 	}
@@ -351,10 +342,10 @@ run_daemon(const struct opts *o, struct step_run *res)
 			iw0 = stat_number(c, "pipeline.io_waiting_on_compute_ms");
 		}
 		sp.step = i + 1;
-		t0 = now();
+		t0 = bench_now();
 		if (zc_step_submit(c, &sp, t, o->tensors) < 0 || zc_wait_all(c, NULL) < 0)
 			die("step %u: %s", i + 1, zc_errmsg(c));
-		dt = now() - t0;
+		dt = bench_now() - t0;
 		if (i == 0)
 			continue;
 		sum += dt;
@@ -372,76 +363,20 @@ run_daemon(const struct opts *o, struct step_run *res)
 	daemon_stop(&dp);
 }
 
-/* Chunk-sized requests kept `depth` deep, as the daemon keeps its staging buffers busy. */
-struct stream {
-	struct zs_engine *e;
-	struct zs_extent *x;
-	uint64_t chunk;
-	uint64_t size;
-	uint64_t next;
-	unsigned pending;
-	int error;
-	bool write;
-};
-
-struct slot {
-	struct stream *s;
-	char *buf;
-};
-
-static void stream_done(int result, void *arg);
-
-static void
-stream_issue(struct slot *sl)
-{
-	struct stream *s = sl->s;
-	uint64_t off = s->next;
-	int r;
-
-	s->next += s->chunk;
-	s->pending++;
-	r = s->write ? zs_write(s->e, s->x, off, sl->buf, s->chunk, stream_done, sl) :
-	    zs_read(s->e, s->x, off, sl->buf, s->chunk, stream_done, sl);
-	if (r < 0) {
-		s->pending--;
-		s->error = r;
-	}
-}
-
-static void
-stream_done(int result, void *arg)
-{
-	struct slot *sl = arg;
-	struct stream *s = sl->s;
-
-	s->pending--;
-	if (result < 0 && s->error == 0)
-		s->error = result;
-	if (s->error == 0 && s->next < s->size)
-		stream_issue(sl);
-}
-
-/* Seconds for one sequential pass over size bytes. */
+/*
+ * Seconds for one sequential pass over size bytes: chunk-sized requests kept
+ * `depth` deep, as the daemon keeps its staging buffers busy.
+ */
 static double
-engine_pass(struct zs_engine *e, struct zs_extent *x, struct slot *slots, unsigned depth,
+engine_pass(struct zs_engine *e, struct zs_extent *x, struct bench_slot *slots, unsigned depth,
     uint64_t chunk, uint64_t size, bool write)
 {
-	struct stream s = { .e = e, .x = x, .chunk = chunk, .size = size, .write = write };
-	double t0 = now();
-	int r;
+	double t = 0;
+	int r = bench_stream_pass(e, x, slots, depth, chunk, size, write, &t);
 
-	for (unsigned i = 0; i < depth && s.next < s.size; i++) {
-		slots[i].s = &s;
-		stream_issue(&slots[i]);
-	}
-	while (s.pending > 0) {
-		r = zs_engine_wait(e, 5000);
-		if (r < 0 && s.error == 0)
-			s.error = r;
-	}
-	if (s.error != 0)
-		die("engine %s: %s", write ? "write" : "read", zs_strerror(s.error));
-	return now() - t0;
+	if (r < 0)
+		die("engine %s: %s", write ? "write" : "read", zs_strerror(r));
+	return t;
 }
 
 /*
@@ -459,7 +394,7 @@ engine_bandwidth(const struct opts *o, uint64_t bytes, double *ret_read, double 
 	struct zs_path path = { o->dir, size + (64u << 20) };
 	struct zs_config zc = { .paths = &path, .npaths = 1, .stripe_unit = (uint32_t)o->block_size,
 		.queue_depth = o->queue_depth, .engine = ZS_ENGINE_AUTO, .allow_fallback = true };
-	struct slot *slots = calloc(o->staging, sizeof(*slots));
+	struct bench_slot *slots = calloc(o->staging, sizeof(*slots));
 	struct zs_error_info info = { .path = -1 };
 	struct zt_arena *arena;
 	struct zs_engine *e;
@@ -551,13 +486,13 @@ compute_bound(const struct opts *o, enum zk_isa isa)
 		memset(param, 0, (size_t)n * 2);
 	}
 	for (unsigned i = 0; i <= o->steps; i++) {
-		double t0 = now(), dt;
+		double t0 = bench_now(), dt;
 
 		hp.step = i + 1;
 		r = zk_pool_step(pool, isa, &hp, ts, o->tensors);
 		if (r < 0)
 			die("zk_pool_step: %s", strerror(-r));
-		dt = now() - t0;
+		dt = bench_now() - t0;
 		if (i > 0 && dt < best)
 			best = dt;
 	}
@@ -618,13 +553,11 @@ main(int argc, char **argv)
 	limit = io_s > compute_s ? io_s : compute_s;
 
 	if (o.json) {
-		printf("[\n  {\"name\": \"step_vs_bound\", \"value\": %.4f, \"unit\": \"s\", "
-		    "\"limit\": %.4f, \"ratio\": %.3f},\n", run.best_s, limit, run.best_s / limit);
-		printf("  {\"name\": \"step_vs_io_bound\", \"value\": %.4f, \"unit\": \"s\", "
-		    "\"limit\": %.4f, \"ratio\": %.3f},\n", run.best_s, io_s, run.best_s / io_s);
-		printf("  {\"name\": \"step_vs_compute_bound\", \"value\": %.4f, \"unit\": \"s\", "
-		    "\"limit\": %.4f, \"ratio\": %.3f}\n]\n", run.best_s, compute_s,
-		    run.best_s / compute_s);
+		printf("[");
+		bench_json_figure(0, "step_vs_bound", run.best_s, "s", limit, 4);
+		bench_json_figure(1, "step_vs_io_bound", run.best_s, "s", io_s, 4);
+		bench_json_figure(2, "step_vs_compute_bound", run.best_s, "s", compute_s, 4);
+		printf("\n]\n");
 		return 0;
 	}
 	printf("offloaded AdamW step, bf16 grads and params: %u tensors, %.0f MiB of state "

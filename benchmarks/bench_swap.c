@@ -8,10 +8,10 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
-#include <time.h>
 #include <unistd.h>
 
 #include "arena.h"
+#include "bench_common.h"
 #include "swap.h"
 
 #define MiB (1024.0 * 1024.0)
@@ -36,93 +36,27 @@ struct result {
 	const char *against;
 };
 
-struct stream {
-	struct zs_engine *e;
-	struct zs_extent *x;
-	uint32_t bs;
-	uint64_t size;
-	uint64_t next;		/* offset of the next request */
-	unsigned pending;
-	int error;
-	bool write;
-};
-
-/* One buffer per request in flight; a completion reuses its own for the next offset. */
-struct slot {
-	struct stream *s;
-	char *buf;
-};
-
-static double
-now(void)
-{
-	struct timespec ts;
-
-	clock_gettime(CLOCK_MONOTONIC, &ts);
-	return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
-}
-
-static void stream_done(int result, void *arg);
-
-static void
-stream_issue(struct slot *sl)
-{
-	struct stream *s = sl->s;
-	uint64_t off = s->next;
-	int r;
-
-	s->next += s->bs;
-	s->pending++;
-	r = s->write ? zs_write(s->e, s->x, off, sl->buf, s->bs, stream_done, sl) :
-	    zs_read(s->e, s->x, off, sl->buf, s->bs, stream_done, sl);
-	if (r < 0) {
-		s->pending--;
-		s->error = r;
-	}
-}
-
-static void
-stream_done(int result, void *arg)
-{
-	struct slot *sl = arg;
-	struct stream *s = sl->s;
-
-	s->pending--;
-	if (result < 0 && s->error == 0)
-		s->error = result;
-	if (s->error == 0 && s->next + s->bs <= s->size)
-		stream_issue(sl);
-}
-
 /* Sequential pass over the whole extent with qd requests of bs in flight; MiB/s. */
 static double
 engine_pass(struct zs_engine *e, struct zs_extent *x, char *bufs, const struct opts *o, bool write)
 {
-	struct stream s = { .e = e, .x = x, .bs = o->bs, .size = o->size, .write = write };
-	struct slot *slots = calloc(o->qd, sizeof(*slots));
-	double t0, t;
+	struct bench_slot *slots = calloc(o->qd, sizeof(*slots));
+	double t = 0;
 	unsigned i;
 	int r;
 
 	if (slots == NULL)
 		return -1;
-	t0 = now();
-	for (i = 0; i < o->qd && s.next + s.bs <= s.size; i++) {
-		slots[i] = (struct slot){ &s, bufs + (size_t)i * o->bs };
-		stream_issue(&slots[i]);
-	}
-	while (s.pending > 0) {
-		r = zs_engine_wait(e, 5000);
-		if (r < 0 && s.error == 0)
-			s.error = r;
-	}
-	t = now() - t0;
+	for (i = 0; i < o->qd; i++)
+		slots[i].buf = bufs + (size_t)i * o->bs;
+	r = bench_stream_pass(e, x, slots, o->qd, o->bs, o->size, write, &t);
 	free(slots);
-	if (s.error != 0) {
-		fprintf(stderr, "bench_swap: %s: %s\n", write ? "write" : "read", zs_strerror(s.error));
+	if (r < 0) {
+		fprintf(stderr, "bench_swap: %s: %s\n", write ? "write" : "read", zs_strerror(r));
 		return -1;
 	}
-	return (double)s.next / MiB / t;
+	/* Every byte of the extent moved: parse() keeps size a multiple of bs. */
+	return (double)o->size / MiB / t;
 }
 
 /* fio's bandwidth in MiB/s for the same file, block size and concurrency. */
@@ -389,9 +323,7 @@ main(int argc, char **argv)
 	if (o.json) {
 		printf("[");
 		for (i = 0; i < n; i++)
-			printf("%s\n  {\"name\": \"%s\", \"value\": %.1f, \"unit\": \"MiB/s\", "
-			    "\"limit\": %.1f, \"ratio\": %.3f}", i ? "," : "", res[i].name,
-			    res[i].value, res[i].limit, res[i].value / res[i].limit);
+			bench_json_figure(i, res[i].name, res[i].value, "MiB/s", res[i].limit, 1);
 		printf("\n]\n");
 	} else {
 		printf("sequential, %" PRIu32 " KiB blocks, QD %u, %u pthread workers, %" PRIu64

@@ -182,6 +182,7 @@ itd_stop(struct itd *d, double timeout_s)
 void
 itd_cleanup(struct itd *d)
 {
+	(void)itd_kill_client(d, NULL);
 	if (d->pid > 0) {
 		kill(d->pid, SIGKILL);
 		waitpid(d->pid, NULL, 0);
@@ -229,7 +230,7 @@ itd_connect(const struct itd *d)
 double
 itd_stat(struct zc_conn *c, const char *path)
 {
-	char *json = NULL, key[128], *save = NULL;
+	char *json = NULL, key[160], *save = NULL, *end;
 	const cJSON *cur;
 	cJSON *root;
 	double v;
@@ -242,8 +243,14 @@ itd_stat(struct zc_conn *c, const char *path)
 	snprintf(key, sizeof(key), "%s", path);
 	cur = root;
 	for (char *k = strtok_r(key, ".", &save); k != NULL && cur != NULL;
-	    k = strtok_r(NULL, ".", &save))
-		cur = cJSON_GetObjectItemCaseSensitive(cur, k);
+	    k = strtok_r(NULL, ".", &save)) {
+		long i = strtol(k, &end, 10);
+
+		if (*end == '\0' && cJSON_IsArray(cur))
+			cur = cJSON_GetArrayItem(cur, (int)i);
+		else
+			cur = cJSON_GetObjectItemCaseSensitive(cur, k);
+	}
 	cr_assert(cJSON_IsNumber(cur), "stats have no number at %s: %s", path, json);
 	v = cur->valuedouble;
 	cJSON_Delete(root);
@@ -311,6 +318,63 @@ itd_raw_hello(int fd)
 	itd_raw_send(fd, ZP_HELLO, 1, &m);
 	cr_assert(itd_raw_recv(fd, &m, 5));
 	cr_assert_eq(m.hdr.type, ZP_HELLO_OK, "HELLO answered with %s", zp_type_name(m.hdr.type));
+}
+
+void
+itd_raw_expect_refusal(int fd, int code, const char *text)
+{
+	static struct zp_msg m;
+
+	cr_assert(itd_raw_recv(fd, &m, 5), "closed without an ERROR for '%s'", text);
+	cr_assert_eq(m.hdr.type, ZP_ERROR, "answered %s", zp_type_name(m.hdr.type));
+	cr_assert_eq(m.u.error.code, code, "code %d for '%s' (%s)", m.u.error.code, text,
+	    m.u.error.message);
+	cr_assert(strstr(m.u.error.message, text) != NULL, "'%s' does not say '%s'",
+	    m.u.error.message, text);
+	cr_assert_not(itd_raw_recv(fd, &m, 5), "connection still open after '%s'", text);
+	close(fd);
+}
+
+void
+itd_fork_client(struct itd *d, void (*fn)(int report), double timeout_s, const char *who,
+    const char *what)
+{
+	struct pollfd pfd;
+	int p[2];
+	char byte;
+
+	cr_assert_eq(d->client, 0, "a client is still running");
+	cr_assert_eq(pipe(p), 0);
+	d->client = fork();
+	cr_assert_geq(d->client, 0);
+	if (d->client == 0) {
+		close(p[0]);
+		fn(p[1]);
+		_exit(1);
+	}
+	close(p[1]);
+	pfd = (struct pollfd){ .fd = p[0], .events = POLLIN };
+	cr_assert_eq(poll(&pfd, 1, (int)(timeout_s * 1000)), 1, "%s did not get to %s", who, what);
+	cr_assert_eq(read(p[0], &byte, 1), 1, "%s failed before it got to %s: %s", who, what,
+	    itd_log_text(d));
+	close(p[0]);
+}
+
+int
+itd_kill_client(struct itd *d, int *ret_status)
+{
+	pid_t pid = d->client;
+	int status;
+
+	if (pid <= 0)
+		return -ECHILD;
+	d->client = 0;
+	kill(pid, SIGKILL);
+	if (waitpid(pid, &status, 0) != pid)
+		return -errno;
+	if (ret_status != NULL)
+		*ret_status = status;
+	return 0;
 }
 
 uint64_t

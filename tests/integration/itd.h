@@ -16,6 +16,7 @@
 
 struct itd {
 	pid_t pid;		/* 0 when not running */
+	pid_t client;		/* from itd_fork_client; 0 when none */
 	char dir[64];
 	char socket[96];
 	char config[96];
@@ -30,7 +31,7 @@ void itd_start(struct itd *d, const char *config_text);
 int itd_stop(struct itd *d, double timeout_s);
 /* Waits (bounded) for a daemon that was told to exit; status as itd_stop. */
 int itd_wait(struct itd *d, double timeout_s);
-/* Kills a daemon still running, removes the temp dir.  Safe to call twice; for .fini. */
+/* Kills a client and a daemon still running, removes the temp dir.  Safe twice; for .fini. */
 void itd_cleanup(struct itd *d);
 /* The daemon's log so far (static buffer), for failure messages. */
 const char *itd_log_text(const struct itd *d);
@@ -44,7 +45,11 @@ int itd_run(const char *const *argv, char *out, size_t outlen, double timeout_s)
 
 /* libzclient connection; asserts it works. */
 struct zc_conn *itd_connect(const struct itd *d);
-/* A number from zc_stats_json by dotted path ("tiers.pinned.used_bytes"); asserts it exists. */
+/*
+ * A number from zc_stats_json by dotted path ("tiers.pinned.used_bytes"); a
+ * numeric part indexes an array ("tiers.nvme.paths.0.used_bytes",
+ * "jobs.1.nvme_bytes").  Asserts it exists.
+ */
 double itd_stat(struct zc_conn *c, const char *path);
 
 /* Raw SEQPACKET connection to the daemon, and synchronous raw messages over it. */
@@ -54,6 +59,25 @@ void itd_raw_send(int fd, uint16_t type, uint64_t request_id, const struct zp_ms
 bool itd_raw_recv(int fd, struct zp_msg *m, double timeout_s);
 /* HELLO and the HELLO_OK reply. */
 void itd_raw_hello(int fd);
+/* Expects ERROR(code) whose message says `text`, then the daemon closing; closes fd. */
+void itd_raw_expect_refusal(int fd, int code, const char *text);
+
+/*
+ * Forks a client process (d->client, one at a time) that runs fn(report),
+ * then _exit(1) should fn return.  fn writes one byte to report once it got
+ * where the test wants it; the parent waits for that at most timeout_s and
+ * asserts it came: "<who> did not get to <what>" on the timeout, "<who>
+ * failed before it got to <what>" with the daemon's log when the child
+ * closed the pipe.  itd_cleanup kills a client left running.
+ */
+void itd_fork_client(struct itd *d, void (*fn)(int report), double timeout_s, const char *who,
+    const char *what);
+/*
+ * SIGKILLs d->client and reaps it; d->client is 0 afterwards.  0 with the
+ * wait status in *ret_status (when not NULL); -ECHILD when there was none,
+ * -errno when waitpid failed.
+ */
+int itd_kill_client(struct itd *d, int *ret_status);
 
 double itd_now(void);
 

@@ -2,7 +2,6 @@
 #include <criterion/criterion.h>
 #include <errno.h>
 #include <math.h>
-#include <poll.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -15,16 +14,10 @@
 #include "msgio.h"
 
 static struct itd daemon_;
-static pid_t child;
 
 static void
 teardown(void)
 {
-	if (child > 0) {
-		kill(child, SIGKILL);
-		waitpid(child, NULL, 0);
-		child = 0;
-	}
 	itd_cleanup(&daemon_);
 }
 
@@ -45,20 +38,12 @@ expect_serving(void)
 static void
 expect_refused(const void *data, size_t len, bool hello_first, int code, const char *text)
 {
-	static struct zp_msg m;
 	int fd = itd_raw_connect(&daemon_);
 
 	if (hello_first)
 		itd_raw_hello(fd);
 	cr_assert_eq(zp_send_raw(fd, data, len, NULL, 0), 0);
-	cr_assert(itd_raw_recv(fd, &m, 5), "closed without an ERROR for '%s'", text);
-	cr_assert_eq(m.hdr.type, ZP_ERROR, "answered %s", zp_type_name(m.hdr.type));
-	cr_assert_eq(m.u.error.code, code, "code %d for '%s' (%s)", m.u.error.code, text,
-	    m.u.error.message);
-	cr_assert(strstr(m.u.error.message, text) != NULL, "'%s' does not say '%s'",
-	    m.u.error.message, text);
-	cr_assert_not(itd_raw_recv(fd, &m, 5), "connection still open after '%s'", text);
-	close(fd);
+	itd_raw_expect_refusal(fd, code, text);
 }
 
 static size_t
@@ -160,7 +145,7 @@ stat_u64(struct zc_conn *c, const char *path)
 
 /* Child: one rank with a 20M-parameter tensor, submits a step, tells the parent, waits to die. */
 static void
-victim(const char *socket, int report)
+victim(int report)
 {
 	struct zc_tensor_desc desc = { .name = "huge", .numel = 20u << 20, .grad_dtype = ZC_F32,
 		.param_dtype = ZC_BF16 };
@@ -171,8 +156,8 @@ victim(const char *socket, int report)
 	float *init = calloc(desc.numel, sizeof(float));
 	char ok = 'k';
 
-	if (init == NULL || zc_connect(socket, &c) < 0 || zc_job_open(c, "victim", 0, 1) < 0 ||
-	    zc_tensor_register(c, &desc, init, &t) < 0)
+	if (init == NULL || zc_connect(daemon_.socket, &c) < 0 ||
+	    zc_job_open(c, "victim", 0, 1) < 0 || zc_tensor_register(c, &desc, init, &t) < 0)
 		_exit(2);
 	memset(zc_tensor_grad_slot(t, NULL), 0x3c, desc.numel * sizeof(float));
 	if (zc_step_submit(c, &sp, &t, 1) < 0)
@@ -196,13 +181,11 @@ Test(faults, client_killed_mid_step)
 	struct zc_step_params sp = { .optim = ZC_ADAMW, .step = 1, .lr = 1e-3, .beta1 = 0.9,
 		.beta2 = 0.999, .eps = 1e-8 };
 	uint64_t pinned0, shm0, pinned, shm;
-	struct pollfd pfd;
 	struct zc_conn *c;
 	struct zc_tensor *t;
 	float init[1000], got[1000];
 	double deadline;
-	int p[2], status;
-	char byte;
+	int status;
 
 	itd_start(&daemon_, config);
 	c = itd_connect(&daemon_);
@@ -213,24 +196,11 @@ Test(faults, client_killed_mid_step)
 	pinned0 = stat_u64(c, "tiers.pinned.used_bytes");
 	shm0 = stat_u64(c, "tiers.shm.used_bytes");
 
-	cr_assert_eq(pipe(p), 0);
-	child = fork();
-	cr_assert_geq(child, 0);
-	if (child == 0) {
-		close(p[0]);
-		victim(daemon_.socket, p[1]);
-	}
-	close(p[1]);
-	pfd = (struct pollfd){ .fd = p[0], .events = POLLIN };
-	cr_assert_eq(poll(&pfd, 1, 30000), 1, "the victim did not get to submit");
-	cr_assert_eq(read(p[0], &byte, 1), 1, "the victim failed before submitting");
-	close(p[0]);
+	itd_fork_client(&daemon_, victim, 30, "the victim", "submit");
 	/* Its 20M parameters hold 240 MB of state: the step of it takes tens of ms. */
 	cr_assert_geq(stat_u64(c, "steps.in_flight"), 1, "the victim's step is not in flight");
 	cr_assert_gt(stat_u64(c, "tiers.pinned.used_bytes"), pinned0 + (200u << 20));
-	kill(child, SIGKILL);
-	cr_assert_eq(waitpid(child, &status, 0), child);
-	child = 0;
+	cr_assert_eq(itd_kill_client(&daemon_, &status), 0);
 	cr_assert(WIFSIGNALED(status) && WTERMSIG(status) == SIGKILL, "victim status 0x%x", status);
 
 	/* Memory comes back once the orphaned step is done. */

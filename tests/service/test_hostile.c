@@ -159,21 +159,13 @@ send_with_fds(int sock, const void *buf, size_t len, unsigned nfds)
 static void
 expect_dropped(const void *buf, size_t len, unsigned nfds, int code, const char *text)
 {
-	static struct zp_msg m;
 	int fd = itd_raw_connect(&daemon_);
 	int r;
 
 	itd_raw_hello(fd);
 	r = send_with_fds(fd, buf, len, nfds);
 	cr_assert_eq(r, 0, "sending %zu bytes with %u fds: %s", len, nfds, strerror(-r));
-	cr_assert(itd_raw_recv(fd, &m, 5), "closed without an ERROR for '%s'", text);
-	cr_assert_eq(m.hdr.type, ZP_ERROR, "answered %s", zp_type_name(m.hdr.type));
-	cr_assert_eq(m.u.error.code, code, "code %d for '%s' (%s)", m.u.error.code, text,
-	    m.u.error.message);
-	cr_assert(strstr(m.u.error.message, text) != NULL, "'%s' does not say '%s'",
-	    m.u.error.message, text);
-	cr_assert_not(itd_raw_recv(fd, &m, 5), "connection still open after '%s'", text);
-	close(fd);
+	itd_raw_expect_refusal(fd, code, text);
 }
 
 /* test_faults covers short, bad magic, bad type, bad length and one fd; these are the rest. */

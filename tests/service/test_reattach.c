@@ -2,27 +2,18 @@
 #include <cjson/cJSON.h>
 #include <criterion/criterion.h>
 #include <errno.h>
-#include <poll.h>
-#include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/wait.h>
 #include <unistd.h>
 
 #include "svc.h"
 
 static struct itd daemon_;
-static pid_t child;
 
 static void
 teardown(void)
 {
-	if (child > 0) {
-		kill(child, SIGKILL);
-		waitpid(child, NULL, 0);
-		child = 0;
-	}
 	itd_cleanup(&daemon_);
 }
 
@@ -223,14 +214,14 @@ Test(reattach, killed_rank_resumes_bit_identical)
 	struct zc_tensor *ref_ts[NT], *ts[NT];
 	struct snapshot want, got;
 	struct zc_conn *ref, *c;
-	char out[4096], byte;
+	char out[4096], doomed_step[16];
 	const char *drop_argv[] = { zoffctl_path(), "--socket", NULL, "drop", "crash", NULL };
 	const char *jobs_argv[] = { zoffctl_path(), "--socket", NULL, "jobs", NULL };
 	const cJSON *j;
 	cJSON *root;
 	double pinned0, v, deadline;
 	unsigned busy_retries = 0;
-	int p[2], status, r;
+	int r;
 
 	itd_start(&daemon_, config);
 	drop_argv[2] = jobs_argv[2] = daemon_.socket;
@@ -244,25 +235,9 @@ Test(reattach, killed_rank_resumes_bit_identical)
 	pinned0 = itd_stat(ref, "tiers.pinned.used_bytes");
 
 	/* The run that loses its process. */
-	cr_assert_eq(pipe(p), 0);
-	child = fork();
-	cr_assert_geq(child, 0);
-	if (child == 0) {
-		close(p[0]);
-		doomed_rank(p[1]);
-	}
-	close(p[1]);
-	{
-		struct pollfd pfd = { .fd = p[0], .events = POLLIN };
-
-		cr_assert_eq(poll(&pfd, 1, 60000), 1, "the doomed rank did not get to step %d",
-		    KILLED_AFTER + 1);
-	}
-	cr_assert_eq(read(p[0], &byte, 1), 1, "the doomed rank failed: %s", itd_log_text(&daemon_));
-	close(p[0]);
-	kill(child, SIGKILL);
-	cr_assert_eq(waitpid(child, &status, 0), child);
-	child = 0;
+	snprintf(doomed_step, sizeof(doomed_step), "step %d", KILLED_AFTER + 1);
+	itd_fork_client(&daemon_, doomed_rank, 60, "the doomed rank", doomed_step);
+	cr_assert_eq(itd_kill_client(&daemon_, NULL), 0);
 
 	/*
 	 * A new process of the same rank takes the state back, at once: the step
@@ -370,28 +345,11 @@ Test(reattach, successor_while_last_step_runs)
 	unsigned retries = 0;
 	double deadline;
 	float *init;
-	int p[2], r;
-	char byte;
+	int r;
 
 	itd_start(&daemon_, config);
-	cr_assert_eq(pipe(p), 0);
-	child = fork();
-	cr_assert_geq(child, 0);
-	if (child == 0) {
-		close(p[0]);
-		racer(p[1]);
-	}
-	close(p[1]);
-	{
-		struct pollfd pfd = { .fd = p[0], .events = POLLIN };
-
-		cr_assert_eq(poll(&pfd, 1, 60000), 1, "the racer did not get to submit");
-	}
-	cr_assert_eq(read(p[0], &byte, 1), 1, "the racer failed: %s", itd_log_text(&daemon_));
-	close(p[0]);
-	kill(child, SIGKILL);
-	waitpid(child, NULL, 0);
-	child = 0;
+	itd_fork_client(&daemon_, racer, 60, "the racer", "submit");
+	itd_kill_client(&daemon_, NULL);
 
 	c = itd_connect(&daemon_);
 	deadline = itd_now() + 10;

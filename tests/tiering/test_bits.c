@@ -78,8 +78,8 @@ wait_applied(struct th_job *j, uint64_t step)
 static void
 pinned_within_budget(struct zc_conn *c, const char *when)
 {
-	double used = th_stat(c, "tiers.pinned.used_bytes");
-	double budget = th_stat(c, "tiers.pinned.budget_bytes");
+	double used = itd_stat(c, "tiers.pinned.used_bytes");
+	double budget = itd_stat(c, "tiers.pinned.budget_bytes");
 
 	cr_assert_leq(used, budget, "%s: %.0f pinned bytes used, budget %.0f", when, used, budget);
 }
@@ -101,15 +101,15 @@ same_bits(enum zc_optim optim)
 		th_register(&jobs[i], &layout);
 	for (size_t k = 0; k < layout.count; k++)
 		state_bytes += 12.0 * (double)sizes[k];
-	cr_assert_geq(state_bytes, 4.0 * th_stat(jobs[1].c, "tiers.pinned.budget_bytes") * 0.99,
+	cr_assert_geq(state_bytes, 4.0 * itd_stat(jobs[1].c, "tiers.pinned.budget_bytes") * 0.99,
 	    "the layout is meant to be 4x the pinned budget");
 	pinned_within_budget(jobs[1].c, "after registration");
 	/* auto really split the job: some state pinned, most on NVMe; nvme put nothing pinned. */
-	cr_assert_gt(th_stat(jobs[1].c, "jobs.0.pinned_bytes"), 0);
-	cr_assert_gt(th_stat(jobs[1].c, "jobs.0.nvme_bytes"), 2 * th_stat(jobs[1].c,
+	cr_assert_gt(itd_stat(jobs[1].c, "jobs.0.pinned_bytes"), 0);
+	cr_assert_gt(itd_stat(jobs[1].c, "jobs.0.nvme_bytes"), 2 * itd_stat(jobs[1].c,
 	    "jobs.0.pinned_bytes"), "auto left most of the state pinned");
-	cr_assert_eq(th_stat(jobs[2].c, "jobs.1.pinned_bytes"), 0);
-	cr_assert_geq(th_stat(jobs[2].c, "jobs.1.nvme_bytes"), state_bytes);
+	cr_assert_eq(itd_stat(jobs[2].c, "jobs.1.pinned_bytes"), 0);
+	cr_assert_geq(itd_stat(jobs[2].c, "jobs.1.nvme_bytes"), state_bytes);
 
 	for (uint64_t step = 1; step <= STEPS; step++) {
 		struct zc_step_params p = th_params(optim, step);
@@ -132,16 +132,16 @@ same_bits(enum zc_optim optim)
 		th_assert_same(&snaps[i], &snaps[0], what);
 	}
 
-	cr_assert_gt(th_stat(jobs[1].c, "pipeline.tensor_steps_nvme"), 0);
-	cr_assert_gt(th_stat(jobs[1].c, "pipeline.tensor_steps_pinned"), 0);
-	cr_assert_gt(th_stat(jobs[1].c, "tiers.nvme.paths.0.used_bytes"), state_bytes);
+	cr_assert_gt(itd_stat(jobs[1].c, "pipeline.tensor_steps_nvme"), 0);
+	cr_assert_gt(itd_stat(jobs[1].c, "pipeline.tensor_steps_pinned"), 0);
+	cr_assert_gt(itd_stat(jobs[1].c, "tiers.nvme.paths.0.used_bytes"), state_bytes);
 	/* Every chunk of the nvme job alone is read and written once per step. */
-	cr_assert_geq(th_stat(jobs[1].c, "pipeline.bytes_read"), STEPS * state_bytes);
-	cr_assert_geq(th_stat(jobs[1].c, "pipeline.bytes_written"), STEPS * state_bytes);
-	cr_assert_eq(th_stat(jobs[1].c, "pipeline.io_errors"), 0);
-	cr_assert_eq(th_stat(jobs[1].c, "pipeline.staging_buffers"), 3);
+	cr_assert_geq(itd_stat(jobs[1].c, "pipeline.bytes_read"), STEPS * state_bytes);
+	cr_assert_geq(itd_stat(jobs[1].c, "pipeline.bytes_written"), STEPS * state_bytes);
+	cr_assert_eq(itd_stat(jobs[1].c, "pipeline.io_errors"), 0);
+	cr_assert_eq(itd_stat(jobs[1].c, "pipeline.staging_buffers"), 3);
 	pinned_within_budget(jobs[1].c, "after the steps");
-	cr_assert_eq(th_stat(jobs[0].c, "pipeline.tensor_steps_nvme"), 0);
+	cr_assert_eq(itd_stat(jobs[0].c, "pipeline.tensor_steps_nvme"), 0);
 	for (size_t i = 0; i < 3; i++)
 		th_snap_free(&snaps[i]);
 }
@@ -181,7 +181,7 @@ Test(bits, backward_order_sets)
 			    zc_errmsg(jobs[1].c));
 		}
 		if (step == 1)
-			cr_assert_geq(th_stat(jobs[1].c, "steps.in_flight"), 2,
+			cr_assert_geq(itd_stat(jobs[1].c, "steps.in_flight"), 2,
 			    "the sets did not overlap");
 		/* Waited in registration order, the opposite of submission. */
 		for (size_t k = 0; k < layout.count; k++) {

@@ -63,8 +63,8 @@ Test(errors, nvme_policy_without_swap_paths)
 	cr_assert_not_null(strstr(zc_errmsg(job.c), "no swap.paths"),
 	    "the message does not say why: %s", zc_errmsg(job.c));
 	cr_assert_not_null(strstr(zc_errmsg(job.c), "'w'"), "%s", zc_errmsg(job.c));
-	cr_assert_eq(th_stat(job.c, "tensors"), 0, "the failed tensor is still counted");
-	cr_assert_eq(th_stat(job.c, "tiers.shm.used_bytes"), 0);
+	cr_assert_eq(itd_stat(job.c, "tensors"), 0, "the failed tensor is still counted");
+	cr_assert_eq(itd_stat(job.c, "tiers.shm.used_bytes"), 0);
 }
 
 /* 4 MiB of swap: a 12 MiB tensor does not fit, whatever the policy; smaller ones still do. */
@@ -77,17 +77,17 @@ swap_full(enum zc_policy policy)
 
 	start_with_swap("4M", "\"pinned_budget\": \"1M\"");
 	th_job_open(&job, &daemon_, "full", policy, 0);
-	used0 = th_stat(job.c, "tiers.nvme.paths.0.used_bytes");
+	used0 = itd_stat(job.c, "tiers.nvme.paths.0.used_bytes");
 	r = try_register("big", 1u << 20, &t);
 	cr_assert_lt(r, 0, "12 MiB of state went into 4 MiB of swap");
 	cr_assert_not_null(strstr(zc_errmsg(job.c), swapdir),
 	    "the message does not name the swap path %s: %s", swapdir, zc_errmsg(job.c));
 	cr_assert_not_null(strstr(zc_errmsg(job.c), "'big'"), "%s", zc_errmsg(job.c));
-	cr_assert_eq(th_stat(job.c, "tiers.nvme.paths.0.used_bytes"), used0,
+	cr_assert_eq(itd_stat(job.c, "tiers.nvme.paths.0.used_bytes"), used0,
 	    "the failed tensor kept swap space");
-	cr_assert_eq(th_stat(job.c, "tiers.shm.used_bytes"), 0);
+	cr_assert_eq(itd_stat(job.c, "tiers.shm.used_bytes"), 0);
 	cr_assert_eq(try_register("small", 100003, &t), 0, "%s", zc_errmsg(job.c));
-	cr_assert_gt(th_stat(job.c, "jobs.0.nvme_bytes"), 0);
+	cr_assert_gt(itd_stat(job.c, "jobs.0.nvme_bytes"), 0);
 }
 
 Test(errors, swap_full_nvme)
@@ -125,7 +125,7 @@ Test(errors, nvme_reads_across_chunks)
 	start_with_swap("64M", "\"xfer_window\": \"100K\"");
 	th_job_open(&job, &daemon_, "xfer", ZC_POLICY_NVME, 0);
 	th_register(&job, &layout);
-	cr_assert_eq(th_stat(job.c, "jobs.0.pinned_bytes"), 0);
+	cr_assert_eq(itd_stat(job.c, "jobs.0.pinned_bytes"), 0);
 	for (size_t k = 0; k < 3; k++) {
 		size_t n = sizes[k];
 		float *init = malloc(n * sizeof(float)), *got = malloc(n * sizeof(float));
@@ -158,8 +158,8 @@ Test(errors, nvme_reads_across_chunks)
 		free(got);
 		free(zeros);
 	}
-	cr_assert_gt(th_stat(job.c, "pipeline.chunks_read"), 0);
-	cr_assert_eq(th_stat(job.c, "pipeline.io_errors"), 0);
+	cr_assert_gt(itd_stat(job.c, "pipeline.chunks_read"), 0);
+	cr_assert_eq(itd_stat(job.c, "pipeline.io_errors"), 0);
 }
 
 /*

@@ -1,6 +1,5 @@
 /* A client killed while its NVMe chunks are in flight gives back staging, swap and pinned memory. */
 #include <criterion/criterion.h>
-#include <poll.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -28,16 +27,10 @@ static const struct th_layout layout = { sizes, 3, ZC_BF16, ZC_BF16, false };
 static struct itd daemon_;
 static struct th_job ref, early, late;
 static char swapdir[64];
-static pid_t child;
 
 static void
 teardown(void)
 {
-	if (child > 0) {
-		kill(child, SIGKILL);
-		waitpid(child, NULL, 0);
-		child = 0;
-	}
 	th_job_close(&ref);
 	th_job_close(&early);
 	th_job_close(&late);
@@ -49,7 +42,7 @@ TestSuite(kill, .fini = teardown, .timeout = 60);
 
 /* Child: registers its NVMe tensors, submits one step, tells the parent, waits to die. */
 static void
-victim(const char *socket, int report)
+victim(int report)
 {
 	struct zc_job_options o = { .policy = ZC_POLICY_NVME };
 	struct zc_step_params sp = th_params(ZC_ADAMW, 1);
@@ -58,7 +51,7 @@ victim(const char *socket, int report)
 	struct zc_conn *c;
 	char ok = 'k';
 
-	if (init == NULL || zc_connect(socket, &c) < 0 ||
+	if (init == NULL || zc_connect(daemon_.socket, &c) < 0 ||
 	    zc_job_open_opts(c, "victim", 0, 1, &o) < 0)
 		_exit(2);
 	for (int k = 0; k < VICTIM_TENSORS; k++) {
@@ -90,10 +83,10 @@ static struct usage
 usage(struct zc_conn *c)
 {
 	return (struct usage){
-		.pinned = th_stat(c, "tiers.pinned.used_bytes"),
-		.nvme = th_stat(c, "tiers.nvme.paths.0.used_bytes"),
-		.shm = th_stat(c, "tiers.shm.used_bytes"),
-		.tensors = th_stat(c, "tensors"),
+		.pinned = itd_stat(c, "tiers.pinned.used_bytes"),
+		.nvme = itd_stat(c, "tiers.nvme.paths.0.used_bytes"),
+		.shm = itd_stat(c, "tiers.shm.used_bytes"),
+		.tensors = itd_stat(c, "tensors"),
 	};
 }
 
@@ -117,10 +110,9 @@ Test(kill, client_killed_mid_pipeline)
 	struct th_job *before[] = { &ref, &early }, *after[] = { &ref, &early, &late };
 	struct th_snap want, got;
 	struct usage u0, u;
-	struct pollfd pfd;
-	char config[512], byte;
+	char config[512];
 	double deadline, in_flight, nvme_steps0;
-	int p[2], status;
+	int status;
 
 	th_swapdir(swapdir, sizeof(swapdir));
 	snprintf(config, sizeof(config), CONFIG, swapdir);
@@ -131,37 +123,23 @@ Test(kill, client_killed_mid_pipeline)
 	th_register(&early, &layout);
 	step_jobs(before, 2, 1);
 	u0 = usage(ref.c);
-	nvme_steps0 = th_stat(ref.c, "pipeline.tensor_steps_nvme");
+	nvme_steps0 = itd_stat(ref.c, "pipeline.tensor_steps_nvme");
 
-	cr_assert_eq(pipe(p), 0);
-	child = fork();
-	cr_assert_geq(child, 0);
-	if (child == 0) {
-		close(p[0]);
-		victim(daemon_.socket, p[1]);
-	}
-	close(p[1]);
-	pfd = (struct pollfd){ .fd = p[0], .events = POLLIN };
-	cr_assert_eq(poll(&pfd, 1, 30000), 1, "the victim did not get to submit");
-	cr_assert_eq(read(p[0], &byte, 1), 1, "the victim failed before submitting: %s",
-	    itd_log_text(&daemon_));
-	close(p[0]);
-	in_flight = th_stat(ref.c, "steps.in_flight");
+	itd_fork_client(&daemon_, victim, 30, "the victim", "submit");
+	in_flight = itd_stat(ref.c, "steps.in_flight");
 	u = usage(ref.c);
 	cr_assert_geq(in_flight, 1, "the victim's step is not in flight");
 	cr_assert_geq(u.nvme, u0.nvme + VICTIM_TENSORS * 12.0 * VICTIM_NUMEL);
-	cr_assert_lt(th_stat(ref.c, "pipeline.tensor_steps_nvme"), nvme_steps0 + VICTIM_TENSORS,
+	cr_assert_lt(itd_stat(ref.c, "pipeline.tensor_steps_nvme"), nvme_steps0 + VICTIM_TENSORS,
 	    "the victim's step finished before the kill");
-	kill(child, SIGKILL);
-	cr_assert_eq(waitpid(child, &status, 0), child);
-	child = 0;
+	cr_assert_eq(itd_kill_client(&daemon_, &status), 0);
 	cr_assert(WIFSIGNALED(status) && WTERMSIG(status) == SIGKILL, "victim status 0x%x", status);
 
 	/* Everything comes back once the orphaned chunks have landed. */
 	deadline = itd_now() + 10;
 	do {
 		u = usage(ref.c);
-		in_flight = th_stat(ref.c, "steps.in_flight");
+		in_flight = itd_stat(ref.c, "steps.in_flight");
 		if (in_flight == 0 && u.pinned == u0.pinned && u.nvme == u0.nvme && u.shm == u0.shm &&
 		    u.tensors == u0.tensors)
 			break;
@@ -174,8 +152,8 @@ Test(kill, client_killed_mid_pipeline)
 	    u.pinned, u0.pinned);
 	cr_assert_eq(u.shm, u0.shm, "shm: %.0f bytes used, %.0f before", u.shm, u0.shm);
 	cr_assert_eq(u.tensors, u0.tensors);
-	cr_assert_eq(th_stat(ref.c, "tiers.nvme.in_flight"), 0);
-	cr_assert_eq(th_stat(ref.c, "pipeline.io_errors"), 0);
+	cr_assert_eq(itd_stat(ref.c, "tiers.nvme.in_flight"), 0);
+	cr_assert_eq(itd_stat(ref.c, "pipeline.io_errors"), 0);
 
 	/*
 	 * The others go on: a job registered before and one registered after

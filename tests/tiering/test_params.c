@@ -87,14 +87,14 @@ static struct pstats
 pstats(struct zc_conn *c)
 {
 	return (struct pstats){
-		.fetches = th_stat(c, "pipeline.params.fetches"),
-		.hits = th_stat(c, "pipeline.params.hits"),
-		.misses = th_stat(c, "pipeline.params.misses"),
-		.staged = th_stat(c, "pipeline.params.bytes_staged"),
-		.releases = th_stat(c, "pipeline.params.releases"),
-		.written_back = th_stat(c, "pipeline.params.bytes_written_back"),
-		.shm = th_stat(c, "tiers.shm.used_bytes"),
-		.nvme_read = th_stat(c, "tiers.nvme.paths.0.read_bytes"),
+		.fetches = itd_stat(c, "pipeline.params.fetches"),
+		.hits = itd_stat(c, "pipeline.params.hits"),
+		.misses = itd_stat(c, "pipeline.params.misses"),
+		.staged = itd_stat(c, "pipeline.params.bytes_staged"),
+		.releases = itd_stat(c, "pipeline.params.releases"),
+		.written_back = itd_stat(c, "pipeline.params.bytes_written_back"),
+		.shm = itd_stat(c, "tiers.shm.used_bytes"),
+		.nvme_read = itd_stat(c, "tiers.nvme.paths.0.read_bytes"),
 	};
 }
 
@@ -169,7 +169,7 @@ Test(params, release_prefetch_wait_and_step)
 		cr_assert_eq(zc_param_prefetch(off[i]->c, off[i]->t, NT), 0, "%s",
 		    zc_errmsg(off[i]->c));
 	deadline = itd_now() + 10;
-	while (th_stat(ref.c, "pipeline.params.bytes_staged") < s1.staged + 2 * store_bytes()) {
+	while (itd_stat(ref.c, "pipeline.params.bytes_staged") < s1.staged + 2 * store_bytes()) {
 		cr_assert_lt(itd_now(), deadline, "the prefetch did not complete");
 		usleep(10000);
 	}

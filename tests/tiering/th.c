@@ -1,5 +1,4 @@
-/* Tiering-test helpers on itd: a swap directory per test, stats with array indices, tensors and snapshots. */
-#include <cjson/cJSON.h>
+/* Tiering-test helpers on itd: a swap directory per test, tensors and snapshots. */
 #include <criterion/criterion.h>
 #include <errno.h>
 #include <stdio.h>
@@ -22,37 +21,6 @@ th_swapdir_remove(const char *dir)
 	/* The engine's files there are O_TMPFILE: gone with the daemon, so the dir is empty. */
 	if (dir[0] != '\0')
 		(void)rmdir(dir);
-}
-
-double
-th_stat(struct zc_conn *c, const char *path)
-{
-	char *json = NULL, key[160], *save = NULL, *end;
-	const cJSON *cur;
-	cJSON *root;
-	double v;
-	int r;
-
-	r = zc_stats_json(c, &json);
-	cr_assert_eq(r, 0, "zc_stats_json: %s", zc_errmsg(c));
-	root = cJSON_Parse(json);
-	cr_assert_not_null(root, "stats are not JSON: %s", json);
-	snprintf(key, sizeof(key), "%s", path);
-	cur = root;
-	for (char *k = strtok_r(key, ".", &save); k != NULL && cur != NULL;
-	    k = strtok_r(NULL, ".", &save)) {
-		long i = strtol(k, &end, 10);
-
-		if (*end == '\0' && cJSON_IsArray(cur))
-			cur = cJSON_GetArrayItem(cur, (int)i);
-		else
-			cur = cJSON_GetObjectItemCaseSensitive(cur, k);
-	}
-	cr_assert(cJSON_IsNumber(cur), "stats have no number at %s: %s", path, json);
-	v = cur->valuedouble;
-	cJSON_Delete(root);
-	free(json);
-	return v;
 }
 
 void

@@ -1,4 +1,4 @@
-/* Tiering-test helpers on itd: a swap directory per test, stats with array indices, tensors and snapshots. */
+/* Tiering-test helpers on itd: a swap directory per test, tensors and snapshots. */
 #ifndef TH_H
 #define TH_H
 
@@ -36,12 +36,6 @@ struct th_snap {
 /* mkdtemp under /tmp (ext4: O_DIRECT and io_uring work there); th_swapdir_remove at the end. */
 void th_swapdir(char *dir, size_t len);
 void th_swapdir_remove(const char *dir);
-
-/*
- * A number in the stats JSON by dotted path; a component that is a number
- * indexes an array ("tiers.nvme.paths.0.used_bytes", "jobs.1.nvme_bytes").
- */
-double th_stat(struct zc_conn *c, const char *path);
 
 /* Connects and opens a job with a policy and a pinned budget (0: the daemon's). */
 void th_job_open(struct th_job *j, const struct itd *d, const char *name,
