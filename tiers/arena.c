@@ -12,6 +12,7 @@
 
 /* Below this, transparent hugepages waste more than they save. */
 #define HUGEPAGE_MIN (4u << 20)
+#define HUGEPAGE_SIZE ((size_t)2 << 20)
 
 struct zt_arena {
 	struct zt_arena_config config;
@@ -61,6 +62,33 @@ round_up(size_t size, size_t align)
 	return (size + align - 1) / align * align;
 }
 
+/*
+ * Large allocations start on a 2 MiB boundary so that transparent hugepages
+ * can back all of them: a 1 MiB O_DIRECT transfer from 4 KiB pages needs 256
+ * segments, more than some queues take (virtio-blk: 254), and is split.
+ */
+static void *
+map_aligned(size_t size, bool huge)
+{
+	size_t span = huge ? size + HUGEPAGE_SIZE : size;
+	uintptr_t start, aligned;
+	char *p;
+
+	p = mmap(NULL, span, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+	if (p == MAP_FAILED)
+		return NULL;
+	if (!huge)
+		return p;
+	start = (uintptr_t)p;
+	aligned = (start + HUGEPAGE_SIZE - 1) & ~(uintptr_t)(HUGEPAGE_SIZE - 1);
+	if (aligned > start)
+		munmap(p, aligned - start);
+	if (start + span > aligned + size)
+		munmap((char *)aligned + size, start + span - (aligned + size));
+	(void)madvise((void *)aligned, size, MADV_HUGEPAGE);
+	return (void *)aligned;
+}
+
 int
 zt_arena_alloc(struct zt_arena *arena, size_t size, void **ret, bool *ret_pinned)
 {
@@ -73,11 +101,9 @@ zt_arena_alloc(struct zt_arena *arena, size_t size, void **ret, bool *ret_pinned
 	if (arena->used_bytes + size > arena->config.budget_bytes)
 		return -ENOSPC;
 
-	p = mmap(NULL, size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-	if (p == MAP_FAILED)
+	p = map_aligned(size, arena->config.hugepages && size >= HUGEPAGE_MIN);
+	if (p == NULL)
 		return -errno;
-	if (arena->config.hugepages && size >= HUGEPAGE_MIN)
-		(void)madvise(p, size, MADV_HUGEPAGE);
 	if (arena->config.numa_node >= 0) {
 		unsigned long mask = 1ul << arena->config.numa_node;
 
