@@ -91,7 +91,7 @@ __global__ void adamw(float *master, float *m, float *v, const uint16_t *grad, u
 	uint64_t stride = (uint64_t)gridDim.x * blockDim.x;
 
 	for (uint64_t i = (uint64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride) {
-		float g = __fmul_rn(__fmul_rn(zkc_bf16_to_f32(grad[i]), c.inv_scale), c.clip);
+		float g = __fmul_rn(__fmul_rn(zk__bf16_to_f32(grad[i]), c.inv_scale), c.clip);
 		float p = __fmul_rn(master[i], c.decay), mi, vi, d;
 
 		if (c.lerp_small)
@@ -104,7 +104,7 @@ __global__ void adamw(float *master, float *m, float *v, const uint16_t *grad, u
 		m[i] = mi;
 		v[i] = vi;
 		master[i] = p;
-		param[i] = zkc_f32_to_bf16(p);
+		param[i] = zk__f32_to_bf16(p);
 	}
 }
 
