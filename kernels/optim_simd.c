@@ -177,23 +177,33 @@ static size_t nt_head(const void *param, size_t esize)
 	return ((align - a % align) % align) / esize;
 }
 
+/*
+ * Elements [b, b + head) go before the streaming stores line up; *nt says
+ * whether the param output can be streamed at all.
+ */
+ZK_INLINE size_t nt_split(int pdt, char *param, size_t ps, size_t b, size_t e, bool *nt)
+{
+	size_t head = 0;
+
+	*nt = false;
+	if (pdt != ZK_NO_PARAM) {
+		head = nt_head(param + b * ps, ps);
+		*nt = head != SIZE_MAX;
+		if (!*nt)
+			head = 0;
+	}
+	return head > e - b ? e - b : head;
+}
+
 ZK_INLINE void run(const struct vconsts *k, int optim, int gdt, int pdt,
     const struct zk_tensor *t, size_t b, size_t e)
 {
 	size_t gs = dsize(gdt), ps = dsize(pdt);
 	const char *g = t->grad;
 	char *param = t->param;
-	size_t i = b, head = 0;
-	bool nt = false, adam = optim == ZK_OPTIM_ADAMW || optim == ZK_OPTIM_ADAM;
-
-	if (pdt != ZK_NO_PARAM) {
-		head = nt_head(param + b * ps, ps);
-		nt = head != SIZE_MAX;
-		if (!nt)
-			head = 0;
-	}
-	if (head > e - b)
-		head = e - b;
+	size_t i = b;
+	bool nt, adam = optim == ZK_OPTIM_ADAMW || optim == ZK_OPTIM_ADAM;
+	size_t head = nt_split(pdt, param, ps, b, e, &nt);
 	if (head) {
 		padded(k, optim, gdt, pdt, t, i, head);
 		i += head;
@@ -352,17 +362,9 @@ ZK_INLINE void mem_run(int gdt, int pdt, const struct zk_tensor *t, size_t b, si
 	size_t gs = dsize(gdt), ps = dsize(pdt);
 	const char *g = t->grad;
 	char *param = t->param;
-	size_t i = b, head = 0;
-	bool nt = false;
-
-	if (pdt != ZK_NO_PARAM) {
-		head = nt_head(param + b * ps, ps);
-		nt = head != SIZE_MAX;
-		if (!nt)
-			head = 0;
-	}
-	if (head > e - b)
-		head = e - b;
+	size_t i = b;
+	bool nt;
+	size_t head = nt_split(pdt, param, ps, b, e, &nt);
 	/* Head and tail are a few elements: the scalar probe does them. */
 	if (head) {
 		zk_memonly_scalar(t, i, i + head);
