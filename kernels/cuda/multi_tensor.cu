@@ -95,6 +95,29 @@ static unsigned grid_x(int count, uint64_t most)
 	return (unsigned)(want ? want : 1);
 }
 
+/*
+ * Up to MT_MAX non-empty tensors from *done on into l, each with its start
+ * in the flat buffer (*offset advances past them); returns the largest numel.
+ * Empty tensors take no slot: a block of them would only add zeros.
+ */
+static uint64_t fill_list(struct mt_list *l, void *const *ptrs, const uint64_t *numel,
+    size_t n, size_t *done, uint64_t *offset)
+{
+	uint64_t most = 0;
+
+	for (; *done < n && l->n < MT_MAX; (*done)++) {
+		if (numel[*done] == 0)
+			continue;
+		l->ptr[l->n] = ptrs[*done];
+		l->numel[l->n] = numel[*done];
+		l->offset[l->n] = *offset;
+		*offset += numel[*done];
+		most = numel[*done] > most ? numel[*done] : most;
+		l->n++;
+	}
+	return most;
+}
+
 int zkc_unscale_norm(void *const *grads, const uint64_t *numel, size_t n, enum zk_dtype dtype,
     float inv_scale, bool write_back, struct zkc_grad_stats *stats, cudaStream_t stream)
 {
@@ -105,19 +128,12 @@ int zkc_unscale_norm(void *const *grads, const uint64_t *numel, size_t n, enum z
 	for (size_t i = 0; i < n; i++)
 		if (numel[i] > 0 && grads[i] == NULL)
 			return -EINVAL;
+	uint64_t offset = 0;
+
 	for (size_t done = 0; done < n;) {
 		struct mt_list l = {};
-		uint64_t most = 0;
+		uint64_t most = fill_list(&l, grads, numel, n, &done, &offset);
 
-		/* Empty tensors take no slot: a block of them would only add zeros. */
-		for (; done < n && l.n < MT_MAX; done++) {
-			if (numel[done] == 0)
-				continue;
-			l.ptr[l.n] = grads[done];
-			l.numel[l.n] = numel[done];
-			most = numel[done] > most ? numel[done] : most;
-			l.n++;
-		}
 		if (l.n == 0)
 			break;
 		unscale_norm_kernel<<<dim3(grid_x(l.n, most), (unsigned)l.n), MT_THREADS, 0,
@@ -143,18 +159,8 @@ static int flatten_common(void *flat, void *const *ptrs, const uint64_t *numel, 
 			return -EINVAL;
 	for (size_t done = 0; done < n;) {
 		struct mt_list l = {};
-		uint64_t most = 0;
+		uint64_t most = fill_list(&l, ptrs, numel, n, &done, &offset);
 
-		for (; done < n && l.n < MT_MAX; done++) {
-			if (numel[done] == 0)
-				continue;
-			l.ptr[l.n] = ptrs[done];
-			l.numel[l.n] = numel[done];
-			l.offset[l.n] = offset;
-			offset += numel[done];
-			most = numel[done] > most ? numel[done] : most;
-			l.n++;
-		}
 		if (l.n == 0)
 			break;
 		dim3 grid(grid_x(l.n, most), (unsigned)l.n);
