@@ -705,6 +705,33 @@ zc_tensor_read(struct zc_tensor *t, enum zc_state which, uint64_t offset, uint64
 }
 
 int
+zc_tensor_write(struct zc_tensor *t, enum zc_state which, uint64_t offset, uint64_t count,
+    const float *src)
+{
+	if ((unsigned)which > ZC_STATE_EXP_AVG_SQ)
+		return seterr(t->conn, -EINVAL, "unknown state %d", (int)which);
+	/* tensor_copy only reads from data on a write. */
+	return tensor_copy(t, ZP_TENSOR_WRITE, which, offset, count, (float *)(uintptr_t)src);
+}
+
+int
+zc_tensor_set_step(struct zc_tensor *t, uint64_t step)
+{
+	struct zp_msg m = { .hdr = { .type = ZP_TENSOR_SET_STEP } };
+	int r;
+
+	if (t->pending)
+		return seterr(t->conn, -EBUSY, "tensor is in a step; wait for it first");
+	m.u.tensor_step.handle = t->handle;
+	m.u.tensor_step.step = step;
+	r = rpc(t->conn, &m, ZP_OK, NULL);
+	if (r < 0)
+		return r;
+	t->last_step = step;
+	return 0;
+}
+
+int
 zc_step_submit(struct zc_conn *c, const struct zc_step_params *p,
     struct zc_tensor *const *tensors, size_t ntensors)
 {

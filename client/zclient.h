@@ -105,6 +105,16 @@ ZC_API void zc_tensor_set_release_hook(struct zc_tensor *tensor, zc_release_fn *
 ZC_API int zc_tensor_read(struct zc_tensor *tensor, enum zc_state which, uint64_t offset,
     uint64_t count, float *dst);
 
+/*
+ * Write count fp32 values of master weights or moments starting at offset
+ * (loading saved state; master also refreshes the param slot), then say with
+ * zc_tensor_set_step which step that state is at: the next step submitted
+ * must be above it.
+ */
+ZC_API int zc_tensor_write(struct zc_tensor *tensor, enum zc_state which, uint64_t offset,
+    uint64_t count, const float *src);
+ZC_API int zc_tensor_set_step(struct zc_tensor *tensor, uint64_t step);
+
 struct zc_step_params {
 	enum zc_optim optim;
 	uint64_t step;			/* 1-based; PyTorch's state['step'] after its increment */

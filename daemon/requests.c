@@ -122,6 +122,25 @@ handle_tensor_unregister(struct zd_session *s, const struct zp_msg *msg)
 	reply_ok(s, msg->hdr.request_id);
 }
 
+/*
+ * A client that wrote back saved state says which step it is at; steps at or below it are
+ * refused from then on, as for state the daemon stepped itself.  The job's last step only
+ * rises: other ranks may be further on.
+ */
+static void
+handle_tensor_set_step(struct zd_session *s, const struct zp_msg *msg)
+{
+	const struct zp_tensor_step *req = &msg->u.tensor_step;
+	struct zd_tensor *t = find_tensor(s, msg->hdr.request_id, req->handle);
+
+	if (t == NULL)
+		return;
+	t->last_step = req->step;
+	if (t->job != NULL && req->step > t->job->last_step)
+		t->job->last_step = req->step;
+	reply_ok(s, msg->hdr.request_id);
+}
+
 static void
 handle_xfer_open(struct zd_session *s, const struct zp_msg *msg)
 {
@@ -252,6 +271,9 @@ zd_handle_request(struct zd_session *s, const struct zp_msg *msg)
 		break;
 	case ZP_TENSOR_UNREGISTER:
 		handle_tensor_unregister(s, msg);
+		break;
+	case ZP_TENSOR_SET_STEP:
+		handle_tensor_set_step(s, msg);
 		break;
 	case ZP_XFER_OPEN:
 		handle_xfer_open(s, msg);

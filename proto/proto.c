@@ -286,6 +286,10 @@ encode_payload(const struct zp_msg *m, struct wbuf *w)
 	case ZP_TENSOR_UNREGISTER:
 		put_u32(w, m->u.tensor_handle.handle);
 		break;
+	case ZP_TENSOR_SET_STEP:
+		put_u32(w, m->u.tensor_step.handle);
+		put_u64(w, m->u.tensor_step.step);
+		break;
 	case ZP_TENSOR_WRITE:
 	case ZP_TENSOR_READ:
 		put_u32(w, m->u.tensor_io.handle);
@@ -441,6 +445,10 @@ decode_payload(struct rbuf *r, struct zp_msg *m)
 		break;
 	case ZP_TENSOR_UNREGISTER:
 		m->u.tensor_handle.handle = get_u32(r, "handle");
+		break;
+	case ZP_TENSOR_SET_STEP:
+		m->u.tensor_step.handle = get_u32(r, "handle");
+		m->u.tensor_step.step = get_u64(r, "step");
 		break;
 	case ZP_TENSOR_WRITE:
 	case ZP_TENSOR_READ: {

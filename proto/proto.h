@@ -47,6 +47,7 @@
 	X(JOB_DROP, 13)							\
 	X(PARAM_FETCH, 14)						\
 	X(PARAM_RELEASE, 15)						\
+	X(TENSOR_SET_STEP, 16)						\
 	X(OK, 64)							\
 	X(ERROR, 65)							\
 	X(HELLO_OK, 66)							\
@@ -139,6 +140,11 @@ struct zp_handles { uint32_t count; uint32_t handles[ZP_MAX_STEP_TENSORS]; };
 struct zp_param_ready { uint32_t handle; int32_t error; };
 /* TENSOR_UNREGISTER: u32 handle */
 struct zp_tensor_handle { uint32_t handle; };
+/*
+ * TENSOR_SET_STEP: u32 handle, u64 step: the step the tensor's state is at, after a client
+ * wrote state it saved (load of a checkpoint); the next step submitted must be above it.
+ */
+struct zp_tensor_step { uint32_t handle; uint64_t step; };
 /* TENSOR_WRITE / TENSOR_READ: u32 handle, u8 state, u64 offset, u64 count (fp32 elements via the xfer window) */
 struct zp_tensor_io { uint32_t handle; uint8_t state; uint64_t offset; uint64_t count; };
 /*
@@ -198,6 +204,7 @@ struct zp_msg {
 		struct zp_handles handles;
 		struct zp_param_ready param_ready;
 		struct zp_tensor_io tensor_io;
+		struct zp_tensor_step tensor_step;
 		struct zp_step_submit step_submit;
 		struct zp_error error;
 		struct zp_hello_ok hello_ok;

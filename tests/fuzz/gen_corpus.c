@@ -35,6 +35,9 @@ fill(struct zp_msg *m)
 	case ZP_TENSOR_UNREGISTER:
 		m->u.tensor_handle.handle = 7;
 		break;
+	case ZP_TENSOR_SET_STEP:
+		m->u.tensor_step = (struct zp_tensor_step){ .handle = 7, .step = 120 };
+		break;
 	case ZP_PARAM_FETCH:
 	case ZP_PARAM_RELEASE:
 		m->u.handles.count = 3;

@@ -262,6 +262,14 @@ Test(codec, round_trip_tensor_unregister)
 	cr_assert_eq(out.u.tensor_handle.handle, 0xdeadbeef);
 }
 
+Test(codec, round_trip_tensor_set_step)
+{
+	in.u.tensor_step = (struct zp_tensor_step){ .handle = 0x01020304, .step = 1ull << 40 };
+	round_trip(ZP_TENSOR_SET_STEP, 12);
+	cr_assert_eq(out.u.tensor_step.handle, 0x01020304);
+	cr_assert_eq(out.u.tensor_step.step, 1ull << 40);
+}
+
 Test(codec, round_trip_tensor_io)
 {
 	static const uint16_t types[] = { ZP_TENSOR_WRITE, ZP_TENSOR_READ };
