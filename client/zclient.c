@@ -11,8 +11,8 @@
 #include <unistd.h>
 
 #include "build_config.h"
+#include "convert.h"
 #include "msgio.h"
-#include "optim.h"
 #include "zclient.h"
 
 struct pending_set {
@@ -88,6 +88,16 @@ now_ns(void)
 
 	clock_gettime(CLOCK_MONOTONIC, &ts);
 	return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+}
+
+/*
+ * Bytes per element.  Local, with the header-only converters below, so that
+ * libzclient links no part of the kernel library (tests/client checks it).
+ */
+static size_t
+dtype_size(enum zc_dtype dtype)
+{
+	return dtype == ZC_F32 ? 4 : 2;
 }
 
 static struct zc_tensor *
@@ -593,8 +603,8 @@ zc_tensor_register(struct zc_conn *c, const struct zc_tensor_desc *desc, const f
 	t->last_step = c->msg->u.tensor_ok.last_step;
 	t->param_offload = desc->param_offload;
 	resumed = c->msg->u.tensor_ok.resumed != 0;
-	if (t->grad_bytes != desc->numel * zk_dtype_size((enum zk_dtype)desc->grad_dtype) ||
-	    t->param_bytes != desc->numel * zk_dtype_size((enum zk_dtype)desc->param_dtype)) {
+	if (t->grad_bytes != desc->numel * dtype_size(desc->grad_dtype) ||
+	    t->param_bytes != desc->numel * dtype_size(desc->param_dtype)) {
 		r = seterr(c, -EBADMSG, "zoffloadd sized the slots of '%s' wrongly", desc->name);
 		goto fail_tensor;
 	}
@@ -1015,23 +1025,23 @@ zc_jobs_json(struct zc_conn *c, char **ret)
 uint16_t
 zc_f32_to_bf16(float f)
 {
-	return zk_f32_to_bf16(f);
+	return zk__f32_to_bf16(f);
 }
 
 float
 zc_bf16_to_f32(uint16_t h)
 {
-	return zk_bf16_to_f32(h);
+	return zk__bf16_to_f32(h);
 }
 
 uint16_t
 zc_f32_to_f16(float f)
 {
-	return zk_f32_to_f16(f);
+	return zk__f32_to_f16(f);
 }
 
 float
 zc_f16_to_f32(uint16_t h)
 {
-	return zk_f16_to_f32(h);
+	return zk__f16_to_f32(h);
 }
