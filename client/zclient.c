@@ -904,6 +904,16 @@ zc_param_prefetch(struct zc_conn *c, struct zc_tensor *const *tensors, size_t n)
 		m->u.handles.handles[m->u.handles.count++] = tensors[i]->handle;
 	}
 	r = m->u.handles.count > 0 ? send_msg(c, m) : 0;
+	/*
+	 * Not sent: no READY will come, and a tensor left fetching would have
+	 * zc_param_wait wait for it forever.
+	 */
+	for (uint32_t i = 0; r < 0 && i < m->u.handles.count; i++) {
+		struct zc_tensor *t = tensor_by_handle(c, m->u.handles.handles[i]);
+
+		if (t != NULL && t->param_state == PARAM_FETCHING)
+			t->param_state = PARAM_RELEASED;
+	}
 	free(m);
 	return r;
 }
