@@ -1,5 +1,7 @@
 /* libzclient: a training process's connection to zoffloadd. */
 #include <errno.h>
+#include <limits.h>
+#include <poll.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -37,12 +39,25 @@ struct zc_tensor {
 	bool param_offload;
 	enum { PARAM_RESIDENT, PARAM_RELEASED, PARAM_FETCHING } param_state;
 	int param_error;
+	bool param_missed;		/* counted as a miss by a wait that has not ended */
 	zc_release_fn *release;		/* see zc_tensor_set_release_hook */
 	void *release_arg;
 };
 
+/*
+ * The socket is non-blocking: every wait is a poll() bounded by a deadline,
+ * so that each blocking call can have a timeout (zc_set_timeout, the
+ * *_timeout waits) and the descriptor can be polled by the caller.
+ */
 struct zc_conn {
 	int fd;
+	int timeout_ms;			/* per request and reply; < 0: none */
+	/*
+	 * Non-zero: a request of this type got no answer in time and may still
+	 * be carried out; what the daemon holds for this connection is unknown,
+	 * so no more requests go out.  Waits for steps and params still work.
+	 */
+	uint16_t broken_by;
 	uint64_t next_id;
 	char err[ZP_ERRMSG_MAX + 128];
 	uint8_t *buf;
@@ -81,6 +96,22 @@ zc_errmsg(const struct zc_conn *conn)
 	return conn->err[0] != '\0' ? conn->err : "no error";
 }
 
+int
+zc_conn_fd(const struct zc_conn *conn)
+{
+	return conn->fd;
+}
+
+int
+zc_set_timeout(struct zc_conn *c, int timeout_ms)
+{
+	if (timeout_ms == 0)
+		return seterr(c, -EINVAL, "a timeout of 0 ms would let no request through; "
+		    "use -1 for none");
+	c->timeout_ms = timeout_ms < 0 ? -1 : timeout_ms;
+	return 0;
+}
+
 static uint64_t
 now_ns(void)
 {
@@ -88,6 +119,46 @@ now_ns(void)
 
 	clock_gettime(CLOCK_MONOTONIC, &ts);
 	return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+}
+
+/* Deadlines are CLOCK_MONOTONIC nanoseconds; these two are special. */
+#define NO_WAIT		0		/* take what has arrived, never block */
+#define NO_DEADLINE	UINT64_MAX
+
+/* timeout_ms < 0: none, 0: no waiting. */
+static uint64_t
+deadline_after(int timeout_ms)
+{
+	if (timeout_ms < 0)
+		return NO_DEADLINE;
+	if (timeout_ms == 0)
+		return NO_WAIT;
+	return now_ns() + (uint64_t)timeout_ms * 1000000u;
+}
+
+/* Waits until fd has `events` (or an error to report) or the deadline passes. */
+static int
+await_fd(int fd, short events, uint64_t deadline)
+{
+	for (;;) {
+		struct pollfd p = { .fd = fd, .events = events };
+		int ms = -1, n;
+
+		if (deadline != NO_DEADLINE) {
+			uint64_t now = now_ns(), left;
+
+			if (now >= deadline)
+				return -ETIMEDOUT;
+			left = (deadline - now + 999999u) / 1000000u;
+			ms = left > INT_MAX ? INT_MAX : (int)left;
+		}
+		n = poll(&p, 1, ms);
+		/* POLLHUP and POLLERR too: the recv or send that follows says what happened. */
+		if (n > 0)
+			return 0;
+		if (n < 0 && errno != EINTR)
+			return -errno;
+	}
 }
 
 /*
@@ -150,26 +221,39 @@ is_pending_set(const struct zc_conn *c, uint64_t request_id)
 }
 
 /*
- * Reads one message.  Events are applied here; a reply is left in c->msg
- * and 1 returned.  fds receives a reply's descriptors.
+ * Reads one message, waiting for it until the deadline (-ETIMEDOUT after,
+ * with no message set: the caller knows what was awaited).  Events are
+ * applied here and 0 returned; a reply is left in c->msg and 1 returned.
+ * fds receives a reply's descriptors.
  */
 static int
-recv_one(struct zc_conn *c, int *fds, unsigned *nfds, int flags)
+recv_one(struct zc_conn *c, int *fds, unsigned *nfds, uint64_t deadline)
 {
 	struct zp_msg *m = c->msg;
 	char why[256];
 	ssize_t n;
+	int r;
 
-	n = zp_recv_raw(c->fd, c->buf, ZP_MAX_MESSAGE, fds, ZP_MAX_FDS, nfds, flags);
-	/*
-	 * A daemon that closes with our request unread makes the kernel report
-	 * ECONNRESET once, ahead of what it sent last (the ERROR saying why).
-	 */
-	if (n == -ECONNRESET)
+	*nfds = 0;
+	for (;;) {
 		n = zp_recv_raw(c->fd, c->buf, ZP_MAX_MESSAGE, fds, ZP_MAX_FDS, nfds,
 		    MSG_DONTWAIT);
-	if (n == -EAGAIN)
-		return 0;
+		/*
+		 * A daemon that closes with our request unread makes the kernel
+		 * report ECONNRESET once, ahead of what it sent last (the ERROR
+		 * saying why).
+		 */
+		if (n == -ECONNRESET)
+			n = zp_recv_raw(c->fd, c->buf, ZP_MAX_MESSAGE, fds, ZP_MAX_FDS, nfds,
+			    MSG_DONTWAIT);
+		if (n != -EAGAIN)
+			break;
+		r = await_fd(c->fd, POLLIN, deadline);
+		if (r == -ETIMEDOUT)
+			return r;
+		if (r < 0)
+			return seterr(c, r, "wait for zoffloadd: %s", strerror(-r));
+	}
 	if (n == 0 || n == -ECONNRESET)
 		return seterr(c, -ECONNRESET, "zoffloadd closed the connection");
 	if (n < 0)
@@ -246,7 +330,9 @@ drain(struct zc_conn *c)
 	int r;
 
 	for (;;) {
-		r = recv_one(c, fds, &nfds, MSG_DONTWAIT);
+		r = recv_one(c, fds, &nfds, NO_WAIT);
+		if (r == -ETIMEDOUT)
+			return 0;
 		if (r <= 0)
 			return r;
 		/* A reply nobody waits for cannot happen: requests are synchronous. */
@@ -255,16 +341,34 @@ drain(struct zc_conn *c)
 	}
 }
 
+static bool
+harmless(uint16_t type)
+{
+	return type == ZP_PING || type == ZP_STATS || type == ZP_JOBS;
+}
+
 static int
-send_msg(struct zc_conn *c, struct zp_msg *m)
+send_msg(struct zc_conn *c, struct zp_msg *m, uint64_t deadline)
 {
 	int r;
 
+	if (c->broken_by != 0)
+		return seterr(c, -ENOTCONN, "connection unusable: an earlier %s got no answer in "
+		    "time and zoffloadd may still carry it out; disconnect and connect again",
+		    zp_type_name(c->broken_by));
 	m->hdr.request_id = ++c->next_id;
 	r = drain(c);
 	if (r < 0)
 		return r;
-	r = zp_send(c->fd, m, NULL, 0);
+	/* A datagram goes whole or not at all: a send that times out leaves nothing half-sent. */
+	while ((r = zp_send(c->fd, m, NULL, 0)) == -EAGAIN) {
+		r = await_fd(c->fd, POLLOUT, deadline);
+		if (r == -ETIMEDOUT)
+			return seterr(c, r, "send %s to zoffloadd: no room within %d ms (is it "
+			    "stopped or overloaded?)", zp_type_name(m->hdr.type), c->timeout_ms);
+		if (r < 0)
+			break;
+	}
 	if (r == -EPIPE || r == -ECONNRESET) {
 		/* The daemon may have said why just before it closed: that beats "broken pipe". */
 		int why = drain(c);
@@ -282,15 +386,28 @@ send_msg(struct zc_conn *c, struct zp_msg *m)
 static int
 rpc(struct zc_conn *c, struct zp_msg *req, uint16_t reply_type, int *fds)
 {
+	uint64_t deadline = deadline_after(c->timeout_ms);
 	int tmpfds[ZP_MAX_FDS];
 	unsigned nfds;
 	int r;
 
-	r = send_msg(c, req);
+	r = send_msg(c, req, deadline);
 	if (r < 0)
 		return r;
 	for (;;) {
-		r = recv_one(c, fds != NULL ? fds : tmpfds, &nfds, 0);
+		r = recv_one(c, fds != NULL ? fds : tmpfds, &nfds, deadline);
+		/*
+		 * A late reply is skipped by request id, so a request that only
+		 * reads leaves the connection as it was; any other may yet be
+		 * carried out, after which the client no longer knows its state.
+		 */
+		if (r == -ETIMEDOUT) {
+			if (!harmless(req->hdr.type))
+				c->broken_by = req->hdr.type;
+			return seterr(c, r, "zoffloadd did not answer %s within %d ms%s",
+			    zp_type_name(req->hdr.type), c->timeout_ms, harmless(req->hdr.type) ?
+			    "" : "; the connection is no longer usable");
+		}
 		if (r < 0)
 			return r;
 		if (r == 0)
@@ -319,6 +436,30 @@ rpc(struct zc_conn *c, struct zp_msg *req, uint16_t reply_type, int *fds)
 int
 zc_connect(const char *socket_path, struct zc_conn **ret)
 {
+	return zc_connect_timeout(socket_path, -1, ret);
+}
+
+/* Non-blocking connect: a listener with a full backlog says EAGAIN; try again until the deadline. */
+static int
+connect_deadline(int fd, const struct sockaddr_un *sa, uint64_t deadline)
+{
+	useconds_t pause_us = 1000;
+
+	for (;;) {
+		if (connect(fd, (const struct sockaddr *)sa, sizeof(*sa)) == 0)
+			return 0;
+		if (errno != EAGAIN && errno != EINTR)
+			return -errno;
+		if (deadline != NO_DEADLINE && now_ns() >= deadline)
+			return -ETIMEDOUT;
+		usleep(pause_us);
+		pause_us = pause_us < 50000 ? pause_us * 2 : pause_us;
+	}
+}
+
+int
+zc_connect_timeout(const char *socket_path, int timeout_ms, struct zc_conn **ret)
+{
 	struct sockaddr_un sa = { .sun_family = AF_UNIX };
 	struct zp_msg hello = { .hdr = { .type = ZP_HELLO } };
 	struct zc_conn *c;
@@ -331,23 +472,26 @@ zc_connect(const char *socket_path, struct zc_conn **ret)
 		path = ZOFFLOAD_DEFAULT_SOCKET;
 	if (strlen(path) >= sizeof(sa.sun_path))
 		return -ENAMETOOLONG;
+	if (timeout_ms == 0)
+		return -EINVAL;
 	c = calloc(1, sizeof(*c));
 	if (c == NULL)
 		return -ENOMEM;
+	c->timeout_ms = timeout_ms < 0 ? -1 : timeout_ms;
 	c->buf = malloc(ZP_MAX_MESSAGE);
 	c->msg = malloc(sizeof(*c->msg));
 	if (c->buf == NULL || c->msg == NULL) {
 		r = -ENOMEM;
 		goto fail;
 	}
-	c->fd = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
+	c->fd = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
 	if (c->fd < 0) {
 		r = -errno;
 		goto fail;
 	}
 	memcpy(sa.sun_path, path, strlen(path));
-	if (connect(c->fd, (struct sockaddr *)&sa, sizeof(sa)) != 0) {
-		r = -errno;
+	r = connect_deadline(c->fd, &sa, deadline_after(c->timeout_ms));
+	if (r < 0) {
 		close(c->fd);
 		goto fail;
 	}
@@ -791,7 +935,7 @@ zc_step_submit(struct zc_conn *c, const struct zc_step_params *p,
 	}
 	set->count = (uint32_t)ntensors;
 	set->step = p->step;
-	r = send_msg(c, m);
+	r = send_msg(c, m, deadline_after(c->timeout_ms));
 	if (r < 0) {
 		free(set->handles);
 		free(set);
@@ -808,14 +952,14 @@ zc_step_submit(struct zc_conn *c, const struct zc_step_params *p,
 }
 
 static int
-wait_until(struct zc_conn *c, bool (*done)(void *), void *arg)
+wait_until(struct zc_conn *c, bool (*done)(void *), void *arg, uint64_t deadline)
 {
 	int fds[ZP_MAX_FDS];
 	unsigned nfds;
 	int r;
 
 	while (!done(arg)) {
-		r = recv_one(c, fds, &nfds, 0);
+		r = recv_one(c, fds, &nfds, deadline);
 		if (r < 0)
 			return r;
 		for (unsigned i = 0; i < nfds; i++)
@@ -839,8 +983,17 @@ conn_idle(void *arg)
 int
 zc_wait_tensor(struct zc_tensor *t, struct zc_step_result *ret)
 {
-	int r = wait_until(t->conn, tensor_idle, t);
+	return zc_wait_tensor_timeout(t, ret, -1);
+}
 
+int
+zc_wait_tensor_timeout(struct zc_tensor *t, struct zc_step_result *ret, int timeout_ms)
+{
+	int r = wait_until(t->conn, tensor_idle, t, deadline_after(timeout_ms));
+
+	if (r == -ETIMEDOUT)
+		return seterr(t->conn, r, "the tensor's step is not done after %d ms (it still runs; "
+		    "wait again)", timeout_ms);
 	if (r == 0 && ret != NULL)
 		*ret = t->result;
 	if (r == 0 && t->result.status == ZC_STEP_FAILED)
@@ -851,16 +1004,23 @@ zc_wait_tensor(struct zc_tensor *t, struct zc_step_result *ret)
 int
 zc_wait_all(struct zc_conn *c, struct zc_step_result *ret)
 {
-	int r = wait_until(c, conn_idle, c);
+	return zc_wait_all_timeout(c, ret, -1);
+}
 
+int
+zc_wait_all_timeout(struct zc_conn *c, struct zc_step_result *ret, int timeout_ms)
+{
+	int r = wait_until(c, conn_idle, c, deadline_after(timeout_ms));
+
+	if (r == -ETIMEDOUT)
+		return seterr(c, r, "steps are not done after %d ms (they still run; wait again)",
+		    timeout_ms);
 	if (r == 0 && ret != NULL)
 		*ret = c->last;
 	if (r == 0 && c->last.status == ZC_STEP_FAILED)
 		return c->last.error < 0 ? c->last.error : -EIO;
 	return r;
 }
-
-static int wait_until(struct zc_conn *c, bool (*done)(void *), void *arg);
 
 static int
 handles_request(struct zc_conn *c, uint16_t type, struct zc_tensor *const *tensors, size_t n,
@@ -903,7 +1063,7 @@ zc_param_prefetch(struct zc_conn *c, struct zc_tensor *const *tensors, size_t n)
 		tensors[i]->param_state = PARAM_FETCHING;
 		m->u.handles.handles[m->u.handles.count++] = tensors[i]->handle;
 	}
-	r = m->u.handles.count > 0 ? send_msg(c, m) : 0;
+	r = m->u.handles.count > 0 ? send_msg(c, m, deadline_after(c->timeout_ms)) : 0;
 	/*
 	 * Not sent: no READY will come, and a tensor left fetching would have
 	 * zc_param_wait wait for it forever.
@@ -927,8 +1087,14 @@ param_arrived(void *arg)
 int
 zc_param_wait(struct zc_tensor *t)
 {
+	return zc_param_wait_timeout(t, -1);
+}
+
+int
+zc_param_wait_timeout(struct zc_tensor *t, int timeout_ms)
+{
 	struct zc_conn *c = t->conn;
-	uint64_t t0;
+	uint64_t t0, deadline = deadline_after(timeout_ms);
 	int r;
 
 	/* A READY already in the socket means the params are there: a hit, not a wait. */
@@ -938,20 +1104,30 @@ zc_param_wait(struct zc_tensor *t)
 			return r;
 	}
 	if (t->param_state == PARAM_RESIDENT) {
-		c->param_stats.hits++;
+		/* The end of a wait that timed out before is no new hit. */
+		if (!t->param_missed)
+			c->param_stats.hits++;
+		t->param_missed = false;
 		return 0;
 	}
-	c->param_stats.misses++;
+	/* One miss per wait, however many timed-out calls (or polls) it takes. */
+	if (!t->param_missed)
+		c->param_stats.misses++;
+	t->param_missed = true;
 	t0 = now_ns();
 	if (t->param_state == PARAM_RELEASED) {
 		r = zc_param_prefetch(c, &t, 1);
 		if (r < 0)
 			return r;
 	}
-	r = wait_until(c, param_arrived, t);
+	r = wait_until(c, param_arrived, t, deadline);
 	c->param_stats.wait_ns += now_ns() - t0;
+	if (r == -ETIMEDOUT)
+		return seterr(c, r, "the params are not back after %d ms (the fetch goes on; wait "
+		    "again)", timeout_ms);
 	if (r < 0)
 		return r;
+	t->param_missed = false;
 	if (t->param_state != PARAM_RESIDENT)
 		return seterr(c, t->param_error < 0 ? t->param_error : -EIO,
 		    "staging the params failed: %s", strerror(-t->param_error));

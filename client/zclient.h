@@ -39,6 +39,36 @@ ZC_API void zc_disconnect(struct zc_conn *conn);
 ZC_API const char *zc_errmsg(const struct zc_conn *conn);
 
 /*
+ * Timeouts.  Nothing waits for ever unless asked to: each call that waits
+ * for the daemon has a bound.
+ *
+ * - Requests (every call that sends one and waits for its reply: register,
+ *   read, write, job calls, ping, stats...) wait at most the connection's
+ *   timeout: zc_connect_timeout sets it, HELLO included; zc_set_timeout
+ *   changes it; -1 (zc_connect's default) means none; 0 is refused.  On
+ *   expiry they return -ETIMEDOUT.  A request that only reads (zc_ping,
+ *   zc_stats_json, zc_jobs_json) leaves the connection usable: its late
+ *   reply is skipped.  Any other request may still be carried out by the
+ *   daemon after it timed out, so the client no longer knows what the
+ *   daemon holds for it: the connection is then unusable, every later
+ *   request fails with -ENOTCONN (zc_errmsg says why) and the caller
+ *   disconnects and connects again.  A send that finds no room in time
+ *   (a stopped daemon does not read) sends nothing and breaks nothing.
+ * - Waits (zc_wait_tensor_timeout, zc_wait_all_timeout,
+ *   zc_param_wait_timeout) take their own timeout_ms: -1 none, 0 only
+ *   apply what has already arrived.  On expiry they return -ETIMEDOUT and
+ *   nothing is lost: the step or fetch goes on, and a later wait picks up
+ *   its result.  Their timeout does not break the connection.
+ * - zc_conn_fd is the connection's socket, for poll/epoll (POLLIN: a
+ *   message has arrived).  Never read, write or close it; it is
+ *   non-blocking.  When it polls readable, a wait with timeout 0 applies
+ *   what arrived and says whether what it waits for is done.
+ */
+ZC_API int zc_connect_timeout(const char *socket_path, int timeout_ms, struct zc_conn **ret);
+ZC_API int zc_set_timeout(struct zc_conn *conn, int timeout_ms);
+ZC_API int zc_conn_fd(const struct zc_conn *conn);
+
+/*
  * One job per connection: the ranks of one training run share a name.  A
  * rank whose process died (no zc_job_close) keeps its state in the daemon for
  * limits.detach_grace_s; a new process opening the same job and rank and
@@ -148,6 +178,11 @@ ZC_API int zc_step_submit(struct zc_conn *conn, const struct zc_step_params *par
 ZC_API int zc_wait_tensor(struct zc_tensor *tensor, struct zc_step_result *ret);
 /* Waits for every submitted step; ret (nullable) gets the last set's result. */
 ZC_API int zc_wait_all(struct zc_conn *conn, struct zc_step_result *ret);
+/* The same, at most timeout_ms (see Timeouts above): -ETIMEDOUT when not done by then. */
+ZC_API int zc_wait_tensor_timeout(struct zc_tensor *tensor, struct zc_step_result *ret,
+    int timeout_ms);
+ZC_API int zc_wait_all_timeout(struct zc_conn *conn, struct zc_step_result *ret,
+    int timeout_ms);
 
 /*
  * Parameter offload (ZeRO-Infinity offload_param), for tensors registered
@@ -161,6 +196,7 @@ ZC_API int zc_wait_all(struct zc_conn *conn, struct zc_step_result *ret);
 ZC_API int zc_param_prefetch(struct zc_conn *conn, struct zc_tensor *const *tensors,
     size_t ntensors);
 ZC_API int zc_param_wait(struct zc_tensor *tensor);
+ZC_API int zc_param_wait_timeout(struct zc_tensor *tensor, int timeout_ms);
 ZC_API int zc_param_release(struct zc_conn *conn, struct zc_tensor *const *tensors,
     size_t ntensors);
 
