@@ -608,7 +608,7 @@ zc_job_close(struct zc_conn *c)
 	if (r < 0)
 		return r;
 	c->job_open = false;
-	/* The daemon freed this rank's tensors with the job. */
+	/* The daemon freed this rank's tensors. */
 	for (uint32_t i = 0; i < c->tensor_cap; i++) {
 		if (c->tensors[i] != NULL) {
 			tensor_unmap(c->tensors[i]);

@@ -33,7 +33,12 @@ enum zc_step_status {
 
 /* NULL socket path: $ZOFFLOAD_SOCKET, else the built-in default. */
 ZC_API int zc_connect(const char *socket_path, struct zc_conn **ret);
-/* Closes the connection; the daemon frees the job's tensors of this connection. */
+/*
+ * Closes the connection and unmaps its tensors' slots.  Without zc_job_close
+ * first the daemon treats it as a rank that died: it keeps this rank's
+ * tensors (state and slots) detached for limits.detach_grace_s, for a new
+ * process of the same job and rank to take back, then frees them.
+ */
 ZC_API void zc_disconnect(struct zc_conn *conn);
 /* Text of the last error on this connection (never NULL). */
 ZC_API const char *zc_errmsg(const struct zc_conn *conn);
@@ -94,9 +99,19 @@ ZC_API int zc_job_open_opts(struct zc_conn *conn, const char *job_name, uint32_t
     uint32_t world_size, const struct zc_job_options *options);
 /* Highest step any rank of the open job has completed (0 for a new job). */
 ZC_API uint64_t zc_job_last_step(const struct zc_conn *conn);
-/* Frees the job's state, detached ranks included. */
+/*
+ * Frees this rank's state in the daemon now: the tensors registered on this
+ * connection, and those an earlier process of this rank left detached that
+ * this one did not take back.  Other ranks keep theirs; the job ends when no
+ * rank has any left.  -EBUSY while steps are in flight.  The connection may
+ * open a job again.
+ */
 ZC_API int zc_job_close(struct zc_conn *conn);
-/* Frees another job of this uid (root: any): its ranks are disconnected. */
+/*
+ * Frees a whole job of this uid (root: any): every rank's state, attached or
+ * detached.  Its connected ranks are disconnected (their next call fails
+ * with -ECONNABORTED).  -EBUSY on a rank of that job: zc_job_close there.
+ */
 ZC_API int zc_job_drop(struct zc_conn *conn, const char *job_name);
 
 struct zc_tensor_desc {

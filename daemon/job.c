@@ -105,6 +105,7 @@ zd_uid_put(struct zd_daemon *d, struct zd_uid *u)
 }
 
 static void tensor_free(struct zd_daemon *d, struct zd_tensor *t);
+static bool free_detached(struct zd_daemon *d, struct zd_job *job, struct zd_tensor *t);
 
 /* A dead rank's tensor waits for a new process of the same job and rank. */
 static void
@@ -141,6 +142,20 @@ zd_job_detach(struct zd_session *s, bool keep)
 	}
 	if (job == NULL)
 		return;
+	/*
+	 * Not kept (JOB_CLOSE, no grace, a drop, shutdown): all of this rank's
+	 * state goes now, tensors an earlier process of the rank left and this
+	 * one did not take back included.  The session's reference holds the job.
+	 */
+	if (!keep) {
+		struct zd_tensor *t, *next;
+
+		for (t = TAILQ_FIRST(&job->detached); t != NULL; t = next) {
+			next = TAILQ_NEXT(t, detached_entry);
+			if (t->rank == s->rank)
+				(void)free_detached(s->daemon, job, t);
+		}
+	}
 	if (kept > 0)
 		log_info("job '%s' rank %u detached (pid %d): %u tensor(s) wait %u s for a reattach",
 		    job->name, s->rank, (int)s->pid, kept, s->daemon->cfg.detach_grace_s);
