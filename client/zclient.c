@@ -42,6 +42,14 @@ struct zc_tensor {
 	bool param_missed;		/* counted as a miss by a wait that has not ended */
 	zc_release_fn *release;		/* see zc_tensor_set_release_hook */
 	void *release_arg;
+	/*
+	 * Non-NULL while a driver has the param slot pinned (see
+	 * zc_tensor_set_param_pin).  Invariant: no PARAM_RELEASE names this
+	 * tensor while it is set, since the daemon's hole punch would leave
+	 * the driver with stale pages.
+	 */
+	zc_unpin_fn *unpin;
+	void *unpin_arg;
 };
 
 /*
@@ -821,6 +829,19 @@ zc_tensor_set_release_hook(struct zc_tensor *t, zc_release_fn *fn, void *arg)
 	t->release_arg = fn != NULL ? arg : NULL;
 }
 
+void
+zc_tensor_set_param_pin(struct zc_tensor *t, zc_unpin_fn *unpin, void *arg)
+{
+	t->unpin = unpin;
+	t->unpin_arg = unpin != NULL ? arg : NULL;
+}
+
+bool
+zc_tensor_param_pinned(const struct zc_tensor *t)
+{
+	return t->unpin != NULL;
+}
+
 uint64_t
 zc_tensor_numel(const struct zc_tensor *t)
 {
@@ -1147,6 +1168,25 @@ zc_param_release(struct zc_conn *c, struct zc_tensor *const *tensors, size_t n)
 			free(m);
 			return seterr(c, -EBUSY, "tensor %zu is being fetched; wait for it first", i);
 		}
+	}
+	/*
+	 * The daemon drops the pages of every offloaded slot it releases and
+	 * refills it with new ones: a driver must let go of the old pages first.
+	 * A failed unpin releases nothing (those already unpinned stay so).
+	 */
+	for (size_t i = 0; i < n; i++) {
+		struct zc_tensor *t = tensors[i];
+
+		if (!t->param_offload || t->param_state != PARAM_RESIDENT || t->unpin == NULL)
+			continue;
+		r = t->unpin(t, t->unpin_arg);
+		if (r < 0) {
+			free(m);
+			return seterr(c, r, "tensor %zu: cannot unpin its param slot before the "
+			    "release: %s", i, strerror(-r));
+		}
+		t->unpin = NULL;
+		t->unpin_arg = NULL;
 	}
 	r = rpc(c, m, ZP_OK, NULL);
 	free(m);

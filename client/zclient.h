@@ -146,6 +146,21 @@ ZC_API const void *zc_tensor_param_slot(struct zc_tensor *tensor, size_t *ret_by
  */
 typedef void zc_release_fn(struct zc_tensor *tensor, void *arg);
 ZC_API void zc_tensor_set_release_hook(struct zc_tensor *tensor, zc_release_fn *fn, void *arg);
+/*
+ * A param slot pinned by a driver.  zc_param_release makes the daemon drop
+ * the pages of a param_offload tensor's slot, and the next fetch refills it
+ * with new ones: a driver that pinned the old pages (cudaHostRegister) would
+ * go on copying stale parameters from them.  So a layer that pins a param
+ * slot says so with the function that unpins it (waiting for its copies);
+ * zc_param_release calls it for each such tensor it is about to release,
+ * before asking the daemon, after which the slot is no longer pinned.  When
+ * an unpin fails (its negative errno) nothing is released and that error
+ * comes back.  Tensors without param_offload are never released, so never
+ * unpinned.  unpin NULL: the slot is no longer pinned.
+ */
+typedef int zc_unpin_fn(struct zc_tensor *tensor, void *arg);
+ZC_API void zc_tensor_set_param_pin(struct zc_tensor *tensor, zc_unpin_fn *unpin, void *arg);
+ZC_API bool zc_tensor_param_pinned(const struct zc_tensor *tensor);
 /* Copy out count fp32 values of master weights or moments starting at offset. */
 ZC_API int zc_tensor_read(struct zc_tensor *tensor, enum zc_state which, uint64_t offset,
     uint64_t count, float *dst);
@@ -207,6 +222,7 @@ ZC_API int zc_wait_all_timeout(struct zc_conn *conn, struct zc_step_result *ret,
  * tensors ahead of use without waiting; zc_param_wait returns once that
  * tensor's slot holds its parameters again, waiting only if they have not
  * arrived.  Release only what the GPU has copied; a step refills the slot.
+ * A slot pinned by a driver is unpinned first (zc_tensor_set_param_pin).
  */
 ZC_API int zc_param_prefetch(struct zc_conn *conn, struct zc_tensor *const *tensors,
     size_t ntensors);

@@ -141,6 +141,29 @@ slots_release(struct zcc_slots *s)
 	return r;
 }
 
+/*
+ * libzclient calls this before a param release: the daemon is about to drop
+ * the slot's pages, so the copies from them end and the driver lets go.  The
+ * slot stays pageable from then on.
+ */
+static int
+unpin_param(struct zc_tensor *tensor, void *arg)
+{
+	struct zcc_slots *s = arg;
+	int r = 0, r2;
+
+	(void)tensor;
+	if (s->param_recorded)
+		r = zcc__cuda(cudaEventSynchronize(s->param_event), "wait for the param copy");
+	s->param_recorded = false;
+	if (s->param_registered) {
+		r2 = zcc__cuda(cudaHostUnregister((void *)s->param), "unregister the param slot");
+		r = r < 0 ? r : r2;
+		s->param_registered = false;
+	}
+	return r;
+}
+
 /* libzclient calls this before unmapping; it cannot report errors, and at exit CUDA may be gone. */
 static void
 release_hook(struct zc_tensor *tensor, void *arg)
@@ -205,6 +228,8 @@ zcc_slots_attach(struct zc_tensor *tensor, struct zcc_slots **ret)
 	if (r < 0)
 		goto fail;
 	zc_tensor_set_release_hook(tensor, release_hook, s);
+	if (s->param_registered)
+		zc_tensor_set_param_pin(tensor, unpin_param, s);
 	*ret = s;
 	return 0;
 fail:
@@ -218,6 +243,7 @@ zcc_slots_detach(struct zcc_slots *s)
 	if (s == NULL)
 		return 0;
 	zc_tensor_set_release_hook(s->tensor, NULL, NULL);
+	zc_tensor_set_param_pin(s->tensor, NULL, NULL);
 	return slots_release(s);
 }
 

@@ -46,6 +46,13 @@ ZC_API int zcc_errno_nccl(ncclResult_t res);
  * cudaDevAttrHostRegisterReadOnlySupported is 0) the param slot stays
  * pageable: copies out of it still work, synchronously and slower;
  * zcc_slots_param_pinned() says which.
+ *
+ * zc_param_release drops the pages of a param_offload tensor's param slot,
+ * so libzclient unpins a registered param slot first (through the hook
+ * zc_tensor_set_param_pin): it waits for the param copy and unregisters the
+ * slot, which stays pageable from then on (zcc_slots_param_pinned() false);
+ * zcc_slots_detach and zcc_slots_attach again, once the params are back,
+ * pin it anew.
  */
 struct zcc_slots;
 
