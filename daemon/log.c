@@ -42,6 +42,8 @@ log_level_name(enum zd_log_level level)
 	return level_names[level];
 }
 
+static void vlog(enum zd_log_level level, int err, const char *fmt, va_list ap) ZD_PRINTF(3, 0);
+
 static void
 vlog(enum zd_log_level level, int err, const char *fmt, va_list ap)
 {

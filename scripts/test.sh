@@ -1,24 +1,48 @@
 #!/usr/bin/env bash
 # Install what is missing, build with warnings as errors, run every test.
 # --sanitize: the same in a separate AddressSanitizer + UBSan build (build-sanitize).
+# --clang: built with clang instead of the default compiler (build-clang; with --sanitize,
+# build-clang-sanitize), so that both compilers' warnings stay errors.
 # Other arguments go to `meson test` (a suite: --suite service).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 . scripts/deps.sh
 install_deps test
 
+sanitize=0
+clang=0
+while [ $# -gt 0 ]; do
+	case $1 in
+	--sanitize) sanitize=1 ;;
+	--clang) clang=1 ;;
+	*) break ;;
+	esac
+	shift
+done
+
 build=build-test
 setup=(-Dwerror=true -Dtests=enabled)
 test_args=()
-if [ "${1:-}" = "--sanitize" ]; then
-	shift
-	build=build-sanitize
+if [ $clang -eq 1 ]; then
+	build=build-clang
+	export CC=clang
+fi
+if [ $sanitize -eq 1 ]; then
+	[ $clang -eq 1 ] && build=build-clang-sanitize || build=build-sanitize
 	# jemalloc is dropped under sanitizers (meson.build); the runtime resolves at load time.
 	setup+=(-Db_sanitize=address,undefined -Db_lundef=false)
 	# ASan makes the numerics and the 64M-element fairness test a few times slower.
 	test_args+=(--timeout-multiplier 4)
 fi
 [ -f "$build/build.ninja" ] || meson setup "$build" "${setup[@]}" >/dev/null
+# A build dir set up by hand with the other compiler would test the wrong one.
+cc_cmd=$(awk '/^rule c_COMPILER$/ { getline; print $3; exit }' "$build/build.ninja")
+is_clang=0
+if [[ "$cc_cmd" == *clang* ]]; then is_clang=1; fi
+if [ $is_clang -ne $clang ]; then
+	echo "$build compiles with $cc_cmd: remove it and run again" >&2
+	exit 1
+fi
 ninja -C "$build"
 
 set +e

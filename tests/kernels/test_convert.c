@@ -138,7 +138,7 @@ Test(names, parse_and_format)
 	general_only();
 	for (int i = 0; i < ZK_DTYPE_COUNT; i++) {
 		cr_assert_eq(zk_dtype_parse(zk_dtype_name((enum zk_dtype)i), &d), 0);
-		cr_assert_eq(d, i);
+		cr_assert_eq((int)d, i);
 	}
 	cr_assert_eq(zk_dtype_parse("bfloat16", &d), 0);
 	cr_assert_eq(d, ZK_DTYPE_BF16);
@@ -153,14 +153,14 @@ Test(names, parse_and_format)
 	cr_assert_str_eq(zk_dtype_name(ZK_DTYPE_COUNT), "unknown");
 	for (int i = 0; i < ZK_OPTIM_COUNT; i++) {
 		cr_assert_eq(zk_optim_parse(zk_optim_name((enum zk_optim)i), &o), 0);
-		cr_assert_eq(o, i);
+		cr_assert_eq((int)o, i);
 	}
 	cr_assert_eq(zk_optim_parse("AdamW", &o), 0);
 	cr_assert_eq(o, ZK_OPTIM_ADAMW);
 	cr_assert_eq(zk_optim_parse("sgd", &o), -EINVAL);
 	for (int i = 0; i < ZK_ISA_COUNT; i++) {
 		cr_assert_eq(zk_isa_parse(zk_isa_name((enum zk_isa)i), &isa), 0);
-		cr_assert_eq(isa, i);
+		cr_assert_eq((int)isa, i);
 	}
 	cr_assert_eq(zk_isa_parse("auto", &isa), 0);
 	cr_assert_eq(isa, zk_isa_best());
