@@ -350,7 +350,7 @@ drain(struct zc_conn *c)
 }
 
 static bool
-harmless(uint16_t type)
+reads_only(uint16_t type)
 {
 	return type == ZP_PING || type == ZP_STATS || type == ZP_JOBS;
 }
@@ -372,8 +372,8 @@ send_msg(struct zc_conn *c, struct zp_msg *m, uint64_t deadline)
 	while ((r = zp_send(c->fd, m, NULL, 0)) == -EAGAIN) {
 		r = await_fd(c->fd, POLLOUT, deadline);
 		if (r == -ETIMEDOUT)
-			return seterr(c, r, "send %s to zoffloadd: no room within %d ms (is it "
-			    "stopped or overloaded?)", zp_type_name(m->hdr.type), c->timeout_ms);
+			return seterr(c, r, "send %s to zoffloadd: timed out with no room to send "
+			    "(is it stopped or overloaded?)", zp_type_name(m->hdr.type));
 		if (r < 0)
 			break;
 	}
@@ -410,10 +410,10 @@ rpc(struct zc_conn *c, struct zp_msg *req, uint16_t reply_type, int *fds)
 		 * carried out, after which the client no longer knows its state.
 		 */
 		if (r == -ETIMEDOUT) {
-			if (!harmless(req->hdr.type))
+			if (!reads_only(req->hdr.type))
 				c->broken_by = req->hdr.type;
 			return seterr(c, r, "zoffloadd did not answer %s within %d ms%s",
-			    zp_type_name(req->hdr.type), c->timeout_ms, harmless(req->hdr.type) ?
+			    zp_type_name(req->hdr.type), c->timeout_ms, reads_only(req->hdr.type) ?
 			    "" : "; the connection is no longer usable");
 		}
 		if (r < 0)
@@ -1068,8 +1068,9 @@ handles_request(struct zc_conn *c, uint16_t type, struct zc_tensor *const *tenso
 	return 0;
 }
 
-int
-zc_param_prefetch(struct zc_conn *c, struct zc_tensor *const *tensors, size_t n)
+/* zc_param_prefetch with the send bounded by `deadline` (a wait's own, from zc_param_wait). */
+static int
+prefetch(struct zc_conn *c, struct zc_tensor *const *tensors, size_t n, uint64_t deadline)
 {
 	struct zp_msg *m = NULL;
 	int r = handles_request(c, ZP_PARAM_FETCH, tensors, n, &m);
@@ -1084,7 +1085,7 @@ zc_param_prefetch(struct zc_conn *c, struct zc_tensor *const *tensors, size_t n)
 		tensors[i]->param_state = PARAM_FETCHING;
 		m->u.handles.handles[m->u.handles.count++] = tensors[i]->handle;
 	}
-	r = m->u.handles.count > 0 ? send_msg(c, m, deadline_after(c->timeout_ms)) : 0;
+	r = m->u.handles.count > 0 ? send_msg(c, m, deadline) : 0;
 	/*
 	 * Not sent: no READY will come, and a tensor left fetching would have
 	 * zc_param_wait wait for it forever.
@@ -1097,6 +1098,12 @@ zc_param_prefetch(struct zc_conn *c, struct zc_tensor *const *tensors, size_t n)
 	}
 	free(m);
 	return r;
+}
+
+int
+zc_param_prefetch(struct zc_conn *c, struct zc_tensor *const *tensors, size_t n)
+{
+	return prefetch(c, tensors, n, deadline_after(c->timeout_ms));
 }
 
 static bool
@@ -1137,7 +1144,7 @@ zc_param_wait_timeout(struct zc_tensor *t, int timeout_ms)
 	t->param_missed = true;
 	t0 = now_ns();
 	if (t->param_state == PARAM_RELEASED) {
-		r = zc_param_prefetch(c, &t, 1);
+		r = prefetch(c, &t, 1, deadline);
 		if (r < 0)
 			return r;
 	}

@@ -58,7 +58,8 @@ ZC_API const char *zc_errmsg(const struct zc_conn *conn);
  *   daemon holds for it: the connection is then unusable, every later
  *   request fails with -ENOTCONN (zc_errmsg says why) and the caller
  *   disconnects and connects again.  A send that finds no room in time
- *   (a stopped daemon does not read) sends nothing and breaks nothing.
+ *   (a stopped daemon does not read) sends nothing and breaks nothing;
+ *   zc_step_submit and zc_param_prefetch, which only send, are bounded so.
  * - Waits (zc_wait_tensor_timeout, zc_wait_all_timeout,
  *   zc_param_wait_timeout) take their own timeout_ms: -1 none, 0 only
  *   apply what has already arrived.  On expiry they return -ETIMEDOUT and

@@ -225,13 +225,21 @@ Test(waits, request_timeouts)
 	zc_disconnect(c);
 }
 
-/* A send that finds no room (the stopped daemon reads nothing) times out too, sending nothing. */
+/*
+ * A send that finds no room (the stopped daemon reads nothing) times out
+ * too, sending nothing; a param wait bounds the fetch it has to send by
+ * its own timeout, and leaves the tensor released for the next one.
+ */
 Test(waits, send_times_out)
 {
 	struct zc_conn *c = itd_connect(&daemon_);
 	int small = 4096, r = 0;
+	struct zc_tensor *t;
 	bool no_room = false;
 
+	cr_assert_eq(zc_job_open(c, "full", 0, 1), 0, "%s", zc_errmsg(c));
+	t = register_offloaded(c, "w");
+	cr_assert_eq(zc_param_release(c, &t, 1), 0, "%s", zc_errmsg(c));
 	/* A small send buffer fills after a few messages rather than a few hundred. */
 	cr_assert_eq(setsockopt(zc_conn_fd(c), SOL_SOCKET, SO_SNDBUF, &small, sizeof(small)), 0);
 	cr_assert_eq(zc_set_timeout(c, 20), 0);
@@ -239,12 +247,19 @@ Test(waits, send_times_out)
 	for (int i = 0; i < 1000 && !no_room; i++) {
 		r = zc_ping(c, NULL);
 		cr_assert_eq(r, -ETIMEDOUT, "ping %d gave %d (%s)", i, r, zc_errmsg(c));
-		no_room = strstr(zc_errmsg(c), "no room within 20 ms") != NULL;
+		no_room = strstr(zc_errmsg(c), "timed out with no room to send") != NULL;
 	}
 	cr_assert(no_room, "the send buffer never filled: %s", zc_errmsg(c));
+	/* No request timeout now: only the wait's own bounds the PARAM_FETCH it sends. */
+	cr_assert_eq(zc_set_timeout(c, -1), 0);
+	r = zc_param_wait_timeout(t, 100);
+	cr_assert_eq(r, -ETIMEDOUT, "param wait with a full send buffer gave %d (%s)", r,
+	    zc_errmsg(c));
+	cr_assert(strstr(zc_errmsg(c), "send PARAM_FETCH") != NULL, "%s", zc_errmsg(c));
 	continue_daemon();
 	cr_assert_eq(zc_set_timeout(c, 30000), 0);
 	cr_assert_eq(zc_ping(c, NULL), 0, "%s", zc_errmsg(c));
+	cr_assert_eq(zc_param_wait_timeout(t, 30000), 0, "%s", zc_errmsg(c));
 	zc_disconnect(c);
 }
 
