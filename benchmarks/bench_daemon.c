@@ -31,7 +31,8 @@ bench_daemon_prepare(struct bench_daemon *bd, const char *parent, const char *pr
 }
 
 int
-bench_daemon_start(struct bench_daemon *bd, const char *exe, double timeout_s)
+bench_daemon_start(struct bench_daemon *bd, const char *exe, const cpu_set_t *cpus,
+    double timeout_s)
 {
 	pid_t parent = getpid();
 	struct zc_conn *c = NULL;
@@ -51,6 +52,8 @@ bench_daemon_start(struct bench_daemon *bd, const char *exe, double timeout_s)
 		prctl(PR_SET_PDEATHSIG, SIGKILL);
 		if (getppid() != parent)
 			_exit(127);
+		if (cpus != NULL && sched_setaffinity(0, sizeof(*cpus), cpus) != 0)
+			_exit(126);
 		dup2(fd, STDOUT_FILENO);
 		dup2(fd, STDERR_FILENO);
 		execl(exe, exe, "--config", bd->config, "--socket", bd->socket, (char *)NULL);

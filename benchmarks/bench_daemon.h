@@ -2,6 +2,7 @@
 #ifndef BENCH_DAEMON_H
 #define BENCH_DAEMON_H
 
+#include <sched.h>
 #include <stddef.h>
 #include <sys/types.h>
 
@@ -25,11 +26,13 @@ struct bench_daemon {
 int bench_daemon_prepare(struct bench_daemon *bd, const char *parent, const char *prefix);
 
 /*
- * Runs exe --config --socket as a child that dies with us, and waits up to
- * timeout_s for it to accept (preallocating a big swap file takes a moment).
- * 0; -ECHILD when it exited (its log says why); -ETIMEDOUT; or -errno.
+ * Runs exe --config --socket as a child that dies with us, on the CPUs in
+ * cpus (NULL: ours), and waits up to timeout_s for it to accept
+ * (preallocating a big swap file takes a moment).  0; -ECHILD when it
+ * exited (its log says why); -ETIMEDOUT; or -errno.
  */
-int bench_daemon_start(struct bench_daemon *bd, const char *exe, double timeout_s);
+int bench_daemon_start(struct bench_daemon *bd, const char *exe, const cpu_set_t *cpus,
+    double timeout_s);
 
 /*
  * SIGTERM, reaps it and removes the directory.  0 when it exited cleanly,

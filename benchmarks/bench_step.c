@@ -176,7 +176,7 @@ daemon_start(struct bench_daemon *dp, const struct opts *o)
 	    o->block_size);
 	fclose(f);
 	/* Preallocating the swap file takes a moment on a big state. */
-	r = bench_daemon_start(dp, o->daemon, 60);
+	r = bench_daemon_start(dp, o->daemon, NULL, 60);
 	if (r == -ECHILD)
 		die("zoffloadd exited at start; see %s", dp->log);
 	if (r == -ETIMEDOUT)
