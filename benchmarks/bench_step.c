@@ -387,7 +387,8 @@ compute_bound(const struct opts *o, enum zk_isa isa)
 		uint64_t n = tensor_numel(o, k);
 		/* Padded apart like the daemon's arrays: power-of-two distances alias in the cache. */
 		size_t stride = ((size_t)n * sizeof(float) + 4095) / 4096 * 4096 + 4160;
-		char *state = aligned_alloc(4096, 3 * stride);
+		/* aligned_alloc takes whole multiples of the alignment (C11; ASan holds us to it). */
+		char *state = aligned_alloc(4096, (3 * stride + 4095) / 4096 * 4096);
 		uint16_t *grad = aligned_alloc(4096, ((size_t)n * 2 + 4095) / 4096 * 4096);
 		uint16_t *param = aligned_alloc(4096, ((size_t)n * 2 + 4095) / 4096 * 4096);
 
