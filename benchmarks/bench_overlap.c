@@ -474,9 +474,10 @@ print_trace(const struct trainer *tr, const char *name)
 }
 
 /*
- * One case on a daemon of its own.  The three measurements take turns
- * round by round, so a burst of load on this shared machine falls on all of
- * them alike rather than on whichever ran then.
+ * One case on a daemon of its own.  The measurements (the step alone two
+ * ways, the trainer alone, the overlapped iteration) take turns round by
+ * round, so a burst of load on a shared machine falls on all of them alike
+ * rather than on whichever ran then.
  */
 static void
 run_case(const struct opts *o, enum which w, struct result *res)
