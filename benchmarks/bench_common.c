@@ -1,4 +1,4 @@
-/* What bench_swap and bench_step share: a sequential swap engine pass, and the --json figure. */
+/* What the benchmarks share: a sequential swap engine pass, and the --json figure. */
 #include <errno.h>
 #include <stdio.h>
 

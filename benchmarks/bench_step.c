@@ -1,21 +1,17 @@
 /* One offloaded step over state 4x the pinned budget, beside its I/O bound (the swap engine) and compute bound (the kernels), measured in the same run. */
-#include <cjson/cJSON.h>
 #include <errno.h>
-#include <fcntl.h>
 #include <getopt.h>
 #include <inttypes.h>
-#include <signal.h>
 #include <stdarg.h>
 #include <stdbool.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/prctl.h>
-#include <sys/wait.h>
 #include <unistd.h>
 
 #include "arena.h"
 #include "bench_common.h"
+#include "bench_daemon.h"
 #include "optim.h"
 #include "pool.h"
 #include "swap.h"
@@ -150,75 +146,23 @@ tensor_numel(const struct opts *o, unsigned k)
 static double
 stat_number(struct zc_conn *c, const char *path)
 {
-	char *json = NULL, key[128], *save = NULL, *end;
-	const cJSON *cur;
-	cJSON *root;
-	double v;
+	double v = 0;
+	int r = bench_stat_number(c, path, &v);
 
-	if (zc_stats_json(c, &json) < 0)
-		die("stats: %s", zc_errmsg(c));
-	root = cJSON_Parse(json);
-	snprintf(key, sizeof(key), "%s", path);
-	cur = root;
-	for (char *k = strtok_r(key, ".", &save); k != NULL && cur != NULL;
-	    k = strtok_r(NULL, ".", &save)) {
-		long i = strtol(k, &end, 10);
-
-		cur = *end == '\0' && cJSON_IsArray(cur) ? cJSON_GetArrayItem(cur, (int)i) :
-		    cJSON_GetObjectItemCaseSensitive(cur, k);
-	}
-	if (!cJSON_IsNumber(cur))
-		die("stats have no number at %s", path);
-	v = cur->valuedouble;
-	cJSON_Delete(root);
-	free(json);
+	if (r < 0)
+		die("stats at %s: %s", path, r == -ENOENT ? "no number there" : zc_errmsg(c));
 	return v;
 }
 
 static void
-stat_string(struct zc_conn *c, const char *a, const char *b, char *out, size_t len)
+daemon_start(struct bench_daemon *dp, const struct opts *o)
 {
-	char *json = NULL;
-	const cJSON *cur;
-	cJSON *root;
-
-	snprintf(out, len, "?");
-	if (zc_stats_json(c, &json) < 0)
-		return;
-	root = cJSON_Parse(json);
-	cur = cJSON_GetObjectItemCaseSensitive(root, a);
-	if (b != NULL)
-		cur = cJSON_GetObjectItemCaseSensitive(cJSON_GetObjectItemCaseSensitive(cur, "nvme"),
-		    b);
-	if (cJSON_IsString(cur))
-		snprintf(out, len, "%s", cur->valuestring);
-	cJSON_Delete(root);
-	free(json);
-}
-
-struct daemon_proc {
-	pid_t pid;
-	char dir[512];
-	char socket[600];
-	char config[600];
-	char log[600];
-};
-
-static void
-daemon_start(struct daemon_proc *dp, const struct opts *o)
-{
-	pid_t parent = getpid();
-	struct zc_conn *c = NULL;
-	double deadline;
 	FILE *f;
-	int fd;
+	int r;
 
-	snprintf(dp->dir, sizeof(dp->dir), "%s/zoff-bench-step-XXXXXX", o->dir);
-	if (mkdtemp(dp->dir) == NULL)
-		die("mkdtemp in %s: %s", o->dir, strerror(errno));
-	snprintf(dp->socket, sizeof(dp->socket), "%s/sock", dp->dir);
-	snprintf(dp->config, sizeof(dp->config), "%s/zoffload.conf", dp->dir);
-	snprintf(dp->log, sizeof(dp->log), "%s/daemon.log", dp->dir);
+	r = bench_daemon_prepare(dp, o->dir, "zoff-bench-step");
+	if (r < 0)
+		die("temporary directory in %s: %s", o->dir, strerror(-r));
 	f = fopen(dp->config, "w");
 	if (f == NULL)
 		die("%s: %s", dp->config, strerror(errno));
@@ -231,49 +175,24 @@ daemon_start(struct daemon_proc *dp, const struct opts *o)
 	    2 * o->state_bytes + (64u << 20), o->chunk_elements, o->staging, o->queue_depth,
 	    o->block_size);
 	fclose(f);
-	fd = open(dp->log, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-	if (fd < 0)
-		die("%s: %s", dp->log, strerror(errno));
-	dp->pid = fork();
-	if (dp->pid < 0)
-		die("fork: %s", strerror(errno));
-	if (dp->pid == 0) {
-		prctl(PR_SET_PDEATHSIG, SIGKILL);
-		if (getppid() != parent)
-			_exit(127);
-		dup2(fd, STDOUT_FILENO);
-		dup2(fd, STDERR_FILENO);
-		execl(o->daemon, o->daemon, "--config", dp->config, "--socket", dp->socket,
-		    (char *)NULL);
-		_exit(127);
-	}
-	close(fd);
 	/* Preallocating the swap file takes a moment on a big state. */
-	deadline = bench_now() + 60;
-	while (zc_connect(dp->socket, &c) < 0) {
-		if (waitpid(dp->pid, NULL, WNOHANG) == dp->pid)
-			die("zoffloadd exited at start; see %s", dp->log);
-		if (bench_now() > deadline)
-			die("zoffloadd did not listen within 60 s; see %s", dp->log);
-		usleep(20000);
-	}
-	zc_disconnect(c);
+	r = bench_daemon_start(dp, o->daemon, NULL, 60);
+	if (r == -ECHILD)
+		die("zoffloadd exited at start; see %s", dp->log);
+	if (r == -ETIMEDOUT)
+		die("zoffloadd did not listen within 60 s; see %s", dp->log);
+	if (r < 0)
+		die("starting zoffloadd: %s", strerror(-r));
 }
 
 static void
-daemon_stop(struct daemon_proc *dp)
+daemon_stop(struct bench_daemon *dp)
 {
-	int status = 0;
+	int status = bench_daemon_stop(dp);
 
-	kill(dp->pid, SIGTERM);
-	if (waitpid(dp->pid, &status, 0) != dp->pid || !WIFEXITED(status) ||
-	    WEXITSTATUS(status) != 0)
+	if (status != 0)
 		fprintf(stderr, "bench_step: zoffloadd exited with status 0x%x; see %s\n", status,
 		    dp->log);
-	unlink(dp->socket);
-	unlink(dp->config);
-	unlink(dp->log);
-	rmdir(dp->dir);
 }
 
 /* Small gradients of both signs, the same every step: timing does not depend on the values. */
@@ -298,7 +217,7 @@ run_daemon(const struct opts *o, struct step_run *res)
 		.beta2 = 0.999, .eps = 1e-8, .weight_decay = 0.01 };
 	struct zc_tensor **t = calloc(o->tensors, sizeof(*t));
 	double r0 = 0, w0 = 0, cw0 = 0, iw0 = 0, sum = 0;
-	struct daemon_proc dp;
+	struct bench_daemon dp;
 	struct zc_conn *c;
 	float *init;
 	uint64_t maxn = tensor_numel(o, o->tensors - 1);
@@ -328,8 +247,8 @@ run_daemon(const struct opts *o, struct step_run *res)
 	}
 	free(init);
 	res->pinned_state_bytes = stat_number(c, "jobs.0.pinned_bytes");
-	stat_string(c, "tiers", "engine", res->engine, sizeof(res->engine));
-	stat_string(c, "kernel_isa", NULL, res->isa, sizeof(res->isa));
+	bench_stat_string(c, "tiers.nvme.engine", res->engine, sizeof(res->engine));
+	bench_stat_string(c, "kernel_isa", res->isa, sizeof(res->isa));
 	res->best_s = 1e30;
 	for (unsigned i = 0; i <= o->steps; i++) {
 		double t0, dt;
@@ -468,7 +387,8 @@ compute_bound(const struct opts *o, enum zk_isa isa)
 		uint64_t n = tensor_numel(o, k);
 		/* Padded apart like the daemon's arrays: power-of-two distances alias in the cache. */
 		size_t stride = ((size_t)n * sizeof(float) + 4095) / 4096 * 4096 + 4160;
-		char *state = aligned_alloc(4096, 3 * stride);
+		/* aligned_alloc takes whole multiples of the alignment (C11; ASan holds us to it). */
+		char *state = aligned_alloc(4096, (3 * stride + 4095) / 4096 * 4096);
 		uint16_t *grad = aligned_alloc(4096, ((size_t)n * 2 + 4095) / 4096 * 4096);
 		uint16_t *param = aligned_alloc(4096, ((size_t)n * 2 + 4095) / 4096 * 4096);
 
