@@ -485,3 +485,119 @@ Test(fake_daemon, hang_up_mid_request)
 	fake_finish();
 	cr_assert_eq(fd_count(), before, "descriptors leaked");
 }
+
+/* ---- replies that decode but do not hold together ---- */
+
+static void
+xfer_ok_tiny(int sock, const struct zp_msg *req)
+{
+	struct zp_msg m = { .u.xfer_ok.bytes = 2 };
+	int fd = memfd_of(4096);
+
+	send_or_die(sock, ZP_XFER_OK, req->hdr.request_id, &m, &fd, 1);
+	close(fd);
+}
+
+/* A window smaller than one element would move nothing, forever. */
+Test(fake_daemon, xfer_window_below_one_element)
+{
+	const struct fake f = { ZP_XFER_OPEN, xfer_ok_tiny };
+	unsigned before = fd_count();
+	struct zc_conn *c = fake_connect(&f);
+
+	expect_error(c, try_register(c, 1000), -EBADMSG, "transfer window of 2 bytes");
+	zc_disconnect(c);
+	fake_finish();
+	cr_assert_eq(fd_count(), before, "descriptors leaked");
+}
+
+static void
+xfer_ok_short_file(int sock, const struct zp_msg *req)
+{
+	struct zp_msg m = { .u.xfer_ok.bytes = 64 << 10 };
+	int fd = memfd_of(4096);
+
+	send_or_die(sock, ZP_XFER_OK, req->hdr.request_id, &m, &fd, 1);
+	close(fd);
+}
+
+/* Mapped past the file's end, the window would SIGBUS on the first copy beyond 4 KiB. */
+Test(fake_daemon, xfer_window_larger_than_its_file)
+{
+	const struct fake f = { ZP_XFER_OPEN, xfer_ok_short_file };
+	unsigned before = fd_count();
+	struct zc_conn *c = fake_connect(&f);
+
+	expect_error(c, try_register(c, 4096), -EBADMSG, "transfer window of 65536 bytes");
+	zc_disconnect(c);
+	fake_finish();
+	cr_assert_eq(fd_count(), before, "descriptors leaked");
+}
+
+static uint32_t scripted_handle;
+static size_t scripted_grad_file;
+
+/* TENSOR_OK with scripted_handle and a grad slot file of scripted_grad_file bytes. */
+static void
+tensor_ok_scripted(int sock, const struct zp_msg *req)
+{
+	uint64_t bytes = req->u.tensor_register.numel * 4;
+	struct zp_msg m = { .u.tensor_ok = { .handle = scripted_handle, .grad_bytes = bytes,
+		.param_bytes = bytes } };
+	int fds[2] = { memfd_of(scripted_grad_file ? scripted_grad_file : bytes), memfd_of(bytes) };
+
+	send_or_die(sock, ZP_TENSOR_OK, req->hdr.request_id, &m, fds, 2);
+	close(fds[0]);
+	close(fds[1]);
+}
+
+Test(fake_daemon, tensor_handle_zero)
+{
+	const struct fake f = { ZP_TENSOR_REGISTER, tensor_ok_scripted };
+	unsigned before = fd_count();
+	struct zc_conn *c;
+
+	scripted_handle = 0;
+	c = fake_connect(&f);
+	expect_error(c, try_register(c, 1000), -EBADMSG, "handle 0");
+	zc_disconnect(c);
+	fake_finish();
+	cr_assert_eq(fd_count(), before, "descriptors leaked");
+}
+
+/* A second tensor given the first one's handle would take its place. */
+Test(fake_daemon, tensor_handle_in_use)
+{
+	const struct fake f = { ZP_TENSOR_REGISTER, tensor_ok_scripted };
+	unsigned before = fd_count();
+	struct zc_tensor_desc desc = { .name = "first", .numel = 1000, .grad_dtype = ZC_F32,
+		.param_dtype = ZC_F32 };
+	static float init[1000];
+	struct zc_tensor *first;
+	struct zc_conn *c;
+
+	scripted_handle = 3;
+	c = fake_connect(&f);
+	cr_assert_eq(zc_tensor_register(c, &desc, init, &first), 0, "%s", zc_errmsg(c));
+	expect_error(c, try_register(c, 1000), -EBADMSG, "handle 3");
+	cr_assert_eq(zc_tensor_numel(first), 1000, "the first tensor was replaced");
+	zc_disconnect(c);
+	fake_finish();
+	cr_assert_eq(fd_count(), before, "descriptors leaked");
+}
+
+/* A slot file shorter than the slot: the training process would SIGBUS writing gradients. */
+Test(fake_daemon, slot_larger_than_its_file)
+{
+	const struct fake f = { ZP_TENSOR_REGISTER, tensor_ok_scripted };
+	unsigned before = fd_count();
+	struct zc_conn *c;
+
+	scripted_handle = 1;
+	scripted_grad_file = 4096;
+	c = fake_connect(&f);
+	expect_error(c, try_register(c, 4096), -EBADMSG, "slots of 'w'");
+	zc_disconnect(c);
+	fake_finish();
+	cr_assert_eq(fd_count(), before, "descriptors leaked");
+}
