@@ -114,7 +114,8 @@ ZC_API int zc_tensor_read(struct zc_tensor *tensor, enum zc_state which, uint64_
  * Write count fp32 values of master weights or moments starting at offset
  * (loading saved state; master also refreshes the param slot), then say with
  * zc_tensor_set_step which step that state is at: the next step submitted
- * must be above it.
+ * must be above it.  Adagrad keeps its sum of squares in ZC_STATE_EXP_AVG:
+ * torch's initial_accumulator_value is that array written before step 1.
  */
 ZC_API int zc_tensor_write(struct zc_tensor *tensor, enum zc_state which, uint64_t offset,
     uint64_t count, const float *src);
