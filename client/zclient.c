@@ -8,6 +8,7 @@
 #include <string.h>
 #include <sys/mman.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
 #include <sys/un.h>
 #include <time.h>
 #include <unistd.h>
@@ -626,10 +627,20 @@ zc_job_close(struct zc_conn *c)
 	return 0;
 }
 
+/* Bytes of the file behind fd; 0 when it cannot be told. */
+static uint64_t
+file_bytes(int fd)
+{
+	struct stat st;
+
+	return fstat(fd, &st) == 0 && st.st_size > 0 ? (uint64_t)st.st_size : 0;
+}
+
 static int
 ensure_xfer(struct zc_conn *c)
 {
 	struct zp_msg m = { .hdr = { .type = ZP_XFER_OPEN } };
+	uint64_t bytes, file;
 	int fd, r;
 	void *map;
 
@@ -638,7 +649,18 @@ ensure_xfer(struct zc_conn *c)
 	r = rpc(c, &m, ZP_XFER_OK, &fd);
 	if (r < 0)
 		return r;
-	map = mmap(NULL, c->msg->u.xfer_ok.bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+	/*
+	 * Below one element the copy loop would make no progress; past the
+	 * file's end the mapping would SIGBUS on first touch.
+	 */
+	bytes = c->msg->u.xfer_ok.bytes;
+	file = file_bytes(fd);
+	if (bytes < sizeof(float) || file < bytes) {
+		close(fd);
+		return seterr(c, -EBADMSG, "zoffloadd sent a transfer window of %llu bytes in a "
+		    "%llu-byte file", (unsigned long long)bytes, (unsigned long long)file);
+	}
+	map = mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
 	r = map == MAP_FAILED ? -errno : 0;
 	close(fd);
 	if (r < 0)
@@ -755,9 +777,22 @@ zc_tensor_register(struct zc_conn *c, const struct zc_tensor_desc *desc, const f
 	t->last_step = c->msg->u.tensor_ok.last_step;
 	t->param_offload = desc->param_offload;
 	resumed = c->msg->u.tensor_ok.resumed != 0;
+	/* Handle 0 would index tensors[-1]; a handle in use would take another tensor's place. */
+	if (t->handle == 0 || tensor_by_handle(c, t->handle) != NULL) {
+		r = seterr(c, -EBADMSG, "zoffloadd gave '%s' handle %u, %s", desc->name, t->handle,
+		    t->handle == 0 ? "which is not a handle" : "which another tensor has");
+		goto fail_free;
+	}
 	if (t->grad_bytes != desc->numel * dtype_size(desc->grad_dtype) ||
 	    t->param_bytes != desc->numel * dtype_size(desc->param_dtype)) {
 		r = seterr(c, -EBADMSG, "zoffloadd sized the slots of '%s' wrongly", desc->name);
+		goto fail_tensor;
+	}
+	/* A slot mapped past its file's end would SIGBUS in the training process. */
+	if (file_bytes(fds[0]) < t->grad_bytes || file_bytes(fds[1]) < t->param_bytes) {
+		r = seterr(c, -EBADMSG, "zoffloadd sent the slots of '%s' (%zu and %zu bytes) in "
+		    "files of %llu and %llu bytes", desc->name, t->grad_bytes, t->param_bytes,
+		    (unsigned long long)file_bytes(fds[0]), (unsigned long long)file_bytes(fds[1]));
 		goto fail_tensor;
 	}
 	t->grad = mmap(NULL, t->grad_bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fds[0], 0);
@@ -797,6 +832,7 @@ fail_tensor:
 	memcpy(saved, c->err, sizeof(saved));
 	unregister_quietly(c, t->handle);
 	memcpy(c->err, saved, sizeof(saved));
+fail_free:
 	free(t);
 fail_fds:
 	close(fds[0]);

@@ -128,7 +128,12 @@ struct zc_tensor_desc {
  * are in).  When the tensor is taken back from a rank that died, init is not
  * used and zc_tensor_last_step() says which step its state is at; -EAGAIN
  * means a step the dead process submitted is still running on it: register
- * again shortly.
+ * again shortly.  Past a limit: -ENOSPC when memory.pinned_budget (no swap
+ * to spill to, or policy cpu), memory.shm_budget or the swap.paths are
+ * full; -EDQUOT past the job's pinned budget (policy cpu) or
+ * limits.uid_pinned_budget / limits.uid_swap_budget; zc_errmsg() names the
+ * limit.  zc_connect returns -EUSERS past limits.max_clients or
+ * limits.max_clients_per_uid.
  */
 ZC_API int zc_tensor_register(struct zc_conn *conn, const struct zc_tensor_desc *desc,
     const float *init, struct zc_tensor **ret);
@@ -170,7 +175,8 @@ ZC_API int zc_tensor_read(struct zc_tensor *tensor, enum zc_state which, uint64_
  * Write count fp32 values of master weights or moments starting at offset
  * (loading saved state; master also refreshes the param slot), then say with
  * zc_tensor_set_step which step that state is at: the next step submitted
- * must be above it.
+ * must be above it.  Adagrad keeps its sum of squares in ZC_STATE_EXP_AVG:
+ * torch's initial_accumulator_value is that array written before step 1.
  */
 ZC_API int zc_tensor_write(struct zc_tensor *tensor, enum zc_state which, uint64_t offset,
     uint64_t count, const float *src);

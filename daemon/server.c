@@ -229,8 +229,17 @@ reload(struct zd_daemon *d)
 	zt_arena_set_budget(d->arena, fresh.pinned_budget);
 	d->cfg.pinned_budget = fresh.pinned_budget;
 	d->cfg.shm_budget = fresh.shm_budget;
+	/*
+	 * Every limits.* key: each is read where it is enforced (accept,
+	 * placement, detach), so a new value applies from the next use on and
+	 * nothing already admitted is undone.
+	 */
 	d->cfg.max_clients = fresh.max_clients;
+	d->cfg.max_clients_per_uid = fresh.max_clients_per_uid;
 	d->cfg.max_queued_messages = fresh.max_queued_messages;
+	d->cfg.uid_pinned_budget = fresh.uid_pinned_budget;
+	d->cfg.uid_swap_budget = fresh.uid_swap_budget;
+	d->cfg.detach_grace_s = fresh.detach_grace_s;
 	d->isa = isa;
 	zd_config_clear(&fresh);
 	log_info("SIGHUP: reloaded %s (kernels %s)", d->config_path, zk_isa_name(d->isa));

@@ -212,6 +212,22 @@ add_uids(cJSON *root, const struct zd_daemon *d)
 	}
 }
 
+/* The running limits, so that a SIGHUP reload can be seen from outside. */
+static void
+add_limits(cJSON *root, const struct zd_daemon *d)
+{
+	cJSON *l = cJSON_AddObjectToObject(root, "limits");
+
+	if (l == NULL)
+		return;
+	cJSON_AddNumberToObject(l, "max_clients", d->cfg.max_clients);
+	cJSON_AddNumberToObject(l, "max_clients_per_uid", d->cfg.max_clients_per_uid);
+	cJSON_AddNumberToObject(l, "max_queued_messages", d->cfg.max_queued_messages);
+	cJSON_AddNumberToObject(l, "uid_pinned_budget", (double)d->cfg.uid_pinned_budget);
+	cJSON_AddNumberToObject(l, "uid_swap_budget", (double)d->cfg.uid_swap_budget);
+	cJSON_AddNumberToObject(l, "detach_grace_s", d->cfg.detach_grace_s);
+}
+
 static void
 add_tiers(cJSON *root, const struct zd_daemon *d)
 {
@@ -327,6 +343,7 @@ zd_stats_json(struct zd_daemon *d)
 	cJSON_AddNumberToObject(root, "pid", (double)getpid());
 	cJSON_AddNumberToObject(root, "uptime_s", (double)(zd_now_ns() - d->started_ns) / 1e9);
 	cJSON_AddStringToObject(root, "kernel_isa", zk_isa_name(d->isa));
+	cJSON_AddStringToObject(root, "log_level", log_level_name(d->cfg.log_level));
 	cJSON_AddNumberToObject(root, "worker_threads", d->cfg.worker_threads);
 	cJSON_AddNumberToObject(root, "sessions", d->nsessions);
 	cJSON_AddNumberToObject(root, "tensors", (double)tensors);
@@ -336,6 +353,7 @@ zd_stats_json(struct zd_daemon *d)
 	add_steps(root, d);
 	add_pipeline(root, d);
 	add_uids(root, d);
+	add_limits(root, d);
 	cJSON_AddItemToObject(root, "jobs", jobs_array(d));
 	return print_and_free(root);
 }

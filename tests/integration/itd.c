@@ -449,6 +449,43 @@ itd_ref_adam(double *p, double *m, double *v, const double *g, size_t n,
 	}
 }
 
+size_t
+itd_ref_lion(double *p, double *m, const double *g, size_t n, const struct zc_step_params *sp,
+    bool *ambiguous)
+{
+	size_t count = 0;
+
+	for (size_t i = 0; i < n; i++) {
+		double c = sp->beta1 * m[i] + (1 - sp->beta1) * g[i];
+		double mag = fabs(sp->beta1 * m[i]) + fabs((1 - sp->beta1) * g[i]);
+		bool coin = c != 0 && fabs(c) <= 1e-5 * mag;
+
+		if (ambiguous != NULL)
+			ambiguous[i] = coin;
+		count += coin;
+		p[i] *= 1 - sp->lr * sp->weight_decay;
+		p[i] -= sp->lr * (double)((c > 0) - (c < 0));
+		m[i] = sp->beta2 * m[i] + (1 - sp->beta2) * g[i];
+	}
+	return count;
+}
+
+void
+itd_ref_adagrad(double *p, double *sum, const double *g, size_t n,
+    const struct zc_step_params *sp)
+{
+	double clr = sp->lr / (1 + ((double)sp->step - 1) * sp->lr_decay);
+
+	for (size_t i = 0; i < n; i++) {
+		double gi = g[i];
+
+		if (sp->weight_decay != 0)
+			gi += sp->weight_decay * p[i];
+		sum[i] += gi * gi;
+		p[i] -= clr * gi / (sqrt(sum[i]) + sp->eps);
+	}
+}
+
 double
 itd_max_rel_err(const float *got, const double *want, size_t n)
 {

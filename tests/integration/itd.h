@@ -93,6 +93,23 @@ double itd_uniform(struct itd_rng *r);
  */
 void itd_ref_adam(double *p, double *m, double *v, const double *g, size_t n,
     const struct zc_step_params *sp);
+/*
+ * Lion (Chen et al. 2023) with torch-style decoupled weight decay, in double:
+ * p *= 1 - lr*wd; c = b1*m + (1-b1)*g; p -= lr*sign(c); m = b2*m + (1-b2)*g.
+ * Where c is within rounding of zero (|c| <= 1e-5 (|b1 m| + |(1-b1) g|), c
+ * not exactly 0) the fp32 daemon's sign is a coin toss: such elements are
+ * marked in ambiguous (n entries, nullable) for the caller to take the
+ * daemon's value.  Returns how many were marked.
+ */
+size_t itd_ref_lion(double *p, double *m, const double *g, size_t n,
+    const struct zc_step_params *sp, bool *ambiguous);
+/*
+ * torch.optim.Adagrad (1.13) in double: g += wd*p (wd != 0),
+ * clr = lr / (1 + (step-1)*lr_decay), sum += g*g, p -= clr*g/(sqrt(sum)+eps).
+ * sum starts at initial_accumulator_value.
+ */
+void itd_ref_adagrad(double *p, double *sum, const double *g, size_t n,
+    const struct zc_step_params *sp);
 /* max |got - want| / max |want|; a NaN anywhere gives inf. */
 double itd_max_rel_err(const float *got, const double *want, size_t n);
 

@@ -1,4 +1,4 @@
-/* A real zoffloadd's Adam/AdamW steps against a double-precision reference written here, driven through libzclient. */
+/* A real zoffloadd's AdamW/Adam/Lion/Adagrad steps and gradient clipping against double-precision references (itd.c), driven through libzclient. */
 #include <criterion/criterion.h>
 #include <math.h>
 #include <stdio.h>
@@ -34,8 +34,21 @@ struct ref {
 	enum zc_dtype param_dtype;
 	double *p, *m, *v;
 	double *g;		/* the gradient the daemon consumes this step, unscaled */
+	bool *coin;		/* Lion: elements whose sign(c) was within rounding of zero */
 	struct zc_tensor *t;
 };
+
+/* One numerics run: hyperparameters, clipping, the gradients' shape. */
+struct ncase {
+	struct zc_step_params sp;	/* step set per step, lr scaled down per step */
+	double clip_factor;		/* > 0: max_grad_norm = clip_factor x the set's norm */
+	double acc0;			/* Adagrad: state_sum written before step 1 */
+	double grad_mag;		/* f32 gradients are uniform in +-grad_mag (0: 1) */
+	bool zero_grads;		/* every 8th element's gradient is 0 throughout */
+};
+
+static double grad_mag = 1;
+static bool zero_grads;
 
 static struct itd daemon_;
 static struct zc_conn *conn;
@@ -59,6 +72,7 @@ teardown(void)
 		free(refs[i].m);
 		free(refs[i].v);
 		free(refs[i].g);
+		free(refs[i].coin);
 		memset(&refs[i], 0, sizeof(refs[i]));
 	}
 	itd_cleanup(&daemon_);
@@ -85,7 +99,8 @@ register_tensors(struct itd_rng *rng, const enum zc_dtype *grad_dtypes, enum zc_
 		r->m = calloc(r->n, sizeof(double));
 		r->v = calloc(r->n, sizeof(double));
 		r->g = calloc(r->n, sizeof(double));
-		cr_assert(init && r->p && r->m && r->v && r->g);
+		r->coin = calloc(r->n, sizeof(bool));
+		cr_assert(init && r->p && r->m && r->v && r->g && r->coin);
 		for (size_t i = 0; i < r->n; i++) {
 			init[i] = (float)itd_uniform(rng);
 			r->p[i] = init[i];
@@ -109,9 +124,16 @@ fill_grads(struct itd_rng *rng, double scale)
 		void *slot = zc_tensor_grad_slot(r->t, NULL);
 
 		for (size_t i = 0; i < r->n; i++) {
+			/* Lion's sign(0) and Adagrad's untouched sum: g = 0 (and m = 0) forever. */
+			if (zero_grads && i % 8 == 0) {
+				memset((char *)slot + i * (r->grad_dtype == ZC_F32 ? 4 : 2), 0,
+				    r->grad_dtype == ZC_F32 ? 4 : 2);
+				r->g[i] = 0;
+				continue;
+			}
 			switch (r->grad_dtype) {
 			case ZC_F32: {
-				float g = (float)(itd_uniform(rng) * scale);
+				float g = (float)(itd_uniform(rng) * grad_mag * scale);
 
 				((float *)slot)[i] = g;
 				r->g[i] = (double)g / scale;
@@ -148,7 +170,30 @@ fill_grads(struct itd_rng *rng, double scale)
 static void
 ref_step(struct ref *r, const struct zc_step_params *sp)
 {
-	itd_ref_adam(r->p, r->m, r->v, r->g, r->n, sp);
+	float *got;
+
+	switch (sp->optim) {
+	case ZC_ADAMW:
+	case ZC_ADAM:
+		itd_ref_adam(r->p, r->m, r->v, r->g, r->n, sp);
+		break;
+	case ZC_ADAGRAD:
+		itd_ref_adagrad(r->p, r->m, r->g, r->n, sp);
+		break;
+	case ZC_LION:
+		if (itd_ref_lion(r->p, r->m, r->g, r->n, sp, r->coin) == 0)
+			break;
+		/* A coin-toss sign: take the daemon's weight for that element. */
+		got = malloc(r->n * sizeof(float));
+		cr_assert_not_null(got);
+		cr_assert_eq(zc_tensor_read(r->t, ZC_STATE_MASTER, 0, r->n, got), 0, "%s",
+		    zc_errmsg(conn));
+		for (size_t i = 0; i < r->n; i++)
+			if (r->coin[i])
+				r->p[i] = got[i];
+		free(got);
+		break;
+	}
 }
 
 static double
@@ -217,13 +262,16 @@ check_param_slot(struct ref *r)
 	free(master);
 }
 
+/* Lion and Adagrad keep one moment (momentum, sum of squares) in exp_avg. */
 static void
-compare_all(void)
+compare_all(enum zc_optim optim)
 {
 	for (size_t k = 0; k < NT; k++) {
 		compare_state("master", &refs[k], ZC_STATE_MASTER, refs[k].p);
-		compare_state("exp_avg", &refs[k], ZC_STATE_EXP_AVG, refs[k].m);
-		compare_state("exp_avg_sq", &refs[k], ZC_STATE_EXP_AVG_SQ, refs[k].v);
+		compare_state(optim == ZC_LION ? "exp_avg (momentum)" : optim == ZC_ADAGRAD ?
+		    "exp_avg (state_sum)" : "exp_avg", &refs[k], ZC_STATE_EXP_AVG, refs[k].m);
+		if (optim == ZC_ADAMW || optim == ZC_ADAM)
+			compare_state("exp_avg_sq", &refs[k], ZC_STATE_EXP_AVG_SQ, refs[k].v);
 		check_param_slot(&refs[k]);
 	}
 }
@@ -257,35 +305,84 @@ step_and_check(const struct zc_step_params *sp, struct zc_step_result *ret)
 		ref_step(&refs[k], sp);
 }
 
+/* Loads Adagrad's initial accumulator into the daemon and the reference. */
+static void
+write_accumulator(double acc0)
+{
+	for (size_t k = 0; k < NT; k++) {
+		struct ref *r = &refs[k];
+		float *sum = malloc(r->n * sizeof(float));
+
+		cr_assert_not_null(sum);
+		for (size_t i = 0; i < r->n; i++) {
+			sum[i] = (float)acc0;
+			r->m[i] = sum[i];
+		}
+		cr_assert_eq(zc_tensor_write(r->t, ZC_STATE_EXP_AVG, 0, r->n, sum), 0, "%s",
+		    zc_errmsg(conn));
+		free(sum);
+	}
+}
+
+static void
+run_case(const struct ncase *nc, const enum zc_dtype *grad_dtypes, enum zc_dtype param_dtype,
+    uint64_t seed)
+{
+	struct itd_rng rng = { seed };
+	struct zc_step_params sp = nc->sp;
+	struct zc_step_result res;
+
+	grad_mag = nc->grad_mag > 0 ? nc->grad_mag : 1;
+	zero_grads = nc->zero_grads;
+	register_tensors(&rng, grad_dtypes, param_dtype);
+	if (nc->acc0 != 0)
+		write_accumulator(nc->acc0);
+	for (uint64_t t = 1; t <= STEPS; t++) {
+		double norm, coef = 1;
+
+		sp.step = t;
+		/* A per-step lr, as a schedule would send. */
+		sp.lr = nc->sp.lr * (1.0 - 0.02 * (double)t);
+		fill_grads(&rng, sp.grad_scale);
+		norm = sqrt(sum_sq());
+		/*
+		 * torch.nn.utils.clip_grad_norm_ over the whole set: coef =
+		 * max_norm / (total_norm + 1e-6), applied only when below 1.  The
+		 * reference clips the gradients it feeds itself; the daemon gets
+		 * only max_grad_norm.
+		 */
+		if (nc->clip_factor > 0) {
+			sp.max_grad_norm = nc->clip_factor * norm;
+			coef = sp.max_grad_norm / (norm + 1e-6);
+			if (coef < 1)
+				for (size_t k = 0; k < NT; k++)
+					for (size_t i = 0; i < refs[k].n; i++)
+						refs[k].g[i] *= coef;
+		}
+		step_and_check(&sp, &res);
+		/*
+		 * With check_finite or clipping the daemon reports the set's global
+		 * norm of the unscaled gradients before clipping (what
+		 * clip_grad_norm_ returns); it sums squares in double, so 1e-9
+		 * relative.
+		 */
+		if (sp.check_finite || sp.max_grad_norm > 0)
+			cr_assert(fabs(res.grad_norm - norm) <= 1e-9 * norm,
+			    "step %llu: grad_norm %.12g, want %.12g (clip coefficient %.6g)",
+			    (unsigned long long)t, res.grad_norm, norm, coef);
+	}
+	compare_all(sp.optim);
+}
+
 static void
 run(enum zc_optim optim, const enum zc_dtype *grad_dtypes, enum zc_dtype param_dtype,
     double grad_scale, uint64_t seed)
 {
-	struct itd_rng rng = { seed };
-	struct zc_step_params sp = { .optim = optim, .lr = 2e-3, .beta1 = 0.9, .beta2 = 0.999,
-		.eps = 1e-8, .weight_decay = 0.1, .grad_scale = grad_scale,
-		.check_finite = grad_scale != 1.0 };
-	struct zc_step_result res;
+	const struct ncase nc = { .sp = { .optim = optim, .lr = 2e-3, .beta1 = 0.9,
+		.beta2 = 0.999, .eps = 1e-8, .weight_decay = 0.1, .grad_scale = grad_scale,
+		.check_finite = grad_scale != 1.0 } };
 
-	register_tensors(&rng, grad_dtypes, param_dtype);
-	for (uint64_t t = 1; t <= STEPS; t++) {
-		sp.step = t;
-		/* A per-step lr, as a schedule would send. */
-		sp.lr = 2e-3 * (1.0 - 0.02 * (double)t);
-		fill_grads(&rng, grad_scale);
-		step_and_check(&sp, &res);
-		/*
-		 * With check_finite the daemon reports the set's global norm of the
-		 * unscaled gradients; it sums squares in double, so 1e-9 relative.
-		 */
-		if (sp.check_finite) {
-			double want = sqrt(sum_sq());
-
-			cr_assert(fabs(res.grad_norm - want) <= 1e-9 * want,
-			    "grad_norm %.12g, want %.12g", res.grad_norm, want);
-		}
-	}
-	compare_all();
+	run_case(&nc, grad_dtypes, param_dtype, seed);
 }
 
 Test(numerics, adamw_f32_grads_bf16_params)
@@ -322,6 +419,94 @@ Test(numerics, adam_mixed_grad_dtypes_loss_scale)
 	static const enum zc_dtype g[NT] = { ZC_F16, ZC_BF16, ZC_F32 };
 
 	run(ZC_ADAM, g, ZC_F32, 1024.0, 0x77);
+}
+
+/* Lion with its decoupled decay, sign(0) = 0 on the elements whose g and m stay 0. */
+Test(numerics, lion_vs_double)
+{
+	static const enum zc_dtype g[NT] = { ZC_F32, ZC_BF16, ZC_F16 };
+	const struct ncase nc = { .sp = { .optim = ZC_LION, .lr = 1e-2, .beta1 = 0.9,
+		.beta2 = 0.99, .weight_decay = 0.5, .grad_scale = 1 }, .zero_grads = true };
+
+	run_case(&nc, g, ZC_BF16, 0x1107);
+}
+
+/*
+ * Adagrad with lr_decay, L2 decay and torch's initial_accumulator_value.
+ * The API has no initial_accumulator_value: a client gets torch's
+ * behaviour by writing it into the sum (exp_avg) before the first step,
+ * which is what this does.
+ */
+Test(numerics, adagrad_vs_double)
+{
+	static const enum zc_dtype g[NT] = { ZC_F32, ZC_F16, ZC_BF16 };
+	const struct ncase nc = { .sp = { .optim = ZC_ADAGRAD, .lr = 5e-2, .eps = 1e-10,
+		.weight_decay = 0.01, .lr_decay = 0.1, .grad_scale = 1 }, .acc0 = 0.1,
+		.zero_grads = true };
+
+	run_case(&nc, g, ZC_F32, 0xada);
+}
+
+/* torch's Adagrad defaults: no decay, sum from 0, eps 1e-10. */
+Test(numerics, adagrad_defaults_vs_double)
+{
+	static const enum zc_dtype g[NT] = { ZC_F32, ZC_F32, ZC_F32 };
+	const struct ncase nc = { .sp = { .optim = ZC_ADAGRAD, .lr = 1e-2, .eps = 1e-10,
+		.grad_scale = 1 } };
+
+	run_case(&nc, g, ZC_BF16, 0xada2);
+}
+
+/*
+ * Clipping against the reference's own clip_grad_norm_: max_grad_norm below
+ * the set's norm scales every gradient of the set by one coefficient; m and
+ * v are linear and quadratic in it, so a wrong coefficient shows there even
+ * where Adam's update is scale-free.
+ */
+Test(numerics, clip_below_norm)
+{
+	static const enum zc_dtype g[NT] = { ZC_F32, ZC_F32, ZC_F32 };
+	const struct ncase nc = { .sp = { .optim = ZC_ADAMW, .lr = 2e-3, .beta1 = 0.9,
+		.beta2 = 0.999, .eps = 1e-8, .weight_decay = 0.1, .grad_scale = 1 },
+		.clip_factor = 0.25 };
+
+	run_case(&nc, g, ZC_BF16, 0xc11b);
+}
+
+/* Above the norm the coefficient would be 1.5: it is capped at 1 (no clipping). */
+Test(numerics, clip_above_norm)
+{
+	static const enum zc_dtype g[NT] = { ZC_F32, ZC_F32, ZC_F32 };
+	const struct ncase nc = { .sp = { .optim = ZC_ADAM, .lr = 2e-3, .beta1 = 0.9,
+		.beta2 = 0.999, .eps = 1e-8, .weight_decay = 0.1, .grad_scale = 1 },
+		.clip_factor = 1.5 };
+
+	run_case(&nc, g, ZC_F32, 0xc11a);
+}
+
+/*
+ * A set whose norm (~2e-6) is comparable to the 1e-6 in the coefficient's
+ * denominator: coef = 0.5 x norm / (norm + 1e-6) is a third below 0.5, so
+ * the 1e-6 is checked too.  Lion would not see the scale; Adagrad's sum does.
+ */
+Test(numerics, clip_tiny_norm)
+{
+	static const enum zc_dtype g[NT] = { ZC_F32, ZC_F32, ZC_F32 };
+	const struct ncase nc = { .sp = { .optim = ZC_ADAGRAD, .lr = 1e-2, .eps = 1e-10,
+		.grad_scale = 1 }, .clip_factor = 0.5, .grad_mag = 1e-8 };
+
+	run_case(&nc, g, ZC_F32, 0xc117);
+}
+
+/* fp16 loss-scaled grads: the norm and the clipping apply to the unscaled gradients. */
+Test(numerics, clip_loss_scaled_mixed_dtypes)
+{
+	static const enum zc_dtype g[NT] = { ZC_F16, ZC_BF16, ZC_F32 };
+	const struct ncase nc = { .sp = { .optim = ZC_ADAMW, .lr = 2e-3, .beta1 = 0.9,
+		.beta2 = 0.999, .eps = 1e-8, .weight_decay = 0.1, .grad_scale = 1024,
+		.check_finite = true }, .clip_factor = 0.3 };
+
+	run_case(&nc, g, ZC_BF16, 0xc116);
 }
 
 struct snapshot {
@@ -440,7 +625,7 @@ Test(numerics, nonfinite_set_skipped)
 	sp.step = 3;
 	fill_grads(&rng, 1024);
 	step_and_check(&sp, NULL);
-	compare_all();
+	compare_all(sp.optim);
 	cr_assert_eq(itd_stat(conn, "steps.skipped_nonfinite"), 3);
 	cr_assert_eq(itd_stat(conn, "steps.applied"), 3);
 }

@@ -116,6 +116,7 @@ same_bits(enum zc_optim optim)
 
 		/* Clipping to the set's global norm covers the norm pass over NVMe tensors too. */
 		p.max_grad_norm = 1.0;
+		p.lr_decay = optim == ZC_ADAGRAD ? 0.05 : 0;
 		p.check_finite = true;
 		for (size_t i = 0; i < 3; i++)
 			submit_whole(&jobs[i], &p);
@@ -128,7 +129,7 @@ same_bits(enum zc_optim optim)
 		char what[64];
 
 		snprintf(what, sizeof(what), "%s after %d %s steps against memory", names[i], STEPS,
-		    optim == ZC_ADAMW ? "AdamW" : "Adam");
+		    (const char *[]){ "AdamW", "Adam", "Adagrad", "Lion" }[optim]);
 		th_assert_same(&snaps[i], &snaps[0], what);
 	}
 
@@ -154,6 +155,17 @@ Test(bits, adamw_memory_auto_nvme)
 Test(bits, adam_memory_auto_nvme)
 {
 	same_bits(ZC_ADAM);
+}
+
+/* One moment each (exp_avg), so the chunks carry an unused v: it must stay as it was. */
+Test(bits, lion_memory_auto_nvme)
+{
+	same_bits(ZC_LION);
+}
+
+Test(bits, adagrad_memory_auto_nvme)
+{
+	same_bits(ZC_ADAGRAD);
 }
 
 /*

@@ -1,0 +1,603 @@
+/* libzclient's own checks on what the daemon sends: a fake daemon in a child process answers wrongly; the client must fail clearly and leak no descriptor. */
+#include <criterion/criterion.h>
+#include <dirent.h>
+#include <errno.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/socket.h>
+#include <sys/un.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include "msgio.h"
+#include "proto.h"
+#include "zclient.h"
+
+/*
+ * The fake daemon answers HELLO, JOB_OPEN, TENSOR_REGISTER (f32 slots) and
+ * XFER_OPEN (a 64 KiB window) as the real one does, STATS with "{}", every
+ * other request with OK, except the one
+ * request type a test scripts: that gets the test's reply.  It runs until
+ * the client hangs up, so the client's clean-up requests (an UNREGISTER
+ * after a failed register) are answered too.
+ */
+struct fake {
+	uint16_t on;			/* request type whose reply is scripted */
+	void (*reply)(int sock, const struct zp_msg *req);
+};
+
+static char dir[64];
+static pid_t child;
+
+static void
+teardown(void)
+{
+	if (child > 0) {
+		kill(child, SIGKILL);
+		waitpid(child, NULL, 0);
+	}
+	child = 0;
+	if (dir[0] != '\0') {
+		char path[96];
+
+		snprintf(path, sizeof(path), "%s/sock", dir);
+		unlink(path);
+		rmdir(dir);
+	}
+	dir[0] = '\0';
+}
+
+TestSuite(fake_daemon, .fini = teardown, .timeout = 30);
+
+static unsigned
+fd_count(void)
+{
+	DIR *d = opendir("/proc/self/fd");
+	unsigned n = 0;
+
+	cr_assert_not_null(d);
+	while (readdir(d) != NULL)
+		n++;
+	closedir(d);
+	return n;
+}
+
+/* Like zp_send_raw, but any number of descriptors: msgio refuses to send more than it takes. */
+static int
+sendmsg_fds(int sock, const void *buf, size_t len, const int *fds, unsigned nfds)
+{
+	union {
+		struct cmsghdr align;
+		char buf[CMSG_SPACE(sizeof(int) * 8)];
+	} control;
+	struct iovec iov = { .iov_base = (void *)buf, .iov_len = len };
+	struct msghdr mh = { .msg_iov = &iov, .msg_iovlen = 1 };
+	struct cmsghdr *c;
+
+	if (nfds > 8)
+		return -EINVAL;
+	if (nfds > 0) {
+		mh.msg_control = control.buf;
+		mh.msg_controllen = CMSG_SPACE(sizeof(int) * nfds);
+		c = CMSG_FIRSTHDR(&mh);
+		c->cmsg_level = SOL_SOCKET;
+		c->cmsg_type = SCM_RIGHTS;
+		c->cmsg_len = CMSG_LEN(sizeof(int) * nfds);
+		memcpy(CMSG_DATA(c), fds, sizeof(int) * nfds);
+	}
+	return sendmsg(sock, &mh, MSG_NOSIGNAL) == (ssize_t)len ? 0 : -errno;
+}
+
+/* Child side: never asserts (Criterion's asserts belong to the test's process). */
+static void
+send_or_die(int sock, uint16_t type, uint64_t id, struct zp_msg *m, const int *fds,
+    unsigned nfds)
+{
+	static uint8_t buf[ZP_MAX_MESSAGE];
+	size_t len;
+
+	m->hdr.type = type;
+	m->hdr.request_id = id;
+	if (zp_encode(m, buf, sizeof(buf), &len) != ZP_S_OK || sendmsg_fds(sock, buf, len, fds,
+	    nfds) != 0)
+		_exit(3);
+}
+
+static int
+memfd_of(size_t bytes)
+{
+	int fd = memfd_create("fake-slot", MFD_CLOEXEC);
+
+	if (fd < 0 || ftruncate(fd, (off_t)bytes) != 0)
+		_exit(4);
+	return fd;
+}
+
+static void
+tensor_ok_fds(int sock, const struct zp_msg *req, unsigned nfds)
+{
+	static uint32_t handle;
+	struct zp_msg m = { .u.tensor_ok = { .handle = ++handle,
+		.grad_bytes = req->u.tensor_register.numel * 4,
+		.param_bytes = req->u.tensor_register.numel * 4 } };
+	int fds[3] = { -1, -1, -1 };
+
+	for (unsigned i = 0; i < nfds; i++)
+		fds[i] = memfd_of(req->u.tensor_register.numel * 4);
+	send_or_die(sock, ZP_TENSOR_OK, req->hdr.request_id, &m, fds, nfds);
+	for (unsigned i = 0; i < nfds; i++)
+		close(fds[i]);
+}
+
+static void
+default_reply(int sock, const struct zp_msg *req)
+{
+	struct zp_msg m = { 0 };
+	int fd;
+
+	switch (req->hdr.type) {
+	case ZP_HELLO:
+		strcpy(m.u.hello_ok.daemon_version, "fake");
+		m.u.hello_ok.session_id = 1;
+		send_or_die(sock, ZP_HELLO_OK, req->hdr.request_id, &m, NULL, 0);
+		break;
+	case ZP_JOB_OPEN:
+		m.u.job_ok.job_id = 1;
+		send_or_die(sock, ZP_JOB_OK, req->hdr.request_id, &m, NULL, 0);
+		break;
+	case ZP_TENSOR_REGISTER:
+		/* f32 grads and params only. */
+		tensor_ok_fds(sock, req, 2);
+		break;
+	case ZP_XFER_OPEN:
+		fd = memfd_of(64 << 10);
+		m.u.xfer_ok.bytes = 64 << 10;
+		send_or_die(sock, ZP_XFER_OK, req->hdr.request_id, &m, &fd, 1);
+		close(fd);
+		break;
+	case ZP_STATS:
+		m.u.json.text = "{}";
+		m.u.json.len = 2;
+		send_or_die(sock, ZP_JSON, req->hdr.request_id, &m, NULL, 0);
+		break;
+	default:
+		send_or_die(sock, ZP_OK, req->hdr.request_id, &m, NULL, 0);
+		break;
+	}
+}
+
+static void
+serve(int sock, const struct fake *f)
+{
+	static uint8_t buf[ZP_MAX_MESSAGE];
+	static struct zp_msg req;
+	int fds[ZP_MAX_FDS];
+	unsigned nfds;
+	ssize_t n;
+
+	for (;;) {
+		n = zp_recv_raw(sock, buf, sizeof(buf), fds, ZP_MAX_FDS, &nfds, 0);
+		if (n <= 0)
+			_exit(0);
+		for (unsigned i = 0; i < nfds; i++)
+			close(fds[i]);
+		if (zp_decode(buf, (size_t)n, &req, NULL, 0) != ZP_S_OK)
+			_exit(2);
+		if (req.hdr.type == f->on)
+			f->reply(sock, &req);
+		else
+			default_reply(sock, &req);
+	}
+}
+
+/* Starts the fake daemon; returns its socket path. */
+static const char *
+fake_start(const struct fake *f)
+{
+	static char path[96];
+	struct sockaddr_un sa = { .sun_family = AF_UNIX };
+	int lfd;
+
+	snprintf(dir, sizeof(dir), "/tmp/zoff-fake-XXXXXX");
+	cr_assert_not_null(mkdtemp(dir));
+	snprintf(path, sizeof(path), "%s/sock", dir);
+	snprintf(sa.sun_path, sizeof(sa.sun_path), "%s", path);
+	lfd = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
+	cr_assert_geq(lfd, 0);
+	cr_assert_eq(bind(lfd, (struct sockaddr *)&sa, sizeof(sa)), 0, "%s", strerror(errno));
+	cr_assert_eq(listen(lfd, 4), 0);
+	child = fork();
+	cr_assert_geq(child, 0);
+	if (child == 0) {
+		int sock;
+
+		signal(SIGPIPE, SIG_IGN);
+		sock = accept(lfd, NULL, NULL);
+		if (sock < 0)
+			_exit(5);
+		close(lfd);
+		serve(sock, f);
+	}
+	close(lfd);
+	return path;
+}
+
+/* The fake daemon ran its script to the end (the client hung up). */
+static void
+fake_finish(void)
+{
+	int status;
+
+	cr_assert_eq(waitpid(child, &status, 0), child);
+	child = 0;
+	cr_assert(WIFEXITED(status) && WEXITSTATUS(status) == 0,
+	    "the fake daemon failed (status 0x%x)", status);
+}
+
+static void
+expect_error(struct zc_conn *c, int r, int code, const char *text)
+{
+	cr_assert_eq(r, code, "%d (%s), want %d; message: %s", r, strerror(-r), code,
+	    zc_errmsg(c));
+	cr_assert_not_null(strstr(zc_errmsg(c), text), "'%s' does not say '%s'", zc_errmsg(c),
+	    text);
+}
+
+/* Connects and opens a job against the fake daemon. */
+static struct zc_conn *
+fake_connect(const struct fake *f)
+{
+	struct zc_conn *c = NULL;
+	const char *path = fake_start(f);
+	int r = zc_connect(path, &c);
+
+	cr_assert_eq(r, 0, "connect to the fake daemon: %d", r);
+	cr_assert_eq(zc_job_open(c, "fake", 0, 1), 0, "%s", zc_errmsg(c));
+	return c;
+}
+
+static int
+try_register(struct zc_conn *c, uint64_t n)
+{
+	struct zc_tensor_desc desc = { .name = "w", .numel = n, .grad_dtype = ZC_F32,
+		.param_dtype = ZC_F32 };
+	static float init[4096];
+	struct zc_tensor *t = NULL;
+
+	cr_assert_leq(n, 4096);
+	return zc_tensor_register(c, &desc, init, &t);
+}
+
+/* ---- descriptors where none are expected, or the wrong number ---- */
+
+static void
+pong_with_fd(int sock, const struct zp_msg *req)
+{
+	struct zp_msg m = { 0 };
+	int fd = memfd_of(4096);
+
+	send_or_die(sock, ZP_PONG, req->hdr.request_id, &m, &fd, 1);
+	close(fd);
+}
+
+Test(fake_daemon, fd_where_none_is_expected)
+{
+	const struct fake f = { ZP_PING, pong_with_fd };
+	unsigned before = fd_count();
+	struct zc_conn *c = fake_connect(&f);
+
+	expect_error(c, zc_ping(c, NULL), -EBADMSG, "PONG from zoffloadd carries 1 descriptors");
+	zc_disconnect(c);
+	fake_finish();
+	cr_assert_eq(fd_count(), before, "descriptors leaked");
+}
+
+static void
+hello_with_fd(int sock, const struct zp_msg *req)
+{
+	struct zp_msg m = { 0 };
+	int fd = memfd_of(4096);
+
+	strcpy(m.u.hello_ok.daemon_version, "fake");
+	send_or_die(sock, ZP_HELLO_OK, req->hdr.request_id, &m, &fd, 1);
+	close(fd);
+}
+
+/* zc_connect has no connection left to hold a message: the code says it. */
+Test(fake_daemon, fd_with_hello)
+{
+	const struct fake f = { ZP_HELLO, hello_with_fd };
+	unsigned before = fd_count();
+	struct zc_conn *c = NULL;
+	int r = zc_connect(fake_start(&f), &c);
+
+	cr_assert_eq(r, -EBADMSG, "HELLO_OK with a descriptor: %d", r);
+	cr_assert_null(c);
+	fake_finish();
+	cr_assert_eq(fd_count(), before, "descriptors leaked");
+}
+
+static void tensor_ok_one_fd(int sock, const struct zp_msg *req) { tensor_ok_fds(sock, req, 1); }
+static void tensor_ok_no_fd(int sock, const struct zp_msg *req) { tensor_ok_fds(sock, req, 0); }
+static void tensor_ok_three_fds(int sock, const struct zp_msg *req) { tensor_ok_fds(sock, req, 3); }
+
+Test(fake_daemon, tensor_ok_with_one_descriptor)
+{
+	const struct fake f = { ZP_TENSOR_REGISTER, tensor_ok_one_fd };
+	unsigned before = fd_count();
+	struct zc_conn *c = fake_connect(&f);
+
+	expect_error(c, try_register(c, 1000), -EBADMSG,
+	    "TENSOR_OK from zoffloadd carries 1 descriptors");
+	zc_disconnect(c);
+	fake_finish();
+	cr_assert_eq(fd_count(), before, "descriptors leaked");
+}
+
+Test(fake_daemon, tensor_ok_without_descriptors)
+{
+	const struct fake f = { ZP_TENSOR_REGISTER, tensor_ok_no_fd };
+	unsigned before = fd_count();
+	struct zc_conn *c = fake_connect(&f);
+
+	expect_error(c, try_register(c, 1000), -EBADMSG,
+	    "TENSOR_OK from zoffloadd carries 0 descriptors");
+	zc_disconnect(c);
+	fake_finish();
+	cr_assert_eq(fd_count(), before, "descriptors leaked");
+}
+
+/* More than ZP_MAX_FDS: the kernel hands them over, msgio closes them all. */
+Test(fake_daemon, tensor_ok_with_three_descriptors)
+{
+	const struct fake f = { ZP_TENSOR_REGISTER, tensor_ok_three_fds };
+	unsigned before = fd_count();
+	struct zc_conn *c = fake_connect(&f);
+	int r = try_register(c, 1000);
+
+	cr_assert_eq(r, -ETOOMANYREFS, "%d: %s", r, zc_errmsg(c));
+	cr_assert_not_null(strstr(zc_errmsg(c), "receive from zoffloadd"), "%s", zc_errmsg(c));
+	zc_disconnect(c);
+	fake_finish();
+	cr_assert_eq(fd_count(), before, "descriptors leaked");
+}
+
+static void
+xfer_ok_no_fd(int sock, const struct zp_msg *req)
+{
+	struct zp_msg m = { .u.xfer_ok.bytes = 64 << 10 };
+
+	send_or_die(sock, ZP_XFER_OK, req->hdr.request_id, &m, NULL, 0);
+}
+
+/* The window is opened by the first register, after the slots are mapped. */
+Test(fake_daemon, xfer_ok_without_descriptor)
+{
+	const struct fake f = { ZP_XFER_OPEN, xfer_ok_no_fd };
+	unsigned before = fd_count();
+	struct zc_conn *c = fake_connect(&f);
+
+	expect_error(c, try_register(c, 1000), -EBADMSG,
+	    "XFER_OK from zoffloadd carries 0 descriptors");
+	zc_disconnect(c);
+	fake_finish();
+	cr_assert_eq(fd_count(), before, "descriptors leaked");
+}
+
+/* ---- truncated, garbage and wrong replies ---- */
+
+static void
+truncated_pong(int sock, const struct zp_msg *req)
+{
+	struct zp_msg m = { .hdr = { .type = ZP_JOB_OK, .request_id = req->hdr.request_id } };
+	uint8_t buf[ZP_MAX_MESSAGE];
+	size_t len;
+
+	(void)sock;
+	if (zp_encode(&m, buf, sizeof(buf), &len) != ZP_S_OK)
+		_exit(6);
+	/* The header promises 16 bytes of payload; 5 arrive (payload_len patched to match). */
+	buf[16] = 5;
+	if (sendmsg_fds(sock, buf, ZP_HEADER_SIZE + 5, NULL, 0) != 0)
+		_exit(3);
+}
+
+Test(fake_daemon, truncated_reply)
+{
+	const struct fake f = { ZP_PING, truncated_pong };
+	unsigned before = fd_count();
+	struct zc_conn *c = fake_connect(&f);
+
+	expect_error(c, zc_ping(c, NULL), -EBADMSG, "bad message from zoffloadd");
+	cr_assert_not_null(strstr(zc_errmsg(c), "JOB_OK"), "'%s' does not name the message",
+	    zc_errmsg(c));
+	zc_disconnect(c);
+	fake_finish();
+	cr_assert_eq(fd_count(), before, "descriptors leaked");
+}
+
+static void
+garbage(int sock, const struct zp_msg *req)
+{
+	uint8_t buf[100];
+	int fd = memfd_of(4096);
+
+	(void)req;
+	for (size_t i = 0; i < sizeof(buf); i++)
+		buf[i] = (uint8_t)(i * 37 + 11);
+	/* With a descriptor: the decode fails first, and the descriptor must still be closed. */
+	if (sendmsg_fds(sock, buf, sizeof(buf), &fd, 1) != 0)
+		_exit(3);
+	close(fd);
+}
+
+Test(fake_daemon, garbage_reply_with_descriptor)
+{
+	const struct fake f = { ZP_PING, garbage };
+	unsigned before = fd_count();
+	struct zc_conn *c = fake_connect(&f);
+
+	expect_error(c, zc_ping(c, NULL), -EBADMSG, "bad message from zoffloadd: bad magic");
+	zc_disconnect(c);
+	fake_finish();
+	cr_assert_eq(fd_count(), before, "descriptors leaked");
+}
+
+static void
+wrong_type(int sock, const struct zp_msg *req)
+{
+	struct zp_msg m = { .u.job_ok = { .job_id = 9 } };
+
+	send_or_die(sock, ZP_JOB_OK, req->hdr.request_id, &m, NULL, 0);
+}
+
+Test(fake_daemon, reply_of_the_wrong_type)
+{
+	const struct fake f = { ZP_PING, wrong_type };
+	unsigned before = fd_count();
+	struct zc_conn *c = fake_connect(&f);
+
+	expect_error(c, zc_ping(c, NULL), -EBADMSG, "answered PING with JOB_OK");
+	zc_disconnect(c);
+	fake_finish();
+	cr_assert_eq(fd_count(), before, "descriptors leaked");
+}
+
+static void
+hang_up(int sock, const struct zp_msg *req)
+{
+	(void)req;
+	close(sock);
+	_exit(0);
+}
+
+Test(fake_daemon, hang_up_mid_request)
+{
+	const struct fake f = { ZP_TENSOR_REGISTER, hang_up };
+	unsigned before = fd_count();
+	struct zc_conn *c = fake_connect(&f);
+
+	expect_error(c, try_register(c, 1000), -ECONNRESET, "zoffloadd closed the connection");
+	zc_disconnect(c);
+	fake_finish();
+	cr_assert_eq(fd_count(), before, "descriptors leaked");
+}
+
+/* ---- replies that decode but do not hold together ---- */
+
+static void
+xfer_ok_tiny(int sock, const struct zp_msg *req)
+{
+	struct zp_msg m = { .u.xfer_ok.bytes = 2 };
+	int fd = memfd_of(4096);
+
+	send_or_die(sock, ZP_XFER_OK, req->hdr.request_id, &m, &fd, 1);
+	close(fd);
+}
+
+/* A window smaller than one element would move nothing, forever. */
+Test(fake_daemon, xfer_window_below_one_element)
+{
+	const struct fake f = { ZP_XFER_OPEN, xfer_ok_tiny };
+	unsigned before = fd_count();
+	struct zc_conn *c = fake_connect(&f);
+
+	expect_error(c, try_register(c, 1000), -EBADMSG, "transfer window of 2 bytes");
+	zc_disconnect(c);
+	fake_finish();
+	cr_assert_eq(fd_count(), before, "descriptors leaked");
+}
+
+static void
+xfer_ok_short_file(int sock, const struct zp_msg *req)
+{
+	struct zp_msg m = { .u.xfer_ok.bytes = 64 << 10 };
+	int fd = memfd_of(4096);
+
+	send_or_die(sock, ZP_XFER_OK, req->hdr.request_id, &m, &fd, 1);
+	close(fd);
+}
+
+/* Mapped past the file's end, the window would SIGBUS on the first copy beyond 4 KiB. */
+Test(fake_daemon, xfer_window_larger_than_its_file)
+{
+	const struct fake f = { ZP_XFER_OPEN, xfer_ok_short_file };
+	unsigned before = fd_count();
+	struct zc_conn *c = fake_connect(&f);
+
+	expect_error(c, try_register(c, 4096), -EBADMSG, "transfer window of 65536 bytes");
+	zc_disconnect(c);
+	fake_finish();
+	cr_assert_eq(fd_count(), before, "descriptors leaked");
+}
+
+static uint32_t scripted_handle;
+static size_t scripted_grad_file;
+
+/* TENSOR_OK with scripted_handle and a grad slot file of scripted_grad_file bytes. */
+static void
+tensor_ok_scripted(int sock, const struct zp_msg *req)
+{
+	uint64_t bytes = req->u.tensor_register.numel * 4;
+	struct zp_msg m = { .u.tensor_ok = { .handle = scripted_handle, .grad_bytes = bytes,
+		.param_bytes = bytes } };
+	int fds[2] = { memfd_of(scripted_grad_file ? scripted_grad_file : bytes), memfd_of(bytes) };
+
+	send_or_die(sock, ZP_TENSOR_OK, req->hdr.request_id, &m, fds, 2);
+	close(fds[0]);
+	close(fds[1]);
+}
+
+Test(fake_daemon, tensor_handle_zero)
+{
+	const struct fake f = { ZP_TENSOR_REGISTER, tensor_ok_scripted };
+	unsigned before = fd_count();
+	struct zc_conn *c;
+
+	scripted_handle = 0;
+	c = fake_connect(&f);
+	expect_error(c, try_register(c, 1000), -EBADMSG, "handle 0");
+	zc_disconnect(c);
+	fake_finish();
+	cr_assert_eq(fd_count(), before, "descriptors leaked");
+}
+
+/* A second tensor given the first one's handle would take its place. */
+Test(fake_daemon, tensor_handle_in_use)
+{
+	const struct fake f = { ZP_TENSOR_REGISTER, tensor_ok_scripted };
+	unsigned before = fd_count();
+	struct zc_tensor_desc desc = { .name = "first", .numel = 1000, .grad_dtype = ZC_F32,
+		.param_dtype = ZC_F32 };
+	static float init[1000];
+	struct zc_tensor *first;
+	struct zc_conn *c;
+
+	scripted_handle = 3;
+	c = fake_connect(&f);
+	cr_assert_eq(zc_tensor_register(c, &desc, init, &first), 0, "%s", zc_errmsg(c));
+	expect_error(c, try_register(c, 1000), -EBADMSG, "handle 3");
+	cr_assert_eq(zc_tensor_numel(first), 1000, "the first tensor was replaced");
+	zc_disconnect(c);
+	fake_finish();
+	cr_assert_eq(fd_count(), before, "descriptors leaked");
+}
+
+/* A slot file shorter than the slot: the training process would SIGBUS writing gradients. */
+Test(fake_daemon, slot_larger_than_its_file)
+{
+	const struct fake f = { ZP_TENSOR_REGISTER, tensor_ok_scripted };
+	unsigned before = fd_count();
+	struct zc_conn *c;
+
+	scripted_handle = 1;
+	scripted_grad_file = 4096;
+	c = fake_connect(&f);
+	expect_error(c, try_register(c, 4096), -EBADMSG, "slots of 'w'");
+	zc_disconnect(c);
+	fake_finish();
+	cr_assert_eq(fd_count(), before, "descriptors leaked");
+}
