@@ -5,6 +5,7 @@
 #include <unistd.h>
 
 #include "log.h"
+#include "swap.h"
 
 static enum zd_log_level current_level = ZD_LOG_INFO;
 
@@ -52,7 +53,7 @@ vlog(enum zd_log_level level, int err, const char *fmt, va_list ap)
 		return;
 	n = vsnprintf(line, sizeof(line), fmt, ap);
 	if (err != 0 && n >= 0 && (size_t)n < sizeof(line))
-		snprintf(line + n, sizeof(line) - (size_t)n, ": %s", strerror(err < 0 ? -err : err));
+		snprintf(line + n, sizeof(line) - (size_t)n, ": %s", zs_strerror(err < 0 ? err : -err));
 	/* The journal adds its own timestamps; a terminal gets the level name. */
 	if (getenv("JOURNAL_STREAM") != NULL)
 		fprintf(stderr, "%s%s\n", level_prefix[level], line);
