@@ -187,8 +187,10 @@ struct ze_step {
 /*
  * 0: accepted; tensor_done and step_done report (possibly before this
  * returns).  < 0: refused, nothing started; err says why.  A step number
- * at or below a tensor's last step is refused; a retry of a step that
- * failed part-way applies only to the elements it did not reach.
+ * at or below a tensor's last step is refused (-EALREADY); a retry of a
+ * step that failed part-way applies only to the elements it did not reach,
+ * and until it is retried (or the step set) other steps are refused
+ * (-EINPROGRESS).
  */
 int ze_step_submit(struct ze_engine *e, const struct ze_step *s, char *err, size_t errlen);
 

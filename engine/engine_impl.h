@@ -76,6 +76,7 @@ struct ze_tensor {
 	uint64_t nunits;
 	uint64_t unit_elements;
 	uint64_t last_step;
+	uint64_t partial_step;		/* a step that landed on some units only; 0: none */
 	bool busy;
 	/* Initialization: a bit per master element written, until all are (then freed). */
 	uint64_t *init_bits;

@@ -69,14 +69,23 @@ ze_step_submit(struct ze_engine *e, const struct ze_step *s, char *err, size_t e
 		struct ze_tensor *t = s->tensors[i];
 
 		/* Busy also catches a tensor listed twice in one set. */
-		if (t->busy || s->hp.step <= t->last_step) {
-			if (t->busy)
-				snprintf(err, errlen, "step %llu: tensor '%s' is already in a step", step,
-				    t->name);
-			else
-				snprintf(err, errlen, "step %llu: tensor '%s' is already at step %llu",
-				    step, t->name, (unsigned long long)t->last_step);
-			r = t->busy ? -EBUSY : -EALREADY;
+		if (t->busy) {
+			snprintf(err, errlen, "step %llu: tensor '%s' is already in a step", step,
+			    t->name);
+			r = -EBUSY;
+		} else if (s->hp.step <= t->last_step) {
+			snprintf(err, errlen, "step %llu: tensor '%s' is already at step %llu", step,
+			    t->name, (unsigned long long)t->last_step);
+			r = -EALREADY;
+		} else if (t->partial_step != 0 && s->hp.step != t->partial_step) {
+			/* Another step now would leave its elements a step apart for good. */
+			snprintf(err, errlen, "step %llu: step %llu of tensor '%s' landed on part of "
+			    "it only; submit step %llu again to finish it, or set the step", step,
+			    (unsigned long long)t->partial_step, t->name,
+			    (unsigned long long)t->partial_step);
+			r = -EINPROGRESS;
+		}
+		if (r < 0) {
 			batch_free(b);
 			return r;
 		}
@@ -137,8 +146,11 @@ tensor_done(struct ze_engine *e, struct ze_batch *b, size_t i, enum ze_step_stat
 
 	b->tensors[i] = NULL;
 	b->tensors_left--;
+	if (status == ZE_STEP_FAILED && b->landed[i] > 0)
+		t->partial_step = b->hp.step;
 	if (status == ZE_STEP_APPLIED) {
 		t->last_step = b->hp.step;
+		t->partial_step = 0;
 		/* The step wrote every parameter into the slot. */
 		t->param_resident = true;
 		t->param_dirty = true;

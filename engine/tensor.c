@@ -315,6 +315,7 @@ ze_tensor_set_step(struct ze_tensor *t, uint64_t step)
 	if (t->busy)
 		return -EBUSY;
 	t->last_step = step;
+	t->partial_step = 0;
 	for (uint64_t u = 0; u < t->nunits; u++)
 		t->unit_step[u] = step;
 	return 0;

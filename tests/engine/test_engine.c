@@ -253,6 +253,8 @@ Test(engine, nvme_step_retried_after_a_write_error_is_exactly_once)
 	cr_assert_eq(bad.seen.tensor.landed, bad.seen.step.landed);
 	cr_assert_eq(ze_tensor_last_step(b), 1, "a step that failed part-way moved last_step");
 	bad.fault.armed = false;
+	/* Moving on would leave the elements it reached a step ahead for good. */
+	cr_assert_eq(step(&bad, b, N, 3), -EINPROGRESS);
 	/* The retry. */
 	cr_assert_eq(step(&bad, b, N, 2), 0);
 	cr_assert_eq(bad.seen.step.status, ZE_STEP_APPLIED, "retry: %s",
