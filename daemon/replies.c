@@ -114,7 +114,28 @@ param_ready(void *arg, uint32_t lane, uint64_t id, void *user, int result)
 	(void)zd_session_send(s, &m, NULL, 0);
 }
 
+static void
+grad_done(void *arg, uint32_t lane, uint64_t id, int result, const struct ze_grad_partial *p)
+{
+	struct zd_session *s = zd_session_by_id(arg, lane);
+	struct zp_msg m = { .hdr = { .type = ZP_GRAD_PARTIAL, .request_id = id } };
+
+	if (s == NULL)
+		return;
+	s->steps_in_flight--;
+	if (result < 0) {
+		zd_session_error(s, id, ze_errno(result), "gradient pass failed: %s",
+		    ze_strerror(result));
+		return;
+	}
+	m.u.grad_partial.sumsq = p->sumsq;
+	m.u.grad_partial.nonfinite = p->nonfinite;
+	m.u.grad_partial.elements = p->elements;
+	(void)zd_session_send(s, &m, NULL, 0);
+}
+
 const struct ze_callbacks zd_engine_callbacks = {
+	.grad_done = grad_done,
 	.tensor_done = tensor_done,
 	.step_done = step_done,
 	.io_done = io_done,

@@ -292,7 +292,8 @@ handle_step_submit(struct zd_session *s, const struct zp_msg *msg)
 			.clip_coef = 1.0,
 		},
 		.check_finite = (req->flags & ZP_STEP_CHECK_FINITE) != 0,
-		.max_grad_norm = req->max_grad_norm,
+		.max_grad_norm = (req->flags & ZP_STEP_CLIP_COEF) ? 0 : req->max_grad_norm,
+		.clip_coef = (req->flags & ZP_STEP_CLIP_COEF) ? req->max_grad_norm : 0,
 		.count = req->count,
 		.tensors = ts,
 	}, err, sizeof(err));
@@ -300,6 +301,41 @@ handle_step_submit(struct zd_session *s, const struct zp_msg *msg)
 	if (r < 0) {
 		s->steps_in_flight--;
 		refuse_step(s, msg, r, err);
+	}
+}
+
+/* The first phase of a step clipped across sets: GRAD_PARTIAL comes when the pass is done. */
+static void
+handle_grad_pass(struct zd_session *s, const struct zp_msg *msg)
+{
+	const struct zp_grad_pass *req = &msg->u.grad_pass;
+	char err[ZP_ERRMSG_MAX + 1];
+	struct ze_tensor **ts;
+	int r;
+
+	ts = calloc(req->count, sizeof(*ts));
+	if (ts == NULL) {
+		zd_session_error(s, msg->hdr.request_id, -ENOMEM, "out of memory");
+		return;
+	}
+	for (uint32_t i = 0; i < req->count; i++) {
+		struct zd_tensor *t = zd_session_tensor(s, req->handles[i]);
+
+		if (t == NULL) {
+			zd_session_error(s, msg->hdr.request_id, -ENOENT, "GRAD_PASS: no tensor with "
+			    "handle %u on this connection", req->handles[i]);
+			free(ts);
+			return;
+		}
+		ts[i] = t->et;
+	}
+	s->steps_in_flight++;
+	r = ze_grad_pass(s->daemon->engine, s->id, msg->hdr.request_id, req->grad_scale, ts,
+	    req->count, err, sizeof(err));
+	free(ts);
+	if (r < 0) {
+		s->steps_in_flight--;
+		zd_session_error(s, msg->hdr.request_id, ze_errno(r), "GRAD_PASS: %s", err);
 	}
 }
 
@@ -425,6 +461,9 @@ zd_handle_request(struct zd_session *s, const struct zp_msg *msg)
 		break;
 	case ZP_STEP_SUBMIT:
 		handle_step_submit(s, msg);
+		break;
+	case ZP_GRAD_PASS:
+		handle_grad_pass(s, msg);
 		break;
 	case ZP_JOB_DROP: {
 		char err[ZP_ERRMSG_MAX + 1];

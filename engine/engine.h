@@ -67,6 +67,13 @@ struct ze_step_result {
 	uint64_t compute_ns;
 };
 
+/* One set's share of a norm over many sets (ranks, nodes): sums combine by adding. */
+struct ze_grad_partial {
+	double sumsq;			/* of the unscaled gradients, accumulated in double */
+	uint64_t nonfinite;		/* inf or NaN gradients */
+	uint64_t elements;
+};
+
 struct ze_callbacks {
 	/* One tensor of step `id` is done.  Not called for a tensor its owner freed meanwhile. */
 	void (*tensor_done)(void *arg, uint32_t lane, uint64_t id, void *user,
@@ -78,6 +85,9 @@ struct ze_callbacks {
 	    int result);
 	/* A queued param fetch finished; user NULL when the tensor was freed meanwhile. */
 	void (*param_ready)(void *arg, uint32_t lane, uint64_t id, void *user, int result);
+	/* A gradient pass (ze_grad_pass) finished: 0 and the set's partial, or -errno. */
+	void (*grad_done)(void *arg, uint32_t lane, uint64_t id, int result,
+	    const struct ze_grad_partial *p);
 };
 
 /*
@@ -181,6 +191,11 @@ struct ze_step {
 	struct zk_hparams hp;		/* hp.step is the step number */
 	bool check_finite;		/* skip the whole set on a non-finite gradient */
 	double max_grad_norm;		/* > 0: clip by the set's global norm */
+	/*
+	 * > 0: the clip coefficient, in (0, 1], computed by the client from
+	 * the partials of every set (ze_grad_pass); max_grad_norm is not used.
+	 */
+	double clip_coef;
 	size_t count;
 	struct ze_tensor *const *tensors;
 };
@@ -193,6 +208,17 @@ struct ze_step {
  * (-EINPROGRESS).
  */
 int ze_step_submit(struct ze_engine *e, const struct ze_step *s, char *err, size_t errlen);
+
+/*
+ * The first phase of a step clipped by a norm over many sets: the gradient
+ * pass over this set alone, reported through grad_done.  The tensors are
+ * busy until then.  The step itself follows with ze_step.clip_coef (or is
+ * not submitted at all when a set anywhere had a non-finite gradient).
+ */
+int ze_grad_pass(struct ze_engine *e, uint32_t lane, uint64_t id, double grad_scale,
+    struct ze_tensor *const *ts, size_t n, char *err, size_t errlen);
+/* torch.nn.utils.clip_grad_norm_'s coefficient for a total squared norm: 1 when not clipping. */
+double ze_clip_coef(double max_norm, double sumsq);
 
 /*
  * Param offload.  Fetch: 1 when the slot holds the params now, 0 queued

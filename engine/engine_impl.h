@@ -98,6 +98,7 @@ struct ze_batch {
 	struct zk_hparams hp;
 	struct zk_hparams hp_run;		/* hp with the clip coefficient applied */
 	enum zk_isa isa;
+	bool grad_only;				/* a gradient pass: grad_done, no step */
 	bool check_finite;
 	double max_grad_norm;
 	uint64_t submit_ns;

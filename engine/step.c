@@ -46,6 +46,118 @@ batch_alloc(size_t count)
 	return b;
 }
 
+double
+ze_clip_coef(double max_norm, double sumsq)
+{
+	double norm = sqrt(sumsq), coef;
+
+	/* torch.nn.utils.clip_grad_norm_: coef = max_norm / (norm + 1e-6), capped at 1. */
+	if (!(max_norm > 0) || !isfinite(norm))
+		return 1.0;
+	coef = max_norm / (norm + 1e-6);
+	return coef < 1.0 ? coef : 1.0;
+}
+
+/* Marks the set busy and fills the views; err says why a tensor cannot take part. */
+static int
+batch_take(struct ze_batch *b, uint64_t step, struct ze_tensor *const *ts, size_t n,
+    bool stepping, char *err, size_t errlen)
+{
+	for (size_t i = 0; i < n; i++) {
+		struct ze_tensor *t = ts[i];
+
+		/* Busy also catches a tensor listed twice in one set. */
+		if (t->busy) {
+			snprintf(err, errlen, "step %llu: tensor '%s' is already in a step",
+			    (unsigned long long)step, t->name);
+			return -EBUSY;
+		}
+		if (stepping && step <= t->last_step) {
+			snprintf(err, errlen, "step %llu: tensor '%s' is already at step %llu",
+			    (unsigned long long)step, t->name, (unsigned long long)t->last_step);
+			return -EALREADY;
+		}
+		if (stepping && t->partial_step != 0 && step != t->partial_step) {
+			/* Another step now would leave its elements a step apart for good. */
+			snprintf(err, errlen, "step %llu: step %llu of tensor '%s' landed on part of "
+			    "it only; submit step %llu again to finish it, or set the step",
+			    (unsigned long long)step, (unsigned long long)t->partial_step, t->name,
+			    (unsigned long long)t->partial_step);
+			return -EINPROGRESS;
+		}
+		t->busy = true;
+		b->tensors[i] = t;
+		b->count = i + 1;
+		b->views[i] = (struct zk_tensor){
+			.master = t->master,
+			.m = t->m,
+			.v = t->v,
+			.grad = t->grad_slot.map,
+			.grad_dtype = t->grad_dtype,
+			.param = t->param_slot.map,
+			.param_dtype = t->param_dtype,
+			.n = t->numel,
+		};
+		b->params += t->numel;
+	}
+	return 0;
+}
+
+static void
+post_check(struct ze_engine *e, struct ze_batch *b)
+{
+	struct ze_task *task = calloc(1, sizeof(*task));
+
+	if (task == NULL) {
+		b->check.sumsq = NAN;
+		if (b->grad_only) {
+			e->batches--;
+			e->cb.grad_done(e->cb_arg, b->lane, b->id, -ENOMEM, NULL);
+			batch_free(b);
+		} else {
+			batch_end_all(e, b, ZE_STEP_FAILED, -ENOMEM);
+		}
+		return;
+	}
+	task->kind = ZE_TASK_CHECK;
+	task->lane = b->lane;
+	task->batch = b;
+	ze_step_post(e, task);
+}
+
+int
+ze_grad_pass(struct ze_engine *e, uint32_t lane, uint64_t id, double grad_scale,
+    struct ze_tensor *const *ts, size_t n, char *err, size_t errlen)
+{
+	struct ze_batch *b;
+	int r;
+
+	if (!(grad_scale > 0) || !isfinite(grad_scale)) {
+		snprintf(err, errlen, "gradient pass: grad_scale %g is not a positive number",
+		    grad_scale);
+		return -EINVAL;
+	}
+	b = batch_alloc(n);
+	if (b == NULL) {
+		snprintf(err, errlen, "out of memory");
+		return -ENOMEM;
+	}
+	r = batch_take(b, 0, ts, n, false, err, errlen);
+	if (r < 0) {
+		batch_free(b);
+		return r;
+	}
+	b->grad_only = true;
+	b->lane = lane;
+	b->id = id;
+	b->hp.grad_scale = grad_scale;
+	b->isa = e->cfg.isa;
+	b->submit_ns = zu_now_ns();
+	e->batches++;
+	post_check(e, b);
+	return 0;
+}
+
 int
 ze_step_submit(struct ze_engine *e, const struct ze_step *s, char *err, size_t errlen)
 {
@@ -65,44 +177,10 @@ ze_step_submit(struct ze_engine *e, const struct ze_step *s, char *err, size_t e
 		snprintf(err, errlen, "out of memory");
 		return -ENOMEM;
 	}
-	for (size_t i = 0; i < s->count; i++) {
-		struct ze_tensor *t = s->tensors[i];
-
-		/* Busy also catches a tensor listed twice in one set. */
-		if (t->busy) {
-			snprintf(err, errlen, "step %llu: tensor '%s' is already in a step", step,
-			    t->name);
-			r = -EBUSY;
-		} else if (s->hp.step <= t->last_step) {
-			snprintf(err, errlen, "step %llu: tensor '%s' is already at step %llu", step,
-			    t->name, (unsigned long long)t->last_step);
-			r = -EALREADY;
-		} else if (t->partial_step != 0 && s->hp.step != t->partial_step) {
-			/* Another step now would leave its elements a step apart for good. */
-			snprintf(err, errlen, "step %llu: step %llu of tensor '%s' landed on part of "
-			    "it only; submit step %llu again to finish it, or set the step", step,
-			    (unsigned long long)t->partial_step, t->name,
-			    (unsigned long long)t->partial_step);
-			r = -EINPROGRESS;
-		}
-		if (r < 0) {
-			batch_free(b);
-			return r;
-		}
-		t->busy = true;
-		b->tensors[i] = t;
-		b->count = i + 1;
-		b->views[i] = (struct zk_tensor){
-			.master = t->master,
-			.m = t->m,
-			.v = t->v,
-			.grad = t->grad_slot.map,
-			.grad_dtype = t->grad_dtype,
-			.param = t->param_slot.map,
-			.param_dtype = t->param_dtype,
-			.n = t->numel,
-		};
-		b->params += t->numel;
+	r = batch_take(b, s->hp.step, s->tensors, s->count, true, err, errlen);
+	if (r < 0) {
+		batch_free(b);
+		return r;
 	}
 	b->lane = s->lane;
 	b->id = s->id;
@@ -112,6 +190,11 @@ ze_step_submit(struct ze_engine *e, const struct ze_step *s, char *err, size_t e
 	b->isa = e->cfg.isa;
 	b->check_finite = s->check_finite;
 	b->max_grad_norm = s->max_grad_norm;
+	/* The second phase of a clipped step: the norm came from every set, through the client. */
+	if (s->clip_coef > 0) {
+		b->hp_run.clip_coef = s->clip_coef < 1.0 ? s->clip_coef : 1.0;
+		b->max_grad_norm = 0;
+	}
 	b->submit_ns = zu_now_ns();
 	b->status = ZE_STEP_APPLIED;
 	b->grad_norm = NAN;
@@ -119,16 +202,7 @@ ze_step_submit(struct ze_engine *e, const struct ze_step *s, char *err, size_t e
 	e->batches++;
 	/* The finiteness check and the global norm cover the whole set before any of it runs. */
 	if (b->check_finite || b->max_grad_norm > 0) {
-		struct ze_task *task = calloc(1, sizeof(*task));
-
-		if (task == NULL) {
-			batch_end_all(e, b, ZE_STEP_FAILED, -ENOMEM);
-			return 0;
-		}
-		task->kind = ZE_TASK_CHECK;
-		task->lane = b->lane;
-		task->batch = b;
-		ze_step_post(e, task);
+		post_check(e, b);
 		return 0;
 	}
 	batch_run(e, b);
@@ -313,6 +387,16 @@ check_done(struct ze_engine *e, struct ze_task *task)
 	struct ze_batch *b = task->batch;
 
 	b->grad_norm = sqrt(b->check.sumsq);
+	if (b->grad_only) {
+		struct ze_grad_partial p = { .sumsq = b->check.sumsq,
+			.nonfinite = b->check.nonfinite, .elements = b->params };
+
+		e->batches--;
+		e->cb.grad_done(e->cb_arg, b->lane, b->id, task->result,
+		    task->result < 0 ? NULL : &p);
+		batch_free(b);
+		return;
+	}
 	if (task->result < 0) {
 		batch_end_all(e, b, ZE_STEP_FAILED, task->result);
 		return;
@@ -321,12 +405,8 @@ check_done(struct ze_engine *e, struct ze_task *task)
 		batch_end_all(e, b, ZE_STEP_SKIPPED_NONFINITE, 0);
 		return;
 	}
-	/* torch.nn.utils.clip_grad_norm_: coef = max_norm / (norm + 1e-6), capped at 1. */
-	if (b->max_grad_norm > 0 && isfinite(b->grad_norm)) {
-		double coef = b->max_grad_norm / (b->grad_norm + 1e-6);
-
-		b->hp_run.clip_coef = coef < 1.0 ? coef : 1.0;
-	}
+	if (b->max_grad_norm > 0)
+		b->hp_run.clip_coef = ze_clip_coef(b->max_grad_norm, b->check.sumsq);
 	batch_run(e, b);
 }
 
