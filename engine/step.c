@@ -162,10 +162,13 @@ int
 ze_step_submit(struct ze_engine *e, const struct ze_step *s, char *err, size_t errlen)
 {
 	unsigned long long step = (unsigned long long)s->hp.step;
+	struct zk_hparams hp = s->hp;
 	struct ze_batch *b;
 	int r;
 
-	r = zk_hparams_validate(&s->hp);
+	/* The coefficient is the engine's to set (from max_grad_norm or clip_coef). */
+	hp.clip_coef = 1.0;
+	r = zk_hparams_validate(&hp);
 	if (r < 0) {
 		snprintf(err, errlen, "step %llu: hyperparameters out of range (lr %g, betas %g/%g, "
 		    "eps %g, weight decay %g)", step, s->hp.lr, s->hp.beta1, s->hp.beta2, s->hp.eps,

@@ -19,6 +19,9 @@ struct seen {
 	struct ze_tensor_result tensor;
 	int io_result;
 	void *last_user;
+	unsigned grad_done;
+	int grad_result;
+	struct ze_grad_partial grad;
 };
 
 static void
@@ -55,7 +58,19 @@ cb_param_ready(void *arg, uint32_t lane, uint64_t id, void *user, int result)
 {
 }
 
+static void
+cb_grad_done(void *arg, uint32_t lane, uint64_t id, int result, const struct ze_grad_partial *p)
+{
+	struct seen *s = arg;
+
+	s->grad_done++;
+	s->grad_result = result;
+	if (p != NULL)
+		s->grad = *p;
+}
+
 static const struct ze_callbacks callbacks = {
+	.grad_done = cb_grad_done,
 	.tensor_done = cb_tensor_done,
 	.step_done = cb_step_done,
 	.io_done = cb_io_done,
@@ -185,7 +200,8 @@ fill(float *x, uint64_t n, uint64_t seed)
 }
 
 static int
-step(struct rig *g, struct ze_tensor *t, uint64_t n, uint64_t s)
+step_clipped(struct rig *g, struct ze_tensor *t, uint64_t n, uint64_t s, double max_norm,
+    double coef)
 {
 	struct ze_tensor *ts[1] = { t };
 	unsigned before = g->seen.step_done;
@@ -198,7 +214,9 @@ step(struct rig *g, struct ze_tensor *t, uint64_t n, uint64_t s)
 		.id = s,
 		.hp = { .optim = ZK_OPTIM_ADAMW, .lr = 1e-2, .beta1 = 0.9, .beta2 = 0.999,
 			.eps = 1e-8, .weight_decay = 0.01, .step = s, .bias_correction = true,
-			.grad_scale = 1.0, .clip_coef = 1.0 },
+			.grad_scale = 1.0 },
+		.max_grad_norm = max_norm,
+		.clip_coef = coef,
 		.count = 1,
 		.tensors = ts,
 	}, err, sizeof(err));
@@ -206,6 +224,12 @@ step(struct rig *g, struct ze_tensor *t, uint64_t n, uint64_t s)
 		return r;
 	wait_for(g, &g->seen.step_done, before + 1);
 	return 0;
+}
+
+static int
+step(struct rig *g, struct ze_tensor *t, uint64_t n, uint64_t s)
+{
+	return step_clipped(g, t, n, s, 0, 0);
 }
 
 static void
@@ -427,6 +451,60 @@ Test(engine, failed_write_is_not_initialization)
 	cr_assert_eq(xfer(&g, t, true, ZE_STATE_MASTER, 0, N, v), 0);
 	cr_assert(ze_tensor_initialized(t));
 	ze_tensor_free(t);
+	rig_stop(&g);
+}
+
+/*
+ * The two phases give the one-phase numbers: a gradient pass's partial, made
+ * into a coefficient by the caller, steps exactly as the engine's own
+ * max_grad_norm clipping of the same set.
+ */
+Test(engine, grad_pass_then_coefficient_equals_max_grad_norm)
+{
+	enum { N = 3 * CHUNK + 11 };
+	static float init[N], want[3 * N], got[3 * N];
+	struct ze_tensor *a, *b;
+	struct rig g;
+	double sumsq = 0, coef;
+	char err[128];
+
+	rig_start(&g, true);
+	a = make_tensor(&g, "a", N, ZE_POLICY_CPU, NULL, NULL, &g);
+	b = make_tensor(&g, "b", N, ZE_POLICY_NVME, NULL, NULL, &g);
+	fill(init, N, 8);
+	cr_assert_eq(xfer(&g, a, true, ZE_STATE_MASTER, 0, N, init), 0);
+	cr_assert_eq(xfer(&g, b, true, ZE_STATE_MASTER, 0, N, init), 0);
+	for (uint64_t s = 1; s <= 3; s++) {
+		/* One phase, on a. */
+		cr_assert_eq(step_clipped(&g, a, N, s, 0.5, 0), 0);
+		cr_assert_eq(g.seen.step.status, ZE_STEP_APPLIED);
+		/* Two phases, on b: the same gradients (the same seed). */
+		fill(ze_tensor_grad_slot(b), N, 100 + s);
+		cr_assert_eq(ze_grad_pass(g.e, 1, 50 + s, 1.0, &b, 1, err, sizeof(err)), 0, "%s",
+		    err);
+		wait_for(&g, &g.seen.grad_done, (unsigned)s);
+		cr_assert_eq(g.seen.grad_result, 0);
+		cr_assert_eq(g.seen.grad.elements, N);
+		cr_assert_eq(g.seen.grad.nonfinite, 0);
+		sumsq = 0;
+		for (size_t i = 0; i < N; i++)
+			sumsq += (double)((float *)ze_tensor_grad_slot(b))[i] *
+			    ((float *)ze_tensor_grad_slot(b))[i];
+		cr_assert(fabs(g.seen.grad.sumsq - sumsq) <= 1e-9 * sumsq, "%.12g, want %.12g",
+		    g.seen.grad.sumsq, sumsq);
+		coef = ze_clip_coef(0.5, g.seen.grad.sumsq);
+		cr_assert_lt(coef, 1, "the test means to clip");
+		cr_assert_eq(step_clipped(&g, b, N, s, 0, coef), 0);
+		cr_assert_eq(g.seen.step.status, ZE_STEP_APPLIED);
+	}
+	read_all(&g, a, N, want);
+	read_all(&g, b, N, got);
+	cr_assert_eq(memcmp(got, want, sizeof(got)), 0, "two phases differ from one");
+	cr_assert_eq(ze_clip_coef(0.5, INFINITY), 1.0);
+	cr_assert_eq(ze_clip_coef(0, 4.0), 1.0);
+	cr_assert_eq(ze_clip_coef(10, 4.0), 1.0);
+	ze_tensor_free(a);
+	ze_tensor_free(b);
 	rig_stop(&g);
 }
 
