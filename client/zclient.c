@@ -33,6 +33,7 @@ struct zc_tensor {
 	void *param;
 	size_t param_bytes;
 	bool pending;
+	uint64_t pending_set;		/* request id of the set it waits on, while pending */
 	uint64_t last_step;
 	struct zc_step_result result;
 	bool param_offload;
@@ -117,11 +118,14 @@ finish_set(struct zc_conn *c, const struct zp_step_done *done, uint64_t request_
 	};
 	if (set == NULL)
 		return;
-	/* Tensors without their own TENSOR_DONE (a refused or skipped set) end with the set. */
+	/*
+	 * Tensors without their own TENSOR_DONE (a refused or skipped set) end
+	 * with the set; one already in a later set waits on that one.
+	 */
 	for (uint32_t i = 0; i < set->count; i++) {
 		struct zc_tensor *t = tensor_by_handle(c, set->handles[i]);
 
-		if (t != NULL && t->pending) {
+		if (t != NULL && t->pending && t->pending_set == request_id) {
 			t->pending = false;
 			t->result = c->last;
 		}
@@ -180,7 +184,7 @@ recv_one(struct zc_conn *c, int *fds, unsigned *nfds, int flags)
 	case ZP_TENSOR_DONE: {
 		struct zc_tensor *t = tensor_by_handle(c, m->u.tensor_done.handle);
 
-		if (t != NULL) {
+		if (t != NULL && t->pending && t->pending_set == m->hdr.request_id) {
 			t->pending = false;
 			if (m->u.tensor_done.status == ZP_STEP_APPLIED) {
 				t->last_step = m->u.tensor_done.step;
@@ -840,8 +844,10 @@ zc_step_submit(struct zc_conn *c, const struct zc_step_params *p,
 	set->request_id = m->hdr.request_id;
 	set->next = c->sets;
 	c->sets = set;
-	for (size_t i = 0; i < ntensors; i++)
+	for (size_t i = 0; i < ntensors; i++) {
 		tensors[i]->pending = true;
+		tensors[i]->pending_set = set->request_id;
+	}
 	free(m);
 	return 0;
 }

@@ -5,6 +5,7 @@
 #include <unistd.h>
 
 #include "log.h"
+#include "util.h"
 #include "swap.h"
 
 static enum zd_log_level current_level = ZD_LOG_INFO;
@@ -101,14 +102,5 @@ fatalx(const char *fmt, ...)
 const char *
 zd_fmt_bytes(unsigned long long bytes, char *buf, unsigned long len)
 {
-	static const char *const units[] = { "B", "KiB", "MiB", "GiB", "TiB" };
-	double v = (double)bytes;
-	unsigned u = 0;
-
-	while (v >= 1024 && u < 4) {
-		v /= 1024;
-		u++;
-	}
-	snprintf(buf, len, "%.1f %s", v, units[u]);
-	return buf;
+	return zu_fmt_bytes(bytes, buf, len);
 }
