@@ -1,6 +1,7 @@
 /* libzclient: a training process's connection to zoffloadd. */
 #include <errno.h>
 #include <limits.h>
+#include <math.h>
 #include <poll.h>
 #include <stdarg.h>
 #include <stdio.h>
@@ -35,6 +36,7 @@ struct zc_tensor {
 	void *param;
 	size_t param_bytes;
 	bool pending;
+	uint64_t pending_set;		/* request id of the set it waits on, while pending */
 	uint64_t last_step;
 	struct zc_step_result result;
 	bool param_offload;
@@ -206,11 +208,14 @@ finish_set(struct zc_conn *c, const struct zp_step_done *done, uint64_t request_
 	};
 	if (set == NULL)
 		return;
-	/* Tensors without their own TENSOR_DONE (a refused or skipped set) end with the set. */
+	/*
+	 * Tensors without their own TENSOR_DONE (a refused or skipped set) end
+	 * with the set; one already in a later set waits on that one.
+	 */
 	for (uint32_t i = 0; i < set->count; i++) {
 		struct zc_tensor *t = tensor_by_handle(c, set->handles[i]);
 
-		if (t != NULL && t->pending) {
+		if (t != NULL && t->pending && t->pending_set == request_id) {
 			t->pending = false;
 			t->result = c->last;
 		}
@@ -282,7 +287,7 @@ recv_one(struct zc_conn *c, int *fds, unsigned *nfds, uint64_t deadline)
 	case ZP_TENSOR_DONE: {
 		struct zc_tensor *t = tensor_by_handle(c, m->u.tensor_done.handle);
 
-		if (t != NULL) {
+		if (t != NULL && t->pending && t->pending_set == m->hdr.request_id) {
 			t->pending = false;
 			if (m->u.tensor_done.status == ZP_STEP_APPLIED) {
 				t->last_step = m->u.tensor_done.step;
@@ -943,6 +948,51 @@ zc_tensor_set_step(struct zc_tensor *t, uint64_t step)
 }
 
 int
+zc_grad_pass(struct zc_conn *c, struct zc_tensor *const *tensors, size_t ntensors,
+    double grad_scale, struct zc_grad_partial *ret)
+{
+	struct zp_msg *m;
+	int r;
+
+	if (ntensors == 0 || ntensors > ZP_MAX_STEP_TENSORS)
+		return seterr(c, -EINVAL, "a gradient pass takes 1 to %d tensors, not %zu",
+		    ZP_MAX_STEP_TENSORS, ntensors);
+	for (size_t i = 0; i < ntensors; i++) {
+		if (tensors[i] == NULL || tensors[i]->conn != c)
+			return seterr(c, -EINVAL, "tensor %zu does not belong to this connection", i);
+		if (tensors[i]->pending)
+			return seterr(c, -EBUSY, "tensor %zu is still in a step", i);
+	}
+	m = calloc(1, sizeof(*m));
+	if (m == NULL)
+		return seterr(c, -ENOMEM, "out of memory");
+	m->hdr.type = ZP_GRAD_PASS;
+	m->u.grad_pass.grad_scale = grad_scale > 0 ? grad_scale : 1.0;
+	m->u.grad_pass.count = (uint32_t)ntensors;
+	for (size_t i = 0; i < ntensors; i++)
+		m->u.grad_pass.handles[i] = tensors[i]->handle;
+	r = rpc(c, m, ZP_GRAD_PARTIAL, NULL);
+	free(m);
+	if (r < 0)
+		return r;
+	ret->sumsq = c->msg->u.grad_partial.sumsq;
+	ret->nonfinite = c->msg->u.grad_partial.nonfinite;
+	ret->elements = c->msg->u.grad_partial.elements;
+	return 0;
+}
+
+double
+zc_clip_coef(double max_norm, double total_sumsq)
+{
+	double norm = sqrt(total_sumsq), coef;
+
+	if (!(max_norm > 0) || !isfinite(norm))
+		return 1.0;
+	coef = max_norm / (norm + 1e-6);
+	return coef < 1.0 ? coef : 1.0;
+}
+
+int
 zc_step_submit(struct zc_conn *c, const struct zc_step_params *p,
     struct zc_tensor *const *tensors, size_t ntensors)
 {
@@ -957,6 +1007,8 @@ zc_step_submit(struct zc_conn *c, const struct zc_step_params *p,
 		return seterr(c, -EINVAL, "unknown optimizer %d", (int)p->optim);
 	if (p->step == 0)
 		return seterr(c, -EINVAL, "steps count from 1");
+	if (!(p->clip_coef >= 0 && p->clip_coef <= 1))
+		return seterr(c, -EINVAL, "clip_coef %g is outside [0, 1] (0: none)", p->clip_coef);
 	for (size_t i = 0; i < ntensors; i++) {
 		if (tensors[i] == NULL || tensors[i]->conn != c)
 			return seterr(c, -EINVAL, "tensor %zu does not belong to this connection", i);
@@ -975,7 +1027,8 @@ zc_step_submit(struct zc_conn *c, const struct zc_step_params *p,
 		.step = p->step,
 		.optim = (uint8_t)p->optim,
 		.flags = (uint8_t)((p->no_bias_correction ? ZP_STEP_NO_BIAS_CORRECTION : 0) |
-		    (p->check_finite ? ZP_STEP_CHECK_FINITE : 0)),
+		    (p->check_finite ? ZP_STEP_CHECK_FINITE : 0) |
+		    (p->clip_coef > 0 ? ZP_STEP_CLIP_COEF : 0)),
 		.lr = p->lr,
 		.beta1 = p->beta1,
 		.beta2 = p->beta2,
@@ -983,7 +1036,7 @@ zc_step_submit(struct zc_conn *c, const struct zc_step_params *p,
 		.weight_decay = p->weight_decay,
 		.lr_decay = p->lr_decay,
 		.grad_scale = p->grad_scale > 0 ? p->grad_scale : 1.0,
-		.max_grad_norm = p->max_grad_norm,
+		.max_grad_norm = p->clip_coef > 0 ? p->clip_coef : p->max_grad_norm,
 		.count = (uint32_t)ntensors,
 	};
 	for (size_t i = 0; i < ntensors; i++) {
@@ -1002,8 +1055,10 @@ zc_step_submit(struct zc_conn *c, const struct zc_step_params *p,
 	set->request_id = m->hdr.request_id;
 	set->next = c->sets;
 	c->sets = set;
-	for (size_t i = 0; i < ntensors; i++)
+	for (size_t i = 0; i < ntensors; i++) {
 		tensors[i]->pending = true;
+		tensors[i]->pending_set = set->request_id;
+	}
 	free(m);
 	return 0;
 }

@@ -195,6 +195,11 @@ struct zc_step_params {
 	double max_grad_norm;		/* > 0: clip the set's global norm to this */
 	bool no_bias_correction;	/* Adam/AdamW: skip bias correction */
 	bool check_finite;		/* skip the whole set if any gradient is inf/NaN */
+	/*
+	 * > 0: multiply the gradients by this, in (0, 1] (zc_clip_coef of the
+	 * norm over every rank's zc_grad_pass); max_grad_norm is then unused.
+	 */
+	double clip_coef;
 };
 
 struct zc_step_result {
@@ -220,6 +225,23 @@ ZC_API int zc_wait_tensor_timeout(struct zc_tensor *tensor, struct zc_step_resul
     int timeout_ms);
 ZC_API int zc_wait_all_timeout(struct zc_conn *conn, struct zc_step_result *ret,
     int timeout_ms);
+
+/*
+ * Clipping and overflow skip over the whole model, across ranks and nodes,
+ * in two phases.  zc_grad_pass returns this set's share (waits for it); the
+ * ranks add their shares (sumsq and nonfinite: an all-reduce sum, in double
+ * for the norm); then every rank either skips the step (nonfinite > 0) or
+ * submits it with clip_coef = zc_clip_coef(max_norm, total sumsq), which is
+ * torch.nn.utils.clip_grad_norm_'s max_norm / (norm + 1e-6) capped at 1.
+ */
+struct zc_grad_partial {
+	double sumsq;			/* squared L2 norm of the unscaled gradients */
+	uint64_t nonfinite;		/* inf/NaN gradients */
+	uint64_t elements;
+};
+ZC_API int zc_grad_pass(struct zc_conn *conn, struct zc_tensor *const *tensors,
+    size_t ntensors, double grad_scale, struct zc_grad_partial *ret);
+ZC_API double zc_clip_coef(double max_norm, double total_sumsq);
 
 /*
  * Parameter offload (ZeRO-Infinity offload_param), for tensors registered

@@ -165,12 +165,16 @@ ZC_API int zcc_flat_gather(struct zcc_flat *flat, void *full, cudaStream_t strea
 
 /*
  * Starts a step: every zcc_flat_reduce_scatter until zcc_zero3_end_step hands
- * its shard to zoffloadd with these parameters.  Each flat parameter is its
- * own step set, submitted the moment its gradients are in the grad slot, so
- * the CPU step overlaps the rest of backward; the price is that the daemon's
- * global-norm clipping and inf/NaN skip act per flat parameter.  For a norm
- * over the whole model use zcc_unscale_norm on the gradients and clip (or
- * skip) on the GPU before reduce-scatter.
+ * its shard to zoffloadd with these parameters.  Without max_grad_norm and
+ * check_finite each flat parameter is its own step set, submitted the moment
+ * its gradients are in the grad slot, so the CPU step overlaps the rest of
+ * backward.  With either, clipping and the inf/NaN skip cover the whole
+ * model on every rank, as torch.nn.utils.clip_grad_norm_ over all
+ * parameters would: end_step asks the daemon for this rank's share of the
+ * norm (zc_grad_pass), all-reduces the shares over the communicator, then
+ * steps every shard with the one coefficient, or none of them when any rank
+ * saw inf/NaN (the summary counts them skipped).  The CPU step then starts
+ * after backward.
  */
 ZC_API int zcc_zero3_begin_step(struct zcc_zero3 *zero3, const struct zc_step_params *params);
 

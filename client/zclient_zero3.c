@@ -14,6 +14,9 @@
  */
 #define SHARD_ALIGN 128
 
+/* Shards per gradient pass: within the protocol's 4096 tensors a set. */
+#define GRAD_PASS_MAX 1024
+
 struct zcc_flat {
 	struct zcc_zero3 *z;
 	struct zcc_flat *next;
@@ -39,6 +42,13 @@ struct zcc_zero3 {
 	size_t qhead, qlen, qcap;
 	struct zc_step_params params;
 	bool in_step;
+	/*
+	 * max_grad_norm or check_finite: the norm and the inf/NaN check cover
+	 * the whole model on every rank, so the shards are held until backward
+	 * is done and stepped in two phases (gradient pass, all-reduce, step).
+	 */
+	bool global;
+	double *reduce_buf;		/* device: sumsq and the non-finite count, all-reduced */
 };
 
 int
@@ -141,6 +151,8 @@ zcc_zero3_destroy(struct zcc_zero3 *z)
 		z->flats = f->next;
 		flat_free(f);
 	}
+	if (z->reduce_buf != NULL)
+		(void)cudaFree(z->reduce_buf);
 	free(z->queue);
 	free(z);
 }
@@ -275,6 +287,7 @@ zcc_zero3_begin_step(struct zcc_zero3 *z, const struct zc_step_params *params)
 	if (z->in_step)
 		return zcc__fail(-EBUSY, "zcc_zero3_begin_step: the last step has not ended");
 	z->params = *params;
+	z->global = params->max_grad_norm > 0 || params->check_finite;
 	z->qhead = z->qlen = 0;
 	z->in_step = true;
 	return 0;
@@ -344,7 +357,8 @@ zcc_zero3_poll(struct zcc_zero3 *z)
 {
 	int n = 0, r;
 
-	while (z->qhead < z->qlen) {
+	/* A norm over the whole model needs every shard first: end_step submits them. */
+	while (!z->global && z->qhead < z->qlen) {
 		struct zcc_flat *f = z->queue[z->qhead];
 
 		/* In order: NCCL and the copies finish in stream order, so the head is first anyway. */
@@ -360,6 +374,85 @@ zcc_zero3_poll(struct zcc_zero3 *z)
 		n++;
 	}
 	return n;
+}
+
+/*
+ * Phase one of a step clipped over the whole model: this rank's share from
+ * the daemon (GRAD_PASS_MAX shards at a time), summed over the ranks
+ * by NCCL in double.  *ret_skip: some rank saw inf/NaN; else *ret_coef is
+ * clip_grad_norm_'s coefficient for the global norm (1 without max_grad_norm).
+ */
+static int
+global_coef(struct zcc_zero3 *z, cudaStream_t stream, bool *ret_skip, double *ret_coef)
+{
+	struct zc_tensor *ts[GRAD_PASS_MAX];
+	double share[2] = { 0, 0 };
+	int r;
+
+	for (size_t i = 0; i < z->qlen; ) {
+		struct zc_grad_partial p;
+		size_t n = 0;
+
+		while (i < z->qlen && n < GRAD_PASS_MAX)
+			ts[n++] = z->queue[i++]->tensor;
+		r = zc_grad_pass(z->conn, ts, n, z->params.grad_scale, &p);
+		if (r < 0)
+			return zcc__fail(r, "gradient pass: %s", zc_errmsg(z->conn));
+		share[0] += p.sumsq;
+		share[1] += (double)p.nonfinite;
+	}
+	if (z->reduce_buf == NULL) {
+		r = zcc__cuda(cudaMalloc((void **)&z->reduce_buf, sizeof(share)),
+		    "cudaMalloc for the norm all-reduce");
+		if (r < 0)
+			return r;
+	}
+	r = zcc__cuda(cudaMemcpyAsync(z->reduce_buf, share, sizeof(share), cudaMemcpyHostToDevice,
+	    stream), "norm share to the device");
+	if (r == 0)
+		r = zcc__nccl(ncclAllReduce(z->reduce_buf, z->reduce_buf, 2, ncclFloat64, ncclSum,
+		    z->comm, stream), z->comm, "ncclAllReduce of the gradient norm");
+	if (r == 0)
+		r = zcc__cuda(cudaMemcpyAsync(share, z->reduce_buf, sizeof(share),
+		    cudaMemcpyDeviceToHost, stream), "norm back from the device");
+	if (r == 0)
+		r = zcc__cuda(cudaStreamSynchronize(stream), "wait for the norm all-reduce");
+	if (r < 0)
+		return r;
+	*ret_skip = z->params.check_finite && share[1] > 0;
+	*ret_coef = zc_clip_coef(z->params.max_grad_norm, share[0]);
+	return 0;
+}
+
+/* Phase two: every shard with the one coefficient, or none when the step is skipped. */
+static int
+submit_global(struct zcc_zero3 *z, cudaStream_t stream, struct zcc_step_summary *sum)
+{
+	struct zc_step_params p = z->params;
+	bool skip = false;
+	double coef = 1;
+	int r;
+
+	r = global_coef(z, stream, &skip, &coef);
+	if (r < 0)
+		return r;
+	if (skip) {
+		/* Nothing was submitted: the daemon's state and the device shards stay as they were. */
+		sum->skipped = (uint32_t)z->qlen;
+		z->qhead = 0;
+		return 0;
+	}
+	p.check_finite = false;
+	p.max_grad_norm = 0;
+	p.clip_coef = coef < 1 ? coef : 0;
+	for (z->qhead = 0; z->qhead < z->qlen; z->qhead++) {
+		struct zc_tensor *t = z->queue[z->qhead]->tensor;
+
+		r = zc_step_submit(z->conn, &p, &t, 1);
+		if (r < 0)
+			return zcc__fail(r, "zc_step_submit: %s", zc_errmsg(z->conn));
+	}
+	return 0;
 }
 
 int
@@ -379,11 +472,15 @@ zcc_zero3_end_step(struct zcc_zero3 *z, cudaStream_t stream, struct zcc_step_sum
 		if (r == 0)
 			r = zcc__cuda(cudaEventSynchronize(zcc_param_event(f->slots)),
 			    "wait for the param copy");
-		if (r == 0)
+		if (r == 0 && !z->global)
 			r = submit_one(z, f);
 		if (r == 0)
 			z->qhead++;
 	}
+	if (r == 0 && z->global)
+		r = submit_global(z, stream, &sum);
+	else if (z->global)
+		z->qhead = 0;	/* none was submitted: nothing to wait for */
 	/* Everything submitted is waited for, even after an error: slots must be idle again. */
 	for (size_t i = 0; i < z->qhead; i++) {
 		struct zcc_flat *f = z->queue[i];

@@ -5,7 +5,10 @@
 #include <string.h>
 
 #include "daemon.h"
+#include "engine.h"
+#include "job.h"
 #include "log.h"
+#include "session.h"
 
 int
 zd_job_attach(struct zd_session *s, const struct zp_job_open *req, char *err, size_t errlen)
@@ -53,8 +56,15 @@ zd_job_attach(struct zd_session *s, const struct zp_job_open *req, char *err, si
 		TAILQ_INIT(&job->detached);
 		/* The first rank decides where the job's state goes. */
 		job->policy = req->policy != ZP_POLICY_DEFAULT ? req->policy : d->cfg.policy;
-		job->pinned_budget = req->pinned_budget > 0 ? req->pinned_budget :
-		    d->cfg.job_pinned_budget;
+		if (ze_account_new(&(struct ze_account_limits){
+			.pinned_budget = req->pinned_budget > 0 ? req->pinned_budget :
+			    d->cfg.job_pinned_budget,
+			.pinned_what = "pinned budget of job",
+		}, &job->account) < 0) {
+			free(job);
+			snprintf(err, errlen, "out of memory");
+			return -ENOMEM;
+		}
 		TAILQ_INSERT_TAIL(&d->jobs, job, entry);
 		log_info("job '%s' (id %llu) opened by uid %u, world size %u", name,
 		    (unsigned long long)job->id, (unsigned)s->uid, world_size);
@@ -74,13 +84,36 @@ zd_job_unref(struct zd_daemon *d, struct zd_job *job)
 	log_info("job '%s' (id %llu) closed after %llu steps", job->name,
 	    (unsigned long long)job->id, (unsigned long long)job->steps_applied);
 	TAILQ_REMOVE(&d->jobs, job, entry);
+	ze_account_unref(job->account);
 	free(job);
 	return true;
+}
+
+static struct ze_account_limits
+uid_limits(const struct zd_daemon *d)
+{
+	return (struct ze_account_limits){
+		.pinned_budget = d->cfg.uid_pinned_budget,
+		.swap_budget = d->cfg.uid_swap_budget,
+		.pinned_what = "limits.uid_pinned_budget of its uid",
+		.swap_what = "limits.uid_swap_budget of its uid",
+	};
+}
+
+void
+zd_uid_reload_limits(struct zd_daemon *d)
+{
+	struct ze_account_limits l = uid_limits(d);
+	struct zd_uid *u;
+
+	TAILQ_FOREACH(u, &d->uids, entry)
+		ze_account_set_limits(u->account, &l);
 }
 
 struct zd_uid *
 zd_uid_get(struct zd_daemon *d, uid_t uid)
 {
+	struct ze_account_limits limits = uid_limits(d);
 	struct zd_uid *u;
 
 	TAILQ_FOREACH(u, &d->uids, entry)
@@ -89,18 +122,27 @@ zd_uid_get(struct zd_daemon *d, uid_t uid)
 	u = calloc(1, sizeof(*u));
 	if (u == NULL)
 		return NULL;
+	if (ze_account_new(&limits, &u->account) < 0) {
+		free(u);
+		return NULL;
+	}
 	u->uid = uid;
 	TAILQ_INSERT_TAIL(&d->uids, u, entry);
 	return u;
 }
 
-/* Forgets a uid that holds nothing any more. */
 void
 zd_uid_put(struct zd_daemon *d, struct zd_uid *u)
 {
-	if (u == NULL || u->sessions > 0 || u->pinned_bytes > 0 || u->swap_bytes > 0)
+	uint64_t pinned, swap;
+
+	if (u == NULL || u->sessions > 0)
+		return;
+	ze_account_usage(u->account, &pinned, &swap);
+	if (pinned > 0 || swap > 0)
 		return;
 	TAILQ_REMOVE(&d->uids, u, entry);
+	ze_account_unref(u->account);
 	free(u);
 }
 
@@ -113,7 +155,7 @@ keep_detached(struct zd_job *job, struct zd_tensor *t)
 {
 	t->session = NULL;
 	t->detached = true;
-	t->detached_ns = zd_now_ns();
+	t->detached_ns = zu_now_ns();
 	TAILQ_INSERT_TAIL(&job->detached, t, detached_entry);
 	job->ndetached++;
 	job->refs++;
@@ -171,11 +213,7 @@ free_detached(struct zd_daemon *d, struct zd_job *job, struct zd_tensor *t)
 	TAILQ_REMOVE(&job->detached, t, detached_entry);
 	job->ndetached--;
 	t->detached = false;
-	/* Busy: freed when its batch completes, which drops this reference then. */
-	if (t->busy) {
-		t->session = NULL;
-		return false;
-	}
+	/* A step still running on it keeps the engine's tensor until it ends. */
 	tensor_free(d, t);
 	return zd_job_unref(d, job);
 }
@@ -183,7 +221,7 @@ free_detached(struct zd_daemon *d, struct zd_job *job, struct zd_tensor *t)
 void
 zd_job_expire_detached(struct zd_daemon *d, bool all)
 {
-	uint64_t now = zd_now_ns(), grace = (uint64_t)d->cfg.detach_grace_s * 1000000000ull;
+	uint64_t now = zu_now_ns(), grace = (uint64_t)d->cfg.detach_grace_s * 1000000000ull;
 	struct zd_job *job, *next_job;
 	struct zd_tensor *t, *next;
 
@@ -268,23 +306,11 @@ zd_job_detached_ranks(const struct zd_job *job)
 static void
 tensor_free(struct zd_daemon *d, struct zd_tensor *t)
 {
-	zd_shm_destroy(d, &t->grad_slot);
-	zd_shm_destroy(d, &t->param_slot);
-	if (t->state != NULL || t->on_nvme) {
-		struct zd_uid *u = t->job != NULL ? zd_uid_get(d, t->job->uid) : NULL;
-
-		if (u != NULL) {
-			if (t->on_nvme)
-				u->swap_bytes -= t->state_bytes;
-			else
-				u->pinned_bytes -= t->state_bytes;
-		}
-		zd_tier_release(d, t);
-		zd_uid_put(d, u);
-	}
-	if (t->job != NULL) {
+	if (t->et != NULL) {
 		t->job->tensors--;
-		t->job->params -= t->numel;
+		t->job->params -= ze_tensor_numel(t->et);
+		/* The engine refunds its charge, now or when the work it is in ends. */
+		ze_tensor_free(t->et);
 	}
 	free(t);
 }
@@ -292,15 +318,7 @@ tensor_free(struct zd_daemon *d, struct zd_tensor *t)
 void
 zd_tensor_release(struct zd_daemon *d, struct zd_tensor *t)
 {
-	struct zd_job *job = t->job;
-
-	if (!t->busy) {
-		tensor_free(d, t);
-		return;
-	}
-	/* The stepper still reads and writes its state: free it when the batch is done. */
-	t->session = NULL;
-	job->refs++;
+	tensor_free(d, t);
 }
 
 static int
@@ -338,13 +356,15 @@ resume_detached(struct zd_session *s, const struct zp_tensor_register *req,
 			break;
 	if (t == NULL)
 		return 0;
-	if (t->numel != req->numel || t->grad_dtype != (enum zk_dtype)req->grad_dtype ||
-	    t->param_dtype != (enum zk_dtype)req->param_dtype ||
-	    t->param_offload != ((req->flags & ZP_TENSOR_PARAM_OFFLOAD) != 0)) {
+	if (ze_tensor_numel(t->et) != req->numel ||
+	    ze_tensor_grad_dtype(t->et) != (enum zk_dtype)req->grad_dtype ||
+	    ze_tensor_param_dtype(t->et) != (enum zk_dtype)req->param_dtype ||
+	    ze_tensor_param_offload(t->et) != ((req->flags & ZP_TENSOR_PARAM_OFFLOAD) != 0)) {
 		snprintf(err, errlen, "tensor '%s' of rank %u is kept with %llu elements, grads %s, "
 		    "params %s; it cannot be taken back as %llu elements, %s, %s", t->name, t->rank,
-		    (unsigned long long)t->numel, zk_dtype_name(t->grad_dtype),
-		    zk_dtype_name(t->param_dtype), (unsigned long long)req->numel,
+		    (unsigned long long)ze_tensor_numel(t->et),
+		    zk_dtype_name(ze_tensor_grad_dtype(t->et)),
+		    zk_dtype_name(ze_tensor_param_dtype(t->et)), (unsigned long long)req->numel,
 		    zk_dtype_name((enum zk_dtype)req->grad_dtype),
 		    zk_dtype_name((enum zk_dtype)req->param_dtype));
 		return -EINVAL;
@@ -353,7 +373,7 @@ resume_detached(struct zd_session *s, const struct zp_tensor_register *req,
 	 * A step the dead rank submitted is still running on it: its last_step
 	 * is about to change, and the client would resume from the wrong one.
 	 */
-	if (t->busy) {
+	if (ze_tensor_busy(t->et)) {
 		snprintf(err, errlen, "tensor '%s' of rank %u is finishing a step its previous "
 		    "process submitted; register it again when that is done", t->name, t->rank);
 		return -EAGAIN;
@@ -373,15 +393,23 @@ resume_detached(struct zd_session *s, const struct zp_tensor_register *req,
 	return 1;
 }
 
+static enum ze_policy
+engine_policy(uint8_t policy)
+{
+	switch (policy) {
+	case ZP_POLICY_NVME: return ZE_POLICY_NVME;
+	case ZP_POLICY_AUTO: return ZE_POLICY_AUTO;
+	default: return ZE_POLICY_CPU;
+	}
+}
+
 int
 zd_tensor_create(struct zd_session *s, const struct zp_tensor_register *req,
     struct zd_tensor **ret, bool *ret_resumed, char *err, size_t errlen)
 {
 	struct zd_daemon *d = s->daemon;
 	struct zd_tensor *t;
-	struct zt_arena_stats as;
 	struct zd_uid *u;
-	char a[32], b[32], c[32];
 	int r;
 
 	if (s->job == NULL) {
@@ -390,8 +418,9 @@ zd_tensor_create(struct zd_session *s, const struct zp_tensor_register *req,
 	}
 	r = resume_detached(s, req, ret, err, errlen);
 	if (r != 0) {
+		/* Taken back, but asked for its initial values again unless they were all in. */
 		if (r > 0)
-			*ret_resumed = true;
+			*ret_resumed = ze_tensor_initialized((*ret)->et);
 		return r < 0 ? r : 0;
 	}
 	*ret_resumed = false;
@@ -402,111 +431,39 @@ zd_tensor_create(struct zd_session *s, const struct zp_tensor_register *req,
 			return -EEXIST;
 		}
 	}
-	if (req->numel > SIZE_MAX / 16) {
-		snprintf(err, errlen, "tensor '%s': %llu elements is too many", req->name,
-		    (unsigned long long)req->numel);
-		return -EFBIG;
-	}
+	u = zd_uid_get(d, s->uid);
 	t = calloc(1, sizeof(*t));
-	if (t == NULL) {
+	if (t == NULL || u == NULL) {
+		free(t);
 		snprintf(err, errlen, "out of memory");
 		return -ENOMEM;
 	}
-	t->grad_slot.fd = t->param_slot.fd = -1;
 	snprintf(t->name, sizeof(t->name), "%s", req->name);
-	t->numel = req->numel;
-	t->grad_dtype = (enum zk_dtype)req->grad_dtype;
-	t->param_dtype = (enum zk_dtype)req->param_dtype;
-	t->param_offload = (req->flags & ZP_TENSOR_PARAM_OFFLOAD) != 0;
-	t->param_resident = true;
-
-	u = zd_uid_get(d, s->uid);
-	if (u == NULL) {
-		snprintf(err, errlen, "out of memory");
-		r = -ENOMEM;
-		goto fail;
-	}
-	err[0] = '\0';
-	/* From here tensor_free undoes the job's counts. */
 	t->job = s->job;
-	s->job->tensors++;
-	s->job->params += t->numel;
-	r = zd_tier_place(s, t, err, errlen);
-	if (r < 0 && err[0] == '\0') {
-		if (r == -ENOSPC || r == -ENOMEM) {
-			zt_arena_get_stats(d->arena, &as);
-			zd_fmt_bytes(t->state_bytes, a, sizeof(a));
-			zd_fmt_bytes(as.used_bytes, b, sizeof(b));
-			zd_fmt_bytes(as.budget_bytes, c, sizeof(c));
-		}
-		if (r == -ENOSPC && d->swap == NULL)
-			snprintf(err, errlen, "tensor '%s' needs %s of optimizer state; the pinned "
-			    "budget has %s of %s in use and no swap.paths are configured", t->name, a,
-			    b, c);
-		else if (r == -ENOSPC && s->job->policy == ZP_POLICY_CPU)
-			snprintf(err, errlen, "tensor '%s' needs %s of optimizer state; the pinned "
-			    "budget has %s of %s in use (the job's policy is cpu)", t->name, a, b, c);
-		else if (r == -ENOMEM)
-			snprintf(err, errlen, "tensor '%s': cannot pin %s: the memlock limit is "
-			    "exhausted (raise LimitMEMLOCK= or set memory.require_pinned to false)",
-			    t->name, a);
-		else
-			snprintf(err, errlen, "tensor '%s': cannot allocate its state: %s", t->name,
-			    strerror(-r));
-	}
-	if (r < 0)
-		goto fail;
-	if (t->on_nvme)
-		u->swap_bytes += t->state_bytes;
-	else
-		u->pinned_bytes += t->state_bytes;
-	r = zd_shm_create(d, "zoffload-grad", t->numel * zk_dtype_size(t->grad_dtype), false,
-	    &t->grad_slot);
-	if (r == 0)
-		r = zd_shm_create(d, "zoffload-param", t->numel * zk_dtype_size(t->param_dtype),
-		    !t->param_offload, &t->param_slot);
+	/* Charged to the registering uid: whoever asked for the memory pays, and is refunded. */
+	r = ze_tensor_new(d->engine, &(struct ze_tensor_desc){
+		.name = t->name,
+		.numel = req->numel,
+		.grad_dtype = (enum zk_dtype)req->grad_dtype,
+		.param_dtype = (enum zk_dtype)req->param_dtype,
+		.param_offload = (req->flags & ZP_TENSOR_PARAM_OFFLOAD) != 0,
+		.policy = engine_policy(s->job->policy),
+	}, s->job->account, u->account, t, &t->et, err, errlen);
 	if (r < 0) {
-		zd_fmt_bytes(d->shm_bytes, a, sizeof(a));
-		zd_fmt_bytes(d->cfg.shm_budget, b, sizeof(b));
-		if (r == -ENOSPC)
-			snprintf(err, errlen, "tensor '%s': its slots exceed the shared-memory budget "
-			    "(%s of %s in use)", t->name, a, b);
-		else
-			snprintf(err, errlen, "tensor '%s': cannot create its slots: %s", t->name,
-			    strerror(-r));
-		goto fail;
+		free(t);
+		zd_uid_put(d, u);
+		return r;
 	}
+	s->job->tensors++;
+	s->job->params += req->numel;
 	r = add_handle(s, t);
 	if (r < 0) {
 		snprintf(err, errlen, "too many tensors on this connection");
-		goto fail;
+		tensor_free(d, t);
+		return r;
 	}
 	t->session = s;
 	t->rank = s->rank;
 	*ret = t;
 	return 0;
-fail:
-	tensor_free(d, t);
-	return r;
-}
-
-void
-zd_tensor_write_param(struct zd_tensor *t, uint64_t offset, uint64_t count, const float *src)
-{
-	t->param_dirty = true;
-	switch (t->param_dtype) {
-	case ZK_DTYPE_F32:
-		memcpy((float *)t->param_slot.map + offset, src, count * sizeof(float));
-		break;
-	case ZK_DTYPE_BF16:
-		for (uint64_t i = 0; i < count; i++)
-			((uint16_t *)t->param_slot.map)[offset + i] = zk_f32_to_bf16(src[i]);
-		break;
-	case ZK_DTYPE_F16:
-		for (uint64_t i = 0; i < count; i++)
-			((uint16_t *)t->param_slot.map)[offset + i] = zk_f32_to_f16(src[i]);
-		break;
-	default:
-		break;
-	}
 }

@@ -5,6 +5,8 @@
 #include <unistd.h>
 
 #include "log.h"
+#include "util.h"
+#include "swap.h"
 
 static enum zd_log_level current_level = ZD_LOG_INFO;
 
@@ -54,7 +56,7 @@ vlog(enum zd_log_level level, int err, const char *fmt, va_list ap)
 		return;
 	n = vsnprintf(line, sizeof(line), fmt, ap);
 	if (err != 0 && n >= 0 && (size_t)n < sizeof(line))
-		snprintf(line + n, sizeof(line) - (size_t)n, ": %s", strerror(err < 0 ? -err : err));
+		snprintf(line + n, sizeof(line) - (size_t)n, ": %s", zs_strerror(err < 0 ? err : -err));
 	/* The journal adds its own timestamps; a terminal gets the level name. */
 	if (getenv("JOURNAL_STREAM") != NULL)
 		fprintf(stderr, "%s%s\n", level_prefix[level], line);
@@ -102,14 +104,5 @@ fatalx(const char *fmt, ...)
 const char *
 zd_fmt_bytes(unsigned long long bytes, char *buf, unsigned long len)
 {
-	static const char *const units[] = { "B", "KiB", "MiB", "GiB", "TiB" };
-	double v = (double)bytes;
-	unsigned u = 0;
-
-	while (v >= 1024 && u < 4) {
-		v /= 1024;
-		u++;
-	}
-	snprintf(buf, len, "%.1f %s", v, units[u]);
-	return buf;
+	return zu_fmt_bytes(bytes, buf, len);
 }

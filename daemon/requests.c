@@ -1,12 +1,17 @@
 /* What the daemon does with each request, once it has been decoded and validated. */
 #include <errno.h>
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "build_config.h"
 #include "daemon.h"
+#include "engine.h"
+#include "job.h"
 #include "log.h"
+#include "requests.h"
+#include "session.h"
 
 static void
 reply_ok(struct zd_session *s, uint64_t request_id)
@@ -86,12 +91,14 @@ handle_tensor_register(struct zd_session *s, const struct zp_msg *msg)
 	}
 	m.u.tensor_ok.handle = t->handle;
 	/* The client maps what it uses; the memfds are page-rounded. */
-	m.u.tensor_ok.grad_bytes = t->numel * zk_dtype_size(t->grad_dtype);
-	m.u.tensor_ok.param_bytes = t->numel * zk_dtype_size(t->param_dtype);
+	m.u.tensor_ok.grad_bytes = ze_tensor_numel(t->et) *
+	    zk_dtype_size(ze_tensor_grad_dtype(t->et));
+	m.u.tensor_ok.param_bytes = ze_tensor_numel(t->et) *
+	    zk_dtype_size(ze_tensor_param_dtype(t->et));
 	m.u.tensor_ok.resumed = resumed;
-	m.u.tensor_ok.last_step = t->last_step;
-	fds[0] = t->grad_slot.fd;
-	fds[1] = t->param_slot.fd;
+	m.u.tensor_ok.last_step = ze_tensor_last_step(t->et);
+	fds[0] = ze_tensor_grad_fd(t->et);
+	fds[1] = ze_tensor_param_fd(t->et);
 	(void)zd_session_send(s, &m, fds, 2);
 }
 
@@ -103,7 +110,7 @@ find_tensor(struct zd_session *s, uint64_t request_id, uint32_t handle)
 	if (t == NULL)
 		zd_session_error(s, request_id, -ENOENT, "no tensor with handle %u on this connection",
 		    handle);
-	else if (t->busy) {
+	else if (ze_tensor_busy(t->et)) {
 		zd_session_error(s, request_id, -EBUSY, "tensor '%s' is in a step", t->name);
 		t = NULL;
 	}
@@ -132,11 +139,17 @@ handle_tensor_set_step(struct zd_session *s, const struct zp_msg *msg)
 {
 	const struct zp_tensor_step *req = &msg->u.tensor_step;
 	struct zd_tensor *t = find_tensor(s, msg->hdr.request_id, req->handle);
+	int r;
 
 	if (t == NULL)
 		return;
-	t->last_step = req->step;
-	if (t->job != NULL && req->step > t->job->last_step)
+	r = ze_tensor_set_step(t->et, req->step);
+	if (r < 0) {
+		zd_session_error(s, msg->hdr.request_id, r, "tensor '%s': %s", t->name,
+		    ze_strerror(r));
+		return;
+	}
+	if (req->step > t->job->last_step)
 		t->job->last_step = req->step;
 	reply_ok(s, msg->hdr.request_id);
 }
@@ -148,8 +161,8 @@ handle_xfer_open(struct zd_session *s, const struct zp_msg *msg)
 	int r;
 
 	if (s->xfer.map == NULL) {
-		r = zd_shm_create(s->daemon, "zoffload-xfer", s->daemon->cfg.xfer_window, false,
-		    &s->xfer);
+		r = ze_shm_create(s->daemon->engine, "zoffload-xfer", s->daemon->cfg.xfer_window,
+		    false, &s->xfer);
 		if (r < 0) {
 			zd_session_error(s, msg->hdr.request_id, r,
 			    "cannot create the transfer window: %s",
@@ -161,23 +174,15 @@ handle_xfer_open(struct zd_session *s, const struct zp_msg *msg)
 	(void)zd_session_send(s, &m, &s->xfer.fd, 1);
 }
 
-static float *
-state_array(struct zd_tensor *t, uint8_t which)
-{
-	switch (which) {
-	case ZP_STATE_MASTER: return t->master;
-	case ZP_STATE_EXP_AVG: return t->m;
-	default: return t->v;
-	}
-}
-
 /* Copies between a tensor's state and the transfer window; offsets come from the message only. */
 static void
 handle_tensor_io(struct zd_session *s, const struct zp_msg *msg)
 {
 	const struct zp_tensor_io *io = &msg->u.tensor_io;
+	bool write = msg->hdr.type == ZP_TENSOR_WRITE;
 	struct zd_tensor *t;
-	float *state;
+	uint64_t numel;
+	int r;
 
 	if (s->xfer.map == NULL) {
 		zd_session_error(s, msg->hdr.request_id, -ENXIO, "no transfer window: send XFER_OPEN first");
@@ -186,11 +191,12 @@ handle_tensor_io(struct zd_session *s, const struct zp_msg *msg)
 	t = find_tensor(s, msg->hdr.request_id, io->handle);
 	if (t == NULL)
 		return;
-	if (io->offset > t->numel || io->count > t->numel - io->offset) {
+	numel = ze_tensor_numel(t->et);
+	if (io->offset > numel || io->count > numel - io->offset) {
 		zd_session_error(s, msg->hdr.request_id, -ERANGE,
 		    "tensor '%s': elements %llu..%llu are outside its %llu", t->name,
 		    (unsigned long long)io->offset, (unsigned long long)(io->offset + io->count),
-		    (unsigned long long)t->numel);
+		    (unsigned long long)numel);
 		return;
 	}
 	if (io->count * sizeof(float) > s->xfer.bytes) {
@@ -199,26 +205,197 @@ handle_tensor_io(struct zd_session *s, const struct zp_msg *msg)
 		    (unsigned long long)io->count, s->xfer.bytes);
 		return;
 	}
-	if (msg->hdr.type == ZP_TENSOR_WRITE && io->state == ZP_STATE_MASTER && !t->param_resident) {
-		zd_session_error(s, msg->hdr.request_id, -EAGAIN, "tensor '%s': its params were "
+	r = ze_tensor_io(t->et, write, (enum ze_state)io->state, io->offset, io->count,
+	    s->xfer.map, s->id, msg->hdr.request_id);
+	if (r == -EAGAIN)
+		zd_session_error(s, msg->hdr.request_id, r, "tensor '%s': its params were "
 		    "released; fetch them before writing master weights", t->name);
+	else if (r < 0)
+		zd_session_error(s, msg->hdr.request_id, ze_errno(r), "tensor '%s': %s", t->name,
+		    ze_strerror(r));
+	else if (r > 0)
+		reply_ok(s, msg->hdr.request_id);
+	/* 0: on NVMe, chunk by chunk; the reply comes when the engine reports. */
+}
+
+static void
+send_step_done(struct zd_session *s, uint64_t request_id, const struct ze_step_result *r,
+    enum zp_step_status status, int error)
+{
+	struct zp_msg m = { .hdr = { .type = ZP_STEP_DONE, .request_id = request_id } };
+
+	m.u.step_done.step = r->step;
+	m.u.step_done.status = status;
+	m.u.step_done.error = ze_errno(error);
+	m.u.step_done.grad_norm = r->grad_norm;
+	m.u.step_done.latency_ns = r->submit_ns != 0 ? zu_now_ns() - r->submit_ns : 0;
+	m.u.step_done.count = (uint32_t)r->count;
+	(void)zd_session_send(s, &m, NULL, 0);
+}
+
+/* A set that cannot run is answered at once, so a client that does not wait still learns why. */
+static void
+refuse_step(struct zd_session *s, const struct zp_msg *msg, int error, const char *text)
+{
+	struct ze_step_result r = { .step = msg->u.step_submit.step, .grad_norm = NAN,
+		.count = msg->u.step_submit.count };
+
+	zd_session_error(s, msg->hdr.request_id, ze_errno(error), "%s", text);
+	send_step_done(s, msg->hdr.request_id, &r, ZP_STEP_FAILED, error);
+}
+
+static void
+handle_step_submit(struct zd_session *s, const struct zp_msg *msg)
+{
+	const struct zp_step_submit *req = &msg->u.step_submit;
+	char err[ZP_ERRMSG_MAX + 1];
+	struct ze_tensor **ts;
+	int r;
+
+	if (s->job == NULL) {
+		refuse_step(s, msg, -ENOTCONN, "open a job before submitting steps");
 		return;
 	}
-	/* On NVMe: chunk by chunk through staging buffers; the reply comes when done. */
-	if (t->on_nvme) {
-		zd_tier_xfer(s, t, msg);
+	ts = calloc(req->count, sizeof(*ts));
+	if (ts == NULL) {
+		refuse_step(s, msg, -ENOMEM, "out of memory");
 		return;
 	}
-	state = state_array(t, io->state) + io->offset;
-	if (msg->hdr.type == ZP_TENSOR_WRITE) {
-		memcpy(state, s->xfer.map, io->count * sizeof(float));
-		/* The param slot always mirrors the master weights. */
-		if (io->state == ZP_STATE_MASTER)
-			zd_tensor_write_param(t, io->offset, io->count, state);
-	} else {
-		memcpy(s->xfer.map, state, io->count * sizeof(float));
+	for (uint32_t i = 0; i < req->count; i++) {
+		struct zd_tensor *t = zd_session_tensor(s, req->handles[i]);
+
+		if (t == NULL) {
+			snprintf(err, sizeof(err), "step %llu: no tensor with handle %u on this "
+			    "connection", (unsigned long long)req->step, req->handles[i]);
+			refuse_step(s, msg, -ENOENT, err);
+			free(ts);
+			return;
+		}
+		ts[i] = t->et;
 	}
-	reply_ok(s, msg->hdr.request_id);
+	/* Counted first: the engine may report a step that has nothing left to do at once. */
+	s->steps_in_flight++;
+	r = ze_step_submit(s->daemon->engine, &(struct ze_step){
+		.lane = s->id,
+		.id = msg->hdr.request_id,
+		.hp = {
+			.optim = (enum zk_optim)req->optim,
+			.lr = req->lr,
+			.beta1 = req->beta1,
+			.beta2 = req->beta2,
+			.eps = req->eps,
+			.weight_decay = req->weight_decay,
+			.lr_decay = req->lr_decay,
+			.step = req->step,
+			.bias_correction = (req->flags & ZP_STEP_NO_BIAS_CORRECTION) == 0,
+			.grad_scale = req->grad_scale,
+			.clip_coef = 1.0,
+		},
+		.check_finite = (req->flags & ZP_STEP_CHECK_FINITE) != 0,
+		.max_grad_norm = (req->flags & ZP_STEP_CLIP_COEF) ? 0 : req->max_grad_norm,
+		.clip_coef = (req->flags & ZP_STEP_CLIP_COEF) ? req->max_grad_norm : 0,
+		.count = req->count,
+		.tensors = ts,
+	}, err, sizeof(err));
+	free(ts);
+	if (r < 0) {
+		s->steps_in_flight--;
+		refuse_step(s, msg, r, err);
+	}
+}
+
+/* The first phase of a step clipped across sets: GRAD_PARTIAL comes when the pass is done. */
+static void
+handle_grad_pass(struct zd_session *s, const struct zp_msg *msg)
+{
+	const struct zp_grad_pass *req = &msg->u.grad_pass;
+	char err[ZP_ERRMSG_MAX + 1];
+	struct ze_tensor **ts;
+	int r;
+
+	ts = calloc(req->count, sizeof(*ts));
+	if (ts == NULL) {
+		zd_session_error(s, msg->hdr.request_id, -ENOMEM, "out of memory");
+		return;
+	}
+	for (uint32_t i = 0; i < req->count; i++) {
+		struct zd_tensor *t = zd_session_tensor(s, req->handles[i]);
+
+		if (t == NULL) {
+			zd_session_error(s, msg->hdr.request_id, -ENOENT, "GRAD_PASS: no tensor with "
+			    "handle %u on this connection", req->handles[i]);
+			free(ts);
+			return;
+		}
+		ts[i] = t->et;
+	}
+	s->steps_in_flight++;
+	r = ze_grad_pass(s->daemon->engine, s->id, msg->hdr.request_id, req->grad_scale, ts,
+	    req->count, err, sizeof(err));
+	free(ts);
+	if (r < 0) {
+		s->steps_in_flight--;
+		zd_session_error(s, msg->hdr.request_id, ze_errno(r), "GRAD_PASS: %s", err);
+	}
+}
+
+static void
+send_param_ready(struct zd_session *s, uint64_t request_id, uint32_t handle, int error)
+{
+	struct zp_msg m = { .hdr = { .type = ZP_PARAM_READY, .request_id = request_id } };
+
+	m.u.param_ready.handle = handle;
+	m.u.param_ready.error = ze_errno(error);
+	(void)zd_session_send(s, &m, NULL, 0);
+}
+
+/* One PARAM_READY per handle: now, or when the engine has read it from NVMe. */
+static void
+handle_param_fetch(struct zd_session *s, const struct zp_msg *msg)
+{
+	const struct zp_handles *h = &msg->u.handles;
+
+	for (uint32_t i = 0; i < h->count; i++) {
+		struct zd_tensor *t = zd_session_tensor(s, h->handles[i]);
+		int r = t == NULL ? -ENOENT : ze_param_fetch(t->et, s->id, msg->hdr.request_id);
+
+		if (r != 0)
+			send_param_ready(s, msg->hdr.request_id, h->handles[i], r > 0 ? 0 : r);
+	}
+}
+
+static void
+handle_param_release(struct zd_session *s, const struct zp_msg *msg)
+{
+	const struct zp_handles *h = &msg->u.handles;
+	struct ze_tensor **ts;
+	int r;
+
+	/* Check every handle first: a release is all or nothing. */
+	for (uint32_t i = 0; i < h->count; i++) {
+		struct zd_tensor *t = zd_session_tensor(s, h->handles[i]);
+
+		if (t == NULL || ze_tensor_busy(t->et)) {
+			zd_session_error(s, msg->hdr.request_id, t == NULL ? -ENOENT : -EBUSY,
+			    "PARAM_RELEASE: tensor handle %u %s", h->handles[i], t != NULL ?
+			    "is in a step or transfer" : "is not on this connection");
+			return;
+		}
+	}
+	ts = calloc(h->count, sizeof(*ts));
+	if (ts == NULL) {
+		zd_session_error(s, msg->hdr.request_id, -ENOMEM, "out of memory");
+		return;
+	}
+	for (uint32_t i = 0; i < h->count; i++)
+		ts[i] = zd_session_tensor(s, h->handles[i])->et;
+	r = ze_param_release(s->daemon->engine, ts, h->count, s->id, msg->hdr.request_id);
+	free(ts);
+	if (r > 0)
+		reply_ok(s, msg->hdr.request_id);
+	else if (r < 0)
+		zd_session_error(s, msg->hdr.request_id, ze_errno(r), "writing released params "
+		    "to NVMe failed: %s", ze_strerror(r));
 }
 
 void
@@ -259,7 +436,7 @@ zd_handle_request(struct zd_session *s, const struct zp_msg *msg)
 			zd_session_error(s, id, -ENOTCONN, "no job is open on this connection");
 			return;
 		}
-		if (!TAILQ_EMPTY(&s->inflight)) {
+		if (s->steps_in_flight > 0) {
 			zd_session_error(s, id, -EBUSY, "steps are still in flight; wait for them first");
 			return;
 		}
@@ -283,7 +460,10 @@ zd_handle_request(struct zd_session *s, const struct zp_msg *msg)
 		handle_tensor_io(s, msg);
 		break;
 	case ZP_STEP_SUBMIT:
-		zd_step_submit(s, msg);
+		handle_step_submit(s, msg);
+		break;
+	case ZP_GRAD_PASS:
+		handle_grad_pass(s, msg);
 		break;
 	case ZP_JOB_DROP: {
 		char err[ZP_ERRMSG_MAX + 1];
@@ -296,10 +476,10 @@ zd_handle_request(struct zd_session *s, const struct zp_msg *msg)
 		break;
 	}
 	case ZP_PARAM_FETCH:
-		zd_tier_param_fetch(s, msg);
+		handle_param_fetch(s, msg);
 		break;
 	case ZP_PARAM_RELEASE:
-		zd_tier_param_release(s, msg);
+		handle_param_release(s, msg);
 		break;
 	case ZP_STATS:
 		reply_json(s, id, zd_stats_json(s->daemon));

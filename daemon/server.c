@@ -14,22 +14,16 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "arena.h"
 #include "daemon.h"
+#include "engine.h"
+#include "job.h"
 #include "log.h"
 #include "msgio.h"
-#include "pool.h"
+#include "requests.h"
 #include "server.h"
-#include "stepper.h"
+#include "session.h"
 #include "swap.h"
-
-uint64_t
-zd_now_ns(void)
-{
-	struct timespec ts;
-
-	clock_gettime(CLOCK_MONOTONIC, &ts);
-	return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
-}
 
 static bool
 have_cap_ipc_lock(void)
@@ -49,7 +43,7 @@ report_pinning(struct zd_daemon *d)
 	struct zt_arena_stats as;
 	char budget[32], limit[32];
 
-	zt_arena_get_stats(d->arena, &as);
+	ze_engine_arena_stats(d->engine, &as);
 	zd_fmt_bytes(as.budget_bytes, budget, sizeof(budget));
 	if (as.memlock_limit == UINT64_MAX || have_cap_ipc_lock()) {
 		log_info("pinned tier: budget %s, all of it can be locked (%s)", budget,
@@ -181,20 +175,23 @@ accept_cb(evutil_socket_t lfd, short what, void *arg)
 	}
 }
 
-static void
-maybe_finish(struct zd_daemon *d)
+void
+zd_maybe_finish(struct zd_daemon *d)
 {
-	if (d->draining && d->inflight_batches == 0 && d->inflight_xfers == 0)
+	if (d->draining && ze_engine_in_flight(d->engine) == 0)
 		event_base_loopbreak(d->base);
 }
 
+/* The stepper's and the swap engine's fds both land here. */
 static void
-stepper_cb(evutil_socket_t fd, short what, void *arg)
+engine_cb(evutil_socket_t fd, short what, void *arg)
 {
 	struct zd_daemon *d = arg;
+	int r = ze_engine_process(d->engine);
 
-	zd_step_completions(d);
-	maybe_finish(d);
+	if (r < 0)
+		log_warn(r, "swap engine");
+	zd_maybe_finish(d);
 }
 
 static void
@@ -226,7 +223,8 @@ reload(struct zd_daemon *d)
 		log_warnx("SIGHUP: socket, worker and NUMA changes take effect at restart");
 	log_set_level(fresh.log_level);
 	d->cfg.log_level = fresh.log_level;
-	zt_arena_set_budget(d->arena, fresh.pinned_budget);
+	ze_engine_set_budgets(d->engine, fresh.pinned_budget, fresh.shm_budget);
+	ze_engine_set_isa(d->engine, isa);
 	d->cfg.pinned_budget = fresh.pinned_budget;
 	d->cfg.shm_budget = fresh.shm_budget;
 	/*
@@ -240,6 +238,7 @@ reload(struct zd_daemon *d)
 	d->cfg.uid_pinned_budget = fresh.uid_pinned_budget;
 	d->cfg.uid_swap_budget = fresh.uid_swap_budget;
 	d->cfg.detach_grace_s = fresh.detach_grace_s;
+	zd_uid_reload_limits(d);
 	d->isa = isa;
 	zd_config_clear(&fresh);
 	log_info("SIGHUP: reloaded %s (kernels %s)", d->config_path, zk_isa_name(d->isa));
@@ -257,31 +256,19 @@ signal_cb(evutil_socket_t sig, short what, void *arg)
 	if (d->draining)
 		return;
 	log_info("%s: no new connections; finishing %u step(s) in flight",
-	    sig == SIGTERM ? "SIGTERM" : "SIGINT", d->inflight_batches);
+	    sig == SIGTERM ? "SIGTERM" : "SIGINT", ze_engine_steps_in_flight(d->engine));
 	d->draining = true;
 	(void)zd_notify("STOPPING=1");
 	if (d->ev_listen != NULL) {
 		event_free(d->ev_listen);
 		d->ev_listen = NULL;
 	}
-	maybe_finish(d);
+	zd_maybe_finish(d);
 }
 
-static void maybe_finish(struct zd_daemon *d);
-
-static void
-swap_cb(evutil_socket_t fd, short what, void *arg)
-{
-	struct zd_daemon *d = arg;
-	int r = zs_engine_process(d->swap);
-
-	if (r < 0)
-		log_warn(r, "swap engine");
-	maybe_finish(d);
-}
-
+/* The swap engine on the configured paths, or *ret NULL when none are. */
 static int
-start_swap(struct zd_daemon *d)
+start_swap(struct zd_daemon *d, struct zs_engine **ret)
 {
 	struct zs_path paths[ZD_MAX_SWAP_PATHS];
 	struct zs_error_info info = { .path = -1 };
@@ -295,6 +282,7 @@ start_swap(struct zd_daemon *d)
 	};
 	int r;
 
+	*ret = NULL;
 	if (d->cfg.nswap_paths == 0) {
 		log_info("NVMe tier off: no swap.paths configured");
 		return 0;
@@ -312,7 +300,7 @@ start_swap(struct zd_daemon *d)
 		zc.engine = ZS_ENGINE_PTHREAD;
 	else
 		zc.engine = ZS_ENGINE_AUTO;
-	r = zs_engine_new(&zc, &d->swap, &info);
+	r = zs_engine_new(&zc, ret, &info);
 	if (r < 0) {
 		if (info.path >= 0)
 			log_errorx("swap path %s: %s failed: %s", paths[info.path].path,
@@ -322,7 +310,7 @@ start_swap(struct zd_daemon *d)
 			    info.step ? " (" : "", info.step ? info.step : "", info.step ? ")" : "");
 		return r;
 	}
-	zs_engine_stats(d->swap, &es);
+	zs_engine_stats(*ret, &es);
 	if (es.uring_error != 0)
 		log_warnx("io_uring is unavailable (%s): swapping with the pthread fallback "
 		    "(swap.fallback is true)", zs_strerror(es.uring_error));
@@ -330,16 +318,64 @@ start_swap(struct zd_daemon *d)
 		struct zs_path_stats ps;
 		char cap[32];
 
-		zs_engine_path_stats(d->swap, i, &ps);
+		zs_engine_path_stats(*ret, i, &ps);
 		zd_fmt_bytes(ps.capacity, cap, sizeof(cap));
 		log_info("NVMe tier: %s, %s preallocated, O_DIRECT alignment %u", paths[i].path, cap,
 		    ps.dio_offset_align);
 	}
 	log_info("NVMe tier: %s engine, queue depth %u, stripe unit %u KiB over %u path(s)",
-	    zs_engine_name(d->swap), es.queue_depth, es.stripe_unit >> 10, es.npaths);
-	d->ev_swap = event_new(d->base, zs_engine_fd(d->swap), EV_READ | EV_PERSIST, swap_cb, d);
-	if (d->ev_swap == NULL || event_add(d->ev_swap, NULL) != 0)
+	    zs_engine_name(*ret), es.queue_depth, es.stripe_unit >> 10, es.npaths);
+	return 0;
+}
+
+static int
+start_engine(struct zd_daemon *d)
+{
+	const char *names[ZD_MAX_SWAP_PATHS];
+	struct zs_engine *swap;
+	char err[256];
+	int r;
+
+	r = start_swap(d, &swap);
+	if (r < 0)
+		return r;
+	for (unsigned i = 0; i < d->cfg.nswap_paths; i++)
+		names[i] = d->cfg.swap_paths[i].path;
+	r = ze_engine_new(&(struct ze_config){
+		.pinned_budget = d->cfg.pinned_budget,
+		.numa_node = d->cfg.numa_node,
+		.require_pinned = d->cfg.require_pinned,
+		.hugepages = d->cfg.hugepages,
+		.shm_budget = d->cfg.shm_budget,
+		.worker_threads = d->cfg.worker_threads,
+		.cpus = d->cfg.cpus,
+		.ncpus = d->cfg.ncpus,
+		.isa = d->isa,
+		.staging_buffers = d->cfg.staging_buffers,
+		.chunk_elements = d->cfg.chunk_elements,
+		.swap_path_names = names,
+		.nswap_paths = d->cfg.nswap_paths,
+	}, swap, &zd_engine_callbacks, d, &d->engine, err, sizeof(err));
+	if (r < 0) {
+		log_errorx("%s", err);
+		return r;
+	}
+	if (swap != NULL)
+		log_info("NVMe tier: %u staging buffers of %llu MiB, chunks of %llu elements",
+		    d->cfg.staging_buffers,
+		    (unsigned long long)(3 * d->cfg.chunk_elements * sizeof(float)) >> 20,
+		    (unsigned long long)d->cfg.chunk_elements);
+	d->ev_stepper = event_new(d->base, ze_engine_step_fd(d->engine), EV_READ | EV_PERSIST,
+	    engine_cb, d);
+	if (d->ev_stepper == NULL || event_add(d->ev_stepper, NULL) != 0)
 		return -ENOMEM;
+	if (swap != NULL) {
+		d->ev_swap = event_new(d->base, ze_engine_swap_fd(d->engine), EV_READ | EV_PERSIST,
+		    engine_cb, d);
+		if (d->ev_swap == NULL || event_add(d->ev_swap, NULL) != 0)
+			return -ENOMEM;
+	}
+	report_pinning(d);
 	return 0;
 }
 
@@ -352,16 +388,18 @@ tick_cb(evutil_socket_t fd, short what, void *arg)
 void
 zd_tick(struct zd_daemon *d)
 {
-	uint64_t now = zd_now_ns();
+	struct zs_engine *swap = ze_engine_swap(d->engine);
+	uint64_t now = zu_now_ns();
 	double dt = (double)(now - d->last_tick_ns) / 1e9;
+	struct zd_uid *u, *next;
 
 	d->last_tick_ns = now;
-	if (d->swap != NULL) {
+	if (swap != NULL) {
 		for (unsigned i = 0; i < d->cfg.nswap_paths && i < ZD_MAX_SWAP_PATHS; i++) {
 			struct zd_swap_sample *smp = &d->swap_samples[i];
 			struct zs_path_stats ps;
 
-			if (zs_engine_path_stats(d->swap, i, &ps) != 0)
+			if (zs_engine_path_stats(swap, i, &ps) != 0)
 				continue;
 			if (dt > 0) {
 				smp->read_bps = (double)(ps.bytes_read - smp->bytes_read) / dt;
@@ -372,6 +410,11 @@ zd_tick(struct zd_daemon *d)
 		}
 	}
 	zd_job_expire_detached(d, false);
+	/* Uids whose last tensor went after their last session (its step was running then). */
+	for (u = TAILQ_FIRST(&d->uids); u != NULL; u = next) {
+		next = TAILQ_NEXT(u, entry);
+		zd_uid_put(d, u);
+	}
 	/* systemctl status shows this line. */
 	if (now / 1000000000ull % 10 == 0) {
 		char status[160];
@@ -417,14 +460,13 @@ int
 zd_server_run(struct zd_daemon *d)
 {
 	static const int sigs[] = { SIGTERM, SIGINT, SIGHUP };
-	unsigned threads;
 	int r;
 
 	TAILQ_INIT(&d->sessions);
 	TAILQ_INIT(&d->jobs);
 	TAILQ_INIT(&d->uids);
 	d->listen_fd = -1;
-	d->started_ns = zd_now_ns();
+	d->started_ns = zu_now_ns();
 	signal(SIGPIPE, SIG_IGN);
 
 	r = zk_isa_select(d->cfg.isa, &d->isa);
@@ -434,58 +476,24 @@ zd_server_run(struct zd_daemon *d)
 		    r == -ENOTSUP ? "this CPU lacks it" : "unknown instruction set");
 		return r;
 	}
-	r = zt_arena_new(&(struct zt_arena_config){
-		.budget_bytes = d->cfg.pinned_budget,
-		.numa_node = d->cfg.numa_node,
-		.require_pinned = d->cfg.require_pinned,
-		.hugepages = d->cfg.hugepages,
-	}, &d->arena);
-	if (r < 0) {
-		log_error(r, "memory.numa_node %d", d->cfg.numa_node);
-		return r;
-	}
-	report_pinning(d);
-
-	threads = d->cfg.worker_threads;
-	if (threads == 0) {
+	if (d->cfg.worker_threads == 0) {
 		long n = sysconf(_SC_NPROCESSORS_ONLN);
 
-		threads = n > 0 ? (unsigned)n : 1;
-		d->cfg.worker_threads = threads;
+		d->cfg.worker_threads = n > 0 ? (unsigned)n : 1;
 	}
-	r = zk_pool_new(threads, d->cfg.ncpus > 0 ? d->cfg.cpus : NULL, d->cfg.ncpus, &d->pool);
-	if (r < 0) {
-		log_error(r, "cannot start %u worker threads", threads);
-		goto out;
-	}
-	r = zd_stepper_new(d->pool, &d->stepper);
-	if (r < 0) {
-		log_error(r, "cannot start the step thread");
-		goto out;
-	}
-
 	d->base = event_base_new();
 	if (d->base == NULL) {
 		r = -ENOMEM;
 		goto out;
 	}
-	r = start_swap(d);
-	if (r == 0)
-		r = zd_tier_start(d);
-	if (r < 0) {
-		if (d->swap != NULL)
-			log_error(r, "NVMe tier: cannot set up %u staging buffers",
-			    d->cfg.staging_buffers);
+	r = start_engine(d);
+	if (r < 0)
 		goto out;
-	}
 	r = open_listener(d);
 	if (r < 0)
 		goto out;
 	d->ev_listen = event_new(d->base, d->listen_fd, EV_READ | EV_PERSIST, accept_cb, d);
-	d->ev_stepper = event_new(d->base, zd_stepper_fd(d->stepper), EV_READ | EV_PERSIST,
-	    stepper_cb, d);
-	if (d->ev_listen == NULL || d->ev_stepper == NULL || event_add(d->ev_listen, NULL) ||
-	    event_add(d->ev_stepper, NULL)) {
+	if (d->ev_listen == NULL || event_add(d->ev_listen, NULL)) {
 		r = -ENOMEM;
 		goto out;
 	}
@@ -496,7 +504,7 @@ zd_server_run(struct zd_daemon *d)
 			goto out;
 		}
 	}
-	d->last_tick_ns = zd_now_ns();
+	d->last_tick_ns = zu_now_ns();
 	d->ev_tick = event_new(d->base, -1, EV_PERSIST, tick_cb, d);
 	if (d->ev_tick == NULL || event_add(d->ev_tick, &(struct timeval){ 1, 0 }) != 0 ||
 	    start_watchdog(d) != 0) {
@@ -504,7 +512,7 @@ zd_server_run(struct zd_daemon *d)
 		goto out;
 	}
 	log_info("zoffloadd listening on %s: %u worker threads, kernels %s, config %s",
-	    d->cfg.socket_path, threads, zk_isa_name(d->isa), d->cfg.source);
+	    d->cfg.socket_path, d->cfg.worker_threads, zk_isa_name(d->isa), d->cfg.source);
 	zd_notify_ready(d);
 
 	event_base_dispatch(d->base);
@@ -516,8 +524,16 @@ out:
 		zd_session_close(TAILQ_FIRST(&d->sessions));
 	/* Detached ranks' state goes with the daemon. */
 	zd_job_expire_detached(d, true);
-	/* Batches still queued finish first; none can be left after a drain. */
-	zd_stepper_free(d->stepper);
+	/* Work still queued finishes first (none is left after a drain); then the tiers go. */
+	ze_engine_free(d->engine);
+	d->engine = NULL;
+	while (!TAILQ_EMPTY(&d->uids)) {
+		struct zd_uid *u = TAILQ_FIRST(&d->uids);
+
+		TAILQ_REMOVE(&d->uids, u, entry);
+		ze_account_unref(u->account);
+		free(u);
+	}
 	for (size_t i = 0; i < sizeof(d->ev_signals) / sizeof(d->ev_signals[0]); i++)
 		if (d->ev_signals[i] != NULL)
 			event_free(d->ev_signals[i]);
@@ -531,17 +547,11 @@ out:
 		event_free(d->ev_watchdog);
 	if (d->ev_swap != NULL)
 		event_free(d->ev_swap);
-	/* The engine runs its last callbacks into the staging buffers: free it first. */
-	zs_engine_free(d->swap);
-	d->swap = NULL;
-	zd_tier_stop(d);
 	if (d->listen_fd >= 0) {
 		close(d->listen_fd);
 		unlink(d->cfg.socket_path);
 	}
 	if (d->base != NULL)
 		event_base_free(d->base);
-	zk_pool_free(d->pool);
-	zt_arena_free(d->arena);
 	return r;
 }

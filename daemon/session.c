@@ -10,8 +10,11 @@
 #include <unistd.h>
 
 #include "daemon.h"
+#include "job.h"
 #include "log.h"
 #include "msgio.h"
+#include "requests.h"
+#include "session.h"
 
 struct zd_out {
 	TAILQ_ENTRY(zd_out) entry;
@@ -69,9 +72,8 @@ zd_session_accept(struct zd_daemon *d, int fd)
 	s->gid = cred.gid;
 	s->pid = cred.pid;
 	s->xfer.fd = -1;
-	s->connected_ns = zd_now_ns();
+	s->connected_ns = zu_now_ns();
 	TAILQ_INIT(&s->outq);
-	TAILQ_INIT(&s->inflight);
 	s->ev_read = event_new(d->base, fd, EV_READ | EV_PERSIST, session_read_cb, s);
 	s->ev_write = event_new(d->base, fd, EV_WRITE, session_write_cb, s);
 	if (s->ev_read == NULL || s->ev_write == NULL || event_add(s->ev_read, NULL) != 0) {
@@ -97,19 +99,20 @@ zd_session_close(struct zd_session *s)
 {
 	struct zd_daemon *d = s->daemon;
 	struct zd_out *o;
-	struct zd_batch *b;
 
 	log_debug("session %u: closed", s->id);
-	/* Batches in flight finish without us; their tensors are freed when they do. */
-	TAILQ_FOREACH(b, &s->inflight, session_entry)
-		b->session = NULL;
+	/*
+	 * Steps in flight finish without us (the engine keeps their tensors
+	 * until then); transfers stop touching the window freed below.
+	 */
+	ze_engine_cancel_lane(d->engine, s->id);
 	/* A connection that goes without JOB_CLOSE is a rank that died: keep its state a while. */
 	zd_job_detach(s, true);
 	if (s->uid_usage != NULL) {
 		s->uid_usage->sessions--;
 		zd_uid_put(d, s->uid_usage);
 	}
-	zd_shm_destroy(d, &s->xfer);
+	ze_shm_destroy(d->engine, &s->xfer);
 	while ((o = TAILQ_FIRST(&s->outq)) != NULL) {
 		TAILQ_REMOVE(&s->outq, o, entry);
 		for (unsigned i = 0; i < o->nfds; i++)
@@ -203,6 +206,17 @@ zd_session_error(struct zd_session *s, uint64_t request_id, int code, const char
 	va_start(ap, fmt);
 	zd_session_verror(s, request_id, code, fmt, ap);
 	va_end(ap);
+}
+
+struct zd_session *
+zd_session_by_id(struct zd_daemon *d, uint32_t id)
+{
+	struct zd_session *s;
+
+	TAILQ_FOREACH(s, &d->sessions, entry)
+		if (s->id == id)
+			return s;
+	return NULL;
 }
 
 struct zd_tensor *

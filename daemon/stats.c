@@ -4,8 +4,12 @@
 #include <string.h>
 #include <unistd.h>
 
+#include "arena.h"
 #include "build_config.h"
 #include "daemon.h"
+#include "engine.h"
+#include "job.h"
+#include "stats.h"
 #include "swap.h"
 
 #if HAVE_JEMALLOC
@@ -16,33 +20,34 @@
 #define RATE_WINDOW 10
 
 void
-zd_stats_record(struct zd_daemon *d, const struct zd_batch *b, uint64_t params)
+zd_stats_record(struct zd_daemon *d, const struct ze_step_result *r)
 {
 	struct zd_step_stats *st = &d->steps;
-	uint64_t now = zd_now_ns();
+	uint64_t now = zu_now_ns();
 	uint64_t sec = now / 1000000000ull;
 	unsigned slot = sec % ZD_RATE_BUCKETS;
+	uint64_t params = r->status == ZE_STEP_APPLIED ? r->params : 0;
 
-	switch (b->status) {
-	case ZP_STEP_APPLIED:
+	switch (r->status) {
+	case ZE_STEP_APPLIED:
 		st->batches_applied++;
-		st->tensors_stepped += b->count;
+		st->tensors_stepped += r->count;
 		st->params_stepped += params;
 		break;
-	case ZP_STEP_SKIPPED_NONFINITE:
+	case ZE_STEP_SKIPPED_NONFINITE:
 		st->batches_skipped++;
 		break;
 	default:
 		st->batches_failed++;
 		break;
 	}
-	st->compute_ns += b->compute_ns;
+	st->compute_ns += r->compute_ns;
 	if (st->rate_second[slot] != sec) {
 		st->rate_second[slot] = sec;
 		st->rate_params[slot] = 0;
 	}
 	st->rate_params[slot] += params;
-	st->latency_ns[st->latency_count % ZD_LATENCY_SAMPLES] = now - b->submit_ns;
+	st->latency_ns[st->latency_count % ZD_LATENCY_SAMPLES] = now - r->submit_ns;
 	st->latency_count++;
 }
 
@@ -83,7 +88,7 @@ add_steps(cJSON *root, const struct zd_daemon *d)
 {
 	const struct zd_step_stats *st = &d->steps;
 	cJSON *steps = cJSON_AddObjectToObject(root, "steps");
-	uint64_t now_sec = zd_now_ns() / 1000000000ull, recent = 0;
+	uint64_t now_sec = zu_now_ns() / 1000000000ull, recent = 0;
 
 	if (steps == NULL)
 		return;
@@ -97,7 +102,7 @@ add_steps(cJSON *root, const struct zd_daemon *d)
 	cJSON_AddNumberToObject(steps, "applied", (double)st->batches_applied);
 	cJSON_AddNumberToObject(steps, "skipped_nonfinite", (double)st->batches_skipped);
 	cJSON_AddNumberToObject(steps, "failed", (double)st->batches_failed);
-	cJSON_AddNumberToObject(steps, "in_flight", d->inflight_batches);
+	cJSON_AddNumberToObject(steps, "in_flight", ze_engine_steps_in_flight(d->engine));
 	cJSON_AddNumberToObject(steps, "tensors_stepped", (double)st->tensors_stepped);
 	cJSON_AddNumberToObject(steps, "params_stepped", (double)st->params_stepped);
 	cJSON_AddNumberToObject(steps, "params_per_s", (double)recent / RATE_WINDOW);
@@ -110,18 +115,19 @@ add_steps(cJSON *root, const struct zd_daemon *d)
 static void
 add_nvme(cJSON *tiers, const struct zd_daemon *d)
 {
+	struct zs_engine *swap = ze_engine_swap(d->engine);
 	struct zs_engine_stats es;
 	cJSON *nvme, *paths;
 
 	nvme = cJSON_AddObjectToObject(tiers, "nvme");
 	if (nvme == NULL)
 		return;
-	if (d->swap == NULL) {
+	if (swap == NULL) {
 		cJSON_AddStringToObject(nvme, "engine", "off");
 		return;
 	}
-	zs_engine_stats(d->swap, &es);
-	cJSON_AddStringToObject(nvme, "engine", zs_engine_name(d->swap));
+	zs_engine_stats(swap, &es);
+	cJSON_AddStringToObject(nvme, "engine", zs_engine_name(swap));
 	if (es.uring_error != 0)
 		cJSON_AddStringToObject(nvme, "io_uring_unavailable", zs_strerror(es.uring_error));
 	cJSON_AddNumberToObject(nvme, "queue_depth", es.queue_depth);
@@ -135,7 +141,7 @@ add_nvme(cJSON *tiers, const struct zd_daemon *d)
 		struct zs_path_stats ps;
 		cJSON *p = cJSON_CreateObject();
 
-		if (p == NULL || zs_engine_path_stats(d->swap, i, &ps) != 0) {
+		if (p == NULL || zs_engine_path_stats(swap, i, &ps) != 0) {
 			cJSON_Delete(p);
 			continue;
 		}
@@ -157,20 +163,23 @@ add_nvme(cJSON *tiers, const struct zd_daemon *d)
 static void
 add_pipeline(cJSON *root, const struct zd_daemon *d)
 {
-	const struct zd_tier_stats *t = &d->tier;
+	struct ze_stats es, *t = &es;
 	cJSON *p = cJSON_AddObjectToObject(root, "pipeline");
 	cJSON *params;
-	double steps = (double)(t->pinned_steps + t->nvme_steps);
+	double steps;
 
 	if (p == NULL)
 		return;
+	ze_engine_stats(d->engine, &es);
+	steps = (double)(t->pinned_steps + t->nvme_steps);
 	cJSON_AddNumberToObject(p, "tensor_steps_pinned", (double)t->pinned_steps);
 	cJSON_AddNumberToObject(p, "tensor_steps_nvme", (double)t->nvme_steps);
 	/* Share of tensor steps whose state was already in pinned memory. */
 	cJSON_AddNumberToObject(p, "pinned_hit_rate", steps > 0 ? (double)t->pinned_steps / steps : 0);
-	cJSON_AddNumberToObject(p, "staging_buffers", d->nstaging);
+	cJSON_AddNumberToObject(p, "staging_buffers", t->staging_buffers);
 	cJSON_AddNumberToObject(p, "chunks_read", (double)t->chunks_read);
 	cJSON_AddNumberToObject(p, "chunks_written", (double)t->chunks_written);
+	cJSON_AddNumberToObject(p, "chunks_skipped", (double)t->chunks_skipped);
 	cJSON_AddNumberToObject(p, "bytes_read", (double)t->bytes_read);
 	cJSON_AddNumberToObject(p, "bytes_written", (double)t->bytes_written);
 	cJSON_AddNumberToObject(p, "io_errors", (double)t->io_errors);
@@ -204,10 +213,13 @@ add_uids(cJSON *root, const struct zd_daemon *d)
 			cJSON_Delete(o);
 			return;
 		}
+		uint64_t pinned, swap;
+
+		ze_account_usage(u->account, &pinned, &swap);
 		cJSON_AddNumberToObject(o, "uid", u->uid);
 		cJSON_AddNumberToObject(o, "sessions", u->sessions);
-		cJSON_AddNumberToObject(o, "pinned_bytes", (double)u->pinned_bytes);
-		cJSON_AddNumberToObject(o, "swap_bytes", (double)u->swap_bytes);
+		cJSON_AddNumberToObject(o, "pinned_bytes", (double)pinned);
+		cJSON_AddNumberToObject(o, "swap_bytes", (double)swap);
 		cJSON_AddItemToArray(uids, o);
 	}
 }
@@ -232,12 +244,14 @@ static void
 add_tiers(cJSON *root, const struct zd_daemon *d)
 {
 	struct zt_arena_stats as;
+	struct ze_stats es;
 	cJSON *tiers = cJSON_AddObjectToObject(root, "tiers");
 	cJSON *pinned, *shm;
 
 	if (tiers == NULL)
 		return;
-	zt_arena_get_stats(d->arena, &as);
+	ze_engine_arena_stats(d->engine, &as);
+	ze_engine_stats(d->engine, &es);
 	pinned = cJSON_AddObjectToObject(tiers, "pinned");
 	if (pinned != NULL) {
 		cJSON_AddNumberToObject(pinned, "budget_bytes", (double)as.budget_bytes);
@@ -252,9 +266,9 @@ add_tiers(cJSON *root, const struct zd_daemon *d)
 	add_nvme(tiers, d);
 	shm = cJSON_AddObjectToObject(tiers, "shm");
 	if (shm != NULL) {
-		cJSON_AddNumberToObject(shm, "budget_bytes", (double)d->cfg.shm_budget);
-		cJSON_AddNumberToObject(shm, "used_bytes", (double)d->shm_bytes);
-		cJSON_AddNumberToObject(shm, "objects", d->shm_objects);
+		cJSON_AddNumberToObject(shm, "budget_bytes", (double)es.shm_budget);
+		cJSON_AddNumberToObject(shm, "used_bytes", (double)es.shm_bytes);
+		cJSON_AddNumberToObject(shm, "objects", es.shm_objects);
 	}
 }
 
@@ -292,9 +306,11 @@ jobs_array(const struct zd_daemon *d)
 		return NULL;
 	TAILQ_FOREACH(job, &d->jobs, entry) {
 		cJSON *j = cJSON_CreateObject();
+		uint64_t pinned, nvme;
 
 		if (j == NULL)
 			break;
+		ze_account_usage(job->account, &pinned, &nvme);
 		cJSON_AddNumberToObject(j, "id", (double)job->id);
 		cJSON_AddStringToObject(j, "name", job->name);
 		cJSON_AddNumberToObject(j, "uid", job->uid);
@@ -304,8 +320,8 @@ jobs_array(const struct zd_daemon *d)
 		cJSON_AddNumberToObject(j, "tensors_detached", job->ndetached);
 		cJSON_AddStringToObject(j, "policy", job->policy == ZP_POLICY_CPU ? "cpu" :
 		    job->policy == ZP_POLICY_NVME ? "nvme" : "auto");
-		cJSON_AddNumberToObject(j, "pinned_bytes", (double)job->pinned_bytes);
-		cJSON_AddNumberToObject(j, "nvme_bytes", (double)job->nvme_bytes);
+		cJSON_AddNumberToObject(j, "pinned_bytes", (double)pinned);
+		cJSON_AddNumberToObject(j, "nvme_bytes", (double)nvme);
 		cJSON_AddNumberToObject(j, "tensors", (double)job->tensors);
 		cJSON_AddNumberToObject(j, "params", (double)job->params);
 		cJSON_AddNumberToObject(j, "steps_applied", (double)job->steps_applied);
@@ -341,7 +357,7 @@ zd_stats_json(struct zd_daemon *d)
 	}
 	cJSON_AddStringToObject(root, "version", ZOFFLOAD_VERSION);
 	cJSON_AddNumberToObject(root, "pid", (double)getpid());
-	cJSON_AddNumberToObject(root, "uptime_s", (double)(zd_now_ns() - d->started_ns) / 1e9);
+	cJSON_AddNumberToObject(root, "uptime_s", (double)(zu_now_ns() - d->started_ns) / 1e9);
 	cJSON_AddStringToObject(root, "kernel_isa", zk_isa_name(d->isa));
 	cJSON_AddStringToObject(root, "log_level", log_level_name(d->cfg.log_level));
 	cJSON_AddNumberToObject(root, "worker_threads", d->cfg.worker_threads);

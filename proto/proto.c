@@ -320,6 +320,21 @@ encode_payload(const struct zp_msg *m, struct wbuf *w)
 			put_u32(w, s->handles[i]);
 		break;
 	}
+	case ZP_GRAD_PASS:
+		put_f64(w, m->u.grad_pass.grad_scale);
+		put_u32(w, m->u.grad_pass.count);
+		if (m->u.grad_pass.count > ZP_MAX_STEP_TENSORS) {
+			w->overflow = true;
+			break;
+		}
+		for (uint32_t i = 0; i < m->u.grad_pass.count; i++)
+			put_u32(w, m->u.grad_pass.handles[i]);
+		break;
+	case ZP_GRAD_PARTIAL:
+		put_f64(w, m->u.grad_partial.sumsq);
+		put_u64(w, m->u.grad_partial.nonfinite);
+		put_u64(w, m->u.grad_partial.elements);
+		break;
 	case ZP_ERROR:
 		put_u32(w, (uint32_t)m->u.error.code);
 		put_str(w, m->u.error.message);
@@ -481,6 +496,9 @@ decode_payload(struct rbuf *r, struct zp_msg *m)
 		check(r, s->grad_scale > 0, "grad_scale");
 		s->max_grad_norm = get_finite(r, "max_grad_norm");
 		check(r, s->max_grad_norm >= 0, "max_grad_norm");
+		/* A coefficient clips (or leaves alone); 0 would wipe the step out. */
+		check(r, (s->flags & ZP_STEP_CLIP_COEF) == 0 ||
+		    (s->max_grad_norm > 0 && s->max_grad_norm <= 1), "max_grad_norm");
 		s->count = get_u32(r, "count");
 		check(r, s->count >= 1 && s->count <= ZP_MAX_STEP_TENSORS, "count");
 		if (r->status != ZP_S_OK)
@@ -491,6 +509,28 @@ decode_payload(struct rbuf *r, struct zp_msg *m)
 			s->handles[i] = get_u32(r, "handles");
 		break;
 	}
+	case ZP_GRAD_PASS: {
+		struct zp_grad_pass *g = &m->u.grad_pass;
+
+		g->grad_scale = get_finite(r, "grad_scale");
+		check(r, g->grad_scale > 0, "grad_scale");
+		g->count = get_u32(r, "count");
+		check(r, g->count >= 1 && g->count <= ZP_MAX_STEP_TENSORS, "count");
+		if (r->status != ZP_S_OK)
+			break;
+		if (!need(r, (size_t)g->count * 4, "handles"))
+			break;
+		for (uint32_t i = 0; i < g->count; i++)
+			g->handles[i] = get_u32(r, "handles");
+		break;
+	}
+	case ZP_GRAD_PARTIAL:
+		/* inf is a real answer (a gradient overflowed); NaN too, with nonfinite > 0. */
+		m->u.grad_partial.sumsq = get_f64(r, "sumsq");
+		check(r, !(m->u.grad_partial.sumsq < 0), "sumsq");
+		m->u.grad_partial.nonfinite = get_u64(r, "nonfinite");
+		m->u.grad_partial.elements = get_u64(r, "elements");
+		break;
 	case ZP_ERROR:
 		m->u.error.code = (int32_t)get_u32(r, "code");
 		get_str(r, m->u.error.message, ZP_ERRMSG_MAX, 0, "message");

@@ -48,6 +48,7 @@
 	X(PARAM_FETCH, 14)						\
 	X(PARAM_RELEASE, 15)						\
 	X(TENSOR_SET_STEP, 16)						\
+	X(GRAD_PASS, 17)						\
 	X(OK, 64)							\
 	X(ERROR, 65)							\
 	X(HELLO_OK, 66)							\
@@ -56,6 +57,7 @@
 	X(TENSOR_OK, 69)						\
 	X(XFER_OK, 70)							\
 	X(JSON, 71)							\
+	X(GRAD_PARTIAL, 72)						\
 	X(TENSOR_DONE, 128)						\
 	X(STEP_DONE, 129)						\
 	X(PARAM_READY, 130)
@@ -98,7 +100,10 @@ enum zp_step_status { ZP_STEP_APPLIED = 0, ZP_STEP_SKIPPED_NONFINITE = 1, ZP_STE
 /* STEP_SUBMIT flags */
 #define ZP_STEP_NO_BIAS_CORRECTION	(1u << 0)
 #define ZP_STEP_CHECK_FINITE		(1u << 1)
-#define ZP_STEP_FLAGS_ALL		(ZP_STEP_NO_BIAS_CORRECTION | ZP_STEP_CHECK_FINITE)
+/* max_grad_norm carries the clip coefficient itself, in (0, 1]: the client's, from GRAD_PASS */
+#define ZP_STEP_CLIP_COEF		(1u << 2)
+#define ZP_STEP_FLAGS_ALL		(ZP_STEP_NO_BIAS_CORRECTION | ZP_STEP_CHECK_FINITE | \
+					 ZP_STEP_CLIP_COEF)
 
 struct zp_header {
 	uint16_t version;
@@ -159,6 +164,18 @@ struct zp_step_submit {
 	uint32_t count;
 	uint32_t handles[ZP_MAX_STEP_TENSORS];
 };
+/*
+ * GRAD_PASS: f64 grad_scale, u32 count, then count u32 handles.  The first
+ * phase of a step clipped by a norm over more than one set (ranks, nodes):
+ * answered by GRAD_PARTIAL with this set's share.
+ */
+struct zp_grad_pass {
+	double grad_scale;
+	uint32_t count;
+	uint32_t handles[ZP_MAX_STEP_TENSORS];
+};
+/* GRAD_PARTIAL: f64 sumsq (of the unscaled gradients, in double), u64 nonfinite, u64 elements */
+struct zp_grad_partial { double sumsq; uint64_t nonfinite; uint64_t elements; };
 /* ERROR: i32 code (negative errno), str message */
 struct zp_error { int32_t code; char message[ZP_ERRMSG_MAX + 1]; };
 /* HELLO_OK: u32 session_id, u32 uid the daemon sees, str daemon_version */
@@ -206,12 +223,14 @@ struct zp_msg {
 		struct zp_tensor_io tensor_io;
 		struct zp_tensor_step tensor_step;
 		struct zp_step_submit step_submit;
+		struct zp_grad_pass grad_pass;
 		struct zp_error error;
 		struct zp_hello_ok hello_ok;
 		struct zp_job_ok job_ok;
 		struct zp_tensor_ok tensor_ok;
 		struct zp_xfer_ok xfer_ok;
 		struct zp_json json;
+		struct zp_grad_partial grad_partial;
 		struct zp_tensor_done tensor_done;
 		struct zp_step_done step_done;
 	} u;

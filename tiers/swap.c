@@ -42,7 +42,7 @@ zs_strerror(int code)
 	const char *s;
 
 	switch (-code) {
-#define ZS_ERROR_CASE(name, value, text) case name: return text;
+#define ZS_ERROR_CASE(name, value, errno_, text) case name: return text;
 	ZS_ERROR_LIST(ZS_ERROR_CASE)
 #undef ZS_ERROR_CASE
 	default:
@@ -52,6 +52,18 @@ zs_strerror(int code)
 		return "success";
 	s = strerrordesc_np(-code);
 	return s != NULL ? s : "unknown error";
+}
+
+int
+zs_errno(int code)
+{
+	switch (-code) {
+#define ZS_ERRNO_CASE(name, value, errno_, text) case name: return -errno_;
+	ZS_ERROR_LIST(ZS_ERRNO_CASE)
+#undef ZS_ERRNO_CASE
+	default:
+		return code;
+	}
 }
 
 void

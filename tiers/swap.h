@@ -16,20 +16,25 @@
 /* Buffers that can be registered with the ring at once. */
 #define ZS_MAX_BUFFERS 64
 
-/* Codes beyond errno, returned negated; zs_strerror() names both kinds. */
+/*
+ * Codes beyond errno, returned negated; zs_strerror() names both kinds and
+ * zs_errno() gives the nearest errno, for peers that know only errno.
+ */
 #define ZS_ERROR_LIST(X) \
-	X(ZS_E_NOURING, 4096, "io_uring is unavailable and the configuration does not allow the pthread fallback") \
-	X(ZS_E_NODIRECT, 4097, "the swap path's filesystem does not support O_DIRECT") \
-	X(ZS_E_STALLED, 4098, "the kernel kept returning no progress for an I/O")
+	X(ZS_E_NOURING, 4096, ENOSYS, "io_uring is unavailable and the configuration does not allow the pthread fallback") \
+	X(ZS_E_NODIRECT, 4097, EINVAL, "the swap path's filesystem does not support O_DIRECT") \
+	X(ZS_E_STALLED, 4098, EIO, "the kernel kept returning no progress for an I/O")
 
 enum zs_error {
-#define ZS_ERROR_ENUM(name, value, text) name = value,
+#define ZS_ERROR_ENUM(name, value, errno_, text) name = value,
 	ZS_ERROR_LIST(ZS_ERROR_ENUM)
 #undef ZS_ERROR_ENUM
 };
 
 /* Never NULL; for 0, -errno and -ZS_E_*. */
 const char *zs_strerror(int code);
+/* -errno for a -ZS_E_* code; any other code as it is. */
+int zs_errno(int code);
 
 enum zs_engine_kind {
 	ZS_ENGINE_AUTO,		/* io_uring; pthread only when allow_fallback */

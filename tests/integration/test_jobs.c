@@ -321,3 +321,45 @@ Test(jobs, ranks_of_a_job)
 	zc_disconnect(c1);
 	zc_disconnect(c2);
 }
+
+/*
+ * A set's STEP_DONE ends only the tensors still waiting on that set.  Here
+ * the small tensor's step 1 is done long before the set's (the big one
+ * takes four slices), step 2 of the small one is submitted meanwhile, and
+ * the late STEP_DONE of step 1 used to end the wait for step 2 as well: the
+ * caller then submitted step 3 onto a tensor still in step 2.
+ */
+Test(jobs, late_set_result_does_not_end_a_later_step)
+{
+	struct zc_tensor_desc big_d = { .name = "big", .numel = (16u << 20) + 5,
+		.grad_dtype = ZC_F32, .param_dtype = ZC_BF16 };
+	struct zc_tensor_desc small_d = { .name = "small", .numel = 1000, .grad_dtype = ZC_F32,
+		.param_dtype = ZC_F32 };
+	struct zc_step_params sp = { .optim = ZC_ADAMW, .lr = 1e-3, .beta1 = 0.9, .beta2 = 0.999,
+		.eps = 1e-8 };
+	struct zc_conn *c = itd_connect(&daemon_);
+	struct zc_tensor *ts[2];
+	struct zc_step_result res;
+	float *init = calloc(big_d.numel, sizeof(float));
+
+	cr_assert_not_null(init);
+	cr_assert_eq(zc_job_open(c, "late", 0, 1), 0, "%s", zc_errmsg(c));
+	cr_assert_eq(zc_tensor_register(c, &small_d, init, &ts[0]), 0, "%s", zc_errmsg(c));
+	cr_assert_eq(zc_tensor_register(c, &big_d, init, &ts[1]), 0, "%s", zc_errmsg(c));
+	free(init);
+	sp.step = 1;
+	cr_assert_eq(zc_step_submit(c, &sp, ts, 2), 0, "%s", zc_errmsg(c));
+	cr_assert_eq(zc_wait_tensor(ts[0], &res), 0, "%s", zc_errmsg(c));
+	cr_assert_eq(res.step, 1);
+	sp.step = 2;
+	cr_assert_eq(zc_step_submit(c, &sp, &ts[0], 1), 0, "%s", zc_errmsg(c));
+	cr_assert_eq(zc_wait_tensor(ts[0], &res), 0, "%s", zc_errmsg(c));
+	cr_assert_eq(res.step, 2, "the wait for step 2 ended with step %llu's result",
+	    (unsigned long long)res.step);
+	cr_assert_eq(zc_tensor_last_step(ts[0]), 2);
+	sp.step = 3;
+	cr_assert_eq(zc_step_submit(c, &sp, &ts[0], 1), 0, "%s", zc_errmsg(c));
+	cr_assert_eq(zc_wait_all(c, &res), 0, "%s", zc_errmsg(c));
+	cr_assert_eq(res.status, ZC_STEP_APPLIED);
+	zc_disconnect(c);
+}

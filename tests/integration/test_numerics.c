@@ -629,3 +629,88 @@ Test(numerics, nonfinite_set_skipped)
 	cr_assert_eq(itd_stat(conn, "steps.skipped_nonfinite"), 3);
 	cr_assert_eq(itd_stat(conn, "steps.applied"), 3);
 }
+
+/*
+ * Clipping by the norm of the whole model when it is split over ranks: each
+ * rank's gradient pass returns its share, the shares add up (an all-reduce),
+ * and every rank steps with torch.nn.utils.clip_grad_norm_'s coefficient,
+ * max_norm / (norm + 1e-6) capped at 1.  Here two sets stand for two ranks;
+ * the norm is a double sum, so it matches the reference to 1e-9 relative.
+ */
+Test(numerics, global_clip_across_sets)
+{
+	static const enum zc_dtype g[NT] = { ZC_F32, ZC_BF16, ZC_F16 };
+	struct itd_rng rng = { 0xc11b };
+	struct zc_step_params sp = { .optim = ZC_ADAMW, .lr = 2e-3, .beta1 = 0.9, .beta2 = 0.999,
+		.eps = 1e-8, .weight_decay = 0.1, .grad_scale = 512 };
+	struct zc_tensor *set_a[2], *set_b[1];
+	struct zc_grad_partial pa, pb;
+	struct zc_step_result res;
+	unsigned clipped = 0;
+
+	register_tensors(&rng, g, ZC_BF16);
+	set_a[0] = refs[0].t;
+	set_a[1] = refs[1].t;
+	set_b[0] = refs[2].t;
+	for (uint64_t t = 1; t <= STEPS; t++) {
+		double want_a = 0, want_b = 0, norm, max_norm, coef, want_coef;
+
+		sp.step = t;
+		fill_grads(&rng, sp.grad_scale);
+		for (size_t k = 0; k < NT; k++)
+			for (size_t i = 0; i < refs[k].n; i++)
+				*(k < 2 ? &want_a : &want_b) += refs[k].g[i] * refs[k].g[i];
+		/* Phase 1: each set's share. */
+		cr_assert_eq(zc_grad_pass(conn, set_a, 2, sp.grad_scale, &pa), 0, "%s",
+		    zc_errmsg(conn));
+		cr_assert_eq(zc_grad_pass(conn, set_b, 1, sp.grad_scale, &pb), 0, "%s",
+		    zc_errmsg(conn));
+		cr_assert(fabs(pa.sumsq - want_a) <= 1e-9 * want_a, "set a: %.12g, want %.12g",
+		    pa.sumsq, want_a);
+		cr_assert(fabs(pb.sumsq - want_b) <= 1e-9 * want_b, "set b: %.12g, want %.12g",
+		    pb.sumsq, want_b);
+		cr_assert_eq(pa.nonfinite + pb.nonfinite, 0);
+		cr_assert_eq(pa.elements, sizes[0] + sizes[1]);
+		/* Clip on most steps, not on every third: max_norm around the norm. */
+		norm = sqrt(want_a + want_b);
+		max_norm = t % 3 == 0 ? 2 * norm : 0.5 * norm;
+		coef = zc_clip_coef(max_norm, pa.sumsq + pb.sumsq);
+		want_coef = max_norm / (norm + 1e-6);
+		want_coef = want_coef < 1 ? want_coef : 1;
+		cr_assert(fabs(coef - want_coef) <= 1e-12, "coef %.15g, want %.15g", coef, want_coef);
+		clipped += coef < 1;
+		/* Phase 2: both sets with the one coefficient. */
+		sp.clip_coef = coef;
+		cr_assert_eq(zc_step_submit(conn, &sp, set_a, 2), 0, "%s", zc_errmsg(conn));
+		cr_assert_eq(zc_step_submit(conn, &sp, set_b, 1), 0, "%s", zc_errmsg(conn));
+		cr_assert_eq(zc_wait_all(conn, &res), 0, "%s", zc_errmsg(conn));
+		cr_assert_eq(res.status, ZC_STEP_APPLIED);
+		for (size_t k = 0; k < NT; k++) {
+			for (size_t i = 0; i < refs[k].n; i++)
+				refs[k].g[i] *= coef;
+			ref_step(&refs[k], &sp);
+		}
+	}
+	cr_assert_gt(clipped, STEPS / 2);
+	compare_all(sp.optim);
+}
+
+/* A non-finite gradient anywhere shows in that set's share: every rank skips the step. */
+Test(numerics, grad_pass_counts_nonfinite)
+{
+	static const enum zc_dtype g[NT] = { ZC_F32, ZC_F16, ZC_BF16 };
+	struct itd_rng rng = { 0x1f };
+	struct zc_tensor *ts[NT];
+	struct zc_grad_partial p;
+
+	register_tensors(&rng, g, ZC_BF16);
+	for (size_t k = 0; k < NT; k++)
+		ts[k] = refs[k].t;
+	fill_grads(&rng, 1024);
+	((uint16_t *)zc_tensor_grad_slot(refs[1].t, NULL))[5] = 0x7c00;	/* fp16 inf */
+	cr_assert_eq(zc_grad_pass(conn, ts, NT, 1024, &p), 0, "%s", zc_errmsg(conn));
+	cr_assert_eq(p.nonfinite, 1);
+	cr_assert_eq(zc_clip_coef(1.0, p.sumsq), 1.0, "a non-finite norm clips nothing");
+	/* The pass left the tensors free to step. */
+	cr_assert_eq(zc_grad_pass(conn, ts, NT, 1024, &p), 0, "%s", zc_errmsg(conn));
+}

@@ -160,6 +160,11 @@ fill_valid(uint16_t type)
 		in.u.handles.handles[0] = 7;
 		in.u.handles.handles[2] = UINT32_MAX;
 		break;
+	case ZP_GRAD_PASS:
+		in.u.grad_pass.grad_scale = 1;
+		in.u.grad_pass.count = 2;
+		in.u.grad_pass.handles[1] = 9;
+		break;
 	default:
 		/* Names sit first in every payload that starts with one; elsewhere it is a number. */
 		strcpy((char *)&in.u, "nm");
@@ -268,6 +273,38 @@ Test(codec, round_trip_tensor_set_step)
 	round_trip(ZP_TENSOR_SET_STEP, 12);
 	cr_assert_eq(out.u.tensor_step.handle, 0x01020304);
 	cr_assert_eq(out.u.tensor_step.step, 1ull << 40);
+}
+
+Test(codec, round_trip_grad_pass_and_partial)
+{
+	in.u.grad_pass.grad_scale = 1024.0;
+	in.u.grad_pass.count = ZP_MAX_STEP_TENSORS;
+	for (uint32_t i = 0; i < ZP_MAX_STEP_TENSORS; i++)
+		in.u.grad_pass.handles[i] = i * 2654435761u;
+	round_trip(ZP_GRAD_PASS, 12 + 4 * ZP_MAX_STEP_TENSORS);
+	cr_assert_eq(out.u.grad_pass.grad_scale, 1024.0);
+	cr_assert_eq(out.u.grad_pass.count, ZP_MAX_STEP_TENSORS);
+	cr_assert_eq(out.u.grad_pass.handles[ZP_MAX_STEP_TENSORS - 1],
+	    (ZP_MAX_STEP_TENSORS - 1) * 2654435761u);
+	in.u.grad_partial = (struct zp_grad_partial){ .sumsq = 12.5, .nonfinite = 3,
+		.elements = 1ull << 40 };
+	round_trip(ZP_GRAD_PARTIAL, 24);
+	cr_assert_eq(out.u.grad_partial.sumsq, 12.5);
+	cr_assert_eq(out.u.grad_partial.nonfinite, 3);
+	cr_assert_eq(out.u.grad_partial.elements, 1ull << 40);
+}
+
+/* A client-given clip coefficient lies in (0, 1]. */
+Test(codec, clip_coefficient_in_range)
+{
+	fill_valid(ZP_STEP_SUBMIT);
+	in.u.step_submit.flags = ZP_STEP_CLIP_COEF;
+	in.u.step_submit.max_grad_norm = 0.25;
+	cr_assert_eq(decode(encode(&in)), ZP_S_OK, "%s", why);
+	in.u.step_submit.max_grad_norm = 0;
+	cr_assert_eq(decode(encode(&in)), ZP_S_VALUE);
+	in.u.step_submit.max_grad_norm = 1.5;
+	cr_assert_eq(decode(encode(&in)), ZP_S_VALUE);
 }
 
 Test(codec, round_trip_tensor_io)

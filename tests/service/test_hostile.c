@@ -525,3 +525,95 @@ Test(hostile, uid_pinned_budget)
 	zc_disconnect(c2);
 	cr_assert_eq(itd_stop(&daemon_, 10), 0, "%s", itd_log_text(&daemon_));
 }
+
+/* pinned_bytes of uid in the stats, or -1 when the daemon lists no such uid. */
+static double
+uid_pinned(struct zc_conn *c, uid_t uid)
+{
+	char *json = NULL;
+	const cJSON *u;
+	cJSON *root;
+	double v = -1;
+
+	cr_assert_eq(zc_stats_json(c, &json), 0, "%s", zc_errmsg(c));
+	root = cJSON_Parse(json);
+	cr_assert_not_null(root);
+	cJSON_ArrayForEach(u, cJSON_GetObjectItemCaseSensitive(root, "uids"))
+		if (cJSON_GetObjectItemCaseSensitive(u, "uid")->valuedouble == (double)uid)
+			v = cJSON_GetObjectItemCaseSensitive(u, "pinned_bytes")->valuedouble;
+	cJSON_Delete(root);
+	free(json);
+	return v;
+}
+
+/* In the other uid: registers tensor "w" of 1M elements in its job "nobodys-job" as rank 0. */
+static void
+own_big_tensor(void *arg, struct svc_report *out)
+{
+	struct zc_tensor_desc desc = { .name = arg, .numel = 1u << 20, .grad_dtype = ZC_F32,
+		.param_dtype = ZC_BF16 };
+	static float init[1u << 20];
+	struct zc_conn *c = NULL;
+	struct zc_tensor *t;
+	int r;
+
+	if ((r = zc_connect(daemon_.socket, &c)) < 0) {
+		out->result = r;
+		return;
+	}
+	r = zc_job_open(c, "nobodys-job", 0, 2);
+	if (r == 0)
+		r = zc_tensor_register(c, &desc, init, &t);
+	out->result = r;
+	snprintf(out->text, sizeof(out->text), "%s", zc_errmsg(c));
+	if (r == 0)
+		r = zc_job_close(c);
+	zc_disconnect(c);
+}
+
+/*
+ * A tensor is refunded to the uid it was charged to: root registering in
+ * another uid's job and closing used to take root's charge off the job
+ * owner's uid (wrapping it to 1.8e19 bytes, and refusing it from then on)
+ * while root kept a charge for a tensor that no longer existed.
+ */
+Test(hostile, charges_go_back_to_whom_they_were_charged)
+{
+	static const char config[] = "{ \"compute\": { \"worker_threads\": 2 },"
+	    " \"socket\": { \"mode\": \"0666\" }, \"limits\": { \"detach_grace_s\": 30,"
+	    " \"uid_pinned_budget\": \"16M\" } }";
+	struct zc_tensor_desc desc = { .name = "roots", .numel = 1000, .grad_dtype = ZC_F32,
+		.param_dtype = ZC_F32 };
+	static float init[1000];
+	struct svc_report rep;
+	struct zc_conn *c, *keep;
+	struct zc_tensor *t;
+
+	if (geteuid() != 0)
+		cr_skip_test("needs root to act as a second uid");
+	itd_start(&daemon_, config);
+	cr_assert_eq(chmod(daemon_.dir, 0711), 0);
+	keep = itd_connect(&daemon_);
+	/* The other uid's job, kept open by a rank that died. */
+	svc_in_child(OTHER_UID, own_job, NULL, &rep);
+	cr_assert_eq(rep.result, 0, "the other uid's own job: %d %s", rep.result, rep.text);
+	cr_assert_gt(uid_pinned(keep, OTHER_UID), 0);
+	c = itd_connect(&daemon_);
+	cr_assert_eq(zc_job_open(c, "nobodys-job", 1, 2), 0, "root joining: %s", zc_errmsg(c));
+	cr_assert_eq(zc_tensor_register(c, &desc, init, &t), 0, "%s", zc_errmsg(c));
+	cr_assert_gt(uid_pinned(keep, 0), 0, "root's tensor is not charged to root");
+	cr_assert_eq(zc_job_close(c), 0, "%s", zc_errmsg(c));
+	zc_disconnect(c);
+	cr_assert_leq(uid_pinned(keep, 0), 0, "root keeps a charge of %.0f bytes for a tensor it "
+	    "closed", uid_pinned(keep, 0));
+	cr_assert_lt(uid_pinned(keep, OTHER_UID), 1e12, "the job owner's uid holds %.4g bytes",
+	    uid_pinned(keep, OTHER_UID));
+	cr_assert_eq(zc_job_drop(keep, "nobodys-job"), 0, "%s", zc_errmsg(keep));
+	cr_assert_leq(uid_pinned(keep, OTHER_UID), 0, "%.4g bytes left with the owner's uid",
+	    uid_pinned(keep, OTHER_UID));
+	/* And its budget is whole again: 12 MiB of state fit its 16 MiB. */
+	svc_in_child(OTHER_UID, own_big_tensor, "big", &rep);
+	cr_assert_eq(rep.result, 0, "the owner's uid after the drop: %d %s", rep.result, rep.text);
+	zc_disconnect(keep);
+	cr_assert_eq(itd_stop(&daemon_, 10), 0, "%s", itd_log_text(&daemon_));
+}

@@ -429,3 +429,81 @@ Test(fairness, small_set_passes_big_one)
 	zc_disconnect(b);
 	cr_assert_eq(itd_stop(&daemon_, 20), 0, "%s", itd_log_text(&daemon_));
 }
+
+/*
+ * Initialization is part of the state: a rank that dies between TENSOR_OK
+ * and the end of its initial writes leaves a tensor a successor must
+ * initialize again (TENSOR_OK says resumed 0), not one it takes back as
+ * "resumed at step 0" and trains from zeros.
+ */
+Test(reattach, half_initialized_tensor_asks_for_init_again)
+{
+	static const char config[] = "{ \"compute\": { \"worker_threads\": 2 },"
+	    " \"limits\": { \"detach_grace_s\": 30 } }";
+	enum { N = 5000 };
+	static struct zp_msg m;
+	static float init[N], got[N];
+	struct zc_tensor_desc d = { .name = "w", .numel = N, .grad_dtype = ZC_F32,
+		.param_dtype = ZC_F32 };
+	struct zc_tensor *t;
+	struct zc_conn *c;
+	double deadline;
+	int fd, r;
+
+	itd_start(&daemon_, config);
+	/* The rank that dies: registers, writes the first half of its initial values, goes. */
+	fd = itd_raw_connect(&daemon_);
+	itd_raw_hello(fd);
+	memset(&m, 0, sizeof(m));
+	snprintf(m.u.job_open.job_name, sizeof(m.u.job_open.job_name), "half");
+	m.u.job_open.world_size = 1;
+	itd_raw_send(fd, ZP_JOB_OPEN, 1, &m);
+	cr_assert(itd_raw_recv(fd, &m, 5) && m.hdr.type == ZP_JOB_OK);
+	memset(&m, 0, sizeof(m));
+	snprintf(m.u.tensor_register.name, sizeof(m.u.tensor_register.name), "w");
+	m.u.tensor_register.numel = N;
+	m.u.tensor_register.grad_dtype = ZC_F32;
+	m.u.tensor_register.param_dtype = ZC_F32;
+	itd_raw_send(fd, ZP_TENSOR_REGISTER, 2, &m);
+	cr_assert(itd_raw_recv(fd, &m, 5) && m.hdr.type == ZP_TENSOR_OK, "%s",
+	    zp_type_name(m.hdr.type));
+	cr_assert_eq(m.u.tensor_ok.resumed, 0);
+	memset(&m, 0, sizeof(m));
+	itd_raw_send(fd, ZP_XFER_OPEN, 3, &m);
+	cr_assert(itd_raw_recv(fd, &m, 5) && m.hdr.type == ZP_XFER_OK);
+	memset(&m, 0, sizeof(m));
+	m.u.tensor_io.handle = 1;
+	m.u.tensor_io.state = ZP_STATE_MASTER;
+	m.u.tensor_io.offset = 0;
+	m.u.tensor_io.count = N / 2;
+	itd_raw_send(fd, ZP_TENSOR_WRITE, 4, &m);
+	cr_assert(itd_raw_recv(fd, &m, 5) && m.hdr.type == ZP_OK, "%s", zp_type_name(m.hdr.type));
+	close(fd);
+
+	/* Its successor must be asked for the initial values, and then hold them. */
+	fill(init, N, 77);
+	c = itd_connect(&daemon_);
+	deadline = itd_now() + 10;
+	while ((r = zc_job_open(c, "half", 0, 1)) == -EADDRINUSE && itd_now() < deadline)
+		usleep(2000);
+	cr_assert_eq(r, 0, "%s", zc_errmsg(c));
+	cr_assert_eq(zc_tensor_register(c, &d, init, &t), 0, "%s", zc_errmsg(c));
+	cr_assert_eq(zc_tensor_last_step(t), 0);
+	cr_assert_eq(zc_tensor_read(t, ZC_STATE_MASTER, 0, N, got), 0, "%s", zc_errmsg(c));
+	cr_assert(memcmp(got, init, sizeof(got)) == 0, "the successor took back a tensor whose "
+	    "initial values were never all written (master[N-1] = %g, want %g)", got[N - 1],
+	    init[N - 1]);
+	/* Fully written now: the next successor resumes it. */
+	zc_disconnect(c);
+	c = itd_connect(&daemon_);
+	deadline = itd_now() + 10;
+	while ((r = zc_job_open(c, "half", 0, 1)) == -EADDRINUSE && itd_now() < deadline)
+		usleep(2000);
+	cr_assert_eq(r, 0, "%s", zc_errmsg(c));
+	memset(got, 0, sizeof(got));
+	cr_assert_eq(zc_tensor_register(c, &d, got, &t), 0, "%s", zc_errmsg(c));
+	cr_assert_eq(zc_tensor_read(t, ZC_STATE_MASTER, 0, N, got), 0, "%s", zc_errmsg(c));
+	cr_assert(memcmp(got, init, sizeof(got)) == 0, "an initialized tensor was not resumed");
+	zc_disconnect(c);
+	cr_assert_eq(itd_stop(&daemon_, 10), 0, "%s", itd_log_text(&daemon_));
+}

@@ -4,22 +4,22 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
-#include "daemon.h"
+#include "engine_impl.h"
 
 #ifndef F_SEAL_FUTURE_WRITE
 #define F_SEAL_FUTURE_WRITE 0x0010
 #endif
 
 int
-zd_shm_create(struct zd_daemon *d, const char *name, size_t bytes, bool client_read_only,
-    struct zd_shm *ret)
+ze_shm_create(struct ze_engine *e, const char *name, size_t bytes, bool client_read_only,
+    struct ze_shm *ret)
 {
 	int fd, r;
 	void *map;
 
 	/* Whole pages, so O_DIRECT can move a slot's last page too. */
 	bytes = (bytes + 4095) / 4096 * 4096;
-	if (d->shm_bytes + bytes > d->cfg.shm_budget)
+	if (e->stats.shm_bytes + bytes > e->cfg.shm_budget)
 		return -ENOSPC;
 	fd = memfd_create(name, MFD_CLOEXEC | MFD_ALLOW_SEALING);
 	if (fd < 0)
@@ -46,9 +46,9 @@ zd_shm_create(struct zd_daemon *d, const char *name, size_t bytes, bool client_r
 	if (client_read_only)
 		(void)fcntl(fd, F_ADD_SEALS, F_SEAL_FUTURE_WRITE);
 	(void)fcntl(fd, F_ADD_SEALS, F_SEAL_SEAL);
-	d->shm_bytes += bytes;
-	d->shm_objects++;
-	*ret = (struct zd_shm){ .fd = fd, .map = map, .bytes = bytes };
+	e->stats.shm_bytes += bytes;
+	e->stats.shm_objects++;
+	*ret = (struct ze_shm){ .fd = fd, .map = map, .bytes = bytes };
 	return 0;
 fail:
 	close(fd);
@@ -56,13 +56,13 @@ fail:
 }
 
 void
-zd_shm_destroy(struct zd_daemon *d, struct zd_shm *shm)
+ze_shm_destroy(struct ze_engine *e, struct ze_shm *shm)
 {
 	if (shm->map == NULL)
 		return;
 	munmap(shm->map, shm->bytes);
 	close(shm->fd);
-	d->shm_bytes -= shm->bytes;
-	d->shm_objects--;
-	*shm = (struct zd_shm){ .fd = -1 };
+	e->stats.shm_bytes -= shm->bytes;
+	e->stats.shm_objects--;
+	*shm = (struct ze_shm){ .fd = -1 };
 }

@@ -6,16 +6,16 @@
 #include <sys/eventfd.h>
 #include <unistd.h>
 
-#include "daemon.h"
+#include "engine_impl.h"
 #include "pool.h"
 #include "stepper.h"
 
-TAILQ_HEAD(task_list, zd_task);
+TAILQ_HEAD(task_list, ze_task);
 
 /*
  * One session's queue of tasks.  Tasks are taken round robin from the
  * sessions that have work, and the loop cuts steps into slices of at most
- * ZD_QUANTUM_ELEMENTS, so a job stepping a billion parameters delays a
+ * ZE_QUANTUM_ELEMENTS, so a job stepping a billion parameters delays a
  * small job by one slice, not a whole step.
  */
 struct lane {
@@ -26,7 +26,7 @@ struct lane {
 
 TAILQ_HEAD(lane_list, lane);
 
-struct zd_stepper {
+struct ze_stepper {
 	struct zk_pool *pool;
 	pthread_t thread;
 	pthread_mutex_t lock;
@@ -38,26 +38,26 @@ struct zd_stepper {
 };
 
 static void
-run_task(struct zd_stepper *st, struct zd_task *task)
+run_task(struct ze_stepper *st, struct ze_task *task)
 {
-	struct zd_batch *b = task->batch;
-	uint64_t t0 = zd_now_ns();
+	struct ze_batch *b = task->batch;
+	uint64_t t0 = zu_now_ns();
 
-	if (task->kind == ZD_TASK_CHECK) {
+	if (task->kind == ZE_TASK_CHECK) {
 		b->check = (struct zk_grad_stats){ 0 };
 		task->result = zk_pool_grad_check(st->pool, b->isa, b->views, b->count,
 		    b->hp.grad_scale, &b->check);
 	} else {
 		task->result = zk_pool_step(st->pool, b->isa, &b->hp_run, &task->view, 1);
 	}
-	task->compute_ns = zd_now_ns() - t0;
+	task->compute_ns = zu_now_ns() - t0;
 }
 
 static void *
 stepper_main(void *arg)
 {
-	struct zd_stepper *st = arg;
-	struct zd_task *task;
+	struct ze_stepper *st = arg;
+	struct ze_task *task;
 	struct lane *lane;
 	uint64_t one = 1;
 
@@ -89,9 +89,9 @@ stepper_main(void *arg)
 }
 
 int
-zd_stepper_new(struct zk_pool *pool, struct zd_stepper **ret)
+ze_stepper_new(struct zk_pool *pool, struct ze_stepper **ret)
 {
-	struct zd_stepper *st;
+	struct ze_stepper *st;
 	int r;
 
 	st = calloc(1, sizeof(*st));
@@ -122,7 +122,7 @@ fail:
 }
 
 void
-zd_stepper_free(struct zd_stepper *st)
+ze_stepper_free(struct ze_stepper *st)
 {
 	if (st == NULL)
 		return;
@@ -139,24 +139,34 @@ zd_stepper_free(struct zd_stepper *st)
 }
 
 int
-zd_stepper_fd(const struct zd_stepper *st)
+ze_stepper_fd(const struct ze_stepper *st)
 {
 	return st->efd;
 }
 
 void
-zd_stepper_submit(struct zd_stepper *st, struct zd_task *task)
+ze_stepper_submit(struct ze_stepper *st, struct ze_task *task)
 {
-	struct lane *lane;
+	/* Allocated before taking the lock: nothing waits on memory with it held. */
+	struct lane *spare = malloc(sizeof(*spare)), *lane;
+	uint64_t one = 1;
 
 	pthread_mutex_lock(&st->lock);
 	TAILQ_FOREACH(lane, &st->lanes, entry)
 		if (lane->key == task->lane)
 			break;
 	if (lane == NULL) {
-		/* One per session with work; losing a task is worse than waiting for memory. */
-		while ((lane = malloc(sizeof(*lane))) == NULL)
-			usleep(1000);
+		if (spare == NULL) {
+			/* No lane for it: it comes back at once, failed, like any task. */
+			task->result = -ENOMEM;
+			task->compute_ns = 0;
+			TAILQ_INSERT_TAIL(&st->done, task, entry);
+			(void)!write(st->efd, &one, sizeof(one));
+			pthread_mutex_unlock(&st->lock);
+			return;
+		}
+		lane = spare;
+		spare = NULL;
 		lane->key = task->lane;
 		TAILQ_INIT(&lane->tasks);
 		TAILQ_INSERT_TAIL(&st->lanes, lane, entry);
@@ -164,12 +174,13 @@ zd_stepper_submit(struct zd_stepper *st, struct zd_task *task)
 	TAILQ_INSERT_TAIL(&lane->tasks, task, entry);
 	pthread_cond_signal(&st->cond);
 	pthread_mutex_unlock(&st->lock);
+	free(spare);
 }
 
 size_t
-zd_stepper_reap(struct zd_stepper *st, struct zd_task **out, size_t max)
+ze_stepper_reap(struct ze_stepper *st, struct ze_task **out, size_t max)
 {
-	struct zd_task *task;
+	struct ze_task *task;
 	size_t count = 0;
 	uint64_t v;
 

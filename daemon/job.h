@@ -1,0 +1,92 @@
+/* Jobs (the ranks of one training run), uids, and the daemon's side of each tensor. */
+#ifndef ZD_JOB_H
+#define ZD_JOB_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <sys/queue.h>
+#include <sys/types.h>
+
+#include "proto.h"
+
+struct zd_daemon;
+struct zd_session;
+struct ze_account;
+struct ze_tensor;
+
+/*
+ * A client's name for one engine tensor.  Owned by its session (in
+ * s->tensors) or, detached, by its job's list; zd_tensor_release frees it
+ * and lets the engine tensor go (the engine keeps that while work holds it).
+ */
+struct zd_tensor {
+	uint32_t handle;
+	char name[ZP_NAME_MAX + 1];
+	struct ze_tensor *et;
+	struct zd_session *session;	/* NULL while detached */
+	struct zd_job *job;
+	uint32_t rank;
+	bool detached;			/* its rank died; kept for a reattach until the grace ends */
+	uint64_t detached_ns;
+	TAILQ_ENTRY(zd_tensor) detached_entry;
+};
+
+/*
+ * refs: one per attached session plus one per detached tensor; the job is
+ * freed when the last goes.  Its account (the job's pinned budget) lives on
+ * while tensors charged to it wait for their work to end.
+ */
+struct zd_job {
+	TAILQ_ENTRY(zd_job) entry;
+	uint64_t id;
+	char name[ZP_NAME_MAX + 1];
+	uid_t uid;
+	uint32_t world_size;
+	unsigned refs;
+	unsigned ranks_attached;
+	uint64_t tensors;
+	uint64_t params;
+	uint64_t steps_applied;
+	uint64_t steps_skipped;
+	uint64_t steps_failed;
+	uint64_t last_step;
+	bool dropping;			/* zoffctl drop: nothing is kept for a reattach */
+	uint8_t policy;			/* enum zp_policy */
+	struct ze_account *account;
+	TAILQ_HEAD(, zd_tensor) detached;
+	unsigned ndetached;
+};
+
+/* What one uid holds, against the per-uid limits; forgotten when it holds nothing. */
+struct zd_uid {
+	TAILQ_ENTRY(zd_uid) entry;
+	uid_t uid;
+	unsigned sessions;
+	struct ze_account *account;	/* the uid's budgets; tensors registered by it are charged here */
+};
+
+int zd_job_attach(struct zd_session *s, const struct zp_job_open *req, char *err,
+    size_t errlen);
+/* keep: the rank died, its tensors wait detach_grace_s for a reattach. */
+void zd_job_detach(struct zd_session *s, bool keep);
+/* true when that was the last reference and the job is gone. */
+bool zd_job_unref(struct zd_daemon *d, struct zd_job *job);
+/* Frees detached tensors past the grace period, or all of them. */
+void zd_job_expire_detached(struct zd_daemon *d, bool all);
+int zd_job_drop(struct zd_session *s, const char *name, char *err, size_t errlen);
+unsigned zd_job_detached_ranks(const struct zd_job *job);
+struct zd_uid *zd_uid_get(struct zd_daemon *d, uid_t uid);
+/* Forgets u when it holds no sessions and no charges. */
+void zd_uid_put(struct zd_daemon *d, struct zd_uid *u);
+/* After a reload: every uid's account takes the configured budgets. */
+void zd_uid_reload_limits(struct zd_daemon *d);
+/*
+ * *ret_resumed: an existing detached tensor of this rank was taken over and
+ * holds all its initial values (else the client must write them again).
+ */
+int zd_tensor_create(struct zd_session *s, const struct zp_tensor_register *req,
+    struct zd_tensor **ret, bool *ret_resumed, char *err, size_t errlen);
+void zd_tensor_release(struct zd_daemon *d, struct zd_tensor *t);
+
+#endif

@@ -1,0 +1,65 @@
+/* One connected client: its socket, output queue, tensors by handle and lifetime. */
+#ifndef ZD_SESSION_H
+#define ZD_SESSION_H
+
+#include <stdarg.h>
+#include <stdbool.h>
+#include <stdint.h>
+#include <sys/queue.h>
+#include <sys/types.h>
+
+#include "engine.h"
+#include "proto.h"
+
+struct event;
+struct zd_daemon;
+struct zd_job;
+struct zd_uid;
+struct zd_tensor;
+struct zd_out;
+
+/*
+ * Owned by the daemon's list from accept to zd_session_close.  Holds a
+ * reference on its job (while attached) and counts in its uid's sessions;
+ * its tensors are its own until it closes (then freed, or kept detached).
+ * The engine knows it only as lane `id`.
+ */
+struct zd_session {
+	TAILQ_ENTRY(zd_session) entry;
+	struct zd_daemon *daemon;
+	uint32_t id;
+	int fd;
+	uid_t uid;
+	gid_t gid;
+	pid_t pid;
+	char name[ZP_NAME_MAX + 1];
+	bool hello_done;
+	bool closing;			/* close once the output queue drains */
+	struct event *ev_read;
+	struct event *ev_write;
+	TAILQ_HEAD(, zd_out) outq;
+	unsigned outq_len;
+	struct zd_job *job;
+	uint32_t rank;
+	struct zd_uid *uid_usage;
+	struct zd_tensor **tensors;	/* indexed by handle - 1; NULL after unregister */
+	uint32_t ntensor_slots;
+	uint32_t tensor_cap;
+	unsigned steps_in_flight;	/* submitted, STEP_DONE not yet sent */
+	struct ze_shm xfer;
+	uint64_t connected_ns;
+};
+
+void zd_session_accept(struct zd_daemon *d, int fd);
+void zd_session_close(struct zd_session *s);
+struct zd_session *zd_session_by_id(struct zd_daemon *d, uint32_t id);
+int zd_session_send(struct zd_session *s, const struct zp_msg *msg, const int *fds,
+    unsigned nfds);
+/* Error reply: code is a negative errno, the text says what was wrong. */
+void zd_session_error(struct zd_session *s, uint64_t request_id, int code, const char *fmt, ...)
+    __attribute__((format(printf, 4, 5)));
+void zd_session_verror(struct zd_session *s, uint64_t request_id, int code, const char *fmt,
+    va_list ap) __attribute__((format(printf, 4, 0)));
+struct zd_tensor *zd_session_tensor(struct zd_session *s, uint32_t handle);
+
+#endif

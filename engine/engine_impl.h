@@ -1,0 +1,175 @@
+/* The engine's own structs, for its files only. */
+#ifndef ZE_ENGINE_IMPL_H
+#define ZE_ENGINE_IMPL_H
+
+#include <sys/queue.h>
+
+#include "arena.h"
+#include "engine.h"
+#include "util.h"
+
+struct zk_pool;
+struct ze_stepper;
+struct ze_task;
+struct ze_batch;
+struct nvme_lane;
+struct nvme_work;
+
+struct ze_account {
+	unsigned refs;			/* the creator's plus one per tensor charged to it */
+	struct ze_account_limits limits;
+	uint64_t pinned_bytes;
+	uint64_t swap_bytes;
+};
+
+/*
+ * A tensor's one charge: the bytes it took and the accounts it took them
+ * from, with a reference on each.  Made by tensor placement, refunded
+ * exactly once, by tensor_destroy, to those same accounts.
+ */
+struct ze_charge {
+	struct ze_account *job;
+	struct ze_account *uid;
+	uint64_t pinned_bytes;
+	uint64_t swap_bytes;
+};
+
+/*
+ * Owned by its creator until ze_tensor_free; then by the engine while
+ * `busy` (a batch or a transfer holds it), destroyed when that ends.
+ * `user` is NULL once the owner let go, so no callback names it.
+ */
+struct ze_tensor {
+	struct ze_engine *e;
+	void *user;
+	bool freed;
+	char name[ZE_NAME_MAX + 1];
+	uint64_t numel;
+	enum zk_dtype grad_dtype;
+	enum zk_dtype param_dtype;
+	struct ze_charge charge;
+	/* pinned: master, m, v (and the param store) in one arena allocation */
+	void *state;
+	size_t state_bytes;		/* pinned allocation, or the extent's bytes on NVMe */
+	bool state_pinned;
+	float *master;
+	float *m;
+	float *v;
+	struct ze_shm grad_slot;
+	struct ze_shm param_slot;
+	bool param_offload;
+	bool param_resident;		/* the param slot holds the current params */
+	bool param_dirty;		/* ... newer than the store */
+	void *param_store;		/* pinned store, or NULL on NVMe */
+	size_t param_store_bytes;
+	uint64_t param_store_offset;	/* in extent, on NVMe */
+	/* NVMe: state chunk by chunk in extent */
+	bool on_nvme;
+	struct zs_extent *extent;
+	uint64_t chunk_elements;
+	uint8_t *chunks_written;	/* bit per chunk: written since placed (else it reads as zeros) */
+	/*
+	 * Exactly once: the step each unit (NVMe chunk, or pinned slice of
+	 * ZE_QUANTUM_ELEMENTS) is at.  last_step is the step every unit is at.
+	 */
+	uint64_t *unit_step;
+	uint64_t nunits;
+	uint64_t unit_elements;
+	uint64_t last_step;
+	uint64_t partial_step;		/* a step that landed on some units only; 0: none */
+	bool busy;
+	/* Initialization: a bit per master element written, until all are (then freed). */
+	uint64_t *init_bits;
+	uint64_t init_missing;
+};
+
+/* A pinned buffer that holds one NVMe chunk (master, m, v) while it is read, stepped, written. */
+struct ze_staging {
+	TAILQ_ENTRY(ze_staging) entry;
+	void *buf;
+	size_t bytes;
+	bool pinned;
+};
+
+/* One step: owned by the engine from ze_step_submit until step_done. */
+struct ze_batch {
+	uint32_t lane;
+	uint64_t id;
+	struct zk_hparams hp;
+	struct zk_hparams hp_run;		/* hp with the clip coefficient applied */
+	enum zk_isa isa;
+	bool grad_only;				/* a gradient pass: grad_done, no step */
+	bool check_finite;
+	double max_grad_norm;
+	uint64_t submit_ns;
+	size_t count;
+	struct ze_tensor **tensors;		/* NULL once that tensor is done */
+	struct zk_tensor *views;		/* grads and params; state only when pinned */
+	size_t *pending;			/* units (slices, chunks) not yet finished */
+	int *errors;				/* first error per tensor */
+	uint64_t *landed;			/* elements at hp.step, per tensor */
+	size_t tensors_left;
+	struct zk_grad_stats check;		/* written by the CHECK task */
+	enum ze_step_status status;
+	int error;
+	double grad_norm;
+	uint64_t compute_ns;
+	uint64_t params;
+};
+
+struct ze_engine {
+	struct ze_config cfg;
+	struct ze_callbacks cb;
+	void *cb_arg;
+	struct zt_arena *arena;
+	struct zk_pool *pool;
+	struct ze_stepper *stepper;
+	struct zs_engine *swap;
+	struct zt_arena *staging_arena;
+	struct ze_staging *staging;
+	unsigned nstaging;
+	TAILQ_HEAD(, ze_staging) staging_free;
+	TAILQ_HEAD(, nvme_lane) nvme_lanes;	/* lanes with chunks waiting for a buffer */
+	TAILQ_HEAD(, nvme_work) xfer_works;	/* transfers not yet reported */
+	bool pumping;				/* pump() is on the stack: loop, do not recurse */
+	bool pump_again;
+	unsigned tasks_outstanding;		/* on the stepper */
+	uint64_t compute_idle_since;		/* when tasks_outstanding last fell to 0 */
+	uint64_t io_blocked_since;		/* 0, or since when work waits for a buffer */
+	unsigned batches;			/* steps not yet reported */
+	unsigned xfers;				/* transfers and param I/O not yet reported */
+	struct ze_stats stats;
+};
+
+/* tensor.c */
+void ze_tensor_unbusy(struct ze_tensor *t);
+/* The param slot mirrors master: elements [offset, offset + count) from src. */
+void ze_tensor_write_param(struct ze_tensor *t, uint64_t offset, uint64_t count,
+    const float *src);
+/* Master elements [offset, offset + count) hold initial values now. */
+void ze_tensor_mark_init(struct ze_tensor *t, uint64_t offset, uint64_t count);
+float *ze_tensor_state_array(struct ze_tensor *t, enum ze_state which);
+uint64_t ze_unit_len(const struct ze_tensor *t, uint64_t unit);
+
+/* nvme.c */
+int ze_nvme_start(struct ze_engine *e);
+void ze_nvme_stop(struct ze_engine *e);
+int ze_nvme_place(struct ze_engine *e, struct ze_tensor *t);
+void ze_nvme_release(struct ze_engine *e, struct ze_tensor *t);
+/* Queues tensor i of b; reports through ze_step_unit_done. */
+void ze_nvme_queue_step(struct ze_engine *e, struct ze_batch *b, size_t i);
+void ze_nvme_step_computed(struct ze_engine *e, struct ze_task *task);
+int ze_nvme_xfer(struct ze_tensor *t, bool write, enum ze_state which, uint64_t offset,
+    uint64_t count, void *buf, uint32_t lane, uint64_t id);
+void ze_nvme_cancel_lane(struct ze_engine *e, uint32_t lane);
+
+/* step.c */
+void ze_step_unit_done(struct ze_engine *e, struct ze_batch *b, size_t i, uint64_t unit,
+    int error);
+void ze_step_post(struct ze_engine *e, struct ze_task *task);
+void ze_step_completions(struct ze_engine *e);
+
+/* param.c */
+void ze_param_drop_pages(struct ze_tensor *t);
+
+#endif

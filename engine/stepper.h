@@ -1,0 +1,49 @@
+/* The step thread: runs compute tasks from the loop on the worker pool and hands them back. */
+#ifndef ZE_STEPPER_H
+#define ZE_STEPPER_H
+
+#include <stddef.h>
+#include <stdint.h>
+#include <sys/queue.h>
+
+#include "optim.h"
+
+struct ze_batch;
+struct ze_staging;
+struct ze_stepper;
+struct zk_pool;
+
+enum ze_task_kind {
+	ZE_TASK_CHECK,		/* gradient pass over the whole batch: writes batch->check */
+	ZE_TASK_STEP,		/* one unit (slice or chunk) of one tensor */
+};
+
+/*
+ * A piece of compute.  The loop fills it and owns it again once reaped;
+ * in between only the stepper touches it (and the memory it points to).
+ */
+struct ze_task {
+	TAILQ_ENTRY(ze_task) entry;
+	enum ze_task_kind kind;
+	uint32_t lane;			/* fairness key: the submitting client */
+	struct ze_batch *batch;
+	size_t index;			/* tensor within the batch */
+	uint64_t unit;			/* slice or chunk of that tensor */
+	struct zk_tensor view;		/* STEP: the unit, in place or in a staging buffer */
+	struct ze_staging *staging;	/* NVMe chunk being stepped, NULL in place */
+	uint64_t io_start_ns;		/* NVMe: when its read was issued */
+	int result;
+	uint64_t compute_ns;
+};
+
+int ze_stepper_new(struct zk_pool *pool, struct ze_stepper **ret);
+/* Finishes queued tasks, then joins the thread. */
+void ze_stepper_free(struct ze_stepper *st);
+/* eventfd, readable when finished tasks are waiting. */
+int ze_stepper_fd(const struct ze_stepper *st);
+/* Queues task; without memory for its lane it comes back at once with -ENOMEM. */
+void ze_stepper_submit(struct ze_stepper *st, struct ze_task *task);
+/* Pops up to max finished tasks; returns how many. */
+size_t ze_stepper_reap(struct ze_stepper *st, struct ze_task **out, size_t max);
+
+#endif

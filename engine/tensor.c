@@ -1,0 +1,413 @@
+/* A tensor's life: placement against the budgets, its one charge, slots, steps and initialization. */
+#include <errno.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "engine_impl.h"
+#include "swap.h"
+
+static size_t
+param_store_bytes(const struct ze_tensor *t)
+{
+	return ((size_t)t->numel * zk_dtype_size(t->param_dtype) + 4095) / 4096 * 4096;
+}
+
+static bool
+over(const struct ze_account *a, bool pinned, uint64_t bytes)
+{
+	uint64_t budget, used;
+
+	if (a == NULL)
+		return false;
+	budget = pinned ? a->limits.pinned_budget : a->limits.swap_budget;
+	used = pinned ? a->pinned_bytes : a->swap_bytes;
+	return budget > 0 && used + bytes > budget;
+}
+
+/* The charge: taken from both accounts here, given back by tensor_destroy alone. */
+static void
+charge(struct ze_tensor *t, struct ze_account *job, struct ze_account *uid, bool pinned,
+    uint64_t bytes)
+{
+	struct ze_account *acc[2] = { job, uid };
+
+	t->charge = (struct ze_charge){ .job = job != NULL ? ze_account_ref(job) : NULL,
+		.uid = uid != NULL ? ze_account_ref(uid) : NULL };
+	if (pinned)
+		t->charge.pinned_bytes = bytes;
+	else
+		t->charge.swap_bytes = bytes;
+	for (int i = 0; i < 2; i++) {
+		if (acc[i] == NULL)
+			continue;
+		acc[i]->pinned_bytes += t->charge.pinned_bytes;
+		acc[i]->swap_bytes += t->charge.swap_bytes;
+	}
+}
+
+static void
+refund(struct ze_tensor *t)
+{
+	struct ze_account *acc[2] = { t->charge.job, t->charge.uid };
+
+	for (int i = 0; i < 2; i++) {
+		if (acc[i] == NULL)
+			continue;
+		acc[i]->pinned_bytes -= t->charge.pinned_bytes;
+		acc[i]->swap_bytes -= t->charge.swap_bytes;
+		ze_account_unref(acc[i]);
+	}
+	t->charge = (struct ze_charge){ 0 };
+}
+
+/* "path (used of capacity), ..." for a full swap's message: which disk to grow or clean. */
+static void
+swap_paths_text(struct ze_engine *e, char *buf, size_t len)
+{
+	size_t off = 0;
+
+	buf[0] = '\0';
+	for (unsigned i = 0; i < e->cfg.nswap_paths && off < len; i++) {
+		struct zs_path_stats ps;
+		char used[32], cap[32];
+		int n;
+
+		if (zs_engine_path_stats(e->swap, i, &ps) != 0)
+			continue;
+		zu_fmt_bytes(ps.used_bytes, used, sizeof(used));
+		zu_fmt_bytes(ps.capacity, cap, sizeof(cap));
+		n = snprintf(buf + off, len - off, "%s%s (%s of %s used)", i > 0 ? ", " : "",
+		    e->cfg.swap_path_names != NULL && e->cfg.swap_path_names[i] != NULL ?
+		    e->cfg.swap_path_names[i] : "?", used, cap);
+		if (n < 0)
+			break;
+		off += (size_t)n;
+	}
+}
+
+static int
+place_nvme(struct ze_engine *e, struct ze_tensor *t, struct ze_account *job,
+    struct ze_account *uid, char *err, size_t errlen)
+{
+	char a[32], b[32], paths[160];
+	const struct ze_account *full;
+	int r;
+
+	if (e->swap == NULL) {
+		snprintf(err, errlen, "tensor '%s': the job keeps state on NVMe but no swap.paths "
+		    "are configured", t->name);
+		return -ENODEV;
+	}
+	r = ze_nvme_place(e, t);
+	if (r < 0) {
+		zu_fmt_bytes(3 * t->numel * sizeof(float), a, sizeof(a));
+		swap_paths_text(e, paths, sizeof(paths));
+		snprintf(err, errlen, "tensor '%s': no room for %s of state on swap.paths %s: %s",
+		    t->name, a, paths, ze_strerror(r));
+		return r;
+	}
+	full = over(uid, false, t->state_bytes) ? uid : over(job, false, t->state_bytes) ? job :
+	    NULL;
+	if (full != NULL) {
+		ze_nvme_release(e, t);
+		zu_fmt_bytes(t->state_bytes, a, sizeof(a));
+		zu_fmt_bytes(full->limits.swap_budget, b, sizeof(b));
+		snprintf(err, errlen, "tensor '%s' needs %s of swap, past the %s %s", t->name, a, b,
+		    full->limits.swap_what != NULL ? full->limits.swap_what : "swap budget");
+		return -EDQUOT;
+	}
+	charge(t, job, uid, false, t->state_bytes);
+	return 0;
+}
+
+/*
+ * Pinned when the policy and the budgets (engine, job, uid) allow it, else
+ * NVMe for auto and nvme jobs.  master, m and v sit in one allocation; each
+ * array is padded a few KiB past its page-rounded size, because an exact
+ * power-of-two distance between them aliases in the cache and halved
+ * bandwidth when measured.
+ */
+static int
+place(struct ze_engine *e, struct ze_tensor *t, enum ze_policy policy, struct ze_account *job,
+    struct ze_account *uid, char *err, size_t errlen)
+{
+	size_t stride = ((size_t)t->numel * sizeof(float) + 4095) / 4096 * 4096 + 4160;
+	uint64_t pinned = 3 * stride + (t->param_offload ? param_store_bytes(t) : 0);
+	const struct ze_account *full;
+	struct zt_arena_stats as;
+	char a[32], b[32], c[32];
+	int r;
+
+	if (policy == ZE_POLICY_AUTO && e->swap == NULL)
+		policy = ZE_POLICY_CPU;
+	full = over(job, true, pinned) ? job : over(uid, true, pinned) ? uid : NULL;
+	if (policy == ZE_POLICY_NVME || (policy == ZE_POLICY_AUTO && full != NULL))
+		return place_nvme(e, t, job, uid, err, errlen);
+	if (full != NULL) {
+		zu_fmt_bytes(pinned, a, sizeof(a));
+		zu_fmt_bytes(full->limits.pinned_budget, b, sizeof(b));
+		snprintf(err, errlen, "tensor '%s' needs %s of optimizer state, past the %s %s "
+		    "(the job's policy is cpu)", t->name, a, b, full->limits.pinned_what != NULL ?
+		    full->limits.pinned_what : "pinned budget");
+		return -EDQUOT;
+	}
+	/* Offloaded params of a pinned tensor are kept pinned after its state. */
+	r = zt_arena_alloc(e->arena, pinned, &t->state, &t->state_pinned);
+	if (r == 0) {
+		t->state_bytes = pinned;
+		if (t->param_offload) {
+			t->param_store = (char *)t->state + 3 * stride;
+			t->param_store_bytes = param_store_bytes(t);
+		}
+		t->master = t->state;
+		t->m = (float *)((char *)t->state + stride);
+		t->v = (float *)((char *)t->state + 2 * stride);
+		charge(t, job, uid, true, pinned);
+		return 0;
+	}
+	t->state = NULL;
+	if (policy == ZE_POLICY_AUTO && r == -ENOSPC)
+		return place_nvme(e, t, job, uid, err, errlen);
+	zt_arena_get_stats(e->arena, &as);
+	zu_fmt_bytes(pinned, a, sizeof(a));
+	zu_fmt_bytes(as.used_bytes, b, sizeof(b));
+	zu_fmt_bytes(as.budget_bytes, c, sizeof(c));
+	if (r == -ENOSPC && e->swap == NULL)
+		snprintf(err, errlen, "tensor '%s' needs %s of optimizer state; the pinned budget "
+		    "has %s of %s in use and no swap.paths are configured", t->name, a, b, c);
+	else if (r == -ENOSPC)
+		snprintf(err, errlen, "tensor '%s' needs %s of optimizer state; the pinned budget "
+		    "has %s of %s in use (the job's policy is cpu)", t->name, a, b, c);
+	else if (r == -ENOMEM)
+		snprintf(err, errlen, "tensor '%s': cannot pin %s: the memlock limit is exhausted "
+		    "(raise LimitMEMLOCK= or set memory.require_pinned to false)", t->name, a);
+	else
+		snprintf(err, errlen, "tensor '%s': cannot allocate its state: %s", t->name,
+		    ze_strerror(r));
+	return r;
+}
+
+static void
+tensor_destroy(struct ze_tensor *t)
+{
+	struct ze_engine *e = t->e;
+
+	ze_shm_destroy(e, &t->grad_slot);
+	ze_shm_destroy(e, &t->param_slot);
+	if (t->on_nvme)
+		ze_nvme_release(e, t);
+	else if (t->state != NULL)
+		zt_arena_release(e->arena, t->state, t->state_bytes, t->state_pinned);
+	refund(t);
+	free(t->unit_step);
+	free(t->init_bits);
+	free(t);
+}
+
+int
+ze_tensor_new(struct ze_engine *e, const struct ze_tensor_desc *desc,
+    struct ze_account *job, struct ze_account *uid, void *user, struct ze_tensor **ret,
+    char *err, size_t errlen)
+{
+	struct ze_tensor *t;
+	char a[32], b[32];
+	int r;
+
+	if (desc->numel == 0 || desc->numel > SIZE_MAX / 16) {
+		snprintf(err, errlen, "tensor '%s': %llu elements is %s", desc->name,
+		    (unsigned long long)desc->numel, desc->numel == 0 ? "none" : "too many");
+		return desc->numel == 0 ? -EINVAL : -EFBIG;
+	}
+	t = calloc(1, sizeof(*t));
+	if (t == NULL) {
+		snprintf(err, errlen, "out of memory");
+		return -ENOMEM;
+	}
+	t->e = e;
+	t->user = user;
+	t->grad_slot.fd = t->param_slot.fd = -1;
+	snprintf(t->name, sizeof(t->name), "%s", desc->name);
+	t->numel = desc->numel;
+	t->grad_dtype = desc->grad_dtype;
+	t->param_dtype = desc->param_dtype;
+	t->param_offload = desc->param_offload;
+	t->param_resident = true;
+	r = place(e, t, desc->policy, job, uid, err, errlen);
+	if (r < 0)
+		goto fail;
+	r = ze_shm_create(e, "zoffload-grad", t->numel * zk_dtype_size(t->grad_dtype), false,
+	    &t->grad_slot);
+	if (r == 0)
+		r = ze_shm_create(e, "zoffload-param", t->numel * zk_dtype_size(t->param_dtype),
+		    !t->param_offload, &t->param_slot);
+	if (r < 0) {
+		zu_fmt_bytes(e->stats.shm_bytes, a, sizeof(a));
+		zu_fmt_bytes(e->cfg.shm_budget, b, sizeof(b));
+		if (r == -ENOSPC)
+			snprintf(err, errlen, "tensor '%s': its slots exceed the shared-memory budget "
+			    "(%s of %s in use)", t->name, a, b);
+		else
+			snprintf(err, errlen, "tensor '%s': cannot create its slots: %s", t->name,
+			    ze_strerror(r));
+		goto fail;
+	}
+	/* Units: NVMe chunks as placed, else pinned slices. */
+	t->unit_elements = t->on_nvme ? t->chunk_elements : ZE_QUANTUM_ELEMENTS;
+	t->nunits = (t->numel + t->unit_elements - 1) / t->unit_elements;
+	t->unit_step = calloc(t->nunits, sizeof(*t->unit_step));
+	t->init_bits = calloc((t->numel + 63) / 64, sizeof(uint64_t));
+	t->init_missing = t->numel;
+	if (t->unit_step == NULL || t->init_bits == NULL) {
+		snprintf(err, errlen, "out of memory");
+		r = -ENOMEM;
+		goto fail;
+	}
+	*ret = t;
+	return 0;
+fail:
+	tensor_destroy(t);
+	return r;
+}
+
+void
+ze_tensor_free(struct ze_tensor *t)
+{
+	if (t == NULL)
+		return;
+	t->user = NULL;
+	t->freed = true;
+	if (!t->busy)
+		tensor_destroy(t);
+}
+
+void
+ze_tensor_unbusy(struct ze_tensor *t)
+{
+	t->busy = false;
+	if (t->freed)
+		tensor_destroy(t);
+}
+
+void
+ze_tensor_set_user(struct ze_tensor *t, void *user)
+{
+	t->user = user;
+}
+
+uint64_t ze_tensor_numel(const struct ze_tensor *t) { return t->numel; }
+enum zk_dtype ze_tensor_grad_dtype(const struct ze_tensor *t) { return t->grad_dtype; }
+enum zk_dtype ze_tensor_param_dtype(const struct ze_tensor *t) { return t->param_dtype; }
+bool ze_tensor_param_offload(const struct ze_tensor *t) { return t->param_offload; }
+int ze_tensor_grad_fd(const struct ze_tensor *t) { return t->grad_slot.fd; }
+int ze_tensor_param_fd(const struct ze_tensor *t) { return t->param_slot.fd; }
+void *ze_tensor_grad_slot(const struct ze_tensor *t) { return t->grad_slot.map; }
+void *ze_tensor_param_slot(const struct ze_tensor *t) { return t->param_slot.map; }
+bool ze_tensor_busy(const struct ze_tensor *t) { return t->busy; }
+bool ze_tensor_on_nvme(const struct ze_tensor *t) { return t->on_nvme; }
+bool ze_tensor_initialized(const struct ze_tensor *t) { return t->init_missing == 0; }
+uint64_t ze_tensor_last_step(const struct ze_tensor *t) { return t->last_step; }
+bool ze_tensor_param_resident(const struct ze_tensor *t) { return t->param_resident; }
+
+int
+ze_tensor_set_step(struct ze_tensor *t, uint64_t step)
+{
+	if (t->busy)
+		return -EBUSY;
+	t->last_step = step;
+	t->partial_step = 0;
+	for (uint64_t u = 0; u < t->nunits; u++)
+		t->unit_step[u] = step;
+	return 0;
+}
+
+uint64_t
+ze_unit_len(const struct ze_tensor *t, uint64_t unit)
+{
+	uint64_t left = t->numel - unit * t->unit_elements;
+
+	return left < t->unit_elements ? left : t->unit_elements;
+}
+
+void
+ze_tensor_mark_init(struct ze_tensor *t, uint64_t offset, uint64_t count)
+{
+	uint64_t i = offset, end = offset + count;
+
+	if (t->init_missing == 0)
+		return;
+	while (i < end) {
+		uint64_t word = i / 64, bit = i % 64, n = 64 - bit, mask;
+
+		if (n > end - i)
+			n = end - i;
+		mask = (n == 64 ? ~0ull : ((1ull << n) - 1)) << bit;
+		t->init_missing -= (uint64_t)__builtin_popcountll(mask & ~t->init_bits[word]);
+		t->init_bits[word] |= mask;
+		i += n;
+	}
+	if (t->init_missing == 0) {
+		free(t->init_bits);
+		t->init_bits = NULL;
+	}
+}
+
+float *
+ze_tensor_state_array(struct ze_tensor *t, enum ze_state which)
+{
+	switch (which) {
+	case ZE_STATE_MASTER: return t->master;
+	case ZE_STATE_EXP_AVG: return t->m;
+	default: return t->v;
+	}
+}
+
+void
+ze_tensor_write_param(struct ze_tensor *t, uint64_t offset, uint64_t count, const float *src)
+{
+	t->param_dirty = true;
+	switch (t->param_dtype) {
+	case ZK_DTYPE_F32:
+		memcpy((float *)t->param_slot.map + offset, src, count * sizeof(float));
+		break;
+	case ZK_DTYPE_BF16:
+		for (uint64_t i = 0; i < count; i++)
+			((uint16_t *)t->param_slot.map)[offset + i] = zk_f32_to_bf16(src[i]);
+		break;
+	case ZK_DTYPE_F16:
+		for (uint64_t i = 0; i < count; i++)
+			((uint16_t *)t->param_slot.map)[offset + i] = zk_f32_to_f16(src[i]);
+		break;
+	default:
+		break;
+	}
+}
+
+int
+ze_tensor_io(struct ze_tensor *t, bool write, enum ze_state which, uint64_t offset,
+    uint64_t count, void *buf, uint32_t lane, uint64_t id)
+{
+	float *state;
+
+	if (t->busy)
+		return -EBUSY;
+	if (offset > t->numel || count > t->numel - offset)
+		return -ERANGE;
+	if (write && which == ZE_STATE_MASTER && !t->param_resident)
+		return -EAGAIN;
+	/* On NVMe: chunk by chunk through staging buffers; io_done reports. */
+	if (t->on_nvme)
+		return ze_nvme_xfer(t, write, which, offset, count, buf, lane, id);
+	state = ze_tensor_state_array(t, which) + offset;
+	if (write) {
+		memcpy(state, buf, count * sizeof(float));
+		/* The param slot always mirrors the master weights. */
+		if (which == ZE_STATE_MASTER) {
+			ze_tensor_write_param(t, offset, count, state);
+			ze_tensor_mark_init(t, offset, count);
+		}
+	} else {
+		memcpy(buf, state, count * sizeof(float));
+	}
+	return 1;
+}
