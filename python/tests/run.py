@@ -1,0 +1,14 @@
+"""Runs one pytest file of zoffload's Python suite for meson; exit 77 (skipped) without torch or pytest."""
+import sys
+
+try:
+    import pytest
+    import torch  # noqa: F401
+except ImportError as e:
+    print(f"skipped: {sys.executable} cannot import {e.name} (install python3-torch and "
+          "python3-pytest, or point -Dpython_interpreters at an interpreter that has them)")
+    sys.exit(77)
+
+# -p no:cacheprovider: nothing written into the source tree.
+sys.exit(pytest.main(["-q", "-p", "no:cacheprovider", "-W", "error::pytest.PytestUnraisableExceptionWarning",
+                      *sys.argv[1:]]))
