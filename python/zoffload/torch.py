@@ -29,8 +29,10 @@ process of the same job and rank that builds the same optimizer over the same pa
 gets it back: the parameters are overwritten with the daemon's, ``resumed_step`` says the
 step it resumes after, and a warning says so.  ``close()`` frees the state instead.
 """
+import errno
 import logging
 import os
+import time
 import warnings
 from itertools import chain
 
@@ -137,7 +139,15 @@ class _ZoffloadOptimizer(torch.optim.Optimizer):
         name = f"p{index}/{p.numel()}"
         gd, pd = _grad_dtype_name(self._grad_dtype, p), _DTYPES[p.dtype]
         init = p.detach().reshape(-1).to(device="cpu", dtype=torch.float32).contiguous()
-        zt = self._conn.register(name, init.numpy(), grad_dtype=gd, param_dtype=pd)
+        for attempt in range(200):
+            try:
+                zt = self._conn.register(name, init.numpy(), grad_dtype=gd, param_dtype=pd)
+                break
+            except ZoffloadError as ex:
+                # Taken back while a step the dead process submitted still runs on it.
+                if ex.errno != errno.EAGAIN or attempt == 199:
+                    raise
+                time.sleep(0.05)
         e = _Entry(zt, gd, pd)
         self._entries[p] = e
         last = zt.last_step
