@@ -202,6 +202,57 @@ tensor_write(struct zpy_tensor *self, PyObject *args, PyObject *kw)
 	return tensor_io(self, args, kw, true);
 }
 
+/*
+ * param_into(out) / grad_from(src): the whole slot to or from a buffer of the same size, a
+ * memcpy without the GIL.  zoffload.torch copies this way rather than through torch's copy_,
+ * whose OpenMP threads would spin on the cores the daemon is stepping on.
+ */
+static PyObject *
+tensor_slot_copy(struct zpy_tensor *self, PyObject *arg, bool into)
+{
+	Py_buffer b;
+	size_t bytes;
+	void *slot;
+
+	if (PyObject_GetBuffer(arg, &b, into ? PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS :
+	    PyBUF_C_CONTIGUOUS) < 0)
+		return NULL;
+	if (!zpy_tensor_ready(self))
+		goto fail;
+	slot = into ? (void *)zc_tensor_param_slot(self->t, &bytes) :
+	    zc_tensor_grad_slot(self->t, &bytes);
+	if ((size_t)b.len != bytes) {
+		PyErr_Format(PyExc_ValueError, "tensor %R: the buffer holds %zd bytes, its %s slot %zu",
+		    self->name, b.len, into ? "param" : "grad", bytes);
+		goto fail;
+	}
+	Py_BEGIN_ALLOW_THREADS
+	PyThread_acquire_lock(self->conn->lock, WAIT_LOCK);
+	if (into)
+		memcpy(b.buf, slot, bytes);
+	else
+		memcpy(slot, b.buf, bytes);
+	PyThread_release_lock(self->conn->lock);
+	Py_END_ALLOW_THREADS
+	PyBuffer_Release(&b);
+	Py_RETURN_NONE;
+fail:
+	PyBuffer_Release(&b);
+	return NULL;
+}
+
+static PyObject *
+tensor_param_into(struct zpy_tensor *self, PyObject *arg)
+{
+	return tensor_slot_copy(self, arg, true);
+}
+
+static PyObject *
+tensor_grad_from(struct zpy_tensor *self, PyObject *arg)
+{
+	return tensor_slot_copy(self, arg, false);
+}
+
 static PyObject *
 tensor_set_step(struct zpy_tensor *self, PyObject *arg)
 {
@@ -261,6 +312,10 @@ static PyMethodDef tensor_methods[] = {
 	{ "write", (PyCFunction)(void (*)(void))tensor_write, METH_VARARGS | METH_KEYWORDS,
 	  "write(state, src, offset=0): load fp32 values into the state (master also refreshes "
 	  "the param slot); then set_step()." },
+	{ "param_into", (PyCFunction)tensor_param_into, METH_O,
+	  "param_into(out): copy the param slot into the writable buffer out (same size)." },
+	{ "grad_from", (PyCFunction)tensor_grad_from, METH_O,
+	  "grad_from(src): copy the buffer src (same size) into the grad slot." },
 	{ "set_step", (PyCFunction)tensor_set_step, METH_O,
 	  "set_step(step): the step the state is at; the next one submitted must be above it." },
 	{ "param_wait", (PyCFunction)tensor_param_wait, METH_NOARGS,

@@ -112,6 +112,13 @@ def test_slot_views_keep_the_memory_mapped(daemon):
     assert memoryview(t.param).readonly and not memoryview(t.grad).readonly
     with pytest.raises((BufferError, TypeError), match="read-only|read-write"):
         io.BytesIO(b"x").readinto(t.param)      # asks for a writable buffer
+    with pytest.raises(ValueError, match="holds 3 bytes, its param slot 16"):
+        t.param_into(bytearray(3))
+    t.grad_from(array.array("f", [2.0] * 8))
+    assert g.tolist() == [2.0] * 8
+    out = bytearray(16)
+    t.param_into(out)
+    assert out == memoryview(t.param).tobytes()
     del g
     t.unregister()
     with pytest.raises(zoffload.ZoffloadError, match="no longer registered") as info:

@@ -312,3 +312,44 @@ def test_constructor_matches_torch():
             if p.default is not inspect.Parameter.empty and name not in ("fused", "foreach"):
                 assert a[name].default == p.default, f"{ours.__name__}.{name}"
     assert math.isclose(zt.Lion.__init__.__defaults__[0], 1e-4)
+
+
+def test_grads_land_in_the_slots(daemon):
+    """After a step p.grad is the grad slot itself (same values), so zero_grad() zeroes it in
+    place and backward accumulates straight into shared memory: no copy on the next step.
+    The transformer tests above run on that path from their second step on."""
+    m = zhelpers.model(seed=9)
+    opt = zt.AdamW(m.parameters(), job="grad-views", socket=daemon.socket)
+    zhelpers.loss_of(m, 1).backward()
+    grads = [p.grad.clone() for p in m.parameters()]
+    opt.step()
+    for p, g in zip(m.parameters(), grads):
+        assert p.grad.data_ptr() == opt._entries[p].grad.data_ptr()
+        assert torch.equal(p.grad, g), "the step changed the gradients"
+    opt.zero_grad(set_to_none=False)
+    zhelpers.loss_of(m, 2).backward()
+    assert all(p.grad.data_ptr() == opt._entries[p].grad.data_ptr() for p in m.parameters())
+    grads = [p.grad.clone() for p in m.parameters()]
+    opt.step()
+    opt.close()
+    # close() hands p.grad back as ordinary memory before the slots go.
+    for p, g in zip(m.parameters(), grads):
+        assert torch.equal(p.grad, g)
+
+
+def test_non_contiguous_params(daemon):
+    """Params whose memory is not laid out as their slot take torch's copy_ both ways."""
+    torch.manual_seed(10)
+    ours = [torch.nn.Parameter(torch.randn(9, 7).t()), torch.nn.Parameter(torch.randn(5, 4)[:, :3])]
+    ref = [torch.nn.Parameter(p.detach().clone()) for p in ours]
+    assert not any(p.is_contiguous() for p in ours)
+    opt = zt.AdamW(ours, lr=1e-2, job="strided", socket=daemon.socket)
+    ref_opt = torch.optim.AdamW(ref, lr=1e-2)
+    for _ in range(20):
+        for p, q in zip(ours, ref):
+            p.grad = torch.randn(p.shape)
+            q.grad = p.grad.clone()
+        opt.step()
+        ref_opt.step()
+    assert max_rel_err(ours, ref) <= RTOL
+    opt.close()

@@ -72,9 +72,19 @@ def _grad_dtype_name(grad_dtype, param):
     return grad_dtype
 
 
+def _plain(t, dtype):
+    """A CPU tensor laid out as its slot: copied with a memcpy (see Tensor.param_into)."""
+    return t.device.type == "cpu" and t.dtype == dtype and t.is_contiguous()
+
+
+def _raw(t):
+    # Same-size integers: numpy has no bfloat16, and only the bytes matter.
+    return t.view(torch.int16 if t.element_size() == 2 else torch.int32).numpy()
+
+
 class _Entry:
     """One parameter's tensor in the daemon and no-copy views of its slots."""
-    __slots__ = ("zt", "grad", "param", "in_flight", "cuda_addrs")
+    __slots__ = ("zt", "grad", "param", "in_flight", "cuda_addrs", "grad_view_ok")
 
     def __init__(self, zt, grad_dtype, param_dtype):
         self.zt = zt
@@ -149,6 +159,9 @@ class _ZoffloadOptimizer(torch.optim.Optimizer):
                     raise
                 time.sleep(0.05)
         e = _Entry(zt, gd, pd)
+        # Not with overlap (AccumulateGrad would write a slot under a step), nor for a slot of
+        # another dtype or device.
+        e.grad_view_ok = not self.overlap and not p.is_cuda and gd == pd
         self._entries[p] = e
         last = zt.last_step
         if last:
@@ -187,8 +200,15 @@ class _ZoffloadOptimizer(torch.optim.Optimizer):
         if grad.is_sparse:
             raise RuntimeError("zoffload: sparse gradients are not supported")
         g = e.grad.view(p.shape)
+        if grad.data_ptr() == g.data_ptr():
+            # p.grad is the slot itself (see _finish): backward wrote it there.
+            if group.get("maximize", False):
+                g.neg_()
+            return
         if group.get("maximize", False):
             torch.neg(grad, out=g) if grad.dtype == g.dtype else g.copy_(grad).neg_()
+        elif _plain(grad, g.dtype):
+            e.zt.grad_from(_raw(grad))
         else:
             g.copy_(grad, non_blocking=p.is_cuda)
 
@@ -269,8 +289,16 @@ class _ZoffloadOptimizer(torch.optim.Optimizer):
             if res["status"] != "applied":
                 continue
             self.state[p]["step"] = torch.tensor(float(res["step"]))
-            with torch.no_grad():
-                p.copy_(e.param.view(p.shape), non_blocking=p.is_cuda)
+            if _plain(p, e.param.dtype):
+                e.zt.param_into(_raw(p.detach()))
+            else:
+                with torch.no_grad():
+                    p.copy_(e.param.view(p.shape), non_blocking=p.is_cuda)
+            if (e.grad_view_ok and p.grad is not None and p.grad.layout == torch.strided
+                    and not self._group_of(p).get("maximize", False)):
+                # The slot holds what p.grad holds; made p.grad, zero_grad() zeroes it in place
+                # and the next backward accumulates straight into it: no copy next step.
+                p.grad = e.grad.view(p.shape)
         if error is not None:
             raise error
 
@@ -351,7 +379,9 @@ class _ZoffloadOptimizer(torch.optim.Optimizer):
         self._hooks = []
         cudart = None
         entries, self._entries = self._entries, {}
-        for e in entries.values():
+        for p, e in entries.items():
+            if p.grad is not None and p.grad.data_ptr() == e.grad.data_ptr():
+                p.grad = p.grad.clone()     # the slot goes away with the tensor
             if e.cuda_addrs:
                 cudart = cudart or torch.cuda.cudart()
                 for addr in e.cuda_addrs:
