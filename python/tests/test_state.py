@@ -143,3 +143,27 @@ def test_killed_trainer_takes_its_state_back(daemon, tmp_path):
     opt = zt.AdamW(zhelpers.model(seed=11).parameters(), job="crash", socket=daemon.socket)
     assert opt.resumed_step == 0
     opt.close()
+
+
+def test_state_assigned_directly_like_zero(daemon):
+    """ZeroRedundancyOptimizer.load_state_dict writes optim.state[p] itself, bypassing ours:
+    such state goes into the daemon at the next step."""
+    torch.manual_seed(22)
+    ours = [torch.nn.Parameter(torch.randn(50)), torch.nn.Parameter(torch.randn(7))]
+    ref = [torch.nn.Parameter(p.detach().clone()) for p in ours]
+    opt = zt.AdamW(ours, lr=1e-2, job="direct", socket=daemon.socket)
+    ref_opt = torch.optim.AdamW(ref, lr=1e-2)
+    for p, q in zip(ours, ref):
+        st = {"step": torch.tensor(7.0), "exp_avg": torch.randn(p.shape) * 0.1,
+              "exp_avg_sq": torch.rand(p.shape) * 0.01}
+        opt.state[p] = {k: v.clone() for k, v in st.items()}
+        ref_opt.state[q] = {k: v.clone() for k, v in st.items()}
+    for _ in range(5):
+        for p, q in zip(ours, ref):
+            p.grad = torch.randn(p.shape)
+            q.grad = p.grad.clone()
+        opt.step()
+        ref_opt.step()
+    assert max_rel_err(ours, ref) <= RTOL
+    assert all(float(s["step"]) == 12 for s in opt.state_dict()["state"].values())
+    opt.close()
