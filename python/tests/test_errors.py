@@ -2,6 +2,7 @@
 import array
 import io
 import errno
+import json
 import os
 
 import pytest
@@ -44,6 +45,24 @@ def test_budget_exhausted(make_daemon):
     assert "needs" in str(info.value) and "pinned budget" in str(info.value)
 
 
+def test_refused_constructor_leaves_nothing(make_daemon):
+    """The first param fits, the second does not: the first is freed, not kept for a restart."""
+    d = make_daemon(config={"memory": {"pinned_budget": "1M"}})
+    with pytest.raises(zoffload.ZoffloadError, match="pinned budget"):
+        zt.AdamW(params(1000) + params(200_000), job="half", socket=d.socket, policy="cpu")
+    with zoffload.Connection(d.socket) as c:
+        assert json.loads(c.jobs())["jobs"] == []
+        assert json.loads(c.stats())["tensors"] == 0
+
+
+def test_step_after_close(daemon):
+    opt = zt.AdamW(params(), job="closed", socket=daemon.socket)
+    opt.close()
+    opt.close()                     # twice is fine
+    with pytest.raises(RuntimeError, match="after close"):
+        opt.step()
+
+
 def test_spills_to_swap_instead(make_daemon):
     """The same state with policy 'auto' and a swap dir: it fits, partly on NVMe."""
     d = make_daemon(config={"memory": {"pinned_budget": "1M"}}, swap=True)
@@ -51,7 +70,6 @@ def test_spills_to_swap_instead(make_daemon):
     opt = zt.AdamW(ps, job="big", socket=d.socket, policy="auto")
     ps[0].grad = torch.ones_like(ps[0])
     opt.step()
-    import json
     job = json.loads(opt._conn.jobs())["jobs"][0]
     assert job["nvme_bytes"] > 0
     # The first moment after one step of ones, read back through the NVMe tier.

@@ -122,7 +122,12 @@ class _ZoffloadOptimizer(torch.optim.Optimizer):
         self._conn = _zclient.Connection(socket)
         self._conn.job_open(self.job, rank, world_size, policy=policy,
                             pinned_budget=pinned_budget)
-        super().__init__(params, defaults)
+        try:
+            super().__init__(params, defaults)
+        except BaseException:
+            # What was registered goes now: a refused constructor leaves nothing to take back.
+            self.close()
+            raise
         if self.resumed_step:
             msg = (f"zoffload: job '{self.job}' rank {rank}: took back the optimizer state of "
                    f"a process that died; resuming after step {self.resumed_step}")
@@ -251,6 +256,8 @@ class _ZoffloadOptimizer(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
+        if self._conn.closed:
+            raise RuntimeError("zoffload: step() after close()")
         loss = None
         if closure is not None:
             with torch.enable_grad():
