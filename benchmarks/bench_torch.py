@@ -3,7 +3,7 @@
 torch.optim.AdamW (for-loop and foreach) and beside bench_torch_c, a C program doing the same
 work straight through libzclient (the gradients already in the grad slots, as p.grad is its
 slot after a step; one step; wait; copy the params out of the param slots), all in one run on
-one zoffloadd started here.
+one zoffloadd started here; each figure is the best of --rounds rounds of all four.
 
     PYTHONPATH=build/python /usr/bin/python3 benchmarks/bench_torch.py [--json]
 
@@ -71,6 +71,7 @@ def main():
     ap.add_argument("--tensors", type=int, default=24)
     ap.add_argument("--numel", type=int, default=4 * 1024 * 1024, help="per tensor")
     ap.add_argument("--steps", type=int, default=7, help="timed, after one warm-up each")
+    ap.add_argument("--rounds", type=int, default=3, help="each figure the best round's")
     ap.add_argument("--threads", type=int, default=os.cpu_count(),
                     help="daemon workers, and torch's threads: the same cores for both")
     args = ap.parse_args()
@@ -80,33 +81,37 @@ def main():
                            os.path.join(ROOT, "build-test/benchmarks/bench_torch_c"))
     nparams = args.tensors * args.numel
     times = {}
+
+    def keep(name, t):
+        times[name] = min(t, times.get(name, t))
+
     with tempfile.TemporaryDirectory(prefix="bench-torch-") as tmp:
         proc, sock = start_daemon(daemon, args.threads, tmp)
         try:
-            # Two rounds each, alternating, the better of each kept: neither side gets the
-            # quieter moment of a shared machine by its place in the order.
-            for rnd in range(2):
+            # Rounds of all four, each figure the best of its rounds: on a shared machine no
+            # side gets the quieter moment by its place in the order.
+            for rnd in range(args.rounds):
                 ps = model(args.tensors, args.numel)
                 opt = zoffload.torch.AdamW(ps, lr=1e-3, job=f"bench-torch-{rnd}",
                                            socket=sock)
                 # After the warm-up step p.grad is its slot: no gradient copy, as in C.
-                t = time_steps(opt, args.steps)
-                times["zoffload"] = min(t, times.get("zoffload", t))
+                keep("zoffload", time_steps(opt, args.steps))
                 opt.close()
                 del opt, ps
                 gc.collect()
                 out = subprocess.run([cprog, "--socket", sock, "--tensors", str(args.tensors),
                                       "--numel", str(args.numel), "--steps", str(args.steps)],
                                      capture_output=True, text=True, check=True)
-                times["c"] = min(float(out.stdout), times.get("c", float(out.stdout)))
+                keep("c", float(out.stdout))
+                for name, foreach in (("torch_forloop", False), ("torch_foreach", True)):
+                    ps = model(args.tensors, args.numel)
+                    keep(name, time_steps(torch.optim.AdamW(ps, lr=1e-3, foreach=foreach),
+                                          args.steps))
+                    del ps
+                    gc.collect()
         finally:
             proc.send_signal(signal.SIGTERM)
             proc.wait()
-    for name, foreach in (("torch_forloop", False), ("torch_foreach", True)):
-        ps = model(args.tensors, args.numel)
-        times[name] = time_steps(torch.optim.AdamW(ps, lr=1e-3, foreach=foreach), args.steps)
-        del ps
-        gc.collect()
     figures = [
         ("speedup_vs_torch_forloop", times["torch_forloop"] / times["zoffload"], "x", 5.0),
         ("speedup_vs_torch_foreach", times["torch_foreach"] / times["zoffload"], "x", 5.0),
