@@ -167,3 +167,26 @@ def test_state_assigned_directly_like_zero(daemon):
     assert max_rel_err(ours, ref) <= RTOL
     assert all(float(s["step"]) == 12 for s in opt.state_dict()["state"].values())
     opt.close()
+
+
+def test_load_state_dict_without_state_starts_afresh(daemon):
+    """torch's semantics: a param the loaded state does not cover starts from zero moments at
+    step 0 (here the daemon's tensor is reset, not left ahead of the step count)."""
+    torch.manual_seed(23)
+    ours = [torch.nn.Parameter(torch.randn(40))]
+    ref = [torch.nn.Parameter(ours[0].detach().clone())]
+    opt = zt.AdamW(ours, lr=1e-2, job="afresh", socket=daemon.socket)
+    for _ in range(3):
+        ours[0].grad = torch.randn(40)
+        opt.step()
+    ref[0].data.copy_(ours[0].detach())
+    ref_opt = torch.optim.AdamW(ref, lr=1e-2)
+    opt.load_state_dict(ref_opt.state_dict())       # a fresh optimizer's: no state at all
+    for _ in range(5):
+        ours[0].grad = torch.randn(40)
+        ref[0].grad = ours[0].grad.clone()
+        opt.step()
+        ref_opt.step()
+    assert max_rel_err(ours, ref) <= RTOL
+    assert float(opt.state_dict()["state"][0]["step"]) == 5
+    opt.close()

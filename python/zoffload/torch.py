@@ -364,7 +364,14 @@ class _ZoffloadOptimizer(torch.optim.Optimizer):
         for index, ms in moments.items():
             if index in id_map and ms:
                 self.state[id_map[index]].update(ms)
+        # A param the saved state does not cover starts afresh, as in torch (lazily there).
+        for p in self._entries:
+            if "step" not in self.state[p]:
+                self.state[p].update(self._fresh_state(p), step=torch.tensor(0.0))
         self._flush_loaded_state()
+
+    def _fresh_state(self, p):
+        return {key: torch.zeros(p.shape) for key in self._state_keys}
 
     def __setstate__(self, state):
         super().__setstate__(state)
@@ -471,6 +478,9 @@ class Adagrad(_ZoffloadOptimizer):
         value = self._group_of(p)["initial_accumulator_value"]
         if value:
             zt.write("exp_avg", torch.full((p.numel(),), float(value)).numpy())
+
+    def _fresh_state(self, p):
+        return {"sum": torch.full(p.shape, float(self._group_of(p)["initial_accumulator_value"]))}
 
     def _group_args(self, g):
         return dict(lr=g["lr"], lr_decay=g["lr_decay"], eps=g["eps"],
