@@ -121,7 +121,7 @@ def main():
     out = model.sample(torch.tensor([[chars.index("\n")]]), 200, gen)
     print("sample:\n" + "".join(chars[i] for i in out[0].tolist()[1:]))
     stats = json.loads(opt.stats())
-    job = [j for j in json.loads(opt._conn.jobs())["jobs"] if j["name"] == args.job][0]
+    job = [j for j in json.loads(opt.jobs())["jobs"] if j["name"] == args.job][0]
     lat, pipe = stats["steps"]["latency_ms"], stats["pipeline"]
     print(f"zoffloadd: job '{args.job}': {job['tensors']} tensors, {job['params']} params, "
           f"state {job['pinned_bytes'] / 2**20:.2f} MiB pinned + "

@@ -70,7 +70,7 @@ def test_spills_to_swap_instead(make_daemon):
     opt = zt.AdamW(ps, job="big", socket=d.socket, policy="auto")
     ps[0].grad = torch.ones_like(ps[0])
     opt.step()
-    job = json.loads(opt._conn.jobs())["jobs"][0]
+    job = json.loads(opt.jobs())["jobs"][0]
     assert job["nvme_bytes"] > 0
     # The first moment after one step of ones, read back through the NVMe tier.
     assert torch.equal(opt.state_dict()["state"][0]["exp_avg"], torch.full((200_000,), 0.1))
@@ -103,7 +103,7 @@ def test_job_from_environment(daemon, monkeypatch):
     monkeypatch.setenv("ZOFFLOAD_JOB", "from-env")
     opt = zt.AdamW(params())
     assert opt.job == "from-env"
-    assert "from-env" in opt._conn.jobs()
+    assert "from-env" in opt.jobs()
     opt.close()
 
 

@@ -55,7 +55,7 @@ def zero(rank, world, port, socket, job, steps, out):
         torch.save({"params": params_of(m), "state": opt.state_dict()}, out)
     dist.barrier()
     # Every rank is attached and stepped: what this rank's daemon sees of the job.
-    print("JOBS " + opt.optim._conn.jobs(), flush=True)
+    print("JOBS " + opt.optim.jobs(), flush=True)
     dist.barrier()
     opt.optim.close()
     dist.destroy_process_group()

@@ -383,6 +383,10 @@ class _ZoffloadOptimizer(torch.optim.Optimizer):
         """The daemon's stats (zoffctl stats --json), as a str of JSON."""
         return self._conn.stats()
 
+    def jobs(self):
+        """The daemon's jobs (zoffctl jobs --json), as a str of JSON."""
+        return self._conn.jobs()
+
     def close(self):
         """Frees the state in the daemon (a process that just exits keeps it for a restart)."""
         if self._conn.closed:
