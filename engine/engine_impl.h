@@ -95,6 +95,7 @@ struct ze_staging {
 struct ze_batch {
 	uint32_t lane;
 	uint64_t id;
+	uint64_t seq;				/* submission order, for ze_runs_before */
 	struct zk_hparams hp;
 	struct zk_hparams hp_run;		/* hp with the clip coefficient applied */
 	enum zk_isa isa;
@@ -137,6 +138,7 @@ struct ze_engine {
 	uint64_t compute_idle_since;		/* when tasks_outstanding last fell to 0 */
 	uint64_t io_blocked_since;		/* 0, or since when work waits for a buffer */
 	unsigned batches;			/* steps not yet reported */
+	uint64_t batch_seq;			/* the last batch's seq */
 	unsigned xfers;				/* transfers and param I/O not yet reported */
 	struct ze_stats stats;
 };

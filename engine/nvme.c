@@ -44,15 +44,18 @@ struct nvme_work {
 	void *buf;			/* NULL once the lane was cancelled */
 };
 
+TAILQ_HEAD(nvme_works, nvme_work);
+
 /*
  * One lane's waiting work.  Staging buffers go to the lanes in turn, a
  * chunk each, so a job with a terabyte on NVMe cannot hold back a small
- * one's step for longer than a few chunks.
+ * one's step for longer than a few chunks.  Within the lane the head goes
+ * next: steps in ze_runs_before order, transfers where they came in.
  */
 struct nvme_lane {
 	TAILQ_ENTRY(nvme_lane) entry;
 	uint32_t key;
-	TAILQ_HEAD(, nvme_work) works;
+	struct nvme_works works;
 };
 
 /* One chunk in flight through a staging buffer. */
@@ -206,6 +209,7 @@ static int
 enqueue(struct ze_engine *e, struct nvme_work *w)
 {
 	struct nvme_lane *lane;
+	struct nvme_work *q;
 
 	TAILQ_FOREACH(lane, &e->nvme_lanes, entry)
 		if (lane->key == w->lane)
@@ -218,7 +222,21 @@ enqueue(struct ze_engine *e, struct nvme_work *w)
 		TAILQ_INIT(&lane->works);
 		TAILQ_INSERT_TAIL(&e->nvme_lanes, lane, entry);
 	}
-	TAILQ_INSERT_TAIL(&lane->works, w, entry);
+	/*
+	 * A step goes ahead of the queued steps it runs before (ze_runs_before),
+	 * never ahead of a transfer: one queued before it keeps its turn, so
+	 * steps coming in all the time cannot hold back a state read for good.
+	 * Either order is correct: a step and a transfer never share a tensor
+	 * (each holds it busy), and param I/O does not queue here.
+	 */
+	q = TAILQ_LAST(&lane->works, nvme_works);
+	while (w->kind == WORK_STEP && q != NULL && q->kind == WORK_STEP &&
+	    ze_runs_before(w->batch->hp.step, w->batch->seq, q->batch->hp.step, q->batch->seq))
+		q = TAILQ_PREV(q, nvme_works, entry);
+	if (q == NULL)
+		TAILQ_INSERT_HEAD(&lane->works, w, entry);
+	else
+		TAILQ_INSERT_AFTER(&lane->works, q, w, entry);
 	return 0;
 }
 
