@@ -393,6 +393,69 @@ Test(order, older_step_is_not_starved_by_newer_submissions, .timeout = 60)
 	rig_stop(&g);
 }
 
+/*
+ * Every read of a step failing on the spot (zs_read refusing inline, as it
+ * does once the swap engine is closing): each chunk's failure asks for the
+ * next pump.  Run on a thread with a small stack: a pump that recursed once
+ * per chunk would overflow it long before the last of these chunks.
+ */
+enum { PUMP_CHUNKS = 8192 };
+#define PUMP_STACK (256u << 10)
+
+struct pump_run {
+	struct rig *g;
+	struct ze_tensor *t;
+	int submit_result;
+	char err[256];
+};
+
+static void *
+pump_thread(void *arg)
+{
+	struct pump_run *p = arg;
+	struct ze_tensor *ts[1] = { p->t };
+
+	p->submit_result = ze_step_submit(p->g->e, &(struct ze_step){
+		.lane = 1,
+		.id = 1,
+		.hp = { .optim = ZK_OPTIM_ADAM, .lr = 1e-3, .beta1 = 0.9, .beta2 = 0.999,
+			.eps = 1e-8, .step = 1, .grad_scale = 1.0 },
+		.count = 1,
+		.tensors = ts,
+	}, p->err, sizeof(p->err));
+	return NULL;
+}
+
+Test(pump, chunks_failing_inline_do_not_grow_the_stack, .timeout = 60)
+{
+	struct pump_run p = { 0 };
+	pthread_attr_t attr;
+	pthread_t thread;
+	struct rig g;
+
+	rig_start(&g, true, (uint64_t)PUMP_CHUNKS * 3 * CHUNK * sizeof(float) + (16u << 20));
+	p.g = &g;
+	p.t = make_tensor(&g, (uint64_t)PUMP_CHUNKS * CHUNK, true, 1);
+	atomic_store(&reads, 0);
+	atomic_store(&read_fails, -ESHUTDOWN);
+	cr_assert_eq(pthread_attr_init(&attr), 0);
+	cr_assert_eq(pthread_attr_setstacksize(&attr, PUMP_STACK), 0);
+	cr_assert_eq(pthread_create(&thread, &attr, pump_thread, &p), 0);
+	cr_assert_eq(pthread_join(thread, NULL), 0);
+	pthread_attr_destroy(&attr);
+	atomic_store(&read_fails, 0);
+	cr_assert_eq(p.submit_result, 0, "%s", p.err);
+	cr_assert_eq(atomic_load(&reads), PUMP_CHUNKS, "%u reads", atomic_load(&reads));
+	/* Every chunk failed inside the submission: the step is reported already. */
+	cr_assert_eq(g.seen.step_done, 1);
+	cr_assert_eq(g.seen.step.status, ZE_STEP_FAILED);
+	cr_assert_eq(g.seen.step.error, -ESHUTDOWN, "%d", g.seen.step.error);
+	cr_assert_eq(g.seen.step.landed, 0);
+	cr_assert_eq(ze_engine_in_flight(g.e), 0);
+	ze_tensor_free(p.t);
+	rig_stop(&g);
+}
+
 /* Visible: Criterion's sandbox finds main by symbol to start test workers. */
 __attribute__((visibility("default"))) int
 main(int argc, char **argv)
