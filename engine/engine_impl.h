@@ -132,6 +132,14 @@ struct ze_engine {
 	TAILQ_HEAD(, ze_staging) staging_free;
 	TAILQ_HEAD(, nvme_lane) nvme_lanes;	/* lanes with chunks waiting for a buffer */
 	TAILQ_HEAD(, nvme_work) xfer_works;	/* transfers not yet reported */
+	/*
+	 * Bytes being read into staging buffers.  The pump keeps at most one
+	 * full chunk's worth (always at least one read) in flight: reads
+	 * started together share the bandwidth and land together, so the
+	 * head of the queue (the layer the trainer needs first) would wait
+	 * for the chunks behind it.
+	 */
+	uint64_t read_bytes_in_flight;
 	bool pumping;				/* pump() is on the stack: loop, do not recurse */
 	bool pump_again;
 	unsigned tasks_outstanding;		/* on the stepper */

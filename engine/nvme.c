@@ -364,6 +364,7 @@ read_done(int result, void *arg)
 	uint64_t off, n;
 	float *buf;
 
+	e->read_bytes_in_flight -= chunk_io_bytes(t, io->chunk);
 	if (result < 0) {
 		work_chunk_finished(e, io, result);
 		return;
@@ -404,6 +405,8 @@ read_done(int result, void *arg)
 		},
 	};
 	ze_step_post(e, &io->task);
+	/* The read window has room again. */
+	pump(e);
 }
 
 void
@@ -418,7 +421,10 @@ ze_nvme_step_computed(struct ze_engine *e, struct ze_task *task)
 	write_back(e, io);
 }
 
-/* Starts reads while staging buffers are free; counts the time work waits for one. */
+/*
+ * Starts reads while staging buffers are free and the read window has room;
+ * counts the time work waits for a buffer.
+ */
 static void
 pump_once(struct ze_engine *e)
 {
@@ -439,6 +445,10 @@ pump_once(struct ze_engine *e)
 			}
 			return;
 		}
+		/* The read window (engine_impl.h): a buffer is free, the next read waits its turn. */
+		if (e->read_bytes_in_flight > 0 && e->read_bytes_in_flight +
+		    chunk_io_bytes(w->tensor, w->next_chunk) > sb->bytes)
+			break;
 		io = calloc(1, sizeof(*io));
 		if (io == NULL)
 			return;
@@ -457,10 +467,13 @@ pump_once(struct ze_engine *e)
 			free(lane);
 		else
 			TAILQ_INSERT_TAIL(&e->nvme_lanes, lane, entry);
+		e->read_bytes_in_flight += chunk_io_bytes(w->tensor, io->chunk);
 		r = zs_read(e->swap, w->tensor->extent, io->chunk * chunk_bytes(w->tensor), sb->buf,
 		    chunk_io_bytes(w->tensor, io->chunk), read_done, io);
-		if (r < 0)
+		if (r < 0) {
+			e->read_bytes_in_flight -= chunk_io_bytes(w->tensor, io->chunk);
 			work_chunk_finished(e, io, r);
+		}
 	}
 	if (e->io_blocked_since != 0) {
 		e->stats.io_wait_ns += now - e->io_blocked_since;

@@ -17,8 +17,8 @@
  * Linked with -Wl,--wrap=zk_pool_step,--wrap=zs_read: the engine's calls
  * come here first.  The step waits at a gate the test opens a task at a
  * time, so everything the test submits is queued before the engine picks
- * what runs next; a read can be made to fail inline, as zs_read does once
- * the swap engine is closing.
+ * what runs next; reads are counted while in flight, and can be made to
+ * fail inline, as zs_read does once the swap engine is closing.
  */
 int __real_zk_pool_step(struct zk_pool *pool, enum zk_isa isa, const struct zk_hparams *hp,
     const struct zk_tensor *tensors, size_t ntensors);
@@ -50,16 +50,54 @@ __wrap_zk_pool_step(struct zk_pool *pool, enum zk_isa isa, const struct zk_hpara
 	return __real_zk_pool_step(pool, isa, hp, tensors, ntensors);
 }
 
+/* Reads in flight (submitted, callback not yet run), counted on the loop's thread. */
+static unsigned reads_now, reads_peak;
+static uint64_t read_bytes_now, read_bytes_peak;
+
+struct read_wrap {
+	zs_callback *cb;
+	void *arg;
+	size_t len;
+};
+
+static void
+read_unwrap(int result, void *arg)
+{
+	struct read_wrap w = *(struct read_wrap *)arg;
+
+	free(arg);
+	reads_now--;
+	read_bytes_now -= w.len;
+	w.cb(result, w.arg);
+}
+
 int
 __wrap_zs_read(struct zs_engine *e, const struct zs_extent *x, uint64_t offset, void *buf,
     size_t len, zs_callback *cb, void *arg)
 {
 	int fail = atomic_load(&read_fails);
+	struct read_wrap *w;
+	int r;
 
 	atomic_fetch_add(&reads, 1);
 	if (fail < 0)
 		return fail;
-	return __real_zs_read(e, x, offset, buf, len, cb, arg);
+	w = malloc(sizeof(*w));
+	if (w == NULL)
+		return -ENOMEM;
+	*w = (struct read_wrap){ .cb = cb, .arg = arg, .len = len };
+	r = __real_zs_read(e, x, offset, buf, len, read_unwrap, w);
+	if (r < 0) {
+		free(w);
+		return r;
+	}
+	reads_now++;
+	read_bytes_now += len;
+	if (reads_now > reads_peak)
+		reads_peak = reads_now;
+	if (read_bytes_now > read_bytes_peak)
+		read_bytes_peak = read_bytes_now;
+	return 0;
 }
 
 static void
@@ -146,9 +184,8 @@ struct rig {
 	struct seen seen;
 };
 
-/* One staging buffer: NVMe chunks go through one at a time, in the order the pump picks. */
 static void
-rig_start(struct rig *g, bool nvme, uint64_t swap_bytes)
+rig_start_with(struct rig *g, bool nvme, uint64_t swap_bytes, unsigned staging, uint64_t chunk)
 {
 	struct zs_engine *swap = NULL;
 	char err[256];
@@ -166,10 +203,17 @@ rig_start(struct rig *g, bool nvme, uint64_t swap_bytes)
 		.shm_budget = 256u << 20,
 		.worker_threads = 1,
 		.isa = zk_isa_best(),
-		.staging_buffers = 1,
-		.chunk_elements = CHUNK,
+		.staging_buffers = staging,
+		.chunk_elements = chunk,
 	}, swap, &callbacks, &g->seen, &g->e, err, sizeof(err));
 	cr_assert_eq(r, 0, "%s", err);
+}
+
+/* One staging buffer: NVMe chunks go through one at a time, in the order the pump picks. */
+static void
+rig_start(struct rig *g, bool nvme, uint64_t swap_bytes)
+{
+	rig_start_with(g, nvme, swap_bytes, 1, CHUNK);
 }
 
 static void
@@ -390,6 +434,43 @@ Test(order, older_step_is_not_starved_by_newer_submissions, .timeout = 60)
 	ze_tensor_free(old);
 	for (int i = 0; i < ROUNDS; i++)
 		ze_tensor_free(newer[i]);
+	rig_stop(&g);
+}
+
+/*
+ * Reads started together share the bandwidth and land together, so the
+ * first layer queued would wait for the chunks behind it: the pump keeps
+ * one full chunk's bytes in flight, however many staging buffers are free.
+ * Chunks smaller than that (small tensors) are read several at a time.
+ */
+Test(pump, reads_in_flight_are_one_full_chunk, .timeout = 60)
+{
+	enum { BIG = 4 * 4096, SMALL = 1024, N = 4 };
+	struct ze_tensor *big[N], *small[N];
+	struct rig g;
+
+	rig_start_with(&g, true, 64u << 20, 4, 4096);
+	for (int i = 0; i < N; i++) {
+		big[i] = make_tensor(&g, BIG, true, i);
+		small[i] = make_tensor(&g, SMALL, true, 10 + i);
+	}
+	reads_peak = 0;
+	read_bytes_peak = 0;
+	submit(&g, big, N, 1);
+	wait_for(&g, &g.seen.step_done, 1);
+	cr_assert_eq(g.seen.step.status, ZE_STEP_APPLIED);
+	cr_assert_eq(reads_peak, 1, "%u full chunks read at once", reads_peak);
+	cr_assert_eq(read_bytes_peak, 3 * 4096 * sizeof(float));
+	reads_peak = 0;
+	submit(&g, small, N, 1);
+	wait_for(&g, &g.seen.step_done, 2);
+	cr_assert_eq(g.seen.step.status, ZE_STEP_APPLIED);
+	cr_assert_eq(reads_peak, N, "%u small chunks read at once, want %d", reads_peak, N);
+	cr_assert_eq(reads_now, 0);
+	for (int i = 0; i < N; i++) {
+		ze_tensor_free(big[i]);
+		ze_tensor_free(small[i]);
+	}
 	rig_stop(&g);
 }
 
