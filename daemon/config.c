@@ -10,6 +10,7 @@
 
 #include "config.h"
 #include "build_config.h"
+#include "metrics.h"
 
 struct parse_ctx {
 	const char *source;
@@ -98,6 +99,7 @@ zd_config_defaults(struct zd_config *cfg)
 	cfg->max_queued_messages = 8192;
 	cfg->detach_grace_s = 300;
 	cfg->log_level = ZD_LOG_INFO;
+	cfg->metrics_max_jobs = 20;
 	if (cfg->source == NULL || cfg->socket_path == NULL || cfg->isa == NULL ||
 	    cfg->swap_engine == NULL) {
 		zd_config_clear(cfg);
@@ -114,6 +116,7 @@ zd_config_clear(struct zd_config *cfg)
 	free(cfg->socket_group);
 	free(cfg->isa);
 	free(cfg->swap_engine);
+	free(cfg->metrics_listen);
 	for (unsigned i = 0; i < cfg->nswap_paths; i++)
 		free(cfg->swap_paths[i].path);
 	memset(cfg, 0, sizeof(*cfg));
@@ -454,12 +457,27 @@ parse_log(struct parse_ctx *ctx, const cJSON *s, struct zd_config *cfg)
 		bad_value(ctx, "log", level, "one of \"error\", \"warn\", \"info\", \"debug\"");
 }
 
+static void
+parse_metrics(struct parse_ctx *ctx, const cJSON *s, struct zd_config *cfg)
+{
+	static const char *const keys[] = { "listen", "max_jobs", NULL };
+	struct zd_metrics_addr addr;
+	char why[256];
+
+	check_keys(ctx, s, "metrics", keys);
+	get_string(ctx, s, "metrics", "listen", &cfg->metrics_listen);
+	get_unsigned(ctx, s, "metrics", "max_jobs", 1, 10000, &cfg->metrics_max_jobs);
+	if (ctx->status == 0 && cfg->metrics_listen != NULL &&
+	    zd_metrics_parse_listen(cfg->metrics_listen, &addr, why, sizeof(why)) != 0)
+		perr(ctx, "metrics.listen: %s", why);
+}
+
 int
 zd_config_parse(const char *text, const char *source, struct zd_config *cfg, char *err,
     size_t errlen)
 {
 	static const char *const top_keys[] = { "socket", "memory", "compute", "swap", "limits",
-		"log", NULL };
+		"log", "metrics", NULL };
 	struct parse_ctx ctx = { .source = source, .err = err, .errlen = errlen };
 	struct {
 		const char *name;
@@ -467,7 +485,7 @@ zd_config_parse(const char *text, const char *source, struct zd_config *cfg, cha
 	} sections[] = {
 		{ "socket", parse_socket }, { "memory", parse_memory },
 		{ "compute", parse_compute }, { "swap", parse_swap },
-		{ "limits", parse_limits }, { "log", parse_log },
+		{ "limits", parse_limits }, { "log", parse_log }, { "metrics", parse_metrics },
 	};
 	const char *end = NULL;
 	cJSON *root;

@@ -54,6 +54,9 @@ struct zd_config {
 	unsigned detach_grace_s;	/* how long a dead rank's state waits for it; 0: freed at once */
 
 	enum zd_log_level log_level;
+
+	char *metrics_listen;		/* NULL: no metrics endpoint */
+	unsigned metrics_max_jobs;	/* jobs with their own labels; the rest are "other" */
 };
 
 /* Built-in defaults, sized from this machine (half of RAM pinned at most). */

@@ -16,6 +16,7 @@
 
 #include "daemon.h"
 #include "log.h"
+#include "metrics.h"
 #include "msgio.h"
 #include "pool.h"
 #include "server.h"
@@ -417,6 +418,7 @@ int
 zd_server_run(struct zd_daemon *d)
 {
 	static const int sigs[] = { SIGTERM, SIGINT, SIGHUP };
+	struct zd_metrics *metrics = NULL;
 	unsigned threads;
 	int r;
 
@@ -496,6 +498,9 @@ zd_server_run(struct zd_daemon *d)
 			goto out;
 		}
 	}
+	r = zd_metrics_start(d, d->base, &metrics);
+	if (r < 0)
+		goto out;
 	d->last_tick_ns = zd_now_ns();
 	d->ev_tick = event_new(d->base, -1, EV_PERSIST, tick_cb, d);
 	if (d->ev_tick == NULL || event_add(d->ev_tick, &(struct timeval){ 1, 0 }) != 0 ||
@@ -516,6 +521,7 @@ out:
 		zd_session_close(TAILQ_FIRST(&d->sessions));
 	/* Detached ranks' state goes with the daemon. */
 	zd_job_expire_detached(d, true);
+	zd_metrics_free(metrics);
 	/* Batches still queued finish first; none can be left after a drain. */
 	zd_stepper_free(d->stepper);
 	for (size_t i = 0; i < sizeof(d->ev_signals) / sizeof(d->ev_signals[0]); i++)

@@ -6,6 +6,7 @@
 
 #include "build_config.h"
 #include "daemon.h"
+#include "metrics.h"
 #include "swap.h"
 
 #if HAVE_JEMALLOC
@@ -14,6 +15,36 @@
 
 /* Throughput is averaged over this many whole seconds before now. */
 #define RATE_WINDOW 10
+
+/*
+ * Cumulative step latency histogram for the metrics endpoint (the samples
+ * ring above only keeps the recent ones).  Upper bounds in seconds.  Kept
+ * here rather than in struct zd_daemon: one daemon per process, updated and
+ * read on the event-loop thread only.
+ */
+static const double latency_le_s[] = { 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25,
+	0.5, 1, 2.5, 5, 10, 30 };
+#define LATENCY_BUCKETS (sizeof(latency_le_s) / sizeof(latency_le_s[0]))
+static struct {
+	uint64_t count[LATENCY_BUCKETS];	/* per bucket, not cumulative */
+	uint64_t total;
+	double sum_s;
+} latency_hist;
+
+static void
+latency_hist_add(uint64_t ns)
+{
+	double s = (double)ns / 1e9;
+
+	for (unsigned i = 0; i < LATENCY_BUCKETS; i++) {
+		if (s <= latency_le_s[i]) {
+			latency_hist.count[i]++;
+			break;
+		}
+	}
+	latency_hist.total++;
+	latency_hist.sum_s += s;
+}
 
 void
 zd_stats_record(struct zd_daemon *d, const struct zd_batch *b, uint64_t params)
@@ -44,6 +75,28 @@ zd_stats_record(struct zd_daemon *d, const struct zd_batch *b, uint64_t params)
 	st->rate_params[slot] += params;
 	st->latency_ns[st->latency_count % ZD_LATENCY_SAMPLES] = now - b->submit_ns;
 	st->latency_count++;
+	latency_hist_add(now - b->submit_ns);
+}
+
+/* {"le_s": [...], "counts": [...cumulative], "count": n, "sum_s": s} */
+static void
+add_latency_histogram(cJSON *steps)
+{
+	cJSON *h = cJSON_AddObjectToObject(steps, "latency_histogram");
+	cJSON *le, *counts;
+	uint64_t cum = 0;
+
+	if (h == NULL)
+		return;
+	le = cJSON_AddArrayToObject(h, "le_s");
+	counts = cJSON_AddArrayToObject(h, "counts");
+	for (unsigned i = 0; le != NULL && counts != NULL && i < LATENCY_BUCKETS; i++) {
+		cum += latency_hist.count[i];
+		cJSON_AddItemToArray(le, cJSON_CreateNumber(latency_le_s[i]));
+		cJSON_AddItemToArray(counts, cJSON_CreateNumber((double)cum));
+	}
+	cJSON_AddNumberToObject(h, "count", (double)latency_hist.total);
+	cJSON_AddNumberToObject(h, "sum_s", latency_hist.sum_s);
 }
 
 static int
@@ -105,6 +158,7 @@ add_steps(cJSON *root, const struct zd_daemon *d)
 	cJSON_AddNumberToObject(steps, "compute_params_per_s", st->compute_ns == 0 ? 0 :
 	    (double)st->params_stepped / ((double)st->compute_ns / 1e9));
 	add_latency(steps, st);
+	add_latency_histogram(steps);
 }
 
 static void
@@ -329,6 +383,14 @@ print_and_free(cJSON *root)
 char *
 zd_stats_json(struct zd_daemon *d)
 {
+	cJSON *root = zd_stats_tree(d);
+
+	return root != NULL ? print_and_free(root) : NULL;
+}
+
+cJSON *
+zd_stats_tree(struct zd_daemon *d)
+{
 	cJSON *root = cJSON_CreateObject();
 	uint64_t tensors = 0, params = 0;
 	const struct zd_job *job;
@@ -355,7 +417,7 @@ zd_stats_json(struct zd_daemon *d)
 	add_uids(root, d);
 	add_limits(root, d);
 	cJSON_AddItemToObject(root, "jobs", jobs_array(d));
-	return print_and_free(root);
+	return root;
 }
 
 char *
