@@ -9,6 +9,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "build_config.h"
 #include "zclient.h"
 
 static void
@@ -23,7 +24,11 @@ usage(FILE *f)
 	    "  drop JOB                           free a job (its ranks are disconnected)\n"
 	    "  ping [--count N]                   control round trip\n"
 	    "\n"
-	    "The socket is --socket, else $ZOFFLOAD_SOCKET, else the built-in default.\n");
+	    "  -s, --socket PATH   the daemon's socket\n"
+	    "  -V, --version       print the version and exit\n"
+	    "\n"
+	    "The socket is --socket, else $ZOFFLOAD_SOCKET, else %s.\n",
+	    ZOFFLOAD_DEFAULT_SOCKET);
 }
 
 static double
@@ -265,7 +270,7 @@ struct options {
 	long count;
 };
 
-/* 0 handled, 1 help printed, 2 bad usage. */
+/* 0 handled, 1 help or version printed, 2 bad usage. */
 static int
 take_option(int opt, const char *arg, struct options *o)
 {
@@ -296,6 +301,9 @@ take_option(int opt, const char *arg, struct options *o)
 	case 'h':
 		usage(stdout);
 		return 1;
+	case 'V':
+		printf("zoffctl %s\n", ZOFFLOAD_VERSION);
+		return 1;
 	default:
 		usage(stderr);
 		return 2;
@@ -311,6 +319,7 @@ main(int argc, char **argv)
 		{ "watch", required_argument, NULL, 'w' },
 		{ "count", required_argument, NULL, 'n' },
 		{ "help", no_argument, NULL, 'h' },
+		{ "version", no_argument, NULL, 'V' },
 		{ NULL, 0, NULL, 0 },
 	};
 	struct options o = { .count = 1 };
@@ -319,7 +328,7 @@ main(int argc, char **argv)
 	int opt, r;
 
 	/* '+': stop at the command; its options are read after it. */
-	while ((opt = getopt_long(argc, argv, "+s:jw:n:h", opts, NULL)) != -1)
+	while ((opt = getopt_long(argc, argv, "+s:jw:n:hV", opts, NULL)) != -1)
 		if ((r = take_option(opt, optarg, &o)) != 0)
 			return r == 1 ? 0 : r;
 	if (optind >= argc) {
@@ -327,7 +336,7 @@ main(int argc, char **argv)
 		return 2;
 	}
 	cmd = argv[optind++];
-	while ((opt = getopt_long(argc, argv, "s:jw:n:h", opts, NULL)) != -1)
+	while ((opt = getopt_long(argc, argv, "s:jw:n:hV", opts, NULL)) != -1)
 		if ((r = take_option(opt, optarg, &o)) != 0)
 			return r == 1 ? 0 : r;
 	if (strcmp(cmd, "drop") == 0) {

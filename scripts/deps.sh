@@ -1,9 +1,10 @@
 # Sourced by demo.sh, test.sh and fuzz.sh: installs the Debian packages they need, if missing.
-# install_deps: what builds and runs zoffload; install_deps test: also what the tests use
+# install_deps: what builds and runs zoffload (scdoc for the man pages: -Dman=auto builds
+# without them where it is missing); install_deps test: also what the tests use
 # (Criterion, fio for the swap benchmark, clang for the fuzzers and the clang build,
 # systemd-analyze for the unit, promtool, prometheus and curl for the metrics endpoint).
 ZOFFLOAD_BUILD_PACKAGES="build-essential pkg-config meson ninja-build liburing-dev libnuma-dev
-libjemalloc-dev libevent-dev libcjson-dev"
+libjemalloc-dev libevent-dev libcjson-dev scdoc"
 ZOFFLOAD_TEST_PACKAGES="libcriterion-dev fio clang libclang-rt-14-dev systemd prometheus curl"
 
 install_deps() {
