@@ -2,13 +2,15 @@
 # zoffloadd's metrics endpoint: the exposition passes `promtool check metrics`, a Unix-socket
 # endpoint answers curl, and a real Prometheus scrapes the TCP endpoint and answers a query
 # with the figure zoffctl stats shows.
-# usage: metrics_scrape.sh ZOFFLOADD ZOFFCTL MLP_TRAIN.  Exit 77 (skipped) without promtool,
+# Every query of the Grafana dashboard (contrib/grafana/zoffload.json) is valid PromQL there.
+# usage: metrics_scrape.sh ZOFFLOADD ZOFFCTL MLP_TRAIN DASHBOARD_JSON.  Exit 77 (skipped) without promtool,
 # prometheus or curl.
 set -uo pipefail
 
 zoffloadd=$(realpath "$1")
 zoffctl=$(realpath "$2")
 mlp_train=$(realpath "$3")
+dashboard=$(realpath "$4")
 for tool in promtool prometheus curl; do
 	command -v $tool >/dev/null || { echo "no $tool: skipped (Debian packages prometheus, curl)"; exit 77; }
 done
@@ -124,5 +126,25 @@ wait_for "Prometheus answering zoffload_step_batches_total = $applied" 60 answer
 up=$(curl -sS --max-time 5 "http://127.0.0.1:$prom_port/api/v1/query" --data-urlencode 'query=up{job="zoffload"}')
 echo "$up" | grep -q '"value":\[[0-9.]*,"1"\]' || fail "up{job=\"zoffload\"} is not 1: $up"
 echo "ok: Prometheus scraped 127.0.0.1:$port and answers: $(query)"
+
+# The dashboard's queries, with Grafana's variables filled in, against this Prometheus.
+python3 - "$dashboard" "$prom_port" <<'PY' || fail "dashboard queries"
+import json, sys, urllib.parse, urllib.request
+dash = json.load(open(sys.argv[1]))
+bad = 0
+for panel in dash["panels"]:
+    for t in panel["targets"]:
+        expr = t["expr"].replace("$instance", ".*").replace("$__rate_interval", "1m")
+        url = "http://127.0.0.1:%s/api/v1/query?%s" % (sys.argv[2], urllib.parse.urlencode({"query": expr}))
+        try:
+            r = json.load(urllib.request.urlopen(url, timeout=5))
+        except Exception as e:
+            r = {"status": "error", "error": str(e)}
+        if r.get("status") != "success":
+            print("panel %r: %s: %s" % (panel["title"], expr, r.get("error")))
+            bad += 1
+sys.exit(1 if bad else 0)
+PY
+echo "ok: every dashboard query is valid PromQL over these metrics"
 stop_daemon
 exit 0
