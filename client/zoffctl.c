@@ -31,6 +31,19 @@ usage(FILE *f)
 	    ZOFFLOAD_DEFAULT_SOCKET);
 }
 
+/* The socket this run talks to, as libzclient picks it, for every error message. */
+static const char *socket_shown = ZOFFLOAD_DEFAULT_SOCKET;
+
+static const char *
+socket_to_show(const char *opt)
+{
+	const char *env = getenv("ZOFFLOAD_SOCKET");
+
+	if (opt != NULL)
+		return opt;
+	return env != NULL && env[0] != '\0' ? env : ZOFFLOAD_DEFAULT_SOCKET;
+}
+
 static double
 num(const cJSON *obj, const char *path)
 {
@@ -199,13 +212,13 @@ on_sigint(int sig)
 static int
 cmd_json(struct zc_conn *c, bool jobs, bool json, double watch)
 {
-	for (;;) {
+	for (bool first = true;; first = false) {
 		char *text;
 		cJSON *root;
 		int r = jobs ? zc_jobs_json(c, &text) : zc_stats_json(c, &text);
 
 		if (r < 0) {
-			fprintf(stderr, "zoffctl: %s\n", zc_errmsg(c));
+			fprintf(stderr, "zoffctl: zoffloadd at %s: %s\n", socket_shown, zc_errmsg(c));
 			return 1;
 		}
 		if (json) {
@@ -217,8 +230,11 @@ cmd_json(struct zc_conn *c, bool jobs, bool json, double watch)
 				free(text);
 				return 1;
 			}
-			if (watch > 0)
+			/* Clear the screen on a terminal; a file or a pipe gets plain text. */
+			if (watch > 0 && isatty(STDOUT_FILENO))
 				printf("\033[H\033[2J");
+			else if (watch > 0 && !first)
+				printf("\n");
 			if (jobs)
 				print_jobs_table(cJSON_GetObjectItemCaseSensitive(root, "jobs"));
 			else
@@ -241,7 +257,8 @@ static int
 cmd_drop(struct zc_conn *c, const char *job)
 {
 	if (zc_job_drop(c, job) < 0) {
-		fprintf(stderr, "zoffctl: drop %s: %s\n", job, zc_errmsg(c));
+		fprintf(stderr, "zoffctl: drop %s (zoffloadd at %s): %s\n", job, socket_shown,
+		    zc_errmsg(c));
 		return 1;
 	}
 	printf("job '%s' dropped\n", job);
@@ -255,7 +272,8 @@ cmd_ping(struct zc_conn *c, long n)
 		uint64_t rtt;
 
 		if (zc_ping(c, &rtt) < 0) {
-			fprintf(stderr, "zoffctl: ping: %s\n", zc_errmsg(c));
+			fprintf(stderr, "zoffctl: ping zoffloadd at %s: %s\n", socket_shown,
+			    zc_errmsg(c));
 			return 1;
 		}
 		printf("pong from zoffloadd: %.1f us\n", (double)rtt / 1e3);
@@ -323,7 +341,7 @@ main(int argc, char **argv)
 		{ NULL, 0, NULL, 0 },
 	};
 	struct options o = { .count = 1 };
-	const char *cmd, *where, *job = NULL;
+	const char *cmd, *job = NULL;
 	struct zc_conn *c;
 	int opt, r;
 
@@ -356,11 +374,18 @@ main(int argc, char **argv)
 		usage(stderr);
 		return 2;
 	}
+	socket_shown = socket_to_show(o.socket_path);
 	r = zc_connect(o.socket_path, &c);
 	if (r < 0) {
-		where = o.socket_path != NULL ? o.socket_path : getenv("ZOFFLOAD_SOCKET");
-		fprintf(stderr, "zoffctl: cannot reach zoffloadd at %s: %s\n",
-		    where != NULL ? where : "the default socket", strerror(-r));
+		fprintf(stderr, "zoffctl: cannot reach zoffloadd at %s: %s\n", socket_shown,
+		    strerror(-r));
+		if (r == -EACCES || r == -EPERM)
+			fprintf(stderr, "zoffctl: users of zoffloadd must be in the socket's group "
+			    "(zoffload with the shipped configuration): sudo usermod -aG zoffload "
+			    "$USER, then log in again\n");
+		else if (r == -ENOENT || r == -ECONNREFUSED)
+			fprintf(stderr, "zoffctl: is zoffloadd running, and is that its socket "
+			    "(--socket, $ZOFFLOAD_SOCKET)?\n");
 		return 1;
 	}
 	signal(SIGINT, on_sigint);
