@@ -11,6 +11,7 @@
 
 #include "build_config.h"
 #include "zclient.h"
+#include "zoffctl.h"
 
 static void
 usage(FILE *f)
@@ -23,6 +24,11 @@ usage(FILE *f)
 	    "  jobs [--json]                      jobs and their ranks, attached and detached\n"
 	    "  drop JOB                           free a job (its ranks are disconnected)\n"
 	    "  ping [--count N]                   control round trip\n"
+	    "  tune [--quick] [--seconds S] [--size BYTES] [--json] DIR...\n"
+	    "                                     measure swap directories and the CPU step\n"
+	    "                                     rate, print a recommended swap config\n"
+	    "  import-deepspeed [--json] FILE     a DeepSpeed config as zoffload config and\n"
+	    "                                     job options, naming what has no equivalent\n"
 	    "\n"
 	    "  -s, --socket PATH   the daemon's socket\n"
 	    "  -V, --version       print the version and exit\n"
@@ -286,6 +292,7 @@ struct options {
 	bool json;
 	double watch;
 	long count;
+	struct zoffctl_tune_opts tune;
 };
 
 /* 0 handled, 1 help or version printed, 2 bad usage. */
@@ -316,6 +323,27 @@ take_option(int opt, const char *arg, struct options *o)
 			return 2;
 		}
 		return 0;
+	case 'S':
+		o->tune.seconds = strtod(arg, &end);
+		if (*end != '\0' || !(o->tune.seconds > 0) || o->tune.seconds > 60) {
+			fprintf(stderr, "zoffctl: --seconds: '%s' is not a number of seconds from 0 "
+			    "to 60\n", arg);
+			return 2;
+		}
+		return 0;
+	case 'B':
+		o->tune.size = strtoull(arg, &end, 10);
+		if (*end == 'M' || *end == 'G')
+			o->tune.size <<= *end++ == 'M' ? 20 : 30;
+		if (*end != '\0' || o->tune.size < (4u << 20)) {
+			fprintf(stderr, "zoffctl: --size: '%s' is not a size of at least 4M (bytes, "
+			    "or a number with M or G)\n", arg);
+			return 2;
+		}
+		return 0;
+	case 'q':
+		o->tune.quick = true;
+		return 0;
 	case 'h':
 		usage(stdout);
 		return 1;
@@ -338,6 +366,9 @@ main(int argc, char **argv)
 		{ "count", required_argument, NULL, 'n' },
 		{ "help", no_argument, NULL, 'h' },
 		{ "version", no_argument, NULL, 'V' },
+		{ "seconds", required_argument, NULL, 'S' },
+		{ "size", required_argument, NULL, 'B' },
+		{ "quick", no_argument, NULL, 'q' },
 		{ NULL, 0, NULL, 0 },
 	};
 	struct options o = { .count = 1 };
@@ -346,7 +377,7 @@ main(int argc, char **argv)
 	int opt, r;
 
 	/* '+': stop at the command; its options are read after it. */
-	while ((opt = getopt_long(argc, argv, "+s:jw:n:hV", opts, NULL)) != -1)
+	while ((opt = getopt_long(argc, argv, "+s:jw:n:hVS:B:q", opts, NULL)) != -1)
 		if ((r = take_option(opt, optarg, &o)) != 0)
 			return r == 1 ? 0 : r;
 	if (optind >= argc) {
@@ -354,9 +385,26 @@ main(int argc, char **argv)
 		return 2;
 	}
 	cmd = argv[optind++];
-	while ((opt = getopt_long(argc, argv, "s:jw:n:hV", opts, NULL)) != -1)
+	while ((opt = getopt_long(argc, argv, "s:jw:n:hVS:B:q", opts, NULL)) != -1)
 		if ((r = take_option(opt, optarg, &o)) != 0)
 			return r == 1 ? 0 : r;
+	if (strcmp(cmd, "import-deepspeed") == 0) {
+		if (optind + 1 != argc) {
+			fprintf(stderr, "zoffctl: import-deepspeed needs one DeepSpeed config file "
+			    "(- for stdin)\n");
+			return 2;
+		}
+		return zoffctl_import_deepspeed(argv[optind], o.json, stdout);
+	}
+	if (strcmp(cmd, "tune") == 0) {
+		o.tune.json = o.json;
+		if (optind >= argc) {
+			fprintf(stderr, "zoffctl: tune needs the swap directories to measure\n");
+			return 2;
+		}
+		return zoffctl_tune((const char *const *)argv + optind, (unsigned)(argc - optind),
+		    &o.tune, stdout);
+	}
 	if (strcmp(cmd, "drop") == 0) {
 		if (optind >= argc) {
 			fprintf(stderr, "zoffctl: drop needs a job name\n");
