@@ -181,9 +181,11 @@ print_stats(const cJSON *s)
 	printf("steps    applied %.0f  skipped %.0f  failed %.0f  in flight %.0f\n",
 	    num(s, "steps.applied"), num(s, "steps.skipped_nonfinite"), num(s, "steps.failed"),
 	    num(s, "steps.in_flight"));
-	printf("rate     %s params/s over the last %.0f s   (compute alone %s params/s)\n",
+	/* The daemon averages over fewer seconds when it has not been up for the whole window. */
+	printf("rate     %s params/s over the last %.0f s%s   (compute alone %s params/s)\n",
 	    count(num(s, "steps.params_per_s"), a, sizeof(a)), num(s, "steps.rate_window_s"),
-	    count(num(s, "steps.compute_params_per_s"), b, sizeof(b)));
+	    num(s, "steps.rate_window_s") < 10 ? " (all the daemon has: it started less than 10 s "
+	    "ago)" : "", count(num(s, "steps.compute_params_per_s"), b, sizeof(b)));
 	if (num(s, "pipeline.tensor_steps_nvme") > 0 || num(s, "pipeline.params.fetches") > 0) {
 		printf("pipeline tensor steps pinned %.0f / nvme %.0f (pinned hit rate %.0f%%), "
 		    "chunks read %.0f written %.0f, io errors %.0f\n",

@@ -137,6 +137,8 @@ add_steps(cJSON *root, const struct zd_daemon *d)
 	const struct zd_step_stats *st = &d->steps;
 	cJSON *steps = cJSON_AddObjectToObject(root, "steps");
 	uint64_t now_sec = zd_now_ns() / 1000000000ull, recent = 0;
+	uint64_t up = now_sec - d->started_ns / 1000000000ull;
+	unsigned window = up < RATE_WINDOW ? (unsigned)up : RATE_WINDOW;
 
 	if (steps == NULL)
 		return;
@@ -153,8 +155,9 @@ add_steps(cJSON *root, const struct zd_daemon *d)
 	cJSON_AddNumberToObject(steps, "in_flight", d->inflight_batches);
 	cJSON_AddNumberToObject(steps, "tensors_stepped", (double)st->tensors_stepped);
 	cJSON_AddNumberToObject(steps, "params_stepped", (double)st->params_stepped);
-	cJSON_AddNumberToObject(steps, "params_per_s", (double)recent / RATE_WINDOW);
-	cJSON_AddNumberToObject(steps, "rate_window_s", RATE_WINDOW);
+	/* A daemon up for less than the window has only that many whole seconds to average. */
+	cJSON_AddNumberToObject(steps, "params_per_s", window > 0 ? (double)recent / window : 0);
+	cJSON_AddNumberToObject(steps, "rate_window_s", window);
 	cJSON_AddNumberToObject(steps, "compute_params_per_s", st->compute_ns == 0 ? 0 :
 	    (double)st->params_stepped / ((double)st->compute_ns / 1e9));
 	add_latency(steps, st);

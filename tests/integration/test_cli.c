@@ -370,3 +370,21 @@ Test(cli, zoffctl_watch_no_escapes_off_terminal)
 	cr_assert_geq(reports, 2, "fewer than 2 reports in 1.5 s of --watch 0.2: %s%s", sout, serr);
 	cr_assert_null(strchr(sout, '\033'), "terminal escapes in output to a file: %s", sout);
 }
+
+/*
+ * The step rate of a daemon up for less than its 10 s window is averaged over
+ * the whole seconds it has been up, and says so: dividing by 10 understated it.
+ */
+Test(cli, rate_window_not_longer_than_uptime)
+{
+	struct zc_conn *c;
+	double window, up;
+
+	itd_start(&daemon_, NULL);
+	c = itd_connect(&daemon_);
+	window = itd_stat(c, "steps.rate_window_s");
+	up = itd_stat(c, "uptime_s");
+	zc_disconnect(c);
+	cr_assert_leq(window, 10);
+	cr_assert_leq(window, up + 1, "rate over %.0f s from a daemon up %.1f s", window, up);
+}
