@@ -76,6 +76,11 @@ grep -q '^zoffload_step_batches_total{status="applied"} 3$' "$tmp/metrics.txt" |
 	fail "3 applied steps not in the exposition: $(grep batches_total "$tmp/metrics.txt")"
 grep -q '^zoffload_step_latency_seconds_count 3$' "$tmp/metrics.txt" ||
 	fail "latency histogram does not count 3 steps"
+# Buckets are cumulative: never falling, the +Inf one equal to the count.
+awk '/^zoffload_step_latency_seconds_bucket/ { v = $NF + 0; if (v < prev) bad = 1; prev = v; last = v }
+	/^zoffload_step_latency_seconds_count/ { count = $NF + 0 }
+	END { exit !(bad == 0 && last == count && count > 0) }' "$tmp/metrics.txt" ||
+	fail "latency buckets not cumulative: $(grep latency_seconds "$tmp/metrics.txt")"
 grep -q "^zoffload_swap_path_capacity_bytes{path=\"$tmp\"} 67108864$" "$tmp/metrics.txt" ||
 	fail "swap path capacity missing"
 code=$(curl -s -o /dev/null -w '%{http_code}' --max-time 10 --unix-socket "$tmp/metrics.sock" \
