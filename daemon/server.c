@@ -19,6 +19,7 @@
 #include "engine.h"
 #include "job.h"
 #include "log.h"
+#include "metrics.h"
 #include "msgio.h"
 #include "requests.h"
 #include "server.h"
@@ -460,6 +461,7 @@ int
 zd_server_run(struct zd_daemon *d)
 {
 	static const int sigs[] = { SIGTERM, SIGINT, SIGHUP };
+	struct zd_metrics *metrics = NULL;
 	int r;
 
 	TAILQ_INIT(&d->sessions);
@@ -504,6 +506,9 @@ zd_server_run(struct zd_daemon *d)
 			goto out;
 		}
 	}
+	r = zd_metrics_start(d, d->base, &metrics);
+	if (r < 0)
+		goto out;
 	d->last_tick_ns = zu_now_ns();
 	d->ev_tick = event_new(d->base, -1, EV_PERSIST, tick_cb, d);
 	if (d->ev_tick == NULL || event_add(d->ev_tick, &(struct timeval){ 1, 0 }) != 0 ||
@@ -524,6 +529,7 @@ out:
 		zd_session_close(TAILQ_FIRST(&d->sessions));
 	/* Detached ranks' state goes with the daemon. */
 	zd_job_expire_detached(d, true);
+	zd_metrics_free(metrics);
 	/* Work still queued finishes first (none is left after a drain); then the tiers go. */
 	ze_engine_free(d->engine);
 	d->engine = NULL;
