@@ -30,7 +30,6 @@
 
 #define MAX_RANKS 8
 #define HDR_BYTES 4096
-#define WAIT_S 300
 
 enum coll_kind { ALL_GATHER = 1, REDUCE_SCATTER, ALL_REDUCE };
 
@@ -175,17 +174,24 @@ ncclGetUniqueId(ncclUniqueId *id)
 	return ncclSuccess;
 }
 
-/* Waits on the shared condition; dies after WAIT_S (a rank died or never called). */
+/*
+ * Waits on the shared condition; dies after $ZS_NCCL_TIMEOUT_S (default 120)
+ * without news: a rank died or never made the matching call.
+ */
 static void
 shared_wait(struct ncclComm *c, const char *what)
 {
+	const char *env = getenv("ZS_NCCL_TIMEOUT_S");
+	long limit = env != NULL && atol(env) > 0 ? atol(env) : 120;
 	struct timespec t;
 
 	clock_gettime(CLOCK_MONOTONIC, &t);
-	t.tv_sec += WAIT_S;
-	if (pthread_cond_timedwait(&c->sh->cv, &c->sh->mu, &t) == ETIMEDOUT)
-		zs__die("rank %d of %d waited %d s in %s for the other ranks", c->rank, c->nranks,
-		    WAIT_S, what);
+	t.tv_sec += limit;
+	if (pthread_cond_timedwait(&c->sh->cv, &c->sh->mu, &t) != ETIMEDOUT)
+		return;
+	pthread_mutex_unlock(&c->sh->mu);
+	zs__die("rank %d of %d waited %ld s in %s for the other ranks", c->rank, c->nranks,
+	    limit, what);
 }
 
 ncclResult_t
@@ -412,12 +418,15 @@ coll_run(void *arg)
 	for (int r = 0; r < c->nranks; r++) {
 		const struct coll_desc *o = &sh->desc[r];
 
-		if (o->kind != x->d.kind || o->count != x->d.count || o->dtype != x->d.dtype ||
-		    o->op != x->d.op)
-			zs__die("collective %llu: rank %d called %s(count %zu, datatype %d, op %d), "
-			    "rank %d %s(count %zu, datatype %d, op %d)",
-			    (unsigned long long)c->mine, c->rank, what, x->d.count, x->d.dtype,
-			    x->d.op, r, kind_names[o->kind], o->count, o->dtype, o->op);
+		if (o->kind == x->d.kind && o->count == x->d.count && o->dtype == x->d.dtype &&
+		    o->op == x->d.op)
+			continue;
+		/* Unlocked first: the other ranks find the same and abort too. */
+		pthread_mutex_unlock(&sh->mu);
+		zs__die("collective %llu: rank %d called %s(count %zu, datatype %d, op %d), "
+		    "rank %d %s(count %zu, datatype %d, op %d)",
+		    (unsigned long long)c->mine, c->rank, what, x->d.count, x->d.dtype,
+		    x->d.op, r, kind_names[o->kind], o->count, o->dtype, o->op);
 	}
 	pthread_mutex_unlock(&sh->mu);
 

@@ -311,8 +311,8 @@ zs_enqueue(cudaStream_t stream, void (*fn)(void *), void (*drop)(void *), void *
 		pthread_mutex_unlock(&lock);
 		if (drop != NULL)
 			drop(arg);
-		return fail(cudaErrorInvalidResourceHandle, "launch on a %s stream",
-		    s->destroyed ? "destroyed" : "other device's");
+		return fail(cudaErrorInvalidResourceHandle, "launch on %s",
+		    s->destroyed ? "a destroyed stream" : "a stream of another device");
 	}
 	enqueue(s, fn, drop, arg, NULL, 0);
 	pthread_mutex_unlock(&lock);
@@ -531,7 +531,7 @@ static bool
 is_pinned(const void *p, size_t len)
 {
 	for (struct hostreg *h = hostregs; h != NULL; h = h->next)
-		if ((const char *)p >= h->base &&
+		if ((const char *)p >= h->base && (const char *)p < h->base + h->len &&
 		    len <= (size_t)(h->base + h->len - (const char *)p))
 			return true;
 	return false;
