@@ -21,7 +21,9 @@ while [ $# -gt 0 ]; do
 done
 
 build=build-test
-setup=(-Dwerror=true -Dtests=enabled)
+# gpu_standin: the CUDA side (tests/cuda, gpu_train, bench_slots) runs on the CPU stand-in
+# of the CUDA runtime and NCCL (tests/cuda_standin); nothing CUDA is installed from it.
+setup=(-Dwerror=true -Dtests=enabled -Dgpu_standin=enabled)
 test_args=()
 if [ $clang -eq 1 ]; then
 	build=build-clang
@@ -35,6 +37,13 @@ if [ $sanitize -eq 1 ]; then
 	test_args+=(--timeout-multiplier 4)
 fi
 [ -f "$build/build.ninja" ] || meson setup "$build" "${setup[@]}" >/dev/null
+# A build dir from before the stand-in existed, or set up by hand: the CUDA tests must run.
+if ! meson introspect --buildoptions "$build" | python3 -c '
+import json, sys
+sys.exit(0 if any(o["name"] == "gpu_standin" and o["value"] == "enabled"
+                  for o in json.load(sys.stdin)) else 1)'; then
+	meson configure "$build" -Dgpu_standin=enabled >/dev/null
+fi
 # A build dir set up by hand with the other compiler would test the wrong one.
 cc_cmd=$(awk '/^rule c_COMPILER$/ { getline; print $3; exit }' "$build/build.ninja")
 is_clang=0
