@@ -2,7 +2,7 @@
 # examples/gpu_train (and a bench_slots pass) against a real zoffloadd on a temporary socket.
 # Usage: gpu_train.sh ZOFFLOADD GPU_TRAIN BENCH_SLOTS standin|gpu
 #   standin: 1 and 2 ranks on the CUDA stand-in, held bit for bit to the GPU-only AdamW (--exact),
-#            then bench_slots through the registered slots (figures meaningless, the path is not);
+#            2 again with pageable param slots, then bench_slots through the registered slots (figures meaningless, the path is not);
 #   gpu:     1 rank on the real runtime, within bf16 tolerance (exits 77 without a GPU).
 set -euo pipefail
 zoffloadd=$1 gpu_train=$2 bench_slots=$3 mode=$4
@@ -58,6 +58,9 @@ if [ "$mode" = standin ]; then
 		# Every rank says so, not only the first.
 		[ "$(grep -c 'agree bit for bit' "$tmp/out")" -eq "$ranks" ] || { echo "FAIL: not every rank agreed" >&2; exit 1; }
 	done
+	# A device that cannot register read-only memory: the param slots stay pageable.
+	run "agree bit for bit" env ZS_CUDA_NO_READONLY_REGISTER=1 "$gpu_train" --socket "$sock" \
+		--ranks 2 --job gt-pageable --exact "${small[@]}"
 	run "ratio" "$bench_slots" --socket "$sock" --size 1M --iters 2 --min-ratio 0
 else
 	run "agree within bf16 tolerance" "$gpu_train" --socket "$sock" --ranks 1 "${small[@]}"
