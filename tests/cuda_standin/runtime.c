@@ -25,16 +25,19 @@
  *     return once their copy is done (and so whatever it depends on);
  *   - cudaMemcpy and cudaMemcpyAsync from pageable host memory copy the
  *     source into a staging buffer at the call and write the device later;
- *     from registered (pinned) memory they read it when the copy runs;
- *   - cudaMemset and device-to-device copies are queued on the legacy stream.
+ *     from registered (pinned) memory they read it when the copy runs (a
+ *     synchronous cudaMemcpy from pageable memory first runs what the legacy
+ *     stream waits for, as CUDA's "stream sync before the copy");
+ *   - cudaMemset, and cudaMemcpy between device buffers, return at once:
+ *     queued on the legacy stream.
  * Ordering: the legacy stream (0) waits for all earlier work of the device's
  * blocking streams, and their later work waits for it; cudaStreamNonBlocking
  * streams are ordered with neither.  cudaStreamWaitEvent orders a stream
  * after an event's record.
  *
  * Misuse that CUDA would let corrupt memory silently is reported on stderr
- * and aborts: unmapping or unregistering host memory that is still
- * registered or that a queued copy uses.  Bad arguments (a range outside a
+ * and aborts (memory.c): unmapping or unregistering host memory that is
+ * still registered or that a queued copy uses.  Bad arguments (a range outside a
  * device allocation, a copy direction that does not match the pointers)
  * fail with cudaErrorInvalidValue and a line on stderr.
  *
