@@ -263,7 +263,13 @@ Test(memory, unmapping_or_unregistering_too_early_aborts)
 	cr_assert_eq(child_signal(unregister_with_copy_queued), SIGABRT);
 }
 
-Test(kernels, launch_errors_come_from_cudaGetLastError)
+static void
+nothing(void *arg)
+{
+	(void)arg;
+}
+
+Test(kernels, launch_on_a_stream_of_another_device_fails)
 {
 	cudaStream_t s;
 
@@ -271,8 +277,8 @@ Test(kernels, launch_errors_come_from_cudaGetLastError)
 	CUDA_OK(cudaSetDevice(1));
 	CUDA_OK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
 	CUDA_OK(cudaSetDevice(0));
-	cr_assert_eq(zs_enqueue(s, (void (*)(void *))free, NULL, malloc(1)),
-	    cudaErrorInvalidResourceHandle);
+	/* Refused work is dropped (freed) at once. */
+	cr_assert_eq(zs_enqueue(s, nothing, free, malloc(1)), cudaErrorInvalidResourceHandle);
 	CUDA_OK(cudaSetDevice(1));
 	CUDA_OK(cudaStreamDestroy(s));
 	CUDA_OK(cudaSetDevice(0));
