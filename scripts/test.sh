@@ -28,6 +28,8 @@ test_args=()
 if [ $clang -eq 1 ]; then
 	build=build-clang
 	export CC=clang
+	# The CUDA stand-in and the kernels compiled through it are C++.
+	export CXX=clang++
 fi
 if [ $sanitize -eq 1 ]; then
 	[ $clang -eq 1 ] && build=build-clang-sanitize || build=build-sanitize
