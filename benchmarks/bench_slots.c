@@ -150,10 +150,11 @@ main(int argc, char **argv)
 		return 1;
 	}
 	CK(cudaMalloc(&r.dev, r.bytes));
-	CK(cudaMemset(r.dev, 0, r.bytes));
 	CK(cudaMallocHost(&r.pinned, r.bytes));
 	memset(r.pinned, 0, r.bytes);
 	CK(cudaStreamCreateWithFlags(&r.s, cudaStreamNonBlocking));
+	/* On r.s: a cudaMemset would go to the legacy stream, which r.s is not ordered with. */
+	CK(cudaMemsetAsync(r.dev, 0, r.bytes, r.s));
 
 	printf("bench_slots: %zu MiB per copy, %d copies per figure, best of 3; param slot %s\n",
 	    r.bytes >> 20, iters, zcc_slots_param_pinned(r.slots) ? "registered read-only" :

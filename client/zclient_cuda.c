@@ -352,13 +352,27 @@ zcc_step_submit(struct zc_conn *conn, const struct zc_step_params *params,
 
 /* ---- Kernels ---- */
 
+/*
+ * Checked here, in C, before the value becomes the kernels' C++ enum: there a
+ * value outside the enumerators' range (an (enum zc_dtype)7 from a caller) is
+ * undefined behaviour before any comparison could reject it.
+ */
+static bool
+dtype_ok(enum zc_dtype dt)
+{
+	return dt == ZC_F32 || dt == ZC_BF16 || dt == ZC_F16;
+}
+
 int
 zcc_unscale_norm(void *const *grads, const uint64_t *numel, size_t n, enum zc_dtype dtype,
     float inv_scale, bool write_back, struct zcc_grad_stats *stats, cudaStream_t stream)
 {
-	int r = zkc_unscale_norm(grads, numel, n, (enum zk_dtype)dtype, inv_scale, write_back,
-	    (struct zkc_grad_stats *)stats, stream);
+	int r;
 
+	if (!dtype_ok(dtype))
+		return zcc__fail(-EINVAL, "zcc_unscale_norm: unknown dtype %d", (int)dtype);
+	r = zkc_unscale_norm(grads, numel, n, (enum zk_dtype)dtype, inv_scale, write_back,
+	    (struct zkc_grad_stats *)stats, stream);
 	return r < 0 ? zcc__fail(r, "zcc_unscale_norm: %s", strerror(-r)) : 0;
 }
 
@@ -366,8 +380,12 @@ int
 zcc_cast(const void *src, enum zc_dtype from, void *dst, enum zc_dtype to, uint64_t n,
     cudaStream_t stream)
 {
-	int r = zkc_cast(src, (enum zk_dtype)from, dst, (enum zk_dtype)to, n, stream);
+	int r;
 
+	if (!dtype_ok(from) || !dtype_ok(to))
+		return zcc__fail(-EINVAL, "zcc_cast: unknown dtype %d", (int)(dtype_ok(from) ? to :
+		    from));
+	r = zkc_cast(src, (enum zk_dtype)from, dst, (enum zk_dtype)to, n, stream);
 	return r < 0 ? zcc__fail(r, "zcc_cast: %s", strerror(-r)) : 0;
 }
 

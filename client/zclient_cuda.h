@@ -22,9 +22,11 @@ extern "C" {
  * zcc_errno_nccl) and zcc_errmsg() gives the text of this thread's last
  * failure, with the CUDA/NCCL error name in it.
  *
- * Devices: every object remembers the device that was current when it was
- * created and must be used with streams of that device, from one thread at a
- * time (as its zc_conn).
+ * Devices: one per process.  libzclient_cuda never calls cudaSetDevice and
+ * stores no device: every call works on the device current in the calling
+ * thread, so select it (cudaSetDevice) before the first call, keep it, and
+ * pass only streams of that device.  Each object is used from one thread at
+ * a time (as its zc_conn).
  */
 ZC_API const char *zcc_errmsg(void);
 ZC_API int zcc_errno_cuda(cudaError_t err);

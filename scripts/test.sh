@@ -21,11 +21,15 @@ while [ $# -gt 0 ]; do
 done
 
 build=build-test
-setup=(-Dwerror=true -Dtests=enabled)
+# gpu_standin: the CUDA side (tests/cuda, gpu_train, bench_slots) runs on the CPU stand-in
+# of the CUDA runtime and NCCL (tests/cuda_standin); nothing CUDA is installed from it.
+setup=(-Dwerror=true -Dtests=enabled -Dgpu_standin=enabled)
 test_args=()
 if [ $clang -eq 1 ]; then
 	build=build-clang
 	export CC=clang
+	# The CUDA stand-in and the kernels compiled through it are C++.
+	export CXX=clang++
 fi
 if [ $sanitize -eq 1 ]; then
 	[ $clang -eq 1 ] && build=build-clang-sanitize || build=build-sanitize
@@ -34,7 +38,13 @@ if [ $sanitize -eq 1 ]; then
 	# ASan makes the numerics and the 64M-element fairness test a few times slower.
 	test_args+=(--timeout-multiplier 4)
 fi
-[ -f "$build/build.ninja" ] || meson setup "$build" "${setup[@]}" >/dev/null
+# An existing build dir takes the options again (one from before an option existed, or set up
+# by hand, would otherwise skip tests: the CUDA tests must run on the stand-in).
+if [ -f "$build/build.ninja" ]; then
+	meson setup --reconfigure "$build" "${setup[@]}" >/dev/null
+else
+	meson setup "$build" "${setup[@]}" >/dev/null
+fi
 # A build dir set up by hand with the other compiler would test the wrong one.
 cc_cmd=$(awk '/^rule c_COMPILER$/ { getline; print $3; exit }' "$build/build.ninja")
 is_clang=0

@@ -97,7 +97,8 @@ section "dependencies (scripts/deps.sh)"
 # No network here except perhaps the package mirrors: bounded, and a failure is not fatal;
 # the build below says what is really missing.
 install_ok=0
-timeout 150 bash -c '. scripts/deps.sh && install_deps' || install_ok=$?
+# "test": Criterion too; without it the CUDA tests are not built (a FAIL below, not a pass).
+timeout 150 bash -c '. scripts/deps.sh && install_deps test' || install_ok=$?
 [ "$install_ok" -eq 0 ] || echo "warning: installing missing packages failed (exit $install_ok); trying the build anyway"
 for tool in meson ninja pkg-config; do
 	command -v "$tool" >/dev/null 2>&1 || echo "warning: $tool not found"
@@ -126,15 +127,42 @@ fi
 run_step "build" ninja -C "$build" -k 0
 
 section "CUDA tests (meson test --suite cuda)"
-run_step "tests: cuda suite" timeout 240 meson test -C "$build" --no-rebuild --suite cuda \
-	--print-errorlogs
-
-# meson counts a 77 as skipped and still exits 0: on a GPU machine that hides a broken setup.
-if [ "$gpu_required" -eq 1 ] && [ -f "$build/meson-logs/testlog.json" ] &&
-	grep '/ cuda-kernels"' "$build/meson-logs/testlog.json" | grep -q '"result": "SKIP"'; then
-	echo "cuda-kernels skipped although nvidia-smi lists ${ngpu} GPU(s)"
-	results+=("$(printf '%-34s %-18s %4ds' "tests: cuda-kernels ran on GPU" FAIL 0)")
+# `meson test --suite cuda` with no such test (Criterion missing: tests/ is skipped) finds
+# nothing and exits 0: the tests must exist before their pass means anything.
+cuda_tests=$(meson test -C "$build" --no-rebuild --list --suite cuda 2>/dev/null || true)
+missing=()
+for t in cuda-host cuda-kernels cuda-casts-all cuda-gpu-train; do
+	grep -q "/ $t\$" <<<"$cuda_tests" || missing+=("$t")
+done
+if [ ${#missing[@]} -gt 0 ]; then
+	echo "CUDA tests not built: ${missing[*]} (is Criterion installed? meson setup says)"
+	results+=("$(printf '%-34s %-18s %4ds' "tests: cuda suite built" FAIL 0)")
 	failed=$((failed + 1))
+else
+	run_step "tests: cuda suite" timeout 240 meson test -C "$build" --no-rebuild --suite cuda \
+		--print-errorlogs
+	# meson counts a 77 as skipped and exits 0: with a GPU present, the kernels must have run.
+	if [ "$gpu_required" -eq 1 ]; then
+		kernels_result=$(python3 - "$build/meson-logs/testlog.json" <<'PY'
+import json, sys
+result = "absent"
+try:
+    for line in open(sys.argv[1]):
+        r = json.loads(line)
+        if r.get("name", "").endswith("cuda-kernels"):
+            result = r.get("result")
+except OSError:
+    pass
+print(result)
+PY
+)
+		if [ "$kernels_result" != OK ]; then
+			echo "cuda-kernels: $kernels_result although nvidia-smi lists ${ngpu} GPU(s)"
+			results+=("$(printf '%-34s %-18s %4ds' "tests: cuda-kernels OK on the GPU" \
+				"FAIL ($kernels_result)" 0)")
+			failed=$((failed + 1))
+		fi
+	fi
 fi
 
 section "CPU kernel tests (meson test --suite kernels)"

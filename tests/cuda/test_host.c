@@ -84,6 +84,10 @@ Test(kernels, bad_arguments_fail_before_launch)
 	cr_assert_eq(zcc_cast((void *)16, ZC_F32, (void *)16, ZC_BF16, 5, NULL), -EINVAL);
 	cr_assert_neq(strstr(zcc_errmsg(), "zcc_cast"), NULL);
 	cr_assert_eq(zcc_unscale_norm(&p, &n, 1, ZC_BF16, 1.0f, false, stats, NULL), -EINVAL);
+	/* Rejected in C, before it becomes the kernels' C++ enum (UBSan: an invalid enum load). */
+	cr_assert_eq(zcc_unscale_norm(&p, &n, 1, (enum zc_dtype)9, 1.0f, false,
+	    (struct zcc_grad_stats *)&n, NULL), -EINVAL);
+	cr_assert_neq(strstr(zcc_errmsg(), "unknown dtype 9"), NULL);
 	cr_assert_eq(zcc_flatten((void *)16, (const void *const *)&p, &n, 1, 2, NULL), -EINVAL);
 	cr_assert_eq(zcc_unflatten((void *)16, &p, &n, 1, 3, NULL), -EINVAL);
 	/* Nothing to do is not an error, and launches nothing. */
