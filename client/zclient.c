@@ -42,7 +42,7 @@ struct zc_tensor {
 	bool param_offload;
 	enum { PARAM_RESIDENT, PARAM_RELEASED, PARAM_FETCHING } param_state;
 	int param_error;
-	bool param_missed;		/* counted as a miss by a wait that has not ended */
+	bool param_waited;		/* counted in `waited` by a wait that has not ended */
 	zc_release_fn *release;		/* see zc_tensor_set_release_hook */
 	void *release_arg;
 	/*
@@ -1216,23 +1216,23 @@ zc_param_wait_timeout(struct zc_tensor *t, int timeout_ms)
 	uint64_t t0, deadline = deadline_after(timeout_ms);
 	int r;
 
-	/* A READY already in the socket means the params are there: a hit, not a wait. */
+	/* A READY already in the socket means the params are there: ready, no waiting. */
 	if (t->param_state == PARAM_FETCHING) {
 		r = drain(c);
 		if (r < 0)
 			return r;
 	}
 	if (t->param_state == PARAM_RESIDENT) {
-		/* The end of a wait that timed out before is no new hit. */
-		if (!t->param_missed)
-			c->param_stats.hits++;
-		t->param_missed = false;
+		/* The end of a wait that timed out before is not a new ready one. */
+		if (!t->param_waited)
+			c->param_stats.ready++;
+		t->param_waited = false;
 		return 0;
 	}
-	/* One miss per wait, however many timed-out calls (or polls) it takes. */
-	if (!t->param_missed)
-		c->param_stats.misses++;
-	t->param_missed = true;
+	/* One per wait, however many timed-out calls (or polls) it takes. */
+	if (!t->param_waited)
+		c->param_stats.waited++;
+	t->param_waited = true;
 	t0 = now_ns();
 	if (t->param_state == PARAM_RELEASED) {
 		r = prefetch(c, &t, 1, deadline);
@@ -1246,7 +1246,7 @@ zc_param_wait_timeout(struct zc_tensor *t, int timeout_ms)
 		    "again)", timeout_ms);
 	if (r < 0)
 		return r;
-	t->param_missed = false;
+	t->param_waited = false;
 	if (t->param_state != PARAM_RESIDENT)
 		return seterr(c, t->param_error < 0 ? t->param_error : -EIO,
 		    "staging the params failed: %s", strerror(-t->param_error));

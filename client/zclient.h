@@ -260,9 +260,16 @@ ZC_API int zc_param_wait_timeout(struct zc_tensor *tensor, int timeout_ms);
 ZC_API int zc_param_release(struct zc_conn *conn, struct zc_tensor *const *tensors,
     size_t ntensors);
 
+/*
+ * What zc_param_wait found, counted in this process.  These are not hits: a
+ * hit is the daemon's word (pipeline.params.hits in zoffctl stats: a fetch
+ * that found the parameters already in the slot, nothing staged).  A
+ * prefetch the daemon had to stage (its miss) that lands before the wait is
+ * `ready` here: the prefetch hid the staging.
+ */
 struct zc_param_stats {
-	uint64_t hits;		/* zc_param_wait found the params already there */
-	uint64_t misses;	/* ... had to wait for them (or fetch them itself) */
+	uint64_t ready;		/* waits that found the params there: no waiting */
+	uint64_t waited;	/* waits that had to wait for them (or fetch them itself) */
 	uint64_t wait_ns;	/* time spent waiting in zc_param_wait */
 };
 ZC_API void zc_param_stats(const struct zc_conn *conn, struct zc_param_stats *ret);

@@ -375,8 +375,8 @@ conn_param_stats(struct zpy_conn *self, PyObject *unused)
 	if (!zpy_conn_ready(self))
 		return NULL;
 	zc_param_stats(self->c, &ps);
-	return Py_BuildValue("{s:K,s:K,s:K}", "hits", (unsigned long long)ps.hits, "misses",
-	    (unsigned long long)ps.misses, "wait_ns", (unsigned long long)ps.wait_ns);
+	return Py_BuildValue("{s:K,s:K,s:K}", "ready", (unsigned long long)ps.ready, "waited",
+	    (unsigned long long)ps.waited, "wait_ns", (unsigned long long)ps.wait_ns);
 }
 
 static PyObject *
@@ -451,7 +451,7 @@ static PyMethodDef conn_methods[] = {
 	{ "param_release", (PyCFunction)conn_param_release, METH_O,
 	  "param_release(tensors): hand the param slots' memory back; params stay on the tiers." },
 	{ "param_stats", (PyCFunction)conn_param_stats, METH_NOARGS,
-	  "param_stats() -> dict(hits, misses, wait_ns)" },
+	  "param_stats() -> dict(ready, waited, wait_ns)" },
 	{ "stats", (PyCFunction)conn_stats, METH_NOARGS, "stats() -> str: the daemon's stats JSON" },
 	{ "jobs", (PyCFunction)conn_jobs, METH_NOARGS, "jobs() -> str: the daemon's jobs JSON" },
 	{ "ping", (PyCFunction)conn_ping, METH_NOARGS, "ping() -> int: round trip in ns" },
