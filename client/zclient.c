@@ -18,6 +18,7 @@
 #include "convert.h"
 #include "msgio.h"
 #include "zclient.h"
+#include "zclient_connerr.h"
 
 struct pending_set {
 	struct pending_set *next;
@@ -102,8 +103,10 @@ seterr(struct zc_conn *c, int code, const char *fmt, ...)
 const char *
 zc_errmsg(const struct zc_conn *conn)
 {
+	/* A failed zc_connect left the caller's NULL: the reason is this thread's. */
 	if (conn == NULL)
-		return "no connection";
+		return strcmp(zc_connect_errmsg(), "no error") != 0 ? zc_connect_errmsg() :
+		    "no connection";
 	return conn->err[0] != '\0' ? conn->err : "no error";
 }
 
@@ -485,38 +488,45 @@ zc_connect_timeout(const char *socket_path, int timeout_ms, struct zc_conn **ret
 	if (path == NULL || path[0] == '\0')
 		path = ZOFFLOAD_DEFAULT_SOCKET;
 	if (strlen(path) >= sizeof(sa.sun_path))
-		return -ENAMETOOLONG;
+		return zcl_connect_fail(-ENAMETOOLONG, "socket path of %zu bytes, at most %zu: %s",
+		    strlen(path), sizeof(sa.sun_path) - 1, path);
 	if (timeout_ms == 0)
-		return -EINVAL;
+		return zcl_connect_fail(-EINVAL, "timeout 0 ms: -1 waits without bound, a "
+		    "positive timeout is in milliseconds");
 	c = calloc(1, sizeof(*c));
 	if (c == NULL)
-		return -ENOMEM;
+		return zcl_connect_fail(-ENOMEM, "no memory for a connection");
 	c->timeout_ms = timeout_ms < 0 ? -1 : timeout_ms;
 	c->buf = malloc(ZP_MAX_MESSAGE);
 	c->msg = malloc(sizeof(*c->msg));
 	if (c->buf == NULL || c->msg == NULL) {
-		r = -ENOMEM;
+		r = zcl_connect_fail(-ENOMEM, "no memory for a connection");
 		goto fail;
 	}
 	c->fd = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
 	if (c->fd < 0) {
-		r = -errno;
+		r = zcl_connect_fail(-errno, "socket(AF_UNIX, SOCK_SEQPACKET): %s", strerror(errno));
 		goto fail;
 	}
 	memcpy(sa.sun_path, path, strlen(path));
 	r = connect_deadline(c->fd, &sa, deadline_after(c->timeout_ms));
 	if (r < 0) {
 		close(c->fd);
+		zcl_connect_refused(r, path);
 		goto fail;
 	}
 	snprintf(hello.u.hello.client_name, sizeof(hello.u.hello.client_name), "pid %d",
 	    (int)getpid());
 	r = rpc(c, &hello, ZP_HELLO_OK, NULL);
 	if (r < 0) {
+		/* The connection and its message go; the daemon's reason (a limit) stays. */
+		zcl_connect_fail(r, "zoffloadd at %s: %s", path,
+		    c->err[0] != '\0' ? c->err : strerror(-r));
 		close(c->fd);
 		goto fail;
 	}
 	c->session_id = c->msg->u.hello_ok.session_id;
+	zcl_connect_ok();
 	*ret = c;
 	return 0;
 fail:

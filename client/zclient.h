@@ -31,8 +31,22 @@ enum zc_step_status {
 	ZC_STEP_FAILED = 2,		/* see error */
 };
 
-/* NULL socket path: $ZOFFLOAD_SOCKET, else the built-in default. */
+/*
+ * NULL socket path: $ZOFFLOAD_SOCKET, else the built-in default.  On failure
+ * *ret is left as it was and zc_connect_errmsg() says why.
+ */
 ZC_API int zc_connect(const char *socket_path, struct zc_conn **ret);
+/*
+ * Why this thread's last zc_connect or zc_connect_timeout failed ("no error"
+ * after one that succeeded, or none yet): a failed connect has no connection
+ * to carry its message.  Kept per thread, valid until the thread's next
+ * connect.  It names the socket path tried; -EACCES names the group the
+ * socket admits ("permission denied on /run/zoffload/zoffload.sock: add your
+ * user to group zoffload ..."), and a refusal by the daemon (-EUSERS at
+ * limits.max_clients) carries the daemon's reason.  zc_errmsg(NULL) gives
+ * the same text.
+ */
+ZC_API const char *zc_connect_errmsg(void);
 /*
  * Closes the connection and unmaps its tensors' slots.  Without zc_job_close
  * first the daemon treats it as a rank that died: it keeps this rank's
@@ -40,7 +54,7 @@ ZC_API int zc_connect(const char *socket_path, struct zc_conn **ret);
  * process of the same job and rank to take back, then frees them.
  */
 ZC_API void zc_disconnect(struct zc_conn *conn);
-/* Text of the last error on this connection (never NULL). */
+/* Text of the last error on this connection (never NULL; NULL: zc_connect_errmsg()'s). */
 ZC_API const char *zc_errmsg(const struct zc_conn *conn);
 
 /*

@@ -430,15 +430,11 @@ main(int argc, char **argv)
 	socket_shown = socket_to_show(o.socket_path);
 	r = zc_connect(o.socket_path, &c);
 	if (r < 0) {
-		fprintf(stderr, "zoffctl: cannot reach zoffloadd at %s: %s\n", socket_shown,
-		    strerror(-r));
-		if (r == -EACCES || r == -EPERM)
-			fprintf(stderr, "zoffctl: users of zoffloadd must be in the socket's group "
-			    "(zoffload with the shipped configuration): sudo usermod -aG zoffload "
-			    "$USER, then log in again\n");
-		else if (r == -ENOENT || r == -ECONNREFUSED)
-			fprintf(stderr, "zoffctl: is zoffloadd running, and is that its socket "
-			    "(--socket, $ZOFFLOAD_SOCKET)?\n");
+		/* libzclient's text names the socket and, when denied, the group it admits. */
+		fprintf(stderr, "zoffctl: %s\n", zc_connect_errmsg());
+		if (r == -ENOENT || r == -ECONNREFUSED)
+			fprintf(stderr, "zoffctl: the socket comes from --socket, else "
+			    "$ZOFFLOAD_SOCKET, else %s\n", ZOFFLOAD_DEFAULT_SOCKET);
 		return 1;
 	}
 	signal(SIGINT, on_sigint);

@@ -301,7 +301,7 @@ main(int argc, char **argv)
 
 	r = zc_connect(socket_path, &c);
 	if (r < 0) {
-		fprintf(stderr, "mlp_train: cannot connect to zoffloadd: %s\n", strerror(-r));
+		fprintf(stderr, "mlp_train: %s\n", zc_connect_errmsg());
 		free(data);
 		free(labels);
 		return 1;
