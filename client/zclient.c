@@ -18,6 +18,7 @@
 #include "convert.h"
 #include "msgio.h"
 #include "zclient.h"
+#include "zclient_connerr.h"
 
 struct pending_set {
 	struct pending_set *next;
@@ -42,7 +43,7 @@ struct zc_tensor {
 	bool param_offload;
 	enum { PARAM_RESIDENT, PARAM_RELEASED, PARAM_FETCHING } param_state;
 	int param_error;
-	bool param_missed;		/* counted as a miss by a wait that has not ended */
+	bool param_waited;		/* counted in `waited` by a wait that has not ended */
 	zc_release_fn *release;		/* see zc_tensor_set_release_hook */
 	void *release_arg;
 	/*
@@ -102,8 +103,10 @@ seterr(struct zc_conn *c, int code, const char *fmt, ...)
 const char *
 zc_errmsg(const struct zc_conn *conn)
 {
+	/* A failed zc_connect left the caller's NULL: the reason is this thread's. */
 	if (conn == NULL)
-		return "no connection";
+		return strcmp(zc_connect_errmsg(), "no error") != 0 ? zc_connect_errmsg() :
+		    "no connection";
 	return conn->err[0] != '\0' ? conn->err : "no error";
 }
 
@@ -485,38 +488,45 @@ zc_connect_timeout(const char *socket_path, int timeout_ms, struct zc_conn **ret
 	if (path == NULL || path[0] == '\0')
 		path = ZOFFLOAD_DEFAULT_SOCKET;
 	if (strlen(path) >= sizeof(sa.sun_path))
-		return -ENAMETOOLONG;
+		return zcl_connect_fail(-ENAMETOOLONG, "socket path of %zu bytes, at most %zu: %s",
+		    strlen(path), sizeof(sa.sun_path) - 1, path);
 	if (timeout_ms == 0)
-		return -EINVAL;
+		return zcl_connect_fail(-EINVAL, "timeout 0 ms: -1 waits without bound, a "
+		    "positive timeout is in milliseconds");
 	c = calloc(1, sizeof(*c));
 	if (c == NULL)
-		return -ENOMEM;
+		return zcl_connect_fail(-ENOMEM, "no memory for a connection");
 	c->timeout_ms = timeout_ms < 0 ? -1 : timeout_ms;
 	c->buf = malloc(ZP_MAX_MESSAGE);
 	c->msg = malloc(sizeof(*c->msg));
 	if (c->buf == NULL || c->msg == NULL) {
-		r = -ENOMEM;
+		r = zcl_connect_fail(-ENOMEM, "no memory for a connection");
 		goto fail;
 	}
 	c->fd = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
 	if (c->fd < 0) {
-		r = -errno;
+		r = zcl_connect_fail(-errno, "socket(AF_UNIX, SOCK_SEQPACKET): %s", strerror(errno));
 		goto fail;
 	}
 	memcpy(sa.sun_path, path, strlen(path));
 	r = connect_deadline(c->fd, &sa, deadline_after(c->timeout_ms));
 	if (r < 0) {
 		close(c->fd);
+		zcl_connect_refused(r, path);
 		goto fail;
 	}
 	snprintf(hello.u.hello.client_name, sizeof(hello.u.hello.client_name), "pid %d",
 	    (int)getpid());
 	r = rpc(c, &hello, ZP_HELLO_OK, NULL);
 	if (r < 0) {
+		/* The connection and its message go; the daemon's reason (a limit) stays. */
+		zcl_connect_fail(r, "zoffloadd at %s: %s", path,
+		    c->err[0] != '\0' ? c->err : strerror(-r));
 		close(c->fd);
 		goto fail;
 	}
 	c->session_id = c->msg->u.hello_ok.session_id;
+	zcl_connect_ok();
 	*ret = c;
 	return 0;
 fail:
@@ -1216,23 +1226,23 @@ zc_param_wait_timeout(struct zc_tensor *t, int timeout_ms)
 	uint64_t t0, deadline = deadline_after(timeout_ms);
 	int r;
 
-	/* A READY already in the socket means the params are there: a hit, not a wait. */
+	/* A READY already in the socket means the params are there: ready, no waiting. */
 	if (t->param_state == PARAM_FETCHING) {
 		r = drain(c);
 		if (r < 0)
 			return r;
 	}
 	if (t->param_state == PARAM_RESIDENT) {
-		/* The end of a wait that timed out before is no new hit. */
-		if (!t->param_missed)
-			c->param_stats.hits++;
-		t->param_missed = false;
+		/* The end of a wait that timed out before is not a new ready one. */
+		if (!t->param_waited)
+			c->param_stats.ready++;
+		t->param_waited = false;
 		return 0;
 	}
-	/* One miss per wait, however many timed-out calls (or polls) it takes. */
-	if (!t->param_missed)
-		c->param_stats.misses++;
-	t->param_missed = true;
+	/* One per wait, however many timed-out calls (or polls) it takes. */
+	if (!t->param_waited)
+		c->param_stats.waited++;
+	t->param_waited = true;
 	t0 = now_ns();
 	if (t->param_state == PARAM_RELEASED) {
 		r = prefetch(c, &t, 1, deadline);
@@ -1246,7 +1256,7 @@ zc_param_wait_timeout(struct zc_tensor *t, int timeout_ms)
 		    "again)", timeout_ms);
 	if (r < 0)
 		return r;
-	t->param_missed = false;
+	t->param_waited = false;
 	if (t->param_state != PARAM_RESIDENT)
 		return seterr(c, t->param_error < 0 ? t->param_error : -EIO,
 		    "staging the params failed: %s", strerror(-t->param_error));

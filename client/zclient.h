@@ -31,8 +31,22 @@ enum zc_step_status {
 	ZC_STEP_FAILED = 2,		/* see error */
 };
 
-/* NULL socket path: $ZOFFLOAD_SOCKET, else the built-in default. */
+/*
+ * NULL socket path: $ZOFFLOAD_SOCKET, else the built-in default.  On failure
+ * *ret is left as it was and zc_connect_errmsg() says why.
+ */
 ZC_API int zc_connect(const char *socket_path, struct zc_conn **ret);
+/*
+ * Why this thread's last zc_connect or zc_connect_timeout failed ("no error"
+ * after one that succeeded, or none yet): a failed connect has no connection
+ * to carry its message.  Kept per thread, valid until the thread's next
+ * connect.  It names the socket path tried; -EACCES names the group the
+ * socket admits ("permission denied on /run/zoffload/zoffload.sock: add your
+ * user to group zoffload ..."), and a refusal by the daemon (-EUSERS at
+ * limits.max_clients) carries the daemon's reason.  zc_errmsg(NULL) gives
+ * the same text.
+ */
+ZC_API const char *zc_connect_errmsg(void);
 /*
  * Closes the connection and unmaps its tensors' slots.  Without zc_job_close
  * first the daemon treats it as a rank that died: it keeps this rank's
@@ -40,7 +54,7 @@ ZC_API int zc_connect(const char *socket_path, struct zc_conn **ret);
  * process of the same job and rank to take back, then frees them.
  */
 ZC_API void zc_disconnect(struct zc_conn *conn);
-/* Text of the last error on this connection (never NULL). */
+/* Text of the last error on this connection (never NULL; NULL: zc_connect_errmsg()'s). */
 ZC_API const char *zc_errmsg(const struct zc_conn *conn);
 
 /*
@@ -260,9 +274,16 @@ ZC_API int zc_param_wait_timeout(struct zc_tensor *tensor, int timeout_ms);
 ZC_API int zc_param_release(struct zc_conn *conn, struct zc_tensor *const *tensors,
     size_t ntensors);
 
+/*
+ * What zc_param_wait found, counted in this process.  These are not hits: a
+ * hit is the daemon's word (pipeline.params.hits in zoffctl stats: a fetch
+ * that found the parameters already in the slot, nothing staged).  A
+ * prefetch the daemon had to stage (its miss) that lands before the wait is
+ * `ready` here: the prefetch hid the staging.
+ */
 struct zc_param_stats {
-	uint64_t hits;		/* zc_param_wait found the params already there */
-	uint64_t misses;	/* ... had to wait for them (or fetch them itself) */
+	uint64_t ready;		/* waits that found the params there: no waiting */
+	uint64_t waited;	/* waits that had to wait for them (or fetch them itself) */
 	uint64_t wait_ns;	/* time spent waiting in zc_param_wait */
 };
 ZC_API void zc_param_stats(const struct zc_conn *conn, struct zc_param_stats *ret);

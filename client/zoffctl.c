@@ -187,18 +187,21 @@ print_stats(const cJSON *s)
 	    num(s, "steps.rate_window_s") < 10 ? " (all the daemon has: it started less than 10 s "
 	    "ago)" : "", count(num(s, "steps.compute_params_per_s"), b, sizeof(b)));
 	if (num(s, "pipeline.tensor_steps_nvme") > 0 || num(s, "pipeline.params.fetches") > 0) {
-		printf("pipeline tensor steps pinned %.0f / nvme %.0f (pinned hit rate %.0f%%), "
-		    "chunks read %.0f written %.0f, io errors %.0f\n",
-		    num(s, "pipeline.tensor_steps_pinned"), num(s, "pipeline.tensor_steps_nvme"),
-		    100 * num(s, "pipeline.pinned_hit_rate"), num(s, "pipeline.chunks_read"),
+		/* A hit: served where it was, nothing read from a slower tier; by bytes, not tensors. */
+		printf("pipeline state stepped pinned %s / nvme %s (pinned hit rate %.0f%% of bytes; "
+		    "tensor steps %.0f / %.0f), chunks read %.0f written %.0f, io errors %.0f\n",
+		    bytes(num(s, "pipeline.state_bytes_stepped_pinned"), a, sizeof(a)),
+		    bytes(num(s, "pipeline.state_bytes_stepped_nvme"), b, sizeof(b)),
+		    100 * num(s, "pipeline.pinned_hit_rate"), num(s, "pipeline.tensor_steps_pinned"),
+		    num(s, "pipeline.tensor_steps_nvme"), num(s, "pipeline.chunks_read"),
 		    num(s, "pipeline.chunks_written"), num(s, "pipeline.io_errors"));
 		printf("stalls   compute waiting on I/O %.0f (%.1f ms), I/O waiting on compute %.0f "
 		    "(%.1f ms)\n", num(s, "pipeline.compute_waiting_on_io"),
 		    num(s, "pipeline.compute_waiting_on_io_ms"), num(s, "pipeline.io_waiting_on_compute"),
 		    num(s, "pipeline.io_waiting_on_compute_ms"));
-		printf("params   fetches %.0f  hits %.0f  misses %.0f  staged %s  written back %s\n",
-		    num(s, "pipeline.params.fetches"), num(s, "pipeline.params.hits"),
-		    num(s, "pipeline.params.misses"), bytes(num(s, "pipeline.params.bytes_staged"), a,
+		printf("params   fetches %.0f  hits (in the slot) %.0f  misses (staged) %.0f  "
+		    "staged %s  written back %s\n", num(s, "pipeline.params.fetches"),
+		    num(s, "pipeline.params.hits"), num(s, "pipeline.params.misses"), bytes(num(s, "pipeline.params.bytes_staged"), a,
 		    sizeof(a)), bytes(num(s, "pipeline.params.bytes_written_back"), b, sizeof(b)));
 	}
 	if (num(lat, "samples") > 0)
@@ -427,15 +430,11 @@ main(int argc, char **argv)
 	socket_shown = socket_to_show(o.socket_path);
 	r = zc_connect(o.socket_path, &c);
 	if (r < 0) {
-		fprintf(stderr, "zoffctl: cannot reach zoffloadd at %s: %s\n", socket_shown,
-		    strerror(-r));
-		if (r == -EACCES || r == -EPERM)
-			fprintf(stderr, "zoffctl: users of zoffloadd must be in the socket's group "
-			    "(zoffload with the shipped configuration): sudo usermod -aG zoffload "
-			    "$USER, then log in again\n");
-		else if (r == -ENOENT || r == -ECONNREFUSED)
-			fprintf(stderr, "zoffctl: is zoffloadd running, and is that its socket "
-			    "(--socket, $ZOFFLOAD_SOCKET)?\n");
+		/* libzclient's text names the socket and, when denied, the group it admits. */
+		fprintf(stderr, "zoffctl: %s\n", zc_connect_errmsg());
+		if (r == -ENOENT || r == -ECONNREFUSED)
+			fprintf(stderr, "zoffctl: the socket comes from --socket, else "
+			    "$ZOFFLOAD_SOCKET, else %s\n", ZOFFLOAD_DEFAULT_SOCKET);
 		return 1;
 	}
 	signal(SIGINT, on_sigint);

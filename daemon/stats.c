@@ -223,16 +223,23 @@ add_pipeline(cJSON *root, const struct zd_daemon *d)
 	struct ze_stats es, *t = &es;
 	cJSON *p = cJSON_AddObjectToObject(root, "pipeline");
 	cJSON *params;
-	double steps;
+	double stepped;
 
 	if (p == NULL)
 		return;
 	ze_engine_stats(d->engine, &es);
-	steps = (double)(t->pinned_steps + t->nvme_steps);
+	stepped = (double)t->pinned_step_bytes + (double)t->nvme_step_bytes;
 	cJSON_AddNumberToObject(p, "tensor_steps_pinned", (double)t->pinned_steps);
 	cJSON_AddNumberToObject(p, "tensor_steps_nvme", (double)t->nvme_steps);
-	/* Share of tensor steps whose state was already in pinned memory. */
-	cJSON_AddNumberToObject(p, "pinned_hit_rate", steps > 0 ? (double)t->pinned_steps / steps : 0);
+	cJSON_AddNumberToObject(p, "state_bytes_stepped_pinned", (double)t->pinned_step_bytes);
+	cJSON_AddNumberToObject(p, "state_bytes_stepped_nvme", (double)t->nvme_step_bytes);
+	/*
+	 * A hit: served from where it already was, nothing brought from a slower
+	 * tier for it.  Weighted by bytes, not by tensors: a pinned bias and a
+	 * 1 GiB matrix on NVMe are 99.9% miss, not 50%.
+	 */
+	cJSON_AddNumberToObject(p, "pinned_hit_rate", stepped > 0 ?
+	    (double)t->pinned_step_bytes / stepped : 0);
 	cJSON_AddNumberToObject(p, "staging_buffers", t->staging_buffers);
 	cJSON_AddNumberToObject(p, "chunks_read", (double)t->chunks_read);
 	cJSON_AddNumberToObject(p, "chunks_written", (double)t->chunks_written);

@@ -24,6 +24,8 @@ struct zs_engine;
 /* Elements per pinned slice: one stepper task, the unit of fairness and of exactly-once. */
 #define ZE_QUANTUM_ELEMENTS (4u << 20)
 #define ZE_NAME_MAX 127
+/* Optimizer state per element: master, m and v in fp32, on either tier. */
+#define ZE_STATE_BYTES_PER_ELEMENT (3 * sizeof(float))
 
 enum ze_policy { ZE_POLICY_CPU, ZE_POLICY_NVME, ZE_POLICY_AUTO };
 enum ze_state { ZE_STATE_MASTER, ZE_STATE_EXP_AVG, ZE_STATE_EXP_AVG_SQ };
@@ -245,6 +247,14 @@ void ze_shm_destroy(struct ze_engine *e, struct ze_shm *shm);
 struct ze_stats {
 	uint64_t pinned_steps;		/* tensor steps served from the pinned tier */
 	uint64_t nvme_steps;
+	/*
+	 * Optimizer state stepped, in bytes (master, m and v: 12 per element,
+	 * whatever the optimizer uses of them), by the tier that served it: the
+	 * pinned hit rate is their share, so a 1 GiB tensor on NVMe weighs more
+	 * than a pinned bias.
+	 */
+	uint64_t pinned_step_bytes;
+	uint64_t nvme_step_bytes;
 	uint64_t chunks_read;
 	uint64_t chunks_written;
 	uint64_t chunks_skipped;	/* already at the step: a retry's landed part */

@@ -233,10 +233,13 @@ tensor_done(struct ze_engine *e, struct ze_batch *b, size_t i, enum ze_step_stat
 		/* The step wrote every parameter into the slot. */
 		t->param_resident = true;
 		t->param_dirty = true;
-		if (t->on_nvme)
+		if (t->on_nvme) {
 			e->stats.nvme_steps++;
-		else
+			e->stats.nvme_step_bytes += t->numel * ZE_STATE_BYTES_PER_ELEMENT;
+		} else {
 			e->stats.pinned_steps++;
+			e->stats.pinned_step_bytes += t->numel * ZE_STATE_BYTES_PER_ELEMENT;
+		}
 	}
 	if (status == ZE_STEP_SKIPPED_NONFINITE)
 		r.landed = 0;

@@ -441,7 +441,7 @@ rank_main(const struct opts *o, int rank, int id_fd[2])
 	}
 	r = zc_connect(o->socket, &x.conn);
 	if (r < 0) {
-		fprintf(stderr, "rank %d: cannot connect to zoffloadd: %s\n", rank, strerror(-r));
+		fprintf(stderr, "rank %d: %s\n", rank, zc_connect_errmsg());
 		return 1;
 	}
 	if (zc_job_open(x.conn, o->job, (uint32_t)rank, (uint32_t)o->ranks) < 0) {

@@ -301,7 +301,7 @@ main(int argc, char **argv)
 
 	r = zc_connect(socket_path, &c);
 	if (r < 0) {
-		fprintf(stderr, "mlp_train: cannot connect to zoffloadd: %s\n", strerror(-r));
+		fprintf(stderr, "mlp_train: %s\n", zc_connect_errmsg());
 		free(data);
 		free(labels);
 		return 1;
@@ -388,8 +388,8 @@ main(int argc, char **argv)
 		struct zc_param_stats ps;
 
 		zc_param_stats(c, &ps);
-		printf("mlp_train: offloaded params: %llu hits, %llu misses, %.1f ms waiting\n",
-		    (unsigned long long)ps.hits, (unsigned long long)ps.misses,
+		printf("mlp_train: offloaded params: %llu waits ready, %llu waited, %.1f ms "
+		    "waiting\n", (unsigned long long)ps.ready, (unsigned long long)ps.waited,
 		    (double)ps.wait_ns / 1e6);
 	}
 	/* Done: nothing to keep for a reattach. */

@@ -3,14 +3,13 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "build_config.h"
 #include "zpy.h"
 
 static PyObject *
 conn_new(PyTypeObject *type, PyObject *args, PyObject *kw)
 {
 	static char *kwlist[] = { "socket", NULL };
-	const char *path = NULL, *shown;
+	const char *path = NULL;
 	char msg[ZPY_ERRLEN];
 	struct zpy_conn *self;
 	struct zc_conn *c = NULL;
@@ -18,19 +17,15 @@ conn_new(PyTypeObject *type, PyObject *args, PyObject *kw)
 
 	if (!PyArg_ParseTupleAndKeywords(args, kw, "|z:Connection", kwlist, &path))
 		return NULL;
+	/* The message is the calling thread's: read it before another connect can run here. */
 	Py_BEGIN_ALLOW_THREADS
 	r = zc_connect(path, &c);
+	if (r < 0)
+		snprintf(msg, sizeof(msg), "%s%s", zc_connect_errmsg(),
+		    r == -ENOENT || r == -ECONNREFUSED ? " (set socket= or $ZOFFLOAD_SOCKET)" : "");
 	Py_END_ALLOW_THREADS
-	if (r < 0) {
-		shown = path != NULL ? path : getenv("ZOFFLOAD_SOCKET");
-		if (shown == NULL || shown[0] == '\0')
-			shown = ZOFFLOAD_DEFAULT_SOCKET;
-		/* HELLO refused: the connection's message was lost with it; errno says enough. */
-		snprintf(msg, sizeof(msg), "cannot connect to zoffloadd at %s: %s%s", shown,
-		    strerror(-r), r == -ENOENT || r == -ECONNREFUSED ?
-		    " (is zoffloadd running? set socket= or $ZOFFLOAD_SOCKET)" : "");
+	if (r < 0)
 		return zpy_raise(type, r, msg);
-	}
 	self = (struct zpy_conn *)type->tp_alloc(type, 0);
 	if (self == NULL) {
 		zc_disconnect(c);
@@ -375,8 +370,8 @@ conn_param_stats(struct zpy_conn *self, PyObject *unused)
 	if (!zpy_conn_ready(self))
 		return NULL;
 	zc_param_stats(self->c, &ps);
-	return Py_BuildValue("{s:K,s:K,s:K}", "hits", (unsigned long long)ps.hits, "misses",
-	    (unsigned long long)ps.misses, "wait_ns", (unsigned long long)ps.wait_ns);
+	return Py_BuildValue("{s:K,s:K,s:K}", "ready", (unsigned long long)ps.ready, "waited",
+	    (unsigned long long)ps.waited, "wait_ns", (unsigned long long)ps.wait_ns);
 }
 
 static PyObject *
@@ -451,7 +446,7 @@ static PyMethodDef conn_methods[] = {
 	{ "param_release", (PyCFunction)conn_param_release, METH_O,
 	  "param_release(tensors): hand the param slots' memory back; params stay on the tiers." },
 	{ "param_stats", (PyCFunction)conn_param_stats, METH_NOARGS,
-	  "param_stats() -> dict(hits, misses, wait_ns)" },
+	  "param_stats() -> dict(ready, waited, wait_ns)" },
 	{ "stats", (PyCFunction)conn_stats, METH_NOARGS, "stats() -> str: the daemon's stats JSON" },
 	{ "jobs", (PyCFunction)conn_jobs, METH_NOARGS, "jobs() -> str: the daemon's jobs JSON" },
 	{ "ping", (PyCFunction)conn_ping, METH_NOARGS, "ping() -> int: round trip in ns" },

@@ -165,3 +165,36 @@ def test_submit_errors_name_the_problem(daemon):
     with pytest.raises(ValueError, match="not a positive multiple of 4"):
         c.register("x", b"abc")
     c.close()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to connect as another user")
+def test_permission_denied_names_group(daemon):
+    """A user outside the socket's group reads which group to join, with the socket's path."""
+    import grp
+
+    os.chmod(daemon.dir, 0o711)
+    group = grp.getgrgid(os.stat(daemon.socket).st_gid).gr_name
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        # Nothing but os calls and the connect: never back into pytest from the child.
+        code = 1
+        try:
+            os.close(r)
+            os.setgroups([])
+            os.setgid(65534)
+            os.setuid(65534)
+            try:
+                zoffload.Connection(daemon.socket)
+                os.write(w, b"connected")
+            except zoffload.ZoffloadError as e:
+                os.write(w, ("%d %s" % (e.errno, e.strerror)).encode())
+                code = 0
+        finally:
+            os._exit(code)
+    os.close(w)
+    with os.fdopen(r, "rb") as f:
+        got = f.read().decode()
+    os.waitpid(pid, 0)
+    assert got == "%d permission denied on %s: add your user to group %s (sudo usermod -aG %s " \
+        "$USER, then log in again)" % (errno.EACCES, daemon.socket, group, group), got

@@ -59,7 +59,7 @@ def test_param_offload(daemon):
     t.param_wait()
     assert memoryview(t.param).tobytes() == before
     stats = c.param_stats()
-    assert stats["hits"] + stats["misses"] == 2 and stats["hits"] >= 1
+    assert stats["ready"] + stats["waited"] == 2 and stats["ready"] >= 1
     c.close()
 
 

@@ -31,7 +31,8 @@ static const char *const stats_text =
     "\"compute_params_per_s\":1000,\"latency_ms\":{\"samples\":10,\"last\":2,\"mean\":3,"
     "\"p50\":2,\"p99\":7,\"max\":8},\"latency_histogram\":{\"le_s\":[0.001,0.01],"
     "\"counts\":[2,9],\"count\":10,\"sum_s\":0.03}},"
-    "\"pipeline\":{\"tensor_steps_pinned\":6,\"tensor_steps_nvme\":12,\"pinned_hit_rate\":0.25,"
+    "\"pipeline\":{\"tensor_steps_pinned\":6,\"tensor_steps_nvme\":12,"
+    "\"state_bytes_stepped_pinned\":1200,\"state_bytes_stepped_nvme\":3600,\"pinned_hit_rate\":0.25,"
     "\"staging_buffers\":4,\"chunks_read\":3,\"chunks_written\":3,\"bytes_read\":300,"
     "\"bytes_written\":300,\"io_errors\":0,\"compute_waiting_on_io\":2,"
     "\"compute_waiting_on_io_ms\":1500,\"io_waiting_on_compute\":1,"
@@ -90,6 +91,8 @@ Test(metrics, figures_in_base_units)
 	expect_line(t, "zoffload_tier_used_bytes{tier=\"nvme\"} 300");
 	expect_line(t, "zoffload_tier_capacity_bytes{tier=\"nvme\"} 4000");
 	expect_line(t, "zoffload_param_fetches_total{result=\"miss\"} 1");
+	expect_line(t, "zoffload_stepped_state_bytes_total{tier=\"nvme\"} 3600");
+	expect_line(t, "zoffload_pipeline_pinned_hit_ratio 0.25");
 	expect_line(t, "zoffload_uid_state_bytes{uid=\"1000\",tier=\"nvme\"} 300");
 	expect_line(t, "zoffload_info{version=\"0.1.0\",kernel_isa=\"avx2\",log_level=\"info\","
 	    "swap_engine=\"io_uring\",allocator=\"libc\"} 1");

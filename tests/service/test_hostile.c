@@ -3,6 +3,7 @@
 #include <criterion/criterion.h>
 #include <errno.h>
 #include <fcntl.h>
+#include <grp.h>
 #include <linux/capability.h>
 #include <poll.h>
 #include <signal.h>
@@ -439,9 +440,13 @@ Test(hostile, max_clients_per_uid)
 	a = itd_connect(&daemon_);
 	b = itd_connect(&daemon_);
 	expect_refusal("limits.max_clients_per_uid");
-	/* libzclient has no connection left to hold the text: the code says it. */
+	/* No connection is left to hold the daemon's reason: the thread's connect message does. */
 	r = zc_connect(daemon_.socket, &c);
 	cr_assert_eq(r, -EUSERS, "a third connection of one uid gave %d (%s)", r, strerror(-r));
+	cr_assert(strstr(zc_connect_errmsg(), daemon_.socket) != NULL &&
+	    strstr(zc_connect_errmsg(), "limits.max_clients_per_uid") != NULL, "'%s'",
+	    zc_connect_errmsg());
+	cr_assert_str_eq(zc_errmsg(NULL), zc_connect_errmsg());
 	cr_assert(strstr(itd_log_text(&daemon_), "refused a client of uid") != NULL, "%s",
 	    itd_log_text(&daemon_));
 	/* A slot frees when a connection goes; the daemon sees that asynchronously. */
@@ -454,6 +459,7 @@ Test(hostile, max_clients_per_uid)
 		usleep(10000);
 	} while (itd_now() < deadline);
 	cr_assert_eq(r, 0, "no connection after one of two went: %s", strerror(-r));
+	cr_assert_str_eq(zc_connect_errmsg(), "no error", "a connect that worked left a message");
 	zc_disconnect(b);
 	zc_disconnect(c);
 	cr_assert_eq(itd_stop(&daemon_, 10), 0, "%s", itd_log_text(&daemon_));
@@ -615,5 +621,71 @@ Test(hostile, charges_go_back_to_whom_they_were_charged)
 	svc_in_child(OTHER_UID, own_big_tensor, "big", &rep);
 	cr_assert_eq(rep.result, 0, "the owner's uid after the drop: %d %s", rep.result, rep.text);
 	zc_disconnect(keep);
+	cr_assert_eq(itd_stop(&daemon_, 10), 0, "%s", itd_log_text(&daemon_));
+}
+
+/* In the other uid: connect, report the result and libzclient's message for it. */
+static void
+try_connect(void *arg, struct svc_report *out)
+{
+	struct zc_conn *c = NULL;
+
+	(void)arg;
+	out->result = zc_connect(daemon_.socket, &c);
+	snprintf(out->text, sizeof(out->text), "%s", zc_connect_errmsg());
+	/* zc_errmsg of the NULL left behind says the same. */
+	if (out->result < 0 && strcmp(zc_errmsg(c), out->text) != 0)
+		snprintf(out->text, sizeof(out->text), "zc_errmsg(NULL) says '%s'", zc_errmsg(c));
+	zc_disconnect(c);
+}
+
+/* The name of the group that owns path, as a user reads it. */
+static void
+owning_group(const char *path, char *buf, size_t len)
+{
+	struct stat st;
+	struct group *g;
+
+	cr_assert_eq(stat(path, &st), 0, "%s: %s", path, strerror(errno));
+	g = getgrgid(st.st_gid);
+	cr_assert_not_null(g, "gid %u has no name", (unsigned)st.st_gid);
+	snprintf(buf, len, "%s", g->gr_name);
+}
+
+/*
+ * A user outside the socket's group gets -EACCES and a message naming the
+ * socket and the group to join (zoffload with the shipped configuration,
+ * the daemon's own group here); a socket no group may open says so instead.
+ */
+Test(hostile, connect_denied_names_the_group)
+{
+	char group[64], want[512];
+	struct svc_report rep;
+
+	if (geteuid() != 0)
+		cr_skip_test("needs root to act as a second uid");
+	itd_start(&daemon_, "{ \"compute\": { \"worker_threads\": 2 } }");
+	cr_assert_eq(chmod(daemon_.dir, 0711), 0);
+	owning_group(daemon_.socket, group, sizeof(group));
+	snprintf(want, sizeof(want), "permission denied on %s: add your user to group %s (sudo "
+	    "usermod -aG %s $USER, then log in again)", daemon_.socket, group, group);
+	svc_in_child(OTHER_UID, try_connect, NULL, &rep);
+	cr_assert_eq(rep.result, -EACCES, "%d: %s", rep.result, rep.text);
+	cr_assert_str_eq(rep.text, want);
+
+	/* Owner only: joining a group would not help, and the message does not say it would. */
+	cr_assert_eq(chmod(daemon_.socket, 0600), 0);
+	svc_in_child(OTHER_UID, try_connect, NULL, &rep);
+	cr_assert_eq(rep.result, -EACCES, "%d: %s", rep.result, rep.text);
+	cr_assert(strstr(rep.text, daemon_.socket) != NULL && strstr(rep.text, "0600") != NULL &&
+	    strstr(rep.text, "socket.mode") != NULL && strstr(rep.text, "zoffload") != NULL &&
+	    strstr(rep.text, "add your user") == NULL, "'%s'", rep.text);
+
+	/* A directory above it closed to the user: the socket cannot even be looked at. */
+	cr_assert_eq(chmod(daemon_.dir, 0700), 0);
+	svc_in_child(OTHER_UID, try_connect, NULL, &rep);
+	cr_assert_eq(rep.result, -EACCES, "%d: %s", rep.result, rep.text);
+	cr_assert(strstr(rep.text, "a directory above it") != NULL && strstr(rep.text,
+	    "zoffload") != NULL, "'%s'", rep.text);
 	cr_assert_eq(itd_stop(&daemon_, 10), 0, "%s", itd_log_text(&daemon_));
 }

@@ -164,7 +164,10 @@ Test(params, release_prefetch_wait_and_step)
 	    "written back %.0f, want %.0f", s1.written_back - s0.written_back, 2 * store_bytes());
 	cr_assert_eq(s1.fetches, s0.fetches);
 
-	/* Prefetch all, let the READYs arrive, then wait: every wait is a hit. */
+	/*
+	 * Prefetch all, let the READYs arrive, then wait: every wait is ready in
+	 * the client, while every fetch was a miss in the daemon (it staged them).
+	 */
 	for (size_t i = 0; i < 2; i++)
 		cr_assert_eq(zc_param_prefetch(off[i]->c, off[i]->t, NT), 0, "%s",
 		    zc_errmsg(off[i]->c));
@@ -179,14 +182,15 @@ Test(params, release_prefetch_wait_and_step)
 		for (size_t k = 0; k < NT; k++)
 			cr_assert_eq(zc_param_wait(off[i]->t[k]), 0, "%s", zc_errmsg(off[i]->c));
 		zc_param_stats(off[i]->c, &cs);
-		cr_assert_eq(cs.hits, NT, "job %zu: %llu hits after the READYs arrived", i,
-		    (unsigned long long)cs.hits);
-		cr_assert_eq(cs.misses, 0);
+		cr_assert_eq(cs.ready, NT, "job %zu: %llu waits ready after the READYs arrived", i,
+		    (unsigned long long)cs.ready);
+		cr_assert_eq(cs.waited, 0);
 		assert_params(off[i], saved[i], "after release and prefetch");
 	}
 	s0 = pstats(ref.c);
 	cr_assert_eq(s0.fetches, s1.fetches + 2 * NT);
 	cr_assert_eq(s0.misses, s1.misses + 2 * NT, "every fetch had to stage from the store");
+	cr_assert_eq(s0.hits, s1.hits, "a fetch of released params counted as a daemon hit");
 	cr_assert_eq(s0.staged, s1.staged + 2 * store_bytes());
 	cr_assert_geq(s0.nvme_read, s1.nvme_read + store_bytes(), "NVMe params were not read");
 
@@ -198,12 +202,12 @@ Test(params, release_prefetch_wait_and_step)
 	cr_assert_eq(s1.written_back, s0.written_back, "clean params were written back");
 	cr_assert_eq(s1.releases, s0.releases + 2 * NT);
 
-	/* A wait without a prefetch fetches on its own and counts a miss. */
+	/* A wait without a prefetch fetches on its own: it waited, and the daemon missed. */
 	for (size_t i = 0; i < 2; i++) {
 		cr_assert_eq(zc_param_wait(off[i]->t[0]), 0, "%s", zc_errmsg(off[i]->c));
 		zc_param_stats(off[i]->c, &cs);
-		cr_assert_eq(cs.misses, 1);
-		cr_assert_eq(cs.hits, NT);
+		cr_assert_eq(cs.waited, 1);
+		cr_assert_eq(cs.ready, NT);
 		cr_assert_eq(memcmp(zc_tensor_param_slot(off[i]->t[0], NULL), saved[i][0],
 		    sizes[0] * 2), 0, "job %zu: a wait without prefetch staged other params", i);
 		cr_assert_eq(zc_param_release(off[i]->c, off[i]->t, 1), 0, "%s",
@@ -222,7 +226,7 @@ Test(params, release_prefetch_wait_and_step)
 		for (size_t k = 0; k < NT; k++)
 			cr_assert_eq(zc_param_wait(off[i]->t[k]), 0, "%s", zc_errmsg(off[i]->c));
 		zc_param_stats(off[i]->c, &cs);
-		cr_assert_eq(cs.hits, 2 * NT, "a stepped tensor's params are in its slot");
+		cr_assert_eq(cs.ready, 2 * NT, "a stepped tensor's params are in its slot");
 		assert_params(off[i], want, "step 2 on released params against the reference");
 		th_snapshot(off[i], &b);
 		th_assert_same(&b, &a, "step 2 on released params against the reference");
