@@ -52,6 +52,10 @@ struct zd_daemon {
 	TAILQ_HEAD(, zd_uid) uids;
 	uint32_t next_session_id;	/* never reused: the engine's lanes are session ids */
 	uint64_t next_job_id;
+	unsigned fd_limit;		/* RLIMIT_NOFILE, raised to the hard limit at start */
+	unsigned fd_base;		/* held by the daemon itself at start */
+	unsigned client_fds;		/* held for clients: every uid's zd_uid.fds */
+	int spare_fd;			/* closed to accept and refuse a client at EMFILE */
 	bool draining;
 	uint64_t started_ns;
 	struct zd_step_stats steps;

@@ -52,6 +52,8 @@ zd_job_attach(struct zd_session *s, const struct zp_job_open *req, char *err, si
 		job->id = ++d->next_job_id;
 		snprintf(job->name, sizeof(job->name), "%s", name);
 		job->uid = s->uid;
+		job->owner = s->uid_usage;
+		job->owner->jobs++;
 		job->world_size = world_size;
 		TAILQ_INIT(&job->detached);
 		/* The first rank decides where the job's state goes. */
@@ -61,6 +63,7 @@ zd_job_attach(struct zd_session *s, const struct zp_job_open *req, char *err, si
 			    d->cfg.job_pinned_budget,
 			.pinned_what = "pinned budget of job",
 		}, &job->account) < 0) {
+			job->owner->jobs--;
 			free(job);
 			snprintf(err, errlen, "out of memory");
 			return -ENOMEM;
@@ -85,65 +88,10 @@ zd_job_unref(struct zd_daemon *d, struct zd_job *job)
 	    (unsigned long long)job->id, (unsigned long long)job->steps_applied);
 	TAILQ_REMOVE(&d->jobs, job, entry);
 	ze_account_unref(job->account);
+	job->owner->jobs--;
+	zd_uid_put(d, job->owner);
 	free(job);
 	return true;
-}
-
-static struct ze_account_limits
-uid_limits(const struct zd_daemon *d)
-{
-	return (struct ze_account_limits){
-		.pinned_budget = d->cfg.uid_pinned_budget,
-		.swap_budget = d->cfg.uid_swap_budget,
-		.pinned_what = "limits.uid_pinned_budget of its uid",
-		.swap_what = "limits.uid_swap_budget of its uid",
-	};
-}
-
-void
-zd_uid_reload_limits(struct zd_daemon *d)
-{
-	struct ze_account_limits l = uid_limits(d);
-	struct zd_uid *u;
-
-	TAILQ_FOREACH(u, &d->uids, entry)
-		ze_account_set_limits(u->account, &l);
-}
-
-struct zd_uid *
-zd_uid_get(struct zd_daemon *d, uid_t uid)
-{
-	struct ze_account_limits limits = uid_limits(d);
-	struct zd_uid *u;
-
-	TAILQ_FOREACH(u, &d->uids, entry)
-		if (u->uid == uid)
-			return u;
-	u = calloc(1, sizeof(*u));
-	if (u == NULL)
-		return NULL;
-	if (ze_account_new(&limits, &u->account) < 0) {
-		free(u);
-		return NULL;
-	}
-	u->uid = uid;
-	TAILQ_INSERT_TAIL(&d->uids, u, entry);
-	return u;
-}
-
-void
-zd_uid_put(struct zd_daemon *d, struct zd_uid *u)
-{
-	uint64_t pinned, swap;
-
-	if (u == NULL || u->sessions > 0)
-		return;
-	ze_account_usage(u->account, &pinned, &swap);
-	if (pinned > 0 || swap > 0)
-		return;
-	TAILQ_REMOVE(&d->uids, u, entry);
-	ze_account_unref(u->account);
-	free(u);
 }
 
 static void tensor_free(struct zd_daemon *d, struct zd_tensor *t);
@@ -312,7 +260,23 @@ tensor_free(struct zd_daemon *d, struct zd_tensor *t)
 		/* The engine refunds its charge, now or when the work it is in ends. */
 		ze_tensor_free(t->et);
 	}
+	if (t->owner != NULL) {
+		zd_uid_refund(d, t->owner, 2, t->shm_bytes, 1);
+		zd_uid_put(d, t->owner);
+	}
 	free(t);
+}
+
+/* Its two slots as ze_shm_create makes them (whole pages); saturates for absurd sizes. */
+static uint64_t
+slot_bytes(const struct zp_tensor_register *req)
+{
+	uint64_t g = zk_dtype_size((enum zk_dtype)req->grad_dtype);
+	uint64_t p = zk_dtype_size((enum zk_dtype)req->param_dtype);
+
+	if (req->numel > (UINT64_MAX / 16) / 4)
+		return UINT64_MAX / 4;
+	return (req->numel * g + 4095) / 4096 * 4096 + (req->numel * p + 4095) / 4096 * 4096;
 }
 
 void
@@ -431,13 +395,24 @@ zd_tensor_create(struct zd_session *s, const struct zp_tensor_register *req,
 			return -EEXIST;
 		}
 	}
-	u = zd_uid_get(d, s->uid);
+	u = s->uid_usage;
 	t = calloc(1, sizeof(*t));
-	if (t == NULL || u == NULL) {
-		free(t);
+	if (t == NULL) {
 		snprintf(err, errlen, "out of memory");
 		return -ENOMEM;
 	}
+	/* Its two slot memfds and their pages, counted before they exist. */
+	t->shm_bytes = slot_bytes(req);
+	r = zd_uid_charge(d, u, 2, t->shm_bytes, 1, err, errlen);
+	if (r < 0) {
+		char why[ZP_ERRMSG_MAX + 1];
+
+		snprintf(why, sizeof(why), "tensor '%s': %s", req->name, err);
+		snprintf(err, errlen, "%s", why);
+		free(t);
+		return r;
+	}
+	t->owner = u;
 	snprintf(t->name, sizeof(t->name), "%s", req->name);
 	t->job = s->job;
 	/* Charged to the registering uid: whoever asked for the memory pays, and is refunded. */
@@ -450,8 +425,8 @@ zd_tensor_create(struct zd_session *s, const struct zp_tensor_register *req,
 		.policy = engine_policy(s->job->policy),
 	}, s->job->account, u->account, t, &t->et, err, errlen);
 	if (r < 0) {
+		zd_uid_refund(d, u, 2, t->shm_bytes, 1);
 		free(t);
-		zd_uid_put(d, u);
 		return r;
 	}
 	s->job->tensors++;

@@ -12,6 +12,7 @@
 #include "log.h"
 #include "requests.h"
 #include "session.h"
+#include "uid.h"
 
 static void
 reply_ok(struct zd_session *s, uint64_t request_id)
@@ -81,7 +82,7 @@ handle_tensor_register(struct zd_session *s, const struct zp_msg *msg)
 	char err[ZP_ERRMSG_MAX + 1];
 	struct zd_tensor *t;
 	bool resumed;
-	int fds[2], r;
+	int r;
 
 	r = zd_tensor_create(s, &msg->u.tensor_register, &t, &resumed, err, sizeof(err));
 	if (r < 0) {
@@ -97,9 +98,7 @@ handle_tensor_register(struct zd_session *s, const struct zp_msg *msg)
 	    zk_dtype_size(ze_tensor_param_dtype(t->et));
 	m.u.tensor_ok.resumed = resumed;
 	m.u.tensor_ok.last_step = ze_tensor_last_step(t->et);
-	fds[0] = ze_tensor_grad_fd(t->et);
-	fds[1] = ze_tensor_param_fd(t->et);
-	(void)zd_session_send(s, &m, fds, 2);
+	(void)zd_session_send_slots(s, &m, t->handle);
 }
 
 static struct zd_tensor *
@@ -161,9 +160,20 @@ handle_xfer_open(struct zd_session *s, const struct zp_msg *msg)
 	int r;
 
 	if (s->xfer.map == NULL) {
-		r = ze_shm_create(s->daemon->engine, "zoffload-xfer", s->daemon->cfg.xfer_window,
-		    false, &s->xfer);
+		struct zd_daemon *d = s->daemon;
+		char err[ZP_ERRMSG_MAX + 1];
+		uint64_t bytes = (d->cfg.xfer_window + 4095) / 4096 * 4096;
+
+		/* One descriptor and the window's pages, the uid's. */
+		r = zd_uid_charge(d, s->uid_usage, 1, bytes, 0, err, sizeof(err));
 		if (r < 0) {
+			zd_session_error(s, msg->hdr.request_id, r, "cannot create the transfer "
+			    "window: %s", err);
+			return;
+		}
+		r = ze_shm_create(d->engine, "zoffload-xfer", bytes, false, &s->xfer);
+		if (r < 0) {
+			zd_uid_refund(d, s->uid_usage, 1, bytes, 0);
 			zd_session_error(s, msg->hdr.request_id, r,
 			    "cannot create the transfer window: %s",
 			    r == -ENOSPC ? "shared-memory budget exhausted" : strerror(-r));
@@ -171,7 +181,7 @@ handle_xfer_open(struct zd_session *s, const struct zp_msg *msg)
 		}
 	}
 	m.u.xfer_ok.bytes = s->xfer.bytes;
-	(void)zd_session_send(s, &m, &s->xfer.fd, 1);
+	(void)zd_session_send_xfer(s, &m);
 }
 
 /* Copies between a tensor's state and the transfer window; offsets come from the message only. */

@@ -1,5 +1,6 @@
 /* zoffloadd's life: the listening socket, signals, start-up checks and shutdown. */
 #include <errno.h>
+#include <fcntl.h>
 #include <event2/event.h>
 #include <grp.h>
 #include <linux/capability.h>
@@ -24,6 +25,7 @@
 #include "server.h"
 #include "session.h"
 #include "swap.h"
+#include "uid.h"
 
 static bool
 have_cap_ipc_lock(void)
@@ -154,6 +156,27 @@ accept_cb(evutil_socket_t lfd, short what, void *arg)
 
 	for (int i = 0; i < 64; i++) {
 		fd = accept4(lfd, NULL, NULL, SOCK_NONBLOCK | SOCK_CLOEXEC);
+		if (fd < 0 && (errno == EMFILE || errno == ENFILE) && d->spare_fd >= 0) {
+			/*
+			 * Out of descriptors (only root can take the daemon there):
+			 * the spare one lets the client in to be told so, instead of
+			 * leaving it in the backlog and this callback spinning.
+			 */
+			close(d->spare_fd);
+			fd = accept4(lfd, NULL, NULL, SOCK_NONBLOCK | SOCK_CLOEXEC);
+			if (fd >= 0) {
+				struct zp_msg m = { .hdr = { .type = ZP_ERROR } };
+
+				m.u.error.code = -ENFILE;
+				snprintf(m.u.error.message, sizeof(m.u.error.message),
+				    "zoffloadd is out of descriptors");
+				(void)zp_send(fd, &m, NULL, 0);
+				close(fd);
+				log_warnx("refused a client: out of descriptors");
+			}
+			d->spare_fd = open("/dev/null", O_RDONLY | O_CLOEXEC);
+			return;
+		}
 		if (fd < 0) {
 			if (errno != EAGAIN && errno != EINTR)
 				log_warn(errno, "accept");
@@ -238,6 +261,11 @@ reload(struct zd_daemon *d)
 	d->cfg.uid_pinned_budget = fresh.uid_pinned_budget;
 	d->cfg.uid_swap_budget = fresh.uid_swap_budget;
 	d->cfg.detach_grace_s = fresh.detach_grace_s;
+	d->cfg.max_queued_bytes = fresh.max_queued_bytes;
+	d->cfg.uid_queued_bytes = fresh.uid_queued_bytes;
+	d->cfg.uid_max_tensors = fresh.uid_max_tensors;
+	d->cfg.uid_max_fds = fresh.uid_max_fds;
+	d->cfg.uid_shm_budget = fresh.uid_shm_budget;
 	zd_uid_reload_limits(d);
 	d->isa = isa;
 	zd_config_clear(&fresh);
@@ -466,6 +494,7 @@ zd_server_run(struct zd_daemon *d)
 	TAILQ_INIT(&d->jobs);
 	TAILQ_INIT(&d->uids);
 	d->listen_fd = -1;
+	d->spare_fd = -1;
 	d->started_ns = zu_now_ns();
 	signal(SIGPIPE, SIG_IGN);
 
@@ -492,6 +521,8 @@ zd_server_run(struct zd_daemon *d)
 	r = open_listener(d);
 	if (r < 0)
 		goto out;
+	d->spare_fd = open("/dev/null", O_RDONLY | O_CLOEXEC);
+	zd_fd_init(d);
 	d->ev_listen = event_new(d->base, d->listen_fd, EV_READ | EV_PERSIST, accept_cb, d);
 	if (d->ev_listen == NULL || event_add(d->ev_listen, NULL)) {
 		r = -ENOMEM;
@@ -551,6 +582,8 @@ out:
 		close(d->listen_fd);
 		unlink(d->cfg.socket_path);
 	}
+	if (d->spare_fd >= 0)
+		close(d->spare_fd);
 	if (d->base != NULL)
 		event_base_free(d->base);
 	return r;

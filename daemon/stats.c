@@ -11,6 +11,7 @@
 #include "job.h"
 #include "stats.h"
 #include "swap.h"
+#include "uid.h"
 
 #if HAVE_JEMALLOC
 #include <jemalloc/jemalloc.h>
@@ -220,6 +221,10 @@ add_uids(cJSON *root, const struct zd_daemon *d)
 		cJSON_AddNumberToObject(o, "sessions", u->sessions);
 		cJSON_AddNumberToObject(o, "pinned_bytes", (double)pinned);
 		cJSON_AddNumberToObject(o, "swap_bytes", (double)swap);
+		cJSON_AddNumberToObject(o, "tensors", u->tensors);
+		cJSON_AddNumberToObject(o, "fds", u->fds);
+		cJSON_AddNumberToObject(o, "shm_bytes", (double)u->shm_bytes);
+		cJSON_AddNumberToObject(o, "queued_bytes", (double)u->queued_bytes);
 		cJSON_AddItemToArray(uids, o);
 	}
 }
@@ -238,6 +243,13 @@ add_limits(cJSON *root, const struct zd_daemon *d)
 	cJSON_AddNumberToObject(l, "uid_pinned_budget", (double)d->cfg.uid_pinned_budget);
 	cJSON_AddNumberToObject(l, "uid_swap_budget", (double)d->cfg.uid_swap_budget);
 	cJSON_AddNumberToObject(l, "detach_grace_s", d->cfg.detach_grace_s);
+	cJSON_AddNumberToObject(l, "max_queued_bytes", (double)d->cfg.max_queued_bytes);
+	cJSON_AddNumberToObject(l, "uid_queued_bytes", (double)d->cfg.uid_queued_bytes);
+	cJSON_AddNumberToObject(l, "uid_max_tensors", d->cfg.uid_max_tensors);
+	cJSON_AddNumberToObject(l, "uid_max_fds", zd_uid_fd_cap(d));
+	cJSON_AddNumberToObject(l, "uid_shm_budget", (double)d->cfg.uid_shm_budget);
+	cJSON_AddNumberToObject(l, "fd_limit", d->fd_limit);
+	cJSON_AddNumberToObject(l, "client_fds", d->client_fds);
 }
 
 static void
