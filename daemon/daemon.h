@@ -49,6 +49,7 @@ struct zd_daemon {
 	TAILQ_HEAD(, zd_session) sessions;
 	unsigned nsessions;
 	TAILQ_HEAD(, zd_job) jobs;
+	unsigned njobs;
 	TAILQ_HEAD(, zd_uid) uids;
 	uint32_t next_session_id;	/* never reused: the engine's lanes are session ids */
 	uint64_t next_job_id;

@@ -10,27 +10,74 @@
 #include "log.h"
 #include "session.h"
 
+/*
+ * Job names live in their uid's namespace: "NAME" is the caller's own,
+ * "UID:NAME" names uid UID's (a non-root caller may only name its own).
+ * 0 with *ret_uid and *ret_name (into the caller's string), or -EACCES.
+ */
+static int
+job_name_parse(const struct zd_session *s, const char *text, uid_t *ret_uid,
+    const char **ret_name, char *err, size_t errlen)
+{
+	const char *colon = strchr(text, ':'), *p;
+	unsigned long uid;
+
+	*ret_uid = s->uid;
+	*ret_name = text;
+	if (colon == NULL || colon == text || colon[1] == '\0' || colon - text > 10)
+		return 0;
+	for (p = text; p < colon; p++)
+		if (*p < '0' || *p > '9')
+			return 0;
+	uid = strtoul(text, NULL, 10);
+	if (uid > UINT32_MAX - 1)
+		return 0;
+	if ((uid_t)uid != s->uid && s->uid != 0) {
+		snprintf(err, errlen, "job '%s' is in uid %lu's names; uid %u sees only its own",
+		    colon + 1, uid, (unsigned)s->uid);
+		return -EACCES;
+	}
+	*ret_uid = (uid_t)uid;
+	*ret_name = colon + 1;
+	return 0;
+}
+
+static struct zd_job *
+job_find(struct zd_daemon *d, uid_t uid, const char *name)
+{
+	struct zd_job *job;
+
+	TAILQ_FOREACH(job, &d->jobs, entry)
+		if (job->uid == uid && strcmp(job->name, name) == 0)
+			return job;
+	return NULL;
+}
+
 int
 zd_job_attach(struct zd_session *s, const struct zp_job_open *req, char *err, size_t errlen)
 {
-	const char *name = req->job_name;
 	uint32_t rank = req->rank, world_size = req->world_size;
 	struct zd_daemon *d = s->daemon;
 	struct zd_session *other;
 	struct zd_job *job;
+	const char *name;
+	uid_t uid;
+	int r;
 
 	if (s->job != NULL) {
 		snprintf(err, errlen, "this connection already has job '%s' open", s->job->name);
 		return -EISCONN;
 	}
-	TAILQ_FOREACH(job, &d->jobs, entry)
-		if (strcmp(job->name, name) == 0)
-			break;
+	r = job_name_parse(s, req->job_name, &uid, &name, err, errlen);
+	if (r < 0)
+		return r;
+	job = job_find(d, uid, name);
+	if (job == NULL && uid != s->uid) {
+		/* Root joins another uid's job; it does not make one in that uid's name. */
+		snprintf(err, errlen, "uid %u has no job '%s'", (unsigned)uid, name);
+		return -ENOENT;
+	}
 	if (job != NULL) {
-		if (job->uid != s->uid && s->uid != 0) {
-			snprintf(err, errlen, "job '%s' belongs to uid %u", name, (unsigned)job->uid);
-			return -EACCES;
-		}
 		if (job->world_size != world_size) {
 			snprintf(err, errlen, "job '%s' has world size %u, not %u", name,
 			    job->world_size, world_size);
@@ -69,6 +116,7 @@ zd_job_attach(struct zd_session *s, const struct zp_job_open *req, char *err, si
 			return -ENOMEM;
 		}
 		TAILQ_INSERT_TAIL(&d->jobs, job, entry);
+		d->njobs++;
 		log_info("job '%s' (id %llu) opened by uid %u, world size %u", name,
 		    (unsigned long long)job->id, (unsigned)s->uid, world_size);
 	}
@@ -87,6 +135,7 @@ zd_job_unref(struct zd_daemon *d, struct zd_job *job)
 	log_info("job '%s' (id %llu) closed after %llu steps", job->name,
 	    (unsigned long long)job->id, (unsigned long long)job->steps_applied);
 	TAILQ_REMOVE(&d->jobs, job, entry);
+	d->njobs--;
 	ze_account_unref(job->account);
 	job->owner->jobs--;
 	zd_uid_put(d, job->owner);
@@ -188,24 +237,66 @@ zd_job_expire_detached(struct zd_daemon *d, bool all)
 	}
 }
 
+/* Root's unqualified drop: its own job, else the one job of that name whatever its uid. */
+static int
+job_find_any(struct zd_daemon *d, const char *name, struct zd_job **ret, char *err,
+    size_t errlen)
+{
+	struct zd_job *job, *found = NULL;
+	unsigned n = 0;
+
+	if ((found = job_find(d, 0, name)) != NULL) {
+		*ret = found;
+		return 0;
+	}
+	TAILQ_FOREACH(job, &d->jobs, entry) {
+		if (strcmp(job->name, name) != 0)
+			continue;
+		found = job;
+		n++;
+	}
+	if (n > 1) {
+		size_t len = (size_t)snprintf(err, errlen, "%u uids have a job '%s'; name one as "
+		    "UID:NAME:", n, name);
+
+		TAILQ_FOREACH(job, &d->jobs, entry)
+			if (strcmp(job->name, name) == 0 && len < errlen)
+				len += (size_t)snprintf(err + len, errlen - len, " %u:%s",
+				    (unsigned)job->uid, name);
+		return -ENOTUNIQ;
+	}
+	if (found == NULL) {
+		snprintf(err, errlen, "no job named '%s'", name);
+		return -ENOENT;
+	}
+	*ret = found;
+	return 0;
+}
+
 int
-zd_job_drop(struct zd_session *s, const char *name, char *err, size_t errlen)
+zd_job_drop(struct zd_session *s, const char *text, char *err, size_t errlen)
 {
 	struct zd_daemon *d = s->daemon;
 	struct zd_session *other, *next_s;
 	struct zd_job *job;
 	unsigned closed = 0;
+	const char *name;
+	uid_t uid;
+	int r;
 
-	TAILQ_FOREACH(job, &d->jobs, entry)
-		if (strcmp(job->name, name) == 0)
-			break;
-	if (job == NULL) {
-		snprintf(err, errlen, "no job named '%s'", name);
-		return -ENOENT;
-	}
-	if (job->uid != s->uid && s->uid != 0) {
-		snprintf(err, errlen, "job '%s' belongs to uid %u", name, (unsigned)job->uid);
+	r = job_name_parse(s, text, &uid, &name, err, errlen);
+	if (r < 0)
 		return -EPERM;
+	if (s->uid == 0 && name == text) {
+		r = job_find_any(d, name, &job, err, errlen);
+		if (r < 0)
+			return r;
+	} else {
+		job = job_find(d, uid, name);
+		if (job == NULL) {
+			snprintf(err, errlen, "no job named '%s'", text);
+			return -ENOENT;
+		}
 	}
 	if (s->job == job) {
 		snprintf(err, errlen, "this connection is a rank of job '%s'; close it instead", name);
@@ -224,8 +315,8 @@ zd_job_drop(struct zd_session *s, const char *name, char *err, size_t errlen)
 	}
 	while (!TAILQ_EMPTY(&job->detached))
 		(void)free_detached(d, job, TAILQ_FIRST(&job->detached));
-	log_info("job '%s' dropped by uid %u (pid %d): %u rank(s) disconnected", name,
-	    (unsigned)s->uid, (int)s->pid, closed);
+	log_info("job '%s' of uid %u dropped by uid %u (pid %d): %u rank(s) disconnected", name,
+	    (unsigned)job->uid, (unsigned)s->uid, (int)s->pid, closed);
 	zd_job_unref(d, job);
 	return 0;
 }

@@ -201,13 +201,22 @@ add_pipeline(cJSON *root, const struct zd_daemon *d)
 	cJSON_AddNumberToObject(params, "bytes_written_back", (double)t->param_bytes_written);
 }
 
+/* Root sees everything; any other uid its own jobs and holdings, and the node's totals. */
+static bool
+visible(uid_t viewer, uid_t owner)
+{
+	return viewer == 0 || viewer == owner;
+}
+
 static void
-add_uids(cJSON *root, const struct zd_daemon *d)
+add_uids(cJSON *root, const struct zd_daemon *d, uid_t viewer)
 {
 	cJSON *uids = cJSON_AddArrayToObject(root, "uids");
 	const struct zd_uid *u;
 
 	TAILQ_FOREACH(u, &d->uids, entry) {
+		if (!visible(viewer, u->uid))
+			continue;
 		cJSON *o = cJSON_CreateObject();
 
 		if (uids == NULL || o == NULL) {
@@ -309,7 +318,7 @@ add_malloc(cJSON *root)
 }
 
 static cJSON *
-jobs_array(const struct zd_daemon *d)
+jobs_array(const struct zd_daemon *d, uid_t viewer)
 {
 	cJSON *jobs = cJSON_CreateArray();
 	const struct zd_job *job;
@@ -317,9 +326,12 @@ jobs_array(const struct zd_daemon *d)
 	if (jobs == NULL)
 		return NULL;
 	TAILQ_FOREACH(job, &d->jobs, entry) {
-		cJSON *j = cJSON_CreateObject();
+		cJSON *j;
 		uint64_t pinned, nvme;
 
+		if (!visible(viewer, job->uid))
+			continue;
+		j = cJSON_CreateObject();
 		if (j == NULL)
 			break;
 		ze_account_usage(job->account, &pinned, &nvme);
@@ -357,6 +369,18 @@ print_and_free(cJSON *root)
 char *
 zd_stats_json(struct zd_daemon *d)
 {
+	return zd_stats_json_as(d, 0);
+}
+
+char *
+zd_jobs_json(struct zd_daemon *d)
+{
+	return zd_jobs_json_as(d, 0);
+}
+
+char *
+zd_stats_json_as(struct zd_daemon *d, uid_t viewer)
+{
 	cJSON *root = cJSON_CreateObject();
 	uint64_t tensors = 0, params = 0;
 	const struct zd_job *job;
@@ -380,19 +404,20 @@ zd_stats_json(struct zd_daemon *d)
 	add_malloc(root);
 	add_steps(root, d);
 	add_pipeline(root, d);
-	add_uids(root, d);
+	cJSON_AddNumberToObject(root, "jobs_total", d->njobs);
+	add_uids(root, d, viewer);
 	add_limits(root, d);
-	cJSON_AddItemToObject(root, "jobs", jobs_array(d));
+	cJSON_AddItemToObject(root, "jobs", jobs_array(d, viewer));
 	return print_and_free(root);
 }
 
 char *
-zd_jobs_json(struct zd_daemon *d)
+zd_jobs_json_as(struct zd_daemon *d, uid_t viewer)
 {
 	cJSON *root = cJSON_CreateObject();
 
 	if (root == NULL)
 		return NULL;
-	cJSON_AddItemToObject(root, "jobs", jobs_array(d));
+	cJSON_AddItemToObject(root, "jobs", jobs_array(d, viewer));
 	return print_and_free(root);
 }

@@ -3,6 +3,7 @@
 #define ZD_STATS_H
 
 #include <stdint.h>
+#include <sys/types.h>
 
 struct zd_daemon;
 struct ze_step_result;
@@ -24,7 +25,11 @@ struct zd_step_stats {
 };
 
 void zd_stats_record(struct zd_daemon *d, const struct ze_step_result *r);
+/* As root sees them: every job and uid. */
 char *zd_stats_json(struct zd_daemon *d);
 char *zd_jobs_json(struct zd_daemon *d);
+/* As viewer sees them: a uid other than root gets its own jobs and uid, and the node's totals. */
+char *zd_stats_json_as(struct zd_daemon *d, uid_t viewer);
+char *zd_jobs_json_as(struct zd_daemon *d, uid_t viewer);
 
 #endif

@@ -416,3 +416,125 @@ Test(isolation, uid_shm_budget)
 	zc_disconnect(c);
 	cr_assert_eq(itd_stop(&daemon_, 10), 0, "%s", itd_log_text(&daemon_));
 }
+
+/* ---- 6: job names per uid, and what each uid sees ---- */
+
+/* In a child: a rank of job `arg` that registers a tensor and dies (its state is kept). */
+static void
+own_job(void *arg, struct svc_report *out)
+{
+	struct zc_tensor_desc desc = { .name = "w", .numel = 1000, .grad_dtype = ZC_F32,
+		.param_dtype = ZC_F32 };
+	static float init[1000];
+	struct zc_conn *c = NULL;
+	struct zc_tensor *t;
+	int r;
+
+	if ((r = zc_connect(daemon_.socket, &c)) < 0) {
+		out->result = r;
+		snprintf(out->text, sizeof(out->text), "connect: %s", strerror(-r));
+		return;
+	}
+	if ((r = zc_job_open(c, arg, 0, 2)) == 0)
+		r = zc_tensor_register(c, &desc, init, &t);
+	out->result = r;
+	snprintf(out->text, sizeof(out->text), "%s", zc_errmsg(c));
+}
+
+/* "name/uid name/uid ..." of every job c is shown, in the JOBS reply or the stats. */
+static void
+list_jobs(struct zc_conn *c, bool stats, char *out, size_t outlen)
+{
+	char *json = NULL;
+	const cJSON *j;
+	cJSON *root;
+	size_t len = 0;
+	int r = stats ? zc_stats_json(c, &json) : zc_jobs_json(c, &json);
+
+	out[0] = '\0';
+	if (r < 0) {
+		snprintf(out, outlen, "error %d", r);
+		return;
+	}
+	root = cJSON_Parse(json);
+	cJSON_ArrayForEach(j, cJSON_GetObjectItemCaseSensitive(root, "jobs"))
+		if (len < outlen)
+			len += (size_t)snprintf(out + len, outlen - len, "%s/%.0f ",
+			    cJSON_GetObjectItemCaseSensitive(j, "name")->valuestring,
+			    cJSON_GetObjectItemCaseSensitive(j, "uid")->valuedouble);
+	if (stats && len < outlen) {
+		cJSON_ArrayForEach(j, cJSON_GetObjectItemCaseSensitive(root, "uids"))
+			if (len < outlen)
+				len += (size_t)snprintf(out + len, outlen - len, "uid%.0f ",
+				    cJSON_GetObjectItemCaseSensitive(j, "uid")->valuedouble);
+		if (len < outlen)
+			snprintf(out + len, outlen - len, "tensors=%.0f",
+			    cJSON_GetObjectItemCaseSensitive(root, "tensors")->valuedouble);
+	}
+	cJSON_Delete(root);
+	free(json);
+}
+
+/* In a child: what this uid is shown, then what it may do to "train" of uid 65534. */
+static void
+look_and_trespass(void *arg, struct svc_report *out)
+{
+	char jobs[128], stats[128];
+	struct zc_conn *c = NULL;
+	int r1, r2, r3;
+
+	if ((out->result = zc_connect(daemon_.socket, &c)) < 0)
+		return;
+	list_jobs(c, false, jobs, sizeof(jobs));
+	list_jobs(c, true, stats, sizeof(stats));
+	r1 = zc_job_drop(c, "65534:train");
+	r2 = zc_job_open(c, "65534:train", 1, 2);
+	r3 = zc_job_drop(c, "train");
+	out->result = 0;
+	snprintf(out->text, sizeof(out->text), "jobs[%s] stats[%s] drop=%d open=%d own=%d",
+	    jobs, stats, r1, r2, r3);
+	zc_disconnect(c);
+}
+
+Test(isolation, job_names_per_uid)
+{
+	struct svc_report rep;
+	char seen[256];
+	struct zc_conn *c;
+
+	start_open("{ \"compute\": { \"worker_threads\": 2 }, \"socket\": { \"mode\": \"0666\" } }");
+	/* One uid takes the name first; the real owner still gets it, in its own names. */
+	svc_in_child(OTHER_UID, own_job, "train", &rep);
+	cr_assert_eq(rep.result, 0, "%d %s", rep.result, rep.text);
+	svc_in_child(THIRD_UID, own_job, "train", &rep);
+	cr_assert_eq(rep.result, 0, "the second uid's 'train' was refused: %d %s", rep.result,
+	    rep.text);
+	/*
+	 * The third uid sees its own job and the node's totals, nothing of the
+	 * other's; it may neither join nor drop it.  Its drop of "train" is its own.
+	 */
+	svc_in_child(THIRD_UID, look_and_trespass, NULL, &rep);
+	cr_assert_eq(rep.result, 0, "%s", rep.text);
+	cr_assert(strstr(rep.text, "jobs[train/65533 ]") != NULL, "JOBS shows: %s", rep.text);
+	cr_assert(strstr(rep.text, "stats[train/65533 uid65533 tensors=2]") != NULL,
+	    "STATS shows: %s", rep.text);
+	cr_assert(strstr(rep.text, "drop=-1 ") != NULL, "dropping another uid's job: %s",
+	    rep.text);
+	cr_assert(strstr(rep.text, "open=-13 ") != NULL, "joining another uid's job: %s",
+	    rep.text);
+	cr_assert(strstr(rep.text, "own=0") != NULL, "dropping its own job: %s", rep.text);
+	/* Root sees all, and names one of two like-named jobs by its uid. */
+	c = itd_connect(&daemon_);
+	svc_in_child(THIRD_UID, own_job, "train", &rep);
+	cr_assert_eq(rep.result, 0, "%d %s", rep.result, rep.text);
+	list_jobs(c, false, seen, sizeof(seen));
+	cr_assert(strstr(seen, "train/65534") != NULL && strstr(seen, "train/65533") != NULL,
+	    "root is shown: %s", seen);
+	cr_assert_eq(zc_job_drop(c, "train"), -ENOTUNIQ, "%s", zc_errmsg(c));
+	cr_assert(strstr(zc_errmsg(c), "65534:train") != NULL, "'%s'", zc_errmsg(c));
+	cr_assert_eq(zc_job_drop(c, "65534:train"), 0, "%s", zc_errmsg(c));
+	list_jobs(c, false, seen, sizeof(seen));
+	cr_assert_str_eq(seen, "train/65533 ");
+	zc_disconnect(c);
+	cr_assert_eq(itd_stop(&daemon_, 10), 0, "%s", itd_log_text(&daemon_));
+}
