@@ -1,9 +1,12 @@
 /* What the daemon does with each request, once it has been decoded and validated. */
 #include <errno.h>
+#include <fcntl.h>
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
+#include <unistd.h>
 
 #include "build_config.h"
 #include "daemon.h"
@@ -22,23 +25,64 @@ reply_ok(struct zd_session *s, uint64_t request_id)
 	(void)zd_session_send(s, &m, NULL, 0);
 }
 
+/* A reply too large for one datagram goes in a sealed memfd the client reads and closes. */
+static int
+json_memfd(const char *text, size_t len)
+{
+	int fd = memfd_create("zoffload-json", MFD_CLOEXEC | MFD_ALLOW_SEALING);
+	size_t off = 0;
+
+	if (fd < 0)
+		return -errno;
+	while (off < len) {
+		ssize_t n = write(fd, text + off, len - off);
+
+		if (n < 0 && errno == EINTR)
+			continue;
+		if (n <= 0) {
+			int r = n < 0 ? -errno : -EIO;
+
+			close(fd);
+			return r;
+		}
+		off += (size_t)n;
+	}
+	/* What the client maps stays what we wrote. */
+	if (fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_WRITE | F_SEAL_SEAL) != 0) {
+		int r = -errno;
+
+		close(fd);
+		return r;
+	}
+	return fd;
+}
+
 static void
 reply_json(struct zd_session *s, uint64_t request_id, char *text)
 {
 	struct zp_msg m = { .hdr = { .type = ZP_JSON, .request_id = request_id } };
 	size_t len;
+	int fd;
 
 	if (text == NULL) {
 		zd_session_error(s, request_id, -ENOMEM, "out of memory");
 		return;
 	}
 	len = strlen(text);
-	if (len > ZP_MAX_PAYLOAD) {
-		zd_session_error(s, request_id, -EMSGSIZE, "reply of %zu bytes is too large", len);
-	} else {
+	if (len <= ZP_MAX_PAYLOAD) {
 		m.u.json.text = text;
 		m.u.json.len = (uint32_t)len;
 		(void)zd_session_send(s, &m, NULL, 0);
+	} else if (len > ZP_MAX_XFER) {
+		zd_session_error(s, request_id, -EMSGSIZE, "reply of %zu bytes is too large", len);
+	} else if ((fd = json_memfd(text, len)) < 0) {
+		zd_session_error(s, request_id, fd, "cannot hand over a reply of %zu bytes: %s",
+		    len, strerror(-fd));
+	} else {
+		m.hdr.type = ZP_JSON_FD;
+		m.u.json_fd.bytes = len;
+		(void)zd_session_send_blob(s, &m, fd, len);
+		close(fd);
 	}
 	free(text);
 }

@@ -207,10 +207,10 @@ over_bound(const struct zd_session *s, size_t cost, char *why, size_t whylen)
 
 static int
 queue_out(struct zd_session *s, const void *buf, size_t len, enum out_fds source,
-    uint32_t handle, const int *fds, unsigned nfds, char *why, size_t whylen)
+    uint32_t handle, const int *fds, unsigned nfds, size_t extra, char *why, size_t whylen)
 {
 	struct zd_daemon *d = s->daemon;
-	size_t cost = sizeof(struct zd_out) + len;
+	size_t cost = sizeof(struct zd_out) + len + extra;
 	struct zd_out *o;
 	int r;
 
@@ -222,7 +222,7 @@ queue_out(struct zd_session *s, const void *buf, size_t len, enum out_fds source
 		if (r < 0)
 			return r;
 	}
-	o = malloc(cost);
+	o = malloc(sizeof(*o) + len);
 	if (o == NULL) {
 		snprintf(why, whylen, "out of memory for its replies");
 		r = -ENOMEM;
@@ -305,7 +305,7 @@ stall(struct zd_session *s, const char *why)
 
 static int
 send_msg(struct zd_session *s, const struct zp_msg *msg, enum out_fds source, uint32_t handle,
-    const int *given, unsigned ngiven)
+    const int *given, unsigned ngiven, size_t extra)
 {
 	uint8_t buf[ZP_MAX_MESSAGE];
 	char why[ZP_ERRMSG_MAX + 1];
@@ -329,7 +329,7 @@ send_msg(struct zd_session *s, const struct zp_msg *msg, enum out_fds source, ui
 			return r;
 	}
 	r = queue_out(s, buf, len, source, handle, source == OUT_FDS_DUP ? given : NULL,
-	    source == OUT_FDS_DUP ? ngiven : 0, why, sizeof(why));
+	    source == OUT_FDS_DUP ? ngiven : 0, extra, why, sizeof(why));
 	if (r < 0)
 		stall(s, why);
 	return r;
@@ -338,19 +338,25 @@ send_msg(struct zd_session *s, const struct zp_msg *msg, enum out_fds source, ui
 int
 zd_session_send(struct zd_session *s, const struct zp_msg *msg, const int *fds, unsigned nfds)
 {
-	return send_msg(s, msg, nfds > 0 ? OUT_FDS_DUP : OUT_FDS_NONE, 0, fds, nfds);
+	return send_msg(s, msg, nfds > 0 ? OUT_FDS_DUP : OUT_FDS_NONE, 0, fds, nfds, 0);
+}
+
+int
+zd_session_send_blob(struct zd_session *s, const struct zp_msg *msg, int fd, size_t bytes)
+{
+	return send_msg(s, msg, OUT_FDS_DUP, 0, &fd, 1, bytes);
 }
 
 int
 zd_session_send_slots(struct zd_session *s, const struct zp_msg *msg, uint32_t handle)
 {
-	return send_msg(s, msg, OUT_FDS_SLOTS, handle, NULL, 0);
+	return send_msg(s, msg, OUT_FDS_SLOTS, handle, NULL, 0, 0);
 }
 
 int
 zd_session_send_xfer(struct zd_session *s, const struct zp_msg *msg)
 {
-	return send_msg(s, msg, OUT_FDS_XFER, 0, NULL, 0);
+	return send_msg(s, msg, OUT_FDS_XFER, 0, NULL, 0, 0);
 }
 
 void

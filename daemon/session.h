@@ -70,6 +70,8 @@ int zd_session_send(struct zd_session *s, const struct zp_msg *msg, const int *f
  */
 int zd_session_send_slots(struct zd_session *s, const struct zp_msg *msg, uint32_t handle);
 int zd_session_send_xfer(struct zd_session *s, const struct zp_msg *msg);
+/* A reply with one memfd of `bytes` bytes (the caller keeps fd): queued, it counts them too. */
+int zd_session_send_blob(struct zd_session *s, const struct zp_msg *msg, int fd, size_t bytes);
 /* Error reply: code is a negative errno, the text says what was wrong. */
 void zd_session_error(struct zd_session *s, uint64_t request_id, int code, const char *fmt, ...)
     __attribute__((format(printf, 4, 5)));

@@ -538,3 +538,62 @@ Test(isolation, job_names_per_uid)
 	zc_disconnect(c);
 	cr_assert_eq(itd_stop(&daemon_, 10), 0, "%s", itd_log_text(&daemon_));
 }
+
+/* ---- 4: stats and jobs of any size ---- */
+
+/*
+ * 200 detached jobs with long names make the replies far larger than one
+ * datagram: they come in a memfd, and zoffctl stats and jobs both work.
+ */
+Test(isolation, replies_of_any_size)
+{
+	static const struct zc_tensor_desc desc = { .name = "w", .numel = 16,
+		.grad_dtype = ZC_F32, .param_dtype = ZC_F32 };
+	enum { JOBS = 200 };
+	static char out[1 << 20];
+	static float init[16];
+	char name[ZP_NAME_MAX + 1];
+	const char *argv[] = { getenv("ZOFFCTL"), "--socket", daemon_.socket, "jobs", NULL, NULL };
+	struct zc_tensor *t;
+	struct zc_conn *c;
+	cJSON *root;
+	char *json;
+	int status;
+
+	itd_start(&daemon_, NULL);
+	for (int i = 0; i < JOBS; i++) {
+		c = itd_connect(&daemon_);
+		memset(name, 'j', ZP_NAME_MAX);
+		snprintf(name, sizeof(name), "%03d", i);
+		name[3] = 'j';
+		cr_assert_eq(zc_job_open(c, name, 0, 2), 0, "%s", zc_errmsg(c));
+		cr_assert_eq(zc_tensor_register(c, &desc, init, &t), 0, "%s", zc_errmsg(c));
+		zc_disconnect(c);	/* the rank is gone; its job waits for it */
+	}
+	c = itd_connect(&daemon_);
+	cr_assert_eq(zc_jobs_json(c, &json), 0, "JOBS: %s", zc_errmsg(c));
+	cr_assert_gt(strlen(json), ZP_MAX_PAYLOAD, "only %zu bytes: not the case at hand",
+	    strlen(json));
+	root = cJSON_Parse(json);
+	cr_assert_eq(cJSON_GetArraySize(cJSON_GetObjectItemCaseSensitive(root, "jobs")), JOBS);
+	cJSON_Delete(root);
+	free(json);
+	cr_assert_eq(zc_stats_json(c, &json), 0, "STATS: %s", zc_errmsg(c));
+	root = cJSON_Parse(json);
+	cr_assert_eq(cJSON_GetObjectItemCaseSensitive(root, "jobs_total")->valuedouble, JOBS);
+	cJSON_Delete(root);
+	free(json);
+	cr_assert_eq(zc_ping(c, NULL), 0, "%s", zc_errmsg(c));
+	/* The admin's tools: every job listed, the stats a summary. */
+	status = svc_run(argv, out, sizeof(out), 30);
+	cr_assert_eq(status, 0, "zoffctl jobs: %d: %.300s", status, out);
+	cr_assert(strstr(out, "199j") != NULL, "the last job is not listed");
+	argv[3] = "stats";
+	status = svc_run(argv, out, sizeof(out), 30);
+	cr_assert_eq(status, 0, "zoffctl stats: %d: %.300s", status, out);
+	cr_assert(strstr(out, "and 180 more jobs") != NULL, "%.2000s", out);
+	/* And the descriptors of the replies went back: this connection and the slots. */
+	cr_assert_eq(svc_wait_stat(c, "uids.0.fds", 1 + 2 * JOBS, 10), 1 + 2 * JOBS);
+	zc_disconnect(c);
+	cr_assert_eq(itd_stop(&daemon_, 10), 0, "%s", itd_log_text(&daemon_));
+}
