@@ -50,6 +50,8 @@ struct zd_daemon {
 	unsigned nsessions;
 	TAILQ_HEAD(, zd_job) jobs;
 	unsigned njobs;
+	uint64_t tensors_total;		/* every job's tensors and params, kept as they change */
+	uint64_t params_total;
 	TAILQ_HEAD(, zd_uid) uids;
 	uint32_t next_session_id;	/* never reused: the engine's lanes are session ids */
 	uint64_t next_job_id;

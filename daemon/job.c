@@ -101,8 +101,10 @@ zd_job_attach(struct zd_session *s, const struct zp_job_open *req, char *err, si
 		job->uid = s->uid;
 		job->owner = s->uid_usage;
 		job->owner->jobs++;
+		TAILQ_INSERT_TAIL(&job->owner->job_list, job, uid_entry);
 		job->world_size = world_size;
 		TAILQ_INIT(&job->detached);
+		TAILQ_INIT(&job->rank_groups);
 		/* The first rank decides where the job's state goes. */
 		job->policy = req->policy != ZP_POLICY_DEFAULT ? req->policy : d->cfg.policy;
 		if (ze_account_new(&(struct ze_account_limits){
@@ -111,6 +113,7 @@ zd_job_attach(struct zd_session *s, const struct zp_job_open *req, char *err, si
 			.pinned_what = "pinned budget of job",
 		}, &job->account) < 0) {
 			job->owner->jobs--;
+			TAILQ_REMOVE(&job->owner->job_list, job, uid_entry);
 			free(job);
 			snprintf(err, errlen, "out of memory");
 			return -ENOMEM;
@@ -138,6 +141,7 @@ zd_job_unref(struct zd_daemon *d, struct zd_job *job)
 	d->njobs--;
 	ze_account_unref(job->account);
 	job->owner->jobs--;
+	TAILQ_REMOVE(&job->owner->job_list, job, uid_entry);
 	zd_uid_put(d, job->owner);
 	free(job);
 	return true;
@@ -146,13 +150,49 @@ zd_job_unref(struct zd_daemon *d, struct zd_job *job)
 static void tensor_free(struct zd_daemon *d, struct zd_tensor *t);
 static bool free_detached(struct zd_daemon *d, struct zd_job *job, struct zd_tensor *t);
 
+static struct zd_rank_group *
+rank_group_get(struct zd_job *job, uint32_t rank)
+{
+	struct zd_rank_group *g;
+
+	TAILQ_FOREACH(g, &job->rank_groups, entry)
+		if (g->rank == rank)
+			return g;
+	g = calloc(1, sizeof(*g));
+	if (g == NULL)
+		return NULL;
+	g->rank = rank;
+	TAILQ_INSERT_TAIL(&job->rank_groups, g, entry);
+	job->detached_ranks++;
+	return g;
+}
+
+/* A tensor leaves the detached list (freed or taken back). */
+static void
+undetach(struct zd_job *job, struct zd_tensor *t)
+{
+	struct zd_rank_group *g = t->group;
+
+	TAILQ_REMOVE(&job->detached, t, detached_entry);
+	job->ndetached--;
+	t->detached = false;
+	t->group = NULL;
+	if (--g->tensors == 0) {
+		TAILQ_REMOVE(&job->rank_groups, g, entry);
+		job->detached_ranks--;
+		free(g);
+	}
+}
+
 /* A dead rank's tensor waits for a new process of the same job and rank. */
 static void
-keep_detached(struct zd_job *job, struct zd_tensor *t)
+keep_detached(struct zd_job *job, struct zd_rank_group *g, struct zd_tensor *t)
 {
 	t->session = NULL;
 	t->detached = true;
 	t->detached_ns = zu_now_ns();
+	t->group = g;
+	g->tensors++;
 	TAILQ_INSERT_TAIL(&job->detached, t, detached_entry);
 	job->ndetached++;
 	job->refs++;
@@ -164,8 +204,15 @@ zd_job_detach(struct zd_session *s, bool keep)
 	struct zd_job *job = s->job;
 	unsigned kept = 0;
 
+	struct zd_rank_group *g = NULL;
+
 	keep = keep && job != NULL && !job->dropping && s->daemon->cfg.detach_grace_s > 0 &&
 	    !s->daemon->draining;
+	if (keep && (g = rank_group_get(job, s->rank)) == NULL) {
+		log_warnx("job '%s' rank %u: out of memory keeping its tensors; freed", job->name,
+		    s->rank);
+		keep = false;
+	}
 	for (uint32_t i = 0; i < s->ntensor_slots; i++) {
 		struct zd_tensor *t = s->tensors[i];
 
@@ -173,7 +220,7 @@ zd_job_detach(struct zd_session *s, bool keep)
 			continue;
 		s->tensors[i] = NULL;
 		if (keep) {
-			keep_detached(job, t);
+			keep_detached(job, g, t);
 			kept++;
 		} else {
 			zd_tensor_release(s->daemon, t);
@@ -195,6 +242,11 @@ zd_job_detach(struct zd_session *s, bool keep)
 				(void)free_detached(s->daemon, job, t);
 		}
 	}
+	if (g != NULL && g->tensors == 0) {
+		TAILQ_REMOVE(&job->rank_groups, g, entry);
+		job->detached_ranks--;
+		free(g);
+	}
 	if (kept > 0)
 		log_info("job '%s' rank %u detached (pid %d): %u tensor(s) wait %u s for a reattach",
 		    job->name, s->rank, (int)s->pid, kept, s->daemon->cfg.detach_grace_s);
@@ -207,9 +259,7 @@ zd_job_detach(struct zd_session *s, bool keep)
 static bool
 free_detached(struct zd_daemon *d, struct zd_job *job, struct zd_tensor *t)
 {
-	TAILQ_REMOVE(&job->detached, t, detached_entry);
-	job->ndetached--;
-	t->detached = false;
+	undetach(job, t);
 	/* A step still running on it keeps the engine's tensor until it ends. */
 	tensor_free(d, t);
 	return zd_job_unref(d, job);
@@ -226,8 +276,9 @@ zd_job_expire_detached(struct zd_daemon *d, bool all)
 		next_job = TAILQ_NEXT(job, entry);
 		for (t = TAILQ_FIRST(&job->detached); t != NULL; t = next) {
 			next = TAILQ_NEXT(t, detached_entry);
+			/* Oldest first: the rest are younger still. */
 			if (!all && now - t->detached_ns < grace)
-				continue;
+				break;
 			if (!all)
 				log_info("job '%s' rank %u: tensor '%s' not reattached within %u s, freed",
 				    job->name, t->rank, t->name, d->cfg.detach_grace_s);
@@ -324,22 +375,7 @@ zd_job_drop(struct zd_session *s, const char *text, char *err, size_t errlen)
 unsigned
 zd_job_detached_ranks(const struct zd_job *job)
 {
-	const struct zd_tensor *t, *u;
-	unsigned ranks = 0;
-
-	/* Distinct ranks; the list holds only dead ranks' tensors. */
-	TAILQ_FOREACH(t, &job->detached, detached_entry) {
-		bool seen = false;
-
-		TAILQ_FOREACH(u, &job->detached, detached_entry) {
-			if (u == t)
-				break;
-			if (u->rank == t->rank)
-				seen = true;
-		}
-		ranks += !seen;
-	}
-	return ranks;
+	return job->detached_ranks;
 }
 
 static void
@@ -348,6 +384,8 @@ tensor_free(struct zd_daemon *d, struct zd_tensor *t)
 	if (t->et != NULL) {
 		t->job->tensors--;
 		t->job->params -= ze_tensor_numel(t->et);
+		d->tensors_total--;
+		d->params_total -= ze_tensor_numel(t->et);
 		/* The engine refunds its charge, now or when the work it is in ends. */
 		ze_tensor_free(t->et);
 	}
@@ -438,9 +476,7 @@ resume_detached(struct zd_session *s, const struct zp_tensor_register *req,
 		snprintf(err, errlen, "too many tensors on this connection");
 		return r;
 	}
-	TAILQ_REMOVE(&job->detached, t, detached_entry);
-	job->ndetached--;
-	t->detached = false;
+	undetach(job, t);
 	t->session = s;
 	/* The session's own reference to the job covers it now. */
 	job->refs--;
@@ -522,6 +558,8 @@ zd_tensor_create(struct zd_session *s, const struct zp_tensor_register *req,
 	}
 	s->job->tensors++;
 	s->job->params += req->numel;
+	d->tensors_total++;
+	d->params_total += req->numel;
 	r = add_handle(s, t);
 	if (r < 0) {
 		snprintf(err, errlen, "too many tensors on this connection");

@@ -32,7 +32,15 @@ struct zd_tensor {
 	uint32_t rank;
 	bool detached;			/* its rank died; kept for a reattach until the grace ends */
 	uint64_t detached_ns;
+	struct zd_rank_group *group;	/* while detached: its rank's */
 	TAILQ_ENTRY(zd_tensor) detached_entry;
+};
+
+/* A dead rank's detached tensors in a job, counted so that stats need not pair them up. */
+struct zd_rank_group {
+	TAILQ_ENTRY(zd_rank_group) entry;
+	uint32_t rank;
+	unsigned tensors;
 };
 
 /*
@@ -42,6 +50,7 @@ struct zd_tensor {
  */
 struct zd_job {
 	TAILQ_ENTRY(zd_job) entry;
+	TAILQ_ENTRY(zd_job) uid_entry;	/* in owner->job_list */
 	uint64_t id;
 	char name[ZP_NAME_MAX + 1];
 	uid_t uid;
@@ -58,8 +67,10 @@ struct zd_job {
 	bool dropping;			/* zoffctl drop: nothing is kept for a reattach */
 	uint8_t policy;			/* enum zp_policy */
 	struct ze_account *account;
-	TAILQ_HEAD(, zd_tensor) detached;
+	TAILQ_HEAD(, zd_tensor) detached;	/* oldest first */
 	unsigned ndetached;
+	TAILQ_HEAD(, zd_rank_group) rank_groups;
+	unsigned detached_ranks;	/* groups in rank_groups */
 };
 
 int zd_job_attach(struct zd_session *s, const struct zp_job_open *req, char *err,

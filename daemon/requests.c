@@ -536,10 +536,10 @@ zd_handle_request(struct zd_session *s, const struct zp_msg *msg)
 		handle_param_release(s, msg);
 		break;
 	case ZP_STATS:
-		reply_json(s, id, zd_stats_json_as(s->daemon, s->uid));
+		reply_json(s, id, zd_stats_json_as(s->daemon, s->uid_usage));
 		break;
 	case ZP_JOBS:
-		reply_json(s, id, zd_jobs_json_as(s->daemon, s->uid));
+		reply_json(s, id, zd_jobs_json_as(s->daemon, s->uid_usage));
 		break;
 	default:
 		zd_session_error(s, id, -EBADMSG, "%s is not a request", zp_type_name(msg->hdr.type));

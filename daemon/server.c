@@ -395,12 +395,14 @@ start_engine(struct zd_daemon *d)
 		    (unsigned long long)d->cfg.chunk_elements);
 	d->ev_stepper = event_new(d->base, ze_engine_step_fd(d->engine), EV_READ | EV_PERSIST,
 	    engine_cb, d);
-	if (d->ev_stepper == NULL || event_add(d->ev_stepper, NULL) != 0)
+	if (d->ev_stepper == NULL || event_priority_set(d->ev_stepper, 0) != 0 ||
+	    event_add(d->ev_stepper, NULL) != 0)
 		return -ENOMEM;
 	if (swap != NULL) {
 		d->ev_swap = event_new(d->base, ze_engine_swap_fd(d->engine), EV_READ | EV_PERSIST,
 		    engine_cb, d);
-		if (d->ev_swap == NULL || event_add(d->ev_swap, NULL) != 0)
+		if (d->ev_swap == NULL || event_priority_set(d->ev_swap, 0) != 0 ||
+		    event_add(d->ev_swap, NULL) != 0)
 			return -ENOMEM;
 	}
 	report_pinning(d);
@@ -511,7 +513,12 @@ zd_server_run(struct zd_daemon *d)
 		d->cfg.worker_threads = n > 0 ? (unsigned)n : 1;
 	}
 	d->base = event_base_new();
-	if (d->base == NULL) {
+	/*
+	 * Two priorities: the engine's completions (0) run before any client's
+	 * request (1, the default), so that no flood of control requests
+	 * delays the steps of others.
+	 */
+	if (d->base == NULL || event_base_priority_init(d->base, 2) != 0) {
 		r = -ENOMEM;
 		goto out;
 	}

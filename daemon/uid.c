@@ -48,6 +48,7 @@ zd_uid_get(struct zd_daemon *d, uid_t uid)
 		return NULL;
 	}
 	u->uid = uid;
+	TAILQ_INIT(&u->job_list);
 	TAILQ_INSERT_TAIL(&d->uids, u, entry);
 	return u;
 }

@@ -8,6 +8,7 @@
 #include <sys/types.h>
 
 struct zd_daemon;
+struct zd_job;
 struct ze_account;
 
 /* Descriptors kept back from every uid but root, so that accept and root are never starved. */
@@ -23,6 +24,7 @@ struct zd_uid {
 	uid_t uid;
 	unsigned sessions;
 	unsigned jobs;			/* jobs it owns (it named them) */
+	TAILQ_HEAD(, zd_job) job_list;	/* the same, so that its stats need not look at others' */
 	unsigned tensors;		/* registered by it and not yet freed */
 	unsigned fds;			/* sockets, slots, windows and queued descriptors held for it */
 	uint64_t shm_bytes;		/* its tensors' slots and its sessions' transfer windows */

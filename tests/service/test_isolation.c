@@ -597,3 +597,71 @@ Test(isolation, replies_of_any_size)
 	zc_disconnect(c);
 	cr_assert_eq(itd_stop(&daemon_, 10), 0, "%s", itd_log_text(&daemon_));
 }
+
+/* ---- 5: the stats' counters, kept as things change rather than counted per request ---- */
+
+static void
+register_three(struct zc_conn *c, const char *only)
+{
+	static float init[64];
+	static const char *const names[] = { "a", "b", "c" };
+	struct zc_tensor *t;
+
+	for (int i = 0; i < 3; i++) {
+		if (only != NULL && strcmp(only, names[i]) != 0)
+			continue;
+		cr_assert_eq(zc_tensor_register(c, &(struct zc_tensor_desc){ .name = names[i],
+		    .numel = 64, .grad_dtype = ZC_F32, .param_dtype = ZC_F32 }, init, &t), 0,
+		    "%s", zc_errmsg(c));
+	}
+}
+
+static void
+expect_counts(struct zc_conn *c, double ranks, double tensors, double total)
+{
+	cr_assert_eq(svc_wait_stat(c, "jobs.0.ranks_detached", ranks, 10), ranks,
+	    "ranks_detached %.0f, not %.0f", itd_stat(c, "jobs.0.ranks_detached"), ranks);
+	cr_assert_eq(itd_stat(c, "jobs.0.tensors_detached"), tensors);
+	cr_assert_eq(itd_stat(c, "tensors"), total);
+	cr_assert_eq(itd_stat(c, "params"), 64 * total);
+}
+
+Test(isolation, detached_counts_follow_every_change)
+{
+	struct zc_conn *watch, *r0, *r1;
+
+	itd_start(&daemon_, NULL);
+	watch = itd_connect(&daemon_);
+	r0 = itd_connect(&daemon_);
+	r1 = itd_connect(&daemon_);
+	cr_assert_eq(zc_job_open(r0, "counts", 0, 3), 0, "%s", zc_errmsg(r0));
+	cr_assert_eq(zc_job_open(r1, "counts", 1, 3), 0, "%s", zc_errmsg(r1));
+	register_three(r0, NULL);
+	register_three(r1, NULL);
+	expect_counts(watch, 0, 0, 6);
+	zc_disconnect(r0);	/* two ranks die */
+	zc_disconnect(r1);
+	expect_counts(watch, 2, 6, 6);
+	/* A new rank 0 takes one back: its rank still has two waiting. */
+	r0 = itd_connect(&daemon_);
+	cr_assert_eq(zc_job_open(r0, "counts", 0, 3), 0, "%s", zc_errmsg(r0));
+	register_three(r0, "a");
+	expect_counts(watch, 2, 5, 6);
+	register_three(r0, "b");
+	register_three(r0, "c");
+	expect_counts(watch, 1, 3, 6);
+	/* It dies again: its rank waits again, as one rank. */
+	zc_disconnect(r0);
+	expect_counts(watch, 2, 6, 6);
+	r0 = itd_connect(&daemon_);
+	cr_assert_eq(zc_job_open(r0, "counts", 0, 3), 0, "%s", zc_errmsg(r0));
+	cr_assert_eq(zc_job_close(r0), 0, "%s", zc_errmsg(r0));	/* frees rank 0's state */
+	zc_disconnect(r0);
+	expect_counts(watch, 1, 3, 3);
+	cr_assert_eq(zc_job_drop(watch, "counts"), 0, "%s", zc_errmsg(watch));
+	cr_assert_eq(svc_wait_stat(watch, "tensors", 0, 10), 0);
+	cr_assert_eq(itd_stat(watch, "params"), 0);
+	cr_assert_eq(itd_stat(watch, "jobs_total"), 0);
+	zc_disconnect(watch);
+	cr_assert_eq(itd_stop(&daemon_, 10), 0, "%s", itd_log_text(&daemon_));
+}
