@@ -330,7 +330,17 @@ start_swap(struct zd_daemon *d, struct zs_engine **ret)
 		zc.engine = ZS_ENGINE_AUTO;
 	r = zs_engine_new(&zc, ret, &info);
 	if (r < 0) {
-		if (info.path >= 0)
+		if (info.path >= 0 && r == -EBUSY && info.step != NULL &&
+		    strcmp(info.step, "lock") == 0 && info.holder_pid > 0)
+			log_errorx("swap path %s is in use by pid %d (another zoffloadd?): two daemons "
+			    "on one swap path would overwrite each other's state", paths[info.path].path,
+			    info.holder_pid);
+		else if (info.path >= 0 && r == -EBUSY && info.step != NULL &&
+		    strcmp(info.step, "lock") == 0)
+			log_errorx("swap path %s is locked by another process (another zoffloadd?): "
+			    "two daemons on one swap path would overwrite each other's state",
+			    paths[info.path].path);
+		else if (info.path >= 0)
 			log_errorx("swap path %s: %s failed: %s", paths[info.path].path,
 			    info.step ? info.step : "setup", zs_strerror(info.cause ? info.cause : r));
 		else

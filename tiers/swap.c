@@ -93,7 +93,8 @@ start_backend(struct zs_engine *e, const struct zs_config *c, struct zs_error_in
 		e->uring_error = r;
 		if (c->engine == ZS_ENGINE_URING || !c->allow_fallback) {
 			if (info != NULL)
-				*info = (struct zs_error_info){ -1, "io_uring_queue_init", r };
+				*info = (struct zs_error_info){ .path = -1, .step = "io_uring_queue_init",
+				    .cause = r };
 			e->backend = NULL;
 			return -ZS_E_NOURING;
 		}
@@ -102,7 +103,7 @@ start_backend(struct zs_engine *e, const struct zs_config *c, struct zs_error_in
 	r = e->backend->init(e);
 	if (r < 0) {
 		if (info != NULL)
-			*info = (struct zs_error_info){ -1, "pthread_create", r };
+			*info = (struct zs_error_info){ .path = -1, .step = "pthread_create", .cause = r };
 		e->backend = NULL;
 	}
 	return r;
@@ -129,7 +130,7 @@ zs_engine_new(const struct zs_config *c, struct zs_engine **ret, struct zs_error
 	int r;
 
 	if (info != NULL)
-		*info = (struct zs_error_info){ -1, "config", 0 };
+		*info = (struct zs_error_info){ .path = -1, .step = "config", .cause = 0 };
 	r = check_config(c);
 	if (r < 0)
 		return r;
@@ -137,8 +138,10 @@ zs_engine_new(const struct zs_config *c, struct zs_engine **ret, struct zs_error
 	if (e == NULL)
 		return -ENOMEM;
 	e->efd = -1;
-	for (i = 0; i < ZS_MAX_PATHS; i++)
+	for (i = 0; i < ZS_MAX_PATHS; i++) {
 		e->files[i].fd = -1;
+		e->files[i].lock_fd = -1;
+	}
 	e->unit = c->stripe_unit ? c->stripe_unit : DEFAULT_UNIT;
 	e->qd = c->queue_depth ? c->queue_depth : DEFAULT_QD;
 	e->threads = c->threads ? c->threads : (e->qd < MAX_THREADS ? e->qd : MAX_THREADS);
@@ -166,7 +169,7 @@ zs_engine_new(const struct zs_config *c, struct zs_engine **ret, struct zs_error
 	if (e->unit % e->granule != 0 || e->unit > MAX_OP_LEN) {
 		r = -EINVAL;
 		if (info != NULL)
-			*info = (struct zs_error_info){ -1, "stripe_unit", r };
+			*info = (struct zs_error_info){ .path = -1, .step = "stripe_unit", .cause = r };
 		goto err;
 	}
 	for (i = 0; i < e->npaths; i++) {
@@ -195,7 +198,7 @@ zs_engine_new(const struct zs_config *c, struct zs_engine **ret, struct zs_error
 	if (e->efd < 0) {
 		r = -errno;
 		if (info != NULL)
-			*info = (struct zs_error_info){ -1, "eventfd", r };
+			*info = (struct zs_error_info){ .path = -1, .step = "eventfd", .cause = r };
 		goto err;
 	}
 	r = start_backend(e, c, info);

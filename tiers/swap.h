@@ -92,6 +92,7 @@ struct zs_error_info {
 	int path;		/* index into config->paths, -1: not about one path */
 	const char *step;	/* "open", "fallocate", "io_uring_queue_init", ... */
 	int cause;		/* -errno of that step */
+	int holder_pid;		/* step "lock": the process holding the path (0: not found) */
 };
 
 struct zs_engine;

@@ -26,6 +26,7 @@ struct zs_space {
 
 struct zs_file {
 	int fd;
+	int lock_fd;			/* a directory path's: holds its flock; -1 for a file */
 	uint32_t dio_offset_align;
 	uint32_t dio_mem_align;
 	struct zs_space space;
