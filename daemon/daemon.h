@@ -24,6 +24,7 @@ struct zd_swap_sample {
 	uint64_t bytes_written;
 	double read_bps;
 	double write_bps;
+	int bad;			/* as last logged: 0, or why the path takes no new state */
 };
 
 /*

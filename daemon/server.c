@@ -435,12 +435,18 @@ zd_tick(struct zd_daemon *d)
 
 	d->last_tick_ns = now;
 	if (swap != NULL) {
+		(void)zs_engine_check_paths(swap);
 		for (unsigned i = 0; i < d->cfg.nswap_paths && i < ZD_MAX_SWAP_PATHS; i++) {
 			struct zd_swap_sample *smp = &d->swap_samples[i];
 			struct zs_path_stats ps;
 
 			if (zs_engine_path_stats(swap, i, &ps) != 0)
 				continue;
+			if (ps.bad != 0 && smp->bad == 0)
+				log_errorx("swap path %s is bad (%s): no new state goes there; state "
+				    "already there fails its I/O until its job is dropped",
+				    d->cfg.swap_paths[i].path, zs_strerror(ps.bad));
+			smp->bad = ps.bad;
 			if (dt > 0) {
 				smp->read_bps = (double)(ps.bytes_read - smp->bytes_read) / dt;
 				smp->write_bps = (double)(ps.bytes_written - smp->bytes_written) / dt;

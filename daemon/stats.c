@@ -157,6 +157,9 @@ add_nvme(cJSON *tiers, const struct zd_daemon *d)
 		cJSON_AddNumberToObject(p, "errors_eio", (double)ps.errors_eio);
 		cJSON_AddNumberToObject(p, "errors_enospc", (double)ps.errors_enospc);
 		cJSON_AddNumberToObject(p, "errors_other", (double)ps.errors_other);
+		cJSON_AddBoolToObject(p, "bad", ps.bad != 0);
+		if (ps.bad != 0)
+			cJSON_AddStringToObject(p, "bad_reason", zs_strerror(ps.bad));
 		cJSON_AddItemToArray(paths, p);
 	}
 }

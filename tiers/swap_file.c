@@ -251,6 +251,7 @@ zs_file_open(const struct zs_path *path, uint64_t capacity, struct zs_file *f,
 		goto err;
 	}
 	blockdev = S_ISBLK(st.st_mode);
+	f->regular = S_ISREG(st.st_mode);
 	if (!blockdev && !S_ISREG(st.st_mode)) {
 		r = fail(info, "open", -EINVAL, -EINVAL);
 		goto err;

@@ -1,4 +1,5 @@
 /* Two daemons on one node: swap paths and sockets they must not share, and what each may remove. */
+#include <cjson/cJSON.h>
 #include <criterion/criterion.h>
 #include <errno.h>
 #include <signal.h>
@@ -24,6 +25,10 @@ teardown(void)
 	itd_cleanup(&daemon_);
 	if (swapdir[0] != '\0') {
 		snprintf(path, sizeof(path), "%s/swapfile", swapdir);
+		(void)unlink(path);
+		snprintf(path, sizeof(path), "%s/a", swapdir);
+		(void)unlink(path);
+		snprintf(path, sizeof(path), "%s/b", swapdir);
 		(void)unlink(path);
 		(void)rmdir(swapdir);
 		swapdir[0] = '\0';
@@ -94,5 +99,70 @@ Test(daemons, swap_dir_is_locked)
 	make_swapdir();
 	start_with_swap(swapdir);
 	expect_second_refused();
+	cr_assert_eq(itd_stop(&daemon_, 10), 0, "%s", itd_log_text(&daemon_));
+}
+
+/* 1 when swap path i is reported bad, 0 when good, -1 when the stats do not say. */
+static int
+path_bad(struct zc_conn *c, int i)
+{
+	const cJSON *paths, *p, *bad;
+	char *json = NULL;
+	cJSON *root;
+	int v = -1;
+
+	cr_assert_eq(zc_stats_json(c, &json), 0, "%s", zc_errmsg(c));
+	root = cJSON_Parse(json);
+	paths = cJSON_GetObjectItemCaseSensitive(cJSON_GetObjectItemCaseSensitive(
+	    cJSON_GetObjectItemCaseSensitive(root, "tiers"), "nvme"), "paths");
+	p = cJSON_GetArrayItem(paths, i);
+	bad = cJSON_GetObjectItemCaseSensitive(p, "bad");
+	if (cJSON_IsBool(bad))
+		v = cJSON_IsTrue(bad);
+	cJSON_Delete(root);
+	free(json);
+	return v;
+}
+
+/* A swap file truncated under the daemon is marked bad, shown so, and takes no new state. */
+Test(daemons, truncated_swap_path_goes_bad)
+{
+	enum { N = 1 << 16 };
+	static float init[N], got[N];
+	char config[512], a[128], b[128];
+	struct zc_tensor *t;
+	struct zc_conn *c;
+	double deadline;
+	int bad = -1;
+
+	make_swapdir();
+	snprintf(a, sizeof(a), "%s/a", swapdir);
+	snprintf(b, sizeof(b), "%s/b", swapdir);
+	snprintf(config, sizeof(config), "{ \"compute\": { \"worker_threads\": 2 },"
+	    " \"memory\": { \"policy\": \"nvme\" },"
+	    " \"swap\": { \"paths\": [ { \"path\": \"%s\", \"capacity\": \"16M\" },"
+	    " { \"path\": \"%s\", \"capacity\": \"16M\" } ], \"engine\": \"pthread\","
+	    " \"chunk_elements\": 4096 } }", a, b);
+	itd_start(&daemon_, config);
+	c = itd_connect(&daemon_);
+	cr_assert_eq(path_bad(c, 0), 0, "a fresh path is not shown good");
+	cr_assert_eq(truncate(a, 0), 0, "%s", strerror(errno));
+	deadline = itd_now() + 10;
+	while (itd_now() < deadline && (bad = path_bad(c, 0)) != 1)
+		usleep(50000);
+	cr_assert_eq(bad, 1, "the truncated path is not shown bad: %s", itd_log_text(&daemon_));
+	cr_assert_eq(path_bad(c, 1), 0);
+	cr_assert(strstr(itd_log_text(&daemon_), "is bad") != NULL, "%s", itd_log_text(&daemon_));
+	/* New state goes to the good path only, and reads back whole. */
+	for (int i = 0; i < N; i++)
+		init[i] = (float)i * 0.5f;
+	cr_assert_eq(zc_job_open(c, "after", 0, 1), 0, "%s", zc_errmsg(c));
+	cr_assert_eq(zc_tensor_register(c, &(struct zc_tensor_desc){ .name = "w", .numel = N,
+	    .grad_dtype = ZC_F32, .param_dtype = ZC_F32 }, init, &t), 0, "%s", zc_errmsg(c));
+	cr_assert_eq(itd_stat(c, "tiers.nvme.paths.0.used_bytes"), 0, "state went to the bad path");
+	cr_assert_gt(itd_stat(c, "tiers.nvme.paths.1.used_bytes"), 0);
+	cr_assert_eq(zc_tensor_read(t, ZC_STATE_MASTER, 0, N, got), 0, "%s", zc_errmsg(c));
+	cr_assert(memcmp(got, init, sizeof(got)) == 0, "the state did not read back");
+	zc_disconnect(c);
 	cr_assert_eq(itd_stop(&daemon_, 10), 0, "%s", itd_log_text(&daemon_));
 }
