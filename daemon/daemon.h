@@ -5,6 +5,7 @@
 #include <stdbool.h>
 #include <stdint.h>
 #include <sys/queue.h>
+#include <sys/stat.h>
 
 #include "config.h"
 #include "optim.h"
@@ -37,6 +38,7 @@ struct zd_daemon {
 	bool config_from_file;
 	struct event_base *base;
 	int listen_fd;
+	struct stat socket_st;		/* the socket we bound: only it is unlinked at exit */
 	struct event *ev_listen;
 	struct event *ev_signals[4];
 	struct event *ev_stepper;

@@ -79,15 +79,37 @@ clear_stale_socket(const char *path)
 		return errno == ENOENT ? 0 : -errno;
 	if (!S_ISSOCK(st.st_mode))
 		return -EEXIST;
-	fd = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
+	/*
+	 * Without blocking: a listener whose daemon is stopped, its backlog
+	 * full, would hold a blocking connect for ever.  EAGAIN is that
+	 * listener, alive; only a refusal means nobody is there.
+	 */
+	fd = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
 	if (fd < 0)
 		return -errno;
 	snprintf(sa.sun_path, sizeof(sa.sun_path), "%s", path);
-	r = connect(fd, (struct sockaddr *)&sa, sizeof(sa));
+	r = connect(fd, (struct sockaddr *)&sa, sizeof(sa)) == 0 ? 0 : -errno;
 	close(fd);
-	if (r == 0)
+	if (r == 0 || r == -EAGAIN || r == -EINPROGRESS)
 		return -EADDRINUSE;
+	if (r != -ECONNREFUSED)
+		return r;
 	return unlink(path) == 0 ? 0 : -errno;
+}
+
+/* Removes the socket path if it is still the socket we bound, not a successor's. */
+static void
+unlink_own_socket(struct zd_daemon *d)
+{
+	struct stat st;
+
+	if (lstat(d->cfg.socket_path, &st) != 0)
+		return;
+	if (st.st_dev != d->socket_st.st_dev || st.st_ino != d->socket_st.st_ino) {
+		log_info("%s is no longer our socket: left in place", d->cfg.socket_path);
+		return;
+	}
+	(void)unlink(d->cfg.socket_path);
 }
 
 static int
@@ -120,6 +142,12 @@ open_listener(struct zd_daemon *d)
 		log_error(r, "bind %s", c->socket_path);
 		goto fail;
 	}
+	/* Ours is this inode: at exit the path is removed only while it still is. */
+	if (lstat(c->socket_path, &d->socket_st) != 0) {
+		r = -errno;
+		log_error(r, "stat %s", c->socket_path);
+		goto fail;
+	}
 	if (c->socket_group != NULL) {
 		struct group *g = getgrnam(c->socket_group);
 
@@ -142,7 +170,7 @@ open_listener(struct zd_daemon *d)
 	d->listen_fd = fd;
 	return 0;
 fail_unlink:
-	unlink(c->socket_path);
+	unlink_own_socket(d);
 fail:
 	close(fd);
 	return r;
@@ -603,7 +631,7 @@ out:
 		event_free(d->ev_swap);
 	if (d->listen_fd >= 0) {
 		close(d->listen_fd);
-		unlink(d->cfg.socket_path);
+		unlink_own_socket(d);
 	}
 	if (d->spare_fd >= 0)
 		close(d->spare_fd);

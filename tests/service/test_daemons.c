@@ -166,3 +166,72 @@ Test(daemons, truncated_swap_path_goes_bad)
 	zc_disconnect(c);
 	cr_assert_eq(itd_stop(&daemon_, 10), 0, "%s", itd_log_text(&daemon_));
 }
+
+static int
+raw_socket_to(const char *path, bool nonblock)
+{
+	struct sockaddr_un sa = { .sun_family = AF_UNIX };
+	int fd = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC | (nonblock ? SOCK_NONBLOCK : 0), 0);
+
+	cr_assert_geq(fd, 0);
+	snprintf(sa.sun_path, sizeof(sa.sun_path), "%s", path);
+	if (connect(fd, (struct sockaddr *)&sa, sizeof(sa)) != 0) {
+		int r = -errno;
+
+		close(fd);
+		return r;
+	}
+	return fd;
+}
+
+/*
+ * A daemon that is stopped, its backlog full: a second one on its socket
+ * must see that someone is there, at once, instead of hanging in connect.
+ */
+Test(daemons, probe_of_a_stopped_daemon_does_not_block)
+{
+	static char out[16384];
+	const char *argv[] = { "--config", NULL, "--socket", NULL, NULL };
+	int fds[1024], n = 0, r, status;
+
+	itd_start(&daemon_, NULL);
+	argv[1] = daemon_.config;
+	argv[3] = daemon_.socket;
+	cr_assert_eq(kill(daemon_.pid, SIGSTOP), 0);
+	/* Fill the listener's backlog: the kernel answers EAGAIN once it is full. */
+	while (n < 1024 && (r = raw_socket_to(daemon_.socket, true)) >= 0)
+		fds[n++] = r;
+	cr_assert_eq(r, -EAGAIN, "connect: %s after %d", strerror(-r), n);
+	status = itd_run(argv, out, sizeof(out), 20);
+	cr_assert_eq(kill(daemon_.pid, SIGCONT), 0);
+	cr_assert_neq(status, -1, "the second daemon hung probing the socket: %s", out);
+	cr_assert(WIFEXITED(status) && WEXITSTATUS(status) != 0, "status 0x%x: %s", status, out);
+	cr_assert(strstr(out, "another zoffloadd is listening") != NULL, "%s", out);
+	while (n > 0)
+		close(fds[--n]);
+	cr_assert_eq(itd_stop(&daemon_, 10), 0, "%s", itd_log_text(&daemon_));
+}
+
+/* A daemon whose socket path was taken over leaves the successor's socket alone at exit. */
+Test(daemons, exit_leaves_a_successors_socket)
+{
+	struct sockaddr_un sa = { .sun_family = AF_UNIX };
+	struct stat before, after;
+	char moved[128];
+	int succ;
+
+	itd_start(&daemon_, NULL);
+	snprintf(moved, sizeof(moved), "%s.old", daemon_.socket);
+	cr_assert_eq(rename(daemon_.socket, moved), 0, "%s", strerror(errno));
+	succ = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
+	snprintf(sa.sun_path, sizeof(sa.sun_path), "%s", daemon_.socket);
+	cr_assert_eq(bind(succ, (struct sockaddr *)&sa, sizeof(sa)), 0, "%s", strerror(errno));
+	cr_assert_eq(listen(succ, 4), 0);
+	cr_assert_eq(lstat(daemon_.socket, &before), 0);
+	cr_assert_eq(itd_stop(&daemon_, 10), 0, "%s", itd_log_text(&daemon_));
+	cr_assert_eq(lstat(daemon_.socket, &after), 0, "the successor's socket was removed");
+	cr_assert_eq(after.st_ino, before.st_ino, "the successor's socket was replaced");
+	close(succ);
+	(void)unlink(daemon_.socket);
+	(void)unlink(moved);
+}
