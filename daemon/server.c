@@ -245,12 +245,47 @@ engine_cb(evutil_socket_t fd, short what, void *arg)
 	zd_maybe_finish(d);
 }
 
+static bool
+str_differ(const char *a, const char *b)
+{
+	return (a == NULL) != (b == NULL) || (a != NULL && strcmp(a, b) != 0);
+}
+
+static bool
+swap_paths_differ(const struct zd_config *a, const struct zd_config *b)
+{
+	if (a->nswap_paths != b->nswap_paths)
+		return true;
+	for (unsigned i = 0; i < a->nswap_paths; i++)
+		if (strcmp(a->swap_paths[i].path, b->swap_paths[i].path) != 0 ||
+		    a->swap_paths[i].capacity != b->swap_paths[i].capacity)
+			return true;
+	return false;
+}
+
+/* Appends key to a ", "-separated list. */
+static void
+list_add(char *list, size_t len, const char *key)
+{
+	size_t used = strlen(list);
+
+	snprintf(list + used, len - used, "%s%s", used > 0 ? ", " : "", key);
+}
+
+/*
+ * SIGHUP: every key is compared with the running value.  What can change
+ * live is applied (each is read where it is used, so it applies from its
+ * next use on: new jobs, new windows, the next charge or accept; nothing
+ * already admitted is undone); what was bound at start keeps its running
+ * value until a restart.  The log names both kinds, key by key.
+ */
 static void
 reload(struct zd_daemon *d)
 {
-	struct zd_config fresh;
-	char err[512];
+	struct zd_config fresh, *c = &d->cfg;
+	char err[512], live[1024] = "", restart[1024] = "";
 	enum zk_isa isa;
+	unsigned workers;
 	int r;
 
 	if (!d->config_from_file) {
@@ -268,36 +303,76 @@ reload(struct zd_daemon *d)
 		zd_config_clear(&fresh);
 		return;
 	}
-	/* What is bound at start (socket, swap, threads) needs a restart. */
-	if (strcmp(fresh.socket_path, d->cfg.socket_path) != 0 ||
-	    fresh.worker_threads != d->cfg.worker_threads || fresh.numa_node != d->cfg.numa_node)
-		log_warnx("SIGHUP: socket, worker and NUMA changes take effect at restart");
-	log_set_level(fresh.log_level);
-	d->cfg.log_level = fresh.log_level;
-	ze_engine_set_budgets(d->engine, fresh.pinned_budget, fresh.shm_budget);
+	/* 0 workers means one per CPU, as at start. */
+	workers = fresh.worker_threads;
+	if (workers == 0) {
+		long n = sysconf(_SC_NPROCESSORS_ONLN);
+
+		workers = n > 0 ? (unsigned)n : 1;
+	}
+#define LIVE(key, field) do {						\
+		if (fresh.field != c->field) {				\
+			c->field = fresh.field;				\
+			list_add(live, sizeof(live), key);		\
+		}							\
+	} while (0)
+#define RESTART(key, differ) do {					\
+		if (differ)						\
+			list_add(restart, sizeof(restart), key);	\
+	} while (0)
+	RESTART("socket.path", strcmp(fresh.socket_path, c->socket_path) != 0);
+	RESTART("socket.mode", fresh.socket_mode != c->socket_mode);
+	RESTART("socket.group", str_differ(fresh.socket_group, c->socket_group));
+	LIVE("memory.pinned_budget", pinned_budget);
+	RESTART("memory.numa_node", fresh.numa_node != c->numa_node);
+	RESTART("memory.require_pinned", fresh.require_pinned != c->require_pinned);
+	RESTART("memory.hugepages", fresh.hugepages != c->hugepages);
+	LIVE("memory.shm_budget", shm_budget);
+	LIVE("memory.xfer_window", xfer_window);
+	LIVE("memory.policy", policy);
+	LIVE("memory.job_pinned_budget", job_pinned_budget);
+	RESTART("compute.worker_threads", workers != c->worker_threads);
+	RESTART("compute.cpus", fresh.ncpus != c->ncpus ||
+	    memcmp(fresh.cpus, c->cpus, fresh.ncpus * sizeof(fresh.cpus[0])) != 0);
+	if (strcmp(fresh.isa, c->isa) != 0) {
+		char *old = c->isa;
+
+		c->isa = fresh.isa;
+		fresh.isa = old;
+		list_add(live, sizeof(live), "compute.isa");
+	}
+	RESTART("swap.paths", swap_paths_differ(&fresh, c));
+	RESTART("swap.block_size", fresh.swap_block_size != c->swap_block_size);
+	RESTART("swap.queue_depth", fresh.swap_queue_depth != c->swap_queue_depth);
+	RESTART("swap.engine", strcmp(fresh.swap_engine, c->swap_engine) != 0);
+	RESTART("swap.fallback", fresh.swap_fallback != c->swap_fallback);
+	RESTART("swap.staging_buffers", fresh.staging_buffers != c->staging_buffers);
+	RESTART("swap.chunk_elements", fresh.chunk_elements != c->chunk_elements);
+	LIVE("limits.max_clients", max_clients);
+	LIVE("limits.max_clients_per_uid", max_clients_per_uid);
+	LIVE("limits.max_queued_messages", max_queued_messages);
+	LIVE("limits.max_queued_bytes", max_queued_bytes);
+	LIVE("limits.uid_queued_bytes", uid_queued_bytes);
+	LIVE("limits.uid_pinned_budget", uid_pinned_budget);
+	LIVE("limits.uid_swap_budget", uid_swap_budget);
+	LIVE("limits.uid_max_tensors", uid_max_tensors);
+	LIVE("limits.uid_max_fds", uid_max_fds);
+	LIVE("limits.uid_shm_budget", uid_shm_budget);
+	LIVE("limits.detach_grace_s", detach_grace_s);
+	LIVE("log.level", log_level);
+#undef LIVE
+#undef RESTART
+	log_set_level(c->log_level);
+	ze_engine_set_budgets(d->engine, c->pinned_budget, c->shm_budget);
 	ze_engine_set_isa(d->engine, isa);
-	d->cfg.pinned_budget = fresh.pinned_budget;
-	d->cfg.shm_budget = fresh.shm_budget;
-	/*
-	 * Every limits.* key: each is read where it is enforced (accept,
-	 * placement, detach), so a new value applies from the next use on and
-	 * nothing already admitted is undone.
-	 */
-	d->cfg.max_clients = fresh.max_clients;
-	d->cfg.max_clients_per_uid = fresh.max_clients_per_uid;
-	d->cfg.max_queued_messages = fresh.max_queued_messages;
-	d->cfg.uid_pinned_budget = fresh.uid_pinned_budget;
-	d->cfg.uid_swap_budget = fresh.uid_swap_budget;
-	d->cfg.detach_grace_s = fresh.detach_grace_s;
-	d->cfg.max_queued_bytes = fresh.max_queued_bytes;
-	d->cfg.uid_queued_bytes = fresh.uid_queued_bytes;
-	d->cfg.uid_max_tensors = fresh.uid_max_tensors;
-	d->cfg.uid_max_fds = fresh.uid_max_fds;
-	d->cfg.uid_shm_budget = fresh.uid_shm_budget;
-	zd_uid_reload_limits(d);
 	d->isa = isa;
+	zd_uid_reload_limits(d);
 	zd_config_clear(&fresh);
-	log_info("SIGHUP: reloaded %s (kernels %s)", d->config_path, zk_isa_name(d->isa));
+	log_info("SIGHUP: reloaded %s (kernels %s): %s%s", d->config_path, zk_isa_name(d->isa),
+	    live[0] != '\0' ? "changed live: " : "nothing changed live", live);
+	if (restart[0] != '\0')
+		log_warnx("SIGHUP: changed in %s but applied only at restart (the running values "
+		    "stay): %s", d->config_path, restart);
 }
 
 static void

@@ -235,3 +235,81 @@ Test(daemons, exit_leaves_a_successors_socket)
 	(void)unlink(daemon_.socket);
 	(void)unlink(moved);
 }
+
+/* The log so far has `text` on the line that starts with `line`. */
+static bool
+log_line_has(const char *line, const char *text)
+{
+	const char *log = itd_log_text(&daemon_), *p = strstr(log, line), *end;
+
+	if (p == NULL)
+		return false;
+	end = strchr(p, '\n');
+	for (const char *q = strstr(p, text); q != NULL; q = strstr(q + 1, text))
+		if (end == NULL || q < end)
+			return true;
+	return false;
+}
+
+/* SIGHUP applies each key that can change live and names, key by key, what needs a restart. */
+Test(daemons, reload_applies_and_names_each_key)
+{
+	static const char *const live[] = { "memory.xfer_window", "memory.policy",
+		"limits.detach_grace_s", "limits.max_clients_per_uid", "limits.uid_pinned_budget",
+		"limits.uid_max_tensors" };
+	static const char *const restart[] = { "swap.paths", "compute.worker_threads" };
+	static struct zp_msg m;
+	char config[512], *json = NULL;
+	struct zc_conn *c;
+	double deadline;
+	FILE *f;
+	int fd;
+
+	make_swapdir();
+	itd_start(&daemon_, "{ \"compute\": { \"worker_threads\": 2 }, \"log\": { \"level\": "
+	    "\"info\" } }");
+	snprintf(config, sizeof(config), "{ \"compute\": { \"worker_threads\": 3 },"
+	    " \"log\": { \"level\": \"info\" },"
+	    " \"memory\": { \"xfer_window\": \"4M\", \"policy\": \"cpu\" },"
+	    " \"swap\": { \"paths\": [ { \"path\": \"%s\", \"capacity\": \"16M\" } ] },"
+	    " \"limits\": { \"detach_grace_s\": 5, \"max_clients_per_uid\": 3,"
+	    " \"uid_pinned_budget\": \"1G\", \"uid_max_tensors\": 99 } }", swapdir);
+	f = fopen(daemon_.config, "w");
+	cr_assert_not_null(f);
+	fputs(config, f);
+	cr_assert_eq(fclose(f), 0);
+	cr_assert_eq(kill(daemon_.pid, SIGHUP), 0);
+	deadline = itd_now() + 10;
+	while (itd_now() < deadline && !log_line_has("SIGHUP: reloaded", "changed live"))
+		usleep(20000);
+	for (size_t i = 0; i < sizeof(live) / sizeof(live[0]); i++)
+		cr_assert(log_line_has("SIGHUP: reloaded", live[i]), "%s not said to have changed "
+		    "live: %s", live[i], itd_log_text(&daemon_));
+	for (size_t i = 0; i < sizeof(restart) / sizeof(restart[0]); i++)
+		cr_assert(log_line_has("SIGHUP: changed in", restart[i]), "%s not said to need a "
+		    "restart: %s", restart[i], itd_log_text(&daemon_));
+	cr_assert_not(log_line_has("SIGHUP: reloaded", "swap.paths"), "%s",
+	    itd_log_text(&daemon_));
+	cr_assert_not(log_line_has("SIGHUP: changed in", "xfer_window"), "%s",
+	    itd_log_text(&daemon_));
+	/* Applied: a new window has the new size, a new job the new policy. */
+	fd = raw_socket_to(daemon_.socket, false);
+	cr_assert_geq(fd, 0);
+	itd_raw_hello(fd);
+	memset(&m, 0, sizeof(m));
+	itd_raw_send(fd, ZP_XFER_OPEN, 5, &m);
+	cr_assert(itd_raw_recv(fd, &m, 5));
+	cr_assert_eq(m.hdr.type, ZP_XFER_OK, "%s", zp_type_name(m.hdr.type));
+	cr_assert_eq(m.u.xfer_ok.bytes, 4 << 20, "window of %llu bytes",
+	    (unsigned long long)m.u.xfer_ok.bytes);
+	close(fd);
+	c = itd_connect(&daemon_);
+	cr_assert_eq(zc_job_open(c, "reloaded", 0, 1), 0, "%s", zc_errmsg(c));
+	cr_assert_eq(zc_jobs_json(c, &json), 0, "%s", zc_errmsg(c));
+	cr_assert(strstr(json, "\"policy\":\"cpu\"") != NULL, "%s", json);
+	free(json);
+	cr_assert_eq(itd_stat(c, "limits.detach_grace_s"), 5);
+	cr_assert_eq(itd_stat(c, "worker_threads"), 2, "the worker count changed live");
+	zc_disconnect(c);
+	cr_assert_eq(itd_stop(&daemon_, 10), 0, "%s", itd_log_text(&daemon_));
+}
