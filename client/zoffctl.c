@@ -9,7 +9,9 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "build_config.h"
 #include "zclient.h"
+#include "zoffctl.h"
 
 static void
 usage(FILE *f)
@@ -22,8 +24,30 @@ usage(FILE *f)
 	    "  jobs [--json]                      jobs and their ranks, attached and detached\n"
 	    "  drop JOB                           free a job (its ranks are disconnected)\n"
 	    "  ping [--count N]                   control round trip\n"
+	    "  tune [--quick] [--seconds S] [--size BYTES] [--json] DIR...\n"
+	    "                                     measure swap directories and the CPU step\n"
+	    "                                     rate, print a recommended swap config\n"
+	    "  import-deepspeed [--json] FILE     a DeepSpeed config as zoffload config and\n"
+	    "                                     job options, naming what has no equivalent\n"
 	    "\n"
-	    "The socket is --socket, else $ZOFFLOAD_SOCKET, else the built-in default.\n");
+	    "  -s, --socket PATH   the daemon's socket\n"
+	    "  -V, --version       print the version and exit\n"
+	    "\n"
+	    "The socket is --socket, else $ZOFFLOAD_SOCKET, else %s.\n",
+	    ZOFFLOAD_DEFAULT_SOCKET);
+}
+
+/* The socket this run talks to, as libzclient picks it, for every error message. */
+static const char *socket_shown = ZOFFLOAD_DEFAULT_SOCKET;
+
+static const char *
+socket_to_show(const char *opt)
+{
+	const char *env = getenv("ZOFFLOAD_SOCKET");
+
+	if (opt != NULL)
+		return opt;
+	return env != NULL && env[0] != '\0' ? env : ZOFFLOAD_DEFAULT_SOCKET;
 }
 
 static double
@@ -165,9 +189,11 @@ print_stats(const cJSON *s)
 	printf("steps    applied %.0f  skipped %.0f  failed %.0f  in flight %.0f\n",
 	    num(s, "steps.applied"), num(s, "steps.skipped_nonfinite"), num(s, "steps.failed"),
 	    num(s, "steps.in_flight"));
-	printf("rate     %s params/s over the last %.0f s   (compute alone %s params/s)\n",
+	/* The daemon averages over fewer seconds when it has not been up for the whole window. */
+	printf("rate     %s params/s over the last %.0f s%s   (compute alone %s params/s)\n",
 	    count(num(s, "steps.params_per_s"), a, sizeof(a)), num(s, "steps.rate_window_s"),
-	    count(num(s, "steps.compute_params_per_s"), b, sizeof(b)));
+	    num(s, "steps.rate_window_s") < 10 ? " (all the daemon has: it started less than 10 s "
+	    "ago)" : "", count(num(s, "steps.compute_params_per_s"), b, sizeof(b)));
 	if (num(s, "pipeline.tensor_steps_nvme") > 0 || num(s, "pipeline.params.fetches") > 0) {
 		printf("pipeline tensor steps pinned %.0f / nvme %.0f (pinned hit rate %.0f%%), "
 		    "chunks read %.0f written %.0f, io errors %.0f\n",
@@ -202,13 +228,13 @@ on_sigint(int sig)
 static int
 cmd_json(struct zc_conn *c, bool jobs, bool json, double watch)
 {
-	for (;;) {
+	for (bool first = true;; first = false) {
 		char *text;
 		cJSON *root;
 		int r = jobs ? zc_jobs_json(c, &text) : zc_stats_json(c, &text);
 
 		if (r < 0) {
-			fprintf(stderr, "zoffctl: %s\n", zc_errmsg(c));
+			fprintf(stderr, "zoffctl: zoffloadd at %s: %s\n", socket_shown, zc_errmsg(c));
 			return 1;
 		}
 		if (json) {
@@ -220,8 +246,11 @@ cmd_json(struct zc_conn *c, bool jobs, bool json, double watch)
 				free(text);
 				return 1;
 			}
-			if (watch > 0)
+			/* Clear the screen on a terminal; a file or a pipe gets plain text. */
+			if (watch > 0 && isatty(STDOUT_FILENO))
 				printf("\033[H\033[2J");
+			else if (watch > 0 && !first)
+				printf("\n");
 			if (jobs)
 				print_jobs_table(cJSON_GetObjectItemCaseSensitive(root, "jobs"), 0);
 			else
@@ -244,7 +273,8 @@ static int
 cmd_drop(struct zc_conn *c, const char *job)
 {
 	if (zc_job_drop(c, job) < 0) {
-		fprintf(stderr, "zoffctl: drop %s: %s\n", job, zc_errmsg(c));
+		fprintf(stderr, "zoffctl: drop %s (zoffloadd at %s): %s\n", job, socket_shown,
+		    zc_errmsg(c));
 		return 1;
 	}
 	printf("job '%s' dropped\n", job);
@@ -258,7 +288,8 @@ cmd_ping(struct zc_conn *c, long n)
 		uint64_t rtt;
 
 		if (zc_ping(c, &rtt) < 0) {
-			fprintf(stderr, "zoffctl: ping: %s\n", zc_errmsg(c));
+			fprintf(stderr, "zoffctl: ping zoffloadd at %s: %s\n", socket_shown,
+			    zc_errmsg(c));
 			return 1;
 		}
 		printf("pong from zoffloadd: %.1f us\n", (double)rtt / 1e3);
@@ -271,9 +302,10 @@ struct options {
 	bool json;
 	double watch;
 	long count;
+	struct zoffctl_tune_opts tune;
 };
 
-/* 0 handled, 1 help printed, 2 bad usage. */
+/* 0 handled, 1 help or version printed, 2 bad usage. */
 static int
 take_option(int opt, const char *arg, struct options *o)
 {
@@ -301,8 +333,32 @@ take_option(int opt, const char *arg, struct options *o)
 			return 2;
 		}
 		return 0;
+	case 'S':
+		o->tune.seconds = strtod(arg, &end);
+		if (*end != '\0' || !(o->tune.seconds > 0) || o->tune.seconds > 60) {
+			fprintf(stderr, "zoffctl: --seconds: '%s' is not a number of seconds from 0 "
+			    "to 60\n", arg);
+			return 2;
+		}
+		return 0;
+	case 'B':
+		o->tune.size = strtoull(arg, &end, 10);
+		if (*end == 'M' || *end == 'G')
+			o->tune.size <<= *end++ == 'M' ? 20 : 30;
+		if (*end != '\0' || o->tune.size < (4u << 20)) {
+			fprintf(stderr, "zoffctl: --size: '%s' is not a size of at least 4M (bytes, "
+			    "or a number with M or G)\n", arg);
+			return 2;
+		}
+		return 0;
+	case 'q':
+		o->tune.quick = true;
+		return 0;
 	case 'h':
 		usage(stdout);
+		return 1;
+	case 'V':
+		printf("zoffctl %s\n", ZOFFLOAD_VERSION);
 		return 1;
 	default:
 		usage(stderr);
@@ -319,15 +375,19 @@ main(int argc, char **argv)
 		{ "watch", required_argument, NULL, 'w' },
 		{ "count", required_argument, NULL, 'n' },
 		{ "help", no_argument, NULL, 'h' },
+		{ "version", no_argument, NULL, 'V' },
+		{ "seconds", required_argument, NULL, 'S' },
+		{ "size", required_argument, NULL, 'B' },
+		{ "quick", no_argument, NULL, 'q' },
 		{ NULL, 0, NULL, 0 },
 	};
 	struct options o = { .count = 1 };
-	const char *cmd, *where, *job = NULL;
+	const char *cmd, *job = NULL;
 	struct zc_conn *c;
 	int opt, r;
 
 	/* '+': stop at the command; its options are read after it. */
-	while ((opt = getopt_long(argc, argv, "+s:jw:n:h", opts, NULL)) != -1)
+	while ((opt = getopt_long(argc, argv, "+s:jw:n:hVS:B:q", opts, NULL)) != -1)
 		if ((r = take_option(opt, optarg, &o)) != 0)
 			return r == 1 ? 0 : r;
 	if (optind >= argc) {
@@ -335,9 +395,26 @@ main(int argc, char **argv)
 		return 2;
 	}
 	cmd = argv[optind++];
-	while ((opt = getopt_long(argc, argv, "s:jw:n:h", opts, NULL)) != -1)
+	while ((opt = getopt_long(argc, argv, "s:jw:n:hVS:B:q", opts, NULL)) != -1)
 		if ((r = take_option(opt, optarg, &o)) != 0)
 			return r == 1 ? 0 : r;
+	if (strcmp(cmd, "import-deepspeed") == 0) {
+		if (optind + 1 != argc) {
+			fprintf(stderr, "zoffctl: import-deepspeed needs one DeepSpeed config file "
+			    "(- for stdin)\n");
+			return 2;
+		}
+		return zoffctl_import_deepspeed(argv[optind], o.json, stdout);
+	}
+	if (strcmp(cmd, "tune") == 0) {
+		o.tune.json = o.json;
+		if (optind >= argc) {
+			fprintf(stderr, "zoffctl: tune needs the swap directories to measure\n");
+			return 2;
+		}
+		return zoffctl_tune((const char *const *)argv + optind, (unsigned)(argc - optind),
+		    &o.tune, stdout);
+	}
 	if (strcmp(cmd, "drop") == 0) {
 		if (optind >= argc) {
 			fprintf(stderr, "zoffctl: drop needs a job name\n");
@@ -355,11 +432,18 @@ main(int argc, char **argv)
 		usage(stderr);
 		return 2;
 	}
+	socket_shown = socket_to_show(o.socket_path);
 	r = zc_connect(o.socket_path, &c);
 	if (r < 0) {
-		where = o.socket_path != NULL ? o.socket_path : getenv("ZOFFLOAD_SOCKET");
-		fprintf(stderr, "zoffctl: cannot reach zoffloadd at %s: %s\n",
-		    where != NULL ? where : "the default socket", strerror(-r));
+		fprintf(stderr, "zoffctl: cannot reach zoffloadd at %s: %s\n", socket_shown,
+		    strerror(-r));
+		if (r == -EACCES || r == -EPERM)
+			fprintf(stderr, "zoffctl: users of zoffloadd must be in the socket's group "
+			    "(zoffload with the shipped configuration): sudo usermod -aG zoffload "
+			    "$USER, then log in again\n");
+		else if (r == -ENOENT || r == -ECONNREFUSED)
+			fprintf(stderr, "zoffctl: is zoffloadd running, and is that its socket "
+			    "(--socket, $ZOFFLOAD_SOCKET)?\n");
 		return 1;
 	}
 	signal(SIGINT, on_sigint);

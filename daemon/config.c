@@ -1,6 +1,7 @@
 /* zoffloadd's configuration: built-in defaults, /etc/zoffload.conf (JSON), validation. */
 #include <cjson/cJSON.h>
 #include <ctype.h>
+#include <stdbool.h>
 #include <errno.h>
 #include <stdarg.h>
 #include <stdio.h>
@@ -10,6 +11,7 @@
 
 #include "config.h"
 #include "build_config.h"
+#include "metrics.h"
 
 struct parse_ctx {
 	const char *source;
@@ -39,36 +41,73 @@ perr(struct parse_ctx *ctx, const char *fmt, ...)
 	return ctx->status;
 }
 
+/*
+ * "4G", "1.5T", "512M", "1048576": digits, an optional decimal part, an
+ * optional unit.  Every unit is binary (K = 2^10 ... T = 2^40) whether written
+ * K, KB or KiB.  allow_bytes_suffix: "KB"/"KiB" spellings are accepted (not
+ * for counts of elements).  The result must be a whole number.
+ */
+/* Wide enough for a 19-digit fraction times 2^40. */
+__extension__ typedef unsigned __int128 u128;
+
+static int
+parse_scaled(const char *text, bool allow_bytes_suffix, uint64_t *ret)
+{
+	const char *p = text;
+	u128 whole = 0, frac = 0, denom = 1, v;
+	uint64_t mult = 1;
+
+	if (text == NULL || !isdigit((unsigned char)*p))
+		return -EINVAL;
+	for (; isdigit((unsigned char)*p); p++) {
+		whole = whole * 10 + (unsigned)(*p - '0');
+		if (whole > UINT64_MAX)
+			return -ERANGE;
+	}
+	if (*p == '.') {
+		p++;
+		if (!isdigit((unsigned char)*p))
+			return -EINVAL;
+		for (; isdigit((unsigned char)*p); p++) {
+			/* 19 places are below a byte of the largest unit. */
+			if (denom >= 10000000000000000000ull)
+				return -EINVAL;
+			frac = frac * 10 + (unsigned)(*p - '0');
+			denom *= 10;
+		}
+	}
+	switch (toupper((unsigned char)*p)) {
+	case '\0': break;
+	case 'K': mult = 1ull << 10; p++; break;
+	case 'M': mult = 1ull << 20; p++; break;
+	case 'G': mult = 1ull << 30; p++; break;
+	case 'T': mult = 1ull << 40; p++; break;
+	default: return -EINVAL;
+	}
+	if (allow_bytes_suffix && mult != 1 && (strcasecmp(p, "iB") == 0 || strcasecmp(p, "B") == 0))
+		p += strlen(p);
+	if (*p != '\0')
+		return -EINVAL;
+	/* "1.5" bytes, "0.3K" (307.2 bytes): not a whole number. */
+	if (frac * mult % denom != 0)
+		return -EINVAL;
+	v = whole * mult + frac * mult / denom;
+	if (v > UINT64_MAX)
+		return -ERANGE;
+	*ret = (uint64_t)v;
+	return 0;
+}
+
 int
 zd_parse_size(const char *text, uint64_t *ret)
 {
-	char *end;
-	unsigned long long v;
-	uint64_t mult = 1;
+	return parse_scaled(text, true, ret);
+}
 
-	if (text == NULL || !isdigit((unsigned char)text[0]))
-		return -EINVAL;
-	errno = 0;
-	v = strtoull(text, &end, 10);
-	if (errno != 0)
-		return -ERANGE;
-	switch (toupper((unsigned char)*end)) {
-	case '\0': break;
-	case 'K': mult = 1ull << 10; end++; break;
-	case 'M': mult = 1ull << 20; end++; break;
-	case 'G': mult = 1ull << 30; end++; break;
-	case 'T': mult = 1ull << 40; end++; break;
-	default: return -EINVAL;
-	}
-	/* Accept "4G", "4GB", "4GiB". */
-	if (mult != 1 && (strcasecmp(end, "iB") == 0 || strcasecmp(end, "B") == 0))
-		end += strlen(end);
-	if (*end != '\0')
-		return -EINVAL;
-	if (v > UINT64_MAX / mult)
-		return -ERANGE;
-	*ret = v * mult;
-	return 0;
+int
+zd_parse_count(const char *text, uint64_t *ret)
+{
+	return parse_scaled(text, false, ret);
 }
 
 int
@@ -101,6 +140,7 @@ zd_config_defaults(struct zd_config *cfg)
 	cfg->uid_max_tensors = 16384;
 	cfg->detach_grace_s = 300;
 	cfg->log_level = ZD_LOG_INFO;
+	cfg->metrics_max_jobs = 20;
 	if (cfg->source == NULL || cfg->socket_path == NULL || cfg->isa == NULL ||
 	    cfg->swap_engine == NULL) {
 		zd_config_clear(cfg);
@@ -117,6 +157,7 @@ zd_config_clear(struct zd_config *cfg)
 	free(cfg->socket_group);
 	free(cfg->isa);
 	free(cfg->swap_engine);
+	free(cfg->metrics_listen);
 	for (unsigned i = 0; i < cfg->nswap_paths; i++)
 		free(cfg->swap_paths[i].path);
 	memset(cfg, 0, sizeof(*cfg));
@@ -140,6 +181,35 @@ check_keys(struct parse_ctx *ctx, const cJSON *obj, const char *section,
 			    item->string);
 			return;
 		}
+	}
+}
+
+/*
+ * JSON allows a key twice and cJSON keeps both, but only the first is read:
+ * the second would be silently ignored, so it is an error, named by its path.
+ */
+static void
+check_duplicates(struct parse_ctx *ctx, const cJSON *node, const char *path)
+{
+	const cJSON *a, *b;
+
+	for (a = node->child; a != NULL && ctx->status == 0; a = a->next) {
+		char sub[256];
+
+		if (cJSON_IsObject(node)) {
+			for (b = a->next; b != NULL; b = b->next) {
+				if (strcmp(a->string, b->string) == 0) {
+					perr(ctx, "key '%s%s%s' appears twice", path, *path ? "." : "",
+					    a->string);
+					return;
+				}
+			}
+			snprintf(sub, sizeof(sub), "%s%s%s", path, *path ? "." : "", a->string);
+		} else {
+			snprintf(sub, sizeof(sub), "%s[]", path);
+		}
+		if (cJSON_IsObject(a) || cJSON_IsArray(a))
+			check_duplicates(ctx, a, sub);
 	}
 }
 
@@ -250,7 +320,8 @@ get_size(struct parse_ctx *ctx, const cJSON *obj, const char *sec, const char *k
 	    v->valuedouble == (double)(uint64_t)v->valuedouble)
 		size = (uint64_t)v->valuedouble;
 	else if (!cJSON_IsString(v) || zd_parse_size(v->valuestring, &size) != 0) {
-		bad_value(ctx, sec, v, "a size (bytes, or a number with K, M, G or T)");
+		bad_value(ctx, sec, v, "a size (bytes, or a number such as \"1.5G\" with K, M, G "
+		    "or T: 2^10, 2^20, 2^30, 2^40 bytes)");
 		return;
 	}
 	if (size < min) {
@@ -262,6 +333,35 @@ get_size(struct parse_ctx *ctx, const cJSON *obj, const char *sec, const char *k
 		return;
 	}
 	*dst = size;
+}
+
+/* A count of things (elements): a number, or a string with K, M, G, T (powers of two). */
+static void
+get_count(struct parse_ctx *ctx, const cJSON *obj, const char *sec, const char *key,
+    uint64_t min, const char *unit, uint64_t *dst)
+{
+	const cJSON *v = cJSON_GetObjectItemCaseSensitive(obj, key);
+	char expected[128];
+	uint64_t n;
+
+	if (v == NULL || ctx->status != 0)
+		return;
+	if (cJSON_IsNumber(v) && v->valuedouble >= 0 && v->valuedouble < 1.8e19 &&
+	    v->valuedouble == (double)(uint64_t)v->valuedouble)
+		n = (uint64_t)v->valuedouble;
+	else if (!cJSON_IsString(v) || zd_parse_count(v->valuestring, &n) != 0) {
+		snprintf(expected, sizeof(expected), "a number of %s (a whole number, or one with K, "
+		    "M, G: 2^10, 2^20, 2^30 %s)", unit, unit);
+		bad_value(ctx, sec, v, expected);
+		return;
+	}
+	if (n < min) {
+		snprintf(expected, sizeof(expected), "at least %llu %s", (unsigned long long)min,
+		    unit);
+		bad_value(ctx, sec, v, expected);
+		return;
+	}
+	*dst = n;
 }
 
 static void
@@ -359,7 +459,7 @@ static void
 parse_swap(struct parse_ctx *ctx, const cJSON *s, struct zd_config *cfg)
 {
 	static const char *const keys[] = { "paths", "block_size", "queue_depth", "engine",
-		"fallback", "staging_buffers", "chunk_elements", NULL };
+		"fallback", "staging_buffers", "chunk_elements", "allow_memory_fs", NULL };
 	static const char *const path_keys[] = { "path", "capacity", NULL };
 	const cJSON *paths, *p;
 
@@ -376,12 +476,13 @@ parse_swap(struct parse_ctx *ctx, const cJSON *s, struct zd_config *cfg)
 		    cfg->swap_engine);
 	get_bool(ctx, s, "swap", "fallback", &cfg->swap_fallback);
 	get_unsigned(ctx, s, "swap", "staging_buffers", 2, 256, &cfg->staging_buffers);
-	get_size(ctx, s, "swap", "chunk_elements", 1024, &cfg->chunk_elements);
+	get_count(ctx, s, "swap", "chunk_elements", 1024, "elements", &cfg->chunk_elements);
 	/* Whole 4 KiB pages per array keep every chunk's I/O aligned for O_DIRECT. */
 	if (ctx->status == 0 && (cfg->chunk_elements % 1024 != 0 ||
 	    cfg->chunk_elements > (256u << 20)))
-		perr(ctx, "swap.chunk_elements: %llu is not a multiple of 1024 up to 256M",
-		    (unsigned long long)cfg->chunk_elements);
+		perr(ctx, "swap.chunk_elements: %llu elements is not a multiple of 1024 elements "
+		    "up to 268435456 (256M) elements", (unsigned long long)cfg->chunk_elements);
+	get_bool(ctx, s, "swap", "allow_memory_fs", &cfg->swap_allow_memory_fs);
 	paths = cJSON_GetObjectItemCaseSensitive(s, "paths");
 	if (paths == NULL || ctx->status != 0)
 		return;
@@ -464,12 +565,27 @@ parse_log(struct parse_ctx *ctx, const cJSON *s, struct zd_config *cfg)
 		bad_value(ctx, "log", level, "one of \"error\", \"warn\", \"info\", \"debug\"");
 }
 
+static void
+parse_metrics(struct parse_ctx *ctx, const cJSON *s, struct zd_config *cfg)
+{
+	static const char *const keys[] = { "listen", "max_jobs", NULL };
+	struct zd_metrics_addr addr;
+	char why[256];
+
+	check_keys(ctx, s, "metrics", keys);
+	get_string(ctx, s, "metrics", "listen", &cfg->metrics_listen);
+	get_unsigned(ctx, s, "metrics", "max_jobs", 1, 10000, &cfg->metrics_max_jobs);
+	if (ctx->status == 0 && cfg->metrics_listen != NULL &&
+	    zd_metrics_parse_listen(cfg->metrics_listen, &addr, why, sizeof(why)) != 0)
+		perr(ctx, "metrics.listen: %s", why);
+}
+
 int
 zd_config_parse(const char *text, const char *source, struct zd_config *cfg, char *err,
     size_t errlen)
 {
 	static const char *const top_keys[] = { "socket", "memory", "compute", "swap", "limits",
-		"log", NULL };
+		"log", "metrics", NULL };
 	struct parse_ctx ctx = { .source = source, .err = err, .errlen = errlen };
 	struct {
 		const char *name;
@@ -477,7 +593,7 @@ zd_config_parse(const char *text, const char *source, struct zd_config *cfg, cha
 	} sections[] = {
 		{ "socket", parse_socket }, { "memory", parse_memory },
 		{ "compute", parse_compute }, { "swap", parse_swap },
-		{ "limits", parse_limits }, { "log", parse_log },
+		{ "limits", parse_limits }, { "log", parse_log }, { "metrics", parse_metrics },
 	};
 	const char *end = NULL;
 	cJSON *root;
@@ -496,6 +612,7 @@ zd_config_parse(const char *text, const char *source, struct zd_config *cfg, cha
 		cJSON_Delete(root);
 		return perr(&ctx, "the top level must be a JSON object");
 	}
+	check_duplicates(&ctx, root, "");
 	check_keys(&ctx, root, "", top_keys);
 	for (size_t i = 0; i < sizeof(sections) / sizeof(sections[0]) && ctx.status == 0; i++) {
 		const cJSON *s = section(&ctx, root, sections[i].name);

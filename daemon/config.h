@@ -45,6 +45,7 @@ struct zd_config {
 	bool swap_fallback;
 	unsigned staging_buffers;	/* NVMe chunks in flight at once (read, step, write) */
 	uint64_t chunk_elements;	/* elements of one tensor per NVMe chunk */
+	bool swap_allow_memory_fs;	/* --check-config accepts tmpfs/ramfs swap paths */
 
 	unsigned max_clients;
 	unsigned max_clients_per_uid;	/* 0: no per-uid cap */
@@ -59,6 +60,9 @@ struct zd_config {
 	uint64_t uid_shm_budget;	/* slots and transfer windows per uid; 0: no per-uid cap */
 
 	enum zd_log_level log_level;
+
+	char *metrics_listen;		/* NULL: no metrics endpoint */
+	unsigned metrics_max_jobs;	/* jobs with their own labels; the rest are "other" */
 };
 
 /* Built-in defaults, sized from this machine (half of RAM pinned at most). */
@@ -74,7 +78,12 @@ int zd_config_parse(const char *text, const char *source, struct zd_config *cfg,
     size_t errlen);
 void zd_config_clear(struct zd_config *cfg);
 
-/* "4G", "512M", "1048576", 1024 (a JSON number) ... */
+/*
+ * "4G", "1.5T", "512M", "4GiB", "1048576": bytes; K, M, G, T are 2^10 .. 2^40
+ * however spelt, decimals allowed, the result a whole number of bytes.
+ */
 int zd_parse_size(const char *text, uint64_t *ret);
+/* The same for counts ("4M" elements): no B/iB spelling. */
+int zd_parse_count(const char *text, uint64_t *ret);
 
 #endif

@@ -1,7 +1,10 @@
 /* Daemon logging: stderr (the journal under systemd), with and without errno. */
+#include <stdbool.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
+#include <time.h>
 #include <unistd.h>
 
 #include "log.h"
@@ -44,12 +47,48 @@ log_level_name(enum zd_log_level level)
 	return level_names[level];
 }
 
+/*
+ * Whether stderr is the journal: $JOURNAL_STREAM names the device and inode
+ * of the stream systemd connected, and only when stderr is still that stream
+ * (not redirected by a wrapper or a shell) does the journal stamp the lines.
+ * Decided at the first message and kept.
+ */
+bool
+log_stderr_is_journal(void)
+{
+	static int cached = -1;
+	const char *env;
+	unsigned long long dev, ino;
+	struct stat st;
+
+	if (cached >= 0)
+		return cached;
+	env = getenv("JOURNAL_STREAM");
+	cached = env != NULL && sscanf(env, "%llu:%llu", &dev, &ino) == 2 &&
+	    fstat(STDERR_FILENO, &st) == 0 && (unsigned long long)st.st_dev == dev &&
+	    (unsigned long long)st.st_ino == ino;
+	return cached;
+}
+
+/* "2026-11-30T12:00:00.123Z": UTC, milliseconds, sortable. */
+static void
+timestamp(char *buf, size_t len)
+{
+	struct timespec ts;
+	struct tm tm;
+
+	clock_gettime(CLOCK_REALTIME, &ts);
+	gmtime_r(&ts.tv_sec, &tm);
+	snprintf(buf, len, "%04d-%02d-%02dT%02d:%02d:%02d.%03ldZ", tm.tm_year + 1900,
+	    tm.tm_mon + 1, tm.tm_mday, tm.tm_hour, tm.tm_min, tm.tm_sec, ts.tv_nsec / 1000000);
+}
+
 static void vlog(enum zd_log_level level, int err, const char *fmt, va_list ap) ZD_PRINTF(3, 0);
 
 static void
 vlog(enum zd_log_level level, int err, const char *fmt, va_list ap)
 {
-	char line[1024];
+	char line[1024], when[64];
 	int n;
 
 	if (level > current_level)
@@ -57,11 +96,13 @@ vlog(enum zd_log_level level, int err, const char *fmt, va_list ap)
 	n = vsnprintf(line, sizeof(line), fmt, ap);
 	if (err != 0 && n >= 0 && (size_t)n < sizeof(line))
 		snprintf(line + n, sizeof(line) - (size_t)n, ": %s", zs_strerror(err < 0 ? err : -err));
-	/* The journal adds its own timestamps; a terminal gets the level name. */
-	if (getenv("JOURNAL_STREAM") != NULL)
+	/* The journal adds its own timestamps; anything else gets one, and the level name. */
+	if (log_stderr_is_journal()) {
 		fprintf(stderr, "%s%s\n", level_prefix[level], line);
-	else
-		fprintf(stderr, "zoffloadd: %s: %s\n", level_names[level], line);
+		return;
+	}
+	timestamp(when, sizeof(when));
+	fprintf(stderr, "%s zoffloadd: %s: %s\n", when, level_names[level], line);
 }
 
 #define LOG_FN(name, level, with_err)					\

@@ -3,6 +3,7 @@
 #define ZD_LOG_H
 
 #include <stdarg.h>
+#include <stdbool.h>
 
 enum zd_log_level { ZD_LOG_ERROR = 0, ZD_LOG_WARN = 1, ZD_LOG_INFO = 2, ZD_LOG_DEBUG = 3 };
 
@@ -20,6 +21,8 @@ void log_error(int err, const char *fmt, ...) ZD_PRINTF(2, 3);
 void log_errorx(const char *fmt, ...) ZD_PRINTF(1, 2);
 void log_info(const char *fmt, ...) ZD_PRINTF(1, 2);
 void log_debug(const char *fmt, ...) ZD_PRINTF(1, 2);
+/* stderr is the journal's stream ($JOURNAL_STREAM matches it): no timestamps of our own. */
+bool log_stderr_is_journal(void);
 /* "1.5 GiB": sizes in messages. */
 const char *zd_fmt_bytes(unsigned long long bytes, char *buf, unsigned long len);
 

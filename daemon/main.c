@@ -5,6 +5,7 @@
 #include <string.h>
 
 #include "build_config.h"
+#include "config_check.h"
 #include "daemon.h"
 #include "log.h"
 #include "server.h"
@@ -19,7 +20,8 @@ usage(FILE *f)
 	    "  -D, --no-config       ignore any configuration file: built-in defaults only\n"
 	    "  -s, --socket PATH     listen here instead of the configured socket path\n"
 	    "  -l, --log-level L     error, warn, info or debug\n"
-	    "  -n, --check-config    validate the configuration and exit\n"
+	    "  -n, --check-config    validate the configuration and what it names on this\n"
+	    "                        machine (swap paths, free space, socket group), and exit\n"
 	    "  -V, --version         print the version and exit\n",
 	    ZOFFLOAD_DEFAULT_CONFIG);
 }
@@ -81,9 +83,15 @@ main(int argc, char **argv)
 	}
 	d.config_from_file = strcmp(d.cfg.source, "built-in defaults") != 0;
 	if (check_only) {
-		printf("zoffloadd: configuration OK (%s)\n", d.cfg.source);
+		unsigned problems = zd_config_check_host(&d.cfg, stdout);
+
+		if (problems > 0)
+			fprintf(stderr, "zoffloadd: configuration %s: %u problem(s) on this machine\n",
+			    d.cfg.source, problems);
+		else
+			printf("zoffloadd: configuration OK (%s)\n", d.cfg.source);
 		zd_config_clear(&d.cfg);
-		return 0;
+		return problems > 0 ? 1 : 0;
 	}
 	if (socket_path != NULL) {
 		free(d.cfg.socket_path);

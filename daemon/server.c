@@ -20,6 +20,7 @@
 #include "engine.h"
 #include "job.h"
 #include "log.h"
+#include "metrics.h"
 #include "msgio.h"
 #include "requests.h"
 #include "server.h"
@@ -348,6 +349,8 @@ reload(struct zd_daemon *d)
 	RESTART("swap.fallback", fresh.swap_fallback != c->swap_fallback);
 	RESTART("swap.staging_buffers", fresh.staging_buffers != c->staging_buffers);
 	RESTART("swap.chunk_elements", fresh.chunk_elements != c->chunk_elements);
+	/* Read by --check-config alone. */
+	LIVE("swap.allow_memory_fs", swap_allow_memory_fs);
 	LIVE("limits.max_clients", max_clients);
 	LIVE("limits.max_clients_per_uid", max_clients_per_uid);
 	LIVE("limits.max_queued_messages", max_queued_messages);
@@ -360,6 +363,9 @@ reload(struct zd_daemon *d)
 	LIVE("limits.uid_shm_budget", uid_shm_budget);
 	LIVE("limits.detach_grace_s", detach_grace_s);
 	LIVE("log.level", log_level);
+	RESTART("metrics.listen", str_differ(fresh.metrics_listen, c->metrics_listen));
+	/* Read at each scrape. */
+	LIVE("metrics.max_jobs", metrics_max_jobs);
 #undef LIVE
 #undef RESTART
 	log_set_level(c->log_level);
@@ -609,6 +615,7 @@ int
 zd_server_run(struct zd_daemon *d)
 {
 	static const int sigs[] = { SIGTERM, SIGINT, SIGHUP };
+	struct zd_metrics *metrics = NULL;
 	int r;
 
 	TAILQ_INIT(&d->sessions);
@@ -661,6 +668,9 @@ zd_server_run(struct zd_daemon *d)
 			goto out;
 		}
 	}
+	r = zd_metrics_start(d, d->base, &metrics);
+	if (r < 0)
+		goto out;
 	d->last_tick_ns = zu_now_ns();
 	d->ev_tick = event_new(d->base, -1, EV_PERSIST, tick_cb, d);
 	if (d->ev_tick == NULL || event_add(d->ev_tick, &(struct timeval){ 1, 0 }) != 0 ||
@@ -681,6 +691,7 @@ out:
 		zd_session_close(TAILQ_FIRST(&d->sessions));
 	/* Detached ranks' state goes with the daemon. */
 	zd_job_expire_detached(d, true);
+	zd_metrics_free(metrics);
 	/* Work still queued finishes first (none is left after a drain); then the tiers go. */
 	ze_engine_free(d->engine);
 	d->engine = NULL;

@@ -10,6 +10,7 @@
 #include "engine.h"
 #include "job.h"
 #include "stats.h"
+#include "metrics.h"
 #include "swap.h"
 #include "uid.h"
 
@@ -19,6 +20,36 @@
 
 /* Throughput is averaged over this many whole seconds before now. */
 #define RATE_WINDOW 10
+
+/*
+ * Cumulative step latency histogram for the metrics endpoint (the samples
+ * ring above only keeps the recent ones).  Upper bounds in seconds.  Kept
+ * here rather than in struct zd_daemon: one daemon per process, updated and
+ * read on the event-loop thread only.
+ */
+static const double latency_le_s[] = { 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25,
+	0.5, 1, 2.5, 5, 10, 30 };
+#define LATENCY_BUCKETS (sizeof(latency_le_s) / sizeof(latency_le_s[0]))
+static struct {
+	uint64_t count[LATENCY_BUCKETS];	/* per bucket, not cumulative */
+	uint64_t total;
+	double sum_s;
+} latency_hist;
+
+static void
+latency_hist_add(uint64_t ns)
+{
+	double s = (double)ns / 1e9;
+
+	for (unsigned i = 0; i < LATENCY_BUCKETS; i++) {
+		if (s <= latency_le_s[i]) {
+			latency_hist.count[i]++;
+			break;
+		}
+	}
+	latency_hist.total++;
+	latency_hist.sum_s += s;
+}
 
 void
 zd_stats_record(struct zd_daemon *d, const struct ze_step_result *r)
@@ -50,6 +81,28 @@ zd_stats_record(struct zd_daemon *d, const struct ze_step_result *r)
 	st->rate_params[slot] += params;
 	st->latency_ns[st->latency_count % ZD_LATENCY_SAMPLES] = now - r->submit_ns;
 	st->latency_count++;
+	latency_hist_add(now - r->submit_ns);
+}
+
+/* {"le_s": [...], "counts": [...cumulative], "count": n, "sum_s": s} */
+static void
+add_latency_histogram(cJSON *steps)
+{
+	cJSON *h = cJSON_AddObjectToObject(steps, "latency_histogram");
+	cJSON *le, *counts;
+	uint64_t cum = 0;
+
+	if (h == NULL)
+		return;
+	le = cJSON_AddArrayToObject(h, "le_s");
+	counts = cJSON_AddArrayToObject(h, "counts");
+	for (unsigned i = 0; le != NULL && counts != NULL && i < LATENCY_BUCKETS; i++) {
+		cum += latency_hist.count[i];
+		cJSON_AddItemToArray(le, cJSON_CreateNumber(latency_le_s[i]));
+		cJSON_AddItemToArray(counts, cJSON_CreateNumber((double)cum));
+	}
+	cJSON_AddNumberToObject(h, "count", (double)latency_hist.total);
+	cJSON_AddNumberToObject(h, "sum_s", latency_hist.sum_s);
 }
 
 static int
@@ -90,6 +143,8 @@ add_steps(cJSON *root, const struct zd_daemon *d)
 	const struct zd_step_stats *st = &d->steps;
 	cJSON *steps = cJSON_AddObjectToObject(root, "steps");
 	uint64_t now_sec = zu_now_ns() / 1000000000ull, recent = 0;
+	uint64_t up = now_sec - d->started_ns / 1000000000ull;
+	unsigned window = up < RATE_WINDOW ? (unsigned)up : RATE_WINDOW;
 
 	if (steps == NULL)
 		return;
@@ -106,11 +161,13 @@ add_steps(cJSON *root, const struct zd_daemon *d)
 	cJSON_AddNumberToObject(steps, "in_flight", ze_engine_steps_in_flight(d->engine));
 	cJSON_AddNumberToObject(steps, "tensors_stepped", (double)st->tensors_stepped);
 	cJSON_AddNumberToObject(steps, "params_stepped", (double)st->params_stepped);
-	cJSON_AddNumberToObject(steps, "params_per_s", (double)recent / RATE_WINDOW);
-	cJSON_AddNumberToObject(steps, "rate_window_s", RATE_WINDOW);
+	/* A daemon up for less than the window has only that many whole seconds to average. */
+	cJSON_AddNumberToObject(steps, "params_per_s", window > 0 ? (double)recent / window : 0);
+	cJSON_AddNumberToObject(steps, "rate_window_s", window);
 	cJSON_AddNumberToObject(steps, "compute_params_per_s", st->compute_ns == 0 ? 0 :
 	    (double)st->params_stepped / ((double)st->compute_ns / 1e9));
 	add_latency(steps, st);
+	add_latency_histogram(steps);
 }
 
 static void
@@ -388,7 +445,9 @@ print_and_free(cJSON *root)
 char *
 zd_stats_json(struct zd_daemon *d)
 {
-	return zd_stats_json_as(d, NULL);
+	cJSON *root = zd_stats_tree(d);
+
+	return root != NULL ? print_and_free(root) : NULL;
 }
 
 char *
@@ -397,8 +456,22 @@ zd_jobs_json(struct zd_daemon *d)
 	return zd_jobs_json_as(d, NULL);
 }
 
+cJSON *
+zd_stats_tree(struct zd_daemon *d)
+{
+	return zd_stats_tree_as(d, NULL);
+}
+
 char *
 zd_stats_json_as(struct zd_daemon *d, const struct zd_uid *viewer)
+{
+	cJSON *root = zd_stats_tree_as(d, viewer);
+
+	return root != NULL ? print_and_free(root) : NULL;
+}
+
+cJSON *
+zd_stats_tree_as(struct zd_daemon *d, const struct zd_uid *viewer)
 {
 	cJSON *root = cJSON_CreateObject();
 
@@ -421,7 +494,7 @@ zd_stats_json_as(struct zd_daemon *d, const struct zd_uid *viewer)
 	add_uids(root, d, viewer);
 	add_limits(root, d);
 	cJSON_AddItemToObject(root, "jobs", jobs_array(d, viewer));
-	return print_and_free(root);
+	return root;
 }
 
 char *

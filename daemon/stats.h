@@ -6,6 +6,7 @@
 
 struct zd_daemon;
 struct zd_uid;
+struct cJSON;
 struct ze_step_result;
 
 /* Rolling step statistics for zoffctl stats. */
@@ -33,6 +34,7 @@ char *zd_jobs_json(struct zd_daemon *d);
  * the node's totals; the cost grows with what viewer holds, not others.
  */
 char *zd_stats_json_as(struct zd_daemon *d, const struct zd_uid *viewer);
+struct cJSON *zd_stats_tree_as(struct zd_daemon *d, const struct zd_uid *viewer);
 char *zd_jobs_json_as(struct zd_daemon *d, const struct zd_uid *viewer);
 
 #endif

@@ -95,6 +95,7 @@ struct ze_staging {
 struct ze_batch {
 	uint32_t lane;
 	uint64_t id;
+	uint64_t seq;				/* submission order, for ze_runs_before */
 	struct zk_hparams hp;
 	struct zk_hparams hp_run;		/* hp with the clip coefficient applied */
 	enum zk_isa isa;
@@ -131,12 +132,21 @@ struct ze_engine {
 	TAILQ_HEAD(, ze_staging) staging_free;
 	TAILQ_HEAD(, nvme_lane) nvme_lanes;	/* lanes with chunks waiting for a buffer */
 	TAILQ_HEAD(, nvme_work) xfer_works;	/* transfers not yet reported */
+	/*
+	 * Bytes being read into staging buffers.  The pump keeps at most one
+	 * full chunk's worth (always at least one read) in flight: reads
+	 * started together share the bandwidth and land together, so the
+	 * head of the queue (the layer the trainer needs first) would wait
+	 * for the chunks behind it.
+	 */
+	uint64_t read_bytes_in_flight;
 	bool pumping;				/* pump() is on the stack: loop, do not recurse */
 	bool pump_again;
 	unsigned tasks_outstanding;		/* on the stepper */
 	uint64_t compute_idle_since;		/* when tasks_outstanding last fell to 0 */
 	uint64_t io_blocked_since;		/* 0, or since when work waits for a buffer */
 	unsigned batches;			/* steps not yet reported */
+	uint64_t batch_seq;			/* the last batch's seq */
 	unsigned xfers;				/* transfers and param I/O not yet reported */
 	struct ze_stats stats;
 };

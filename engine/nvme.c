@@ -44,15 +44,18 @@ struct nvme_work {
 	void *buf;			/* NULL once the lane was cancelled */
 };
 
+TAILQ_HEAD(nvme_works, nvme_work);
+
 /*
  * One lane's waiting work.  Staging buffers go to the lanes in turn, a
  * chunk each, so a job with a terabyte on NVMe cannot hold back a small
- * one's step for longer than a few chunks.
+ * one's step for longer than a few chunks.  Within the lane the head goes
+ * next: steps in ze_runs_before order, transfers where they came in.
  */
 struct nvme_lane {
 	TAILQ_ENTRY(nvme_lane) entry;
 	uint32_t key;
-	TAILQ_HEAD(, nvme_work) works;
+	struct nvme_works works;
 };
 
 /* One chunk in flight through a staging buffer. */
@@ -206,6 +209,7 @@ static int
 enqueue(struct ze_engine *e, struct nvme_work *w)
 {
 	struct nvme_lane *lane;
+	struct nvme_work *q;
 
 	TAILQ_FOREACH(lane, &e->nvme_lanes, entry)
 		if (lane->key == w->lane)
@@ -218,7 +222,21 @@ enqueue(struct ze_engine *e, struct nvme_work *w)
 		TAILQ_INIT(&lane->works);
 		TAILQ_INSERT_TAIL(&e->nvme_lanes, lane, entry);
 	}
-	TAILQ_INSERT_TAIL(&lane->works, w, entry);
+	/*
+	 * A step goes ahead of the queued steps it runs before (ze_runs_before),
+	 * never ahead of a transfer: one queued before it keeps its turn, so
+	 * steps coming in all the time cannot hold back a state read for good.
+	 * Either order is correct: a step and a transfer never share a tensor
+	 * (each holds it busy), and param I/O does not queue here.
+	 */
+	q = TAILQ_LAST(&lane->works, nvme_works);
+	while (w->kind == WORK_STEP && q != NULL && q->kind == WORK_STEP &&
+	    ze_runs_before(w->batch->hp.step, w->batch->seq, q->batch->hp.step, q->batch->seq))
+		q = TAILQ_PREV(q, nvme_works, entry);
+	if (q == NULL)
+		TAILQ_INSERT_HEAD(&lane->works, w, entry);
+	else
+		TAILQ_INSERT_AFTER(&lane->works, q, w, entry);
 	return 0;
 }
 
@@ -346,6 +364,7 @@ read_done(int result, void *arg)
 	uint64_t off, n;
 	float *buf;
 
+	e->read_bytes_in_flight -= chunk_io_bytes(t, io->chunk);
 	if (result < 0) {
 		work_chunk_finished(e, io, result);
 		return;
@@ -386,6 +405,8 @@ read_done(int result, void *arg)
 		},
 	};
 	ze_step_post(e, &io->task);
+	/* The read window has room again. */
+	pump(e);
 }
 
 void
@@ -400,7 +421,10 @@ ze_nvme_step_computed(struct ze_engine *e, struct ze_task *task)
 	write_back(e, io);
 }
 
-/* Starts reads while staging buffers are free; counts the time work waits for one. */
+/*
+ * Starts reads while staging buffers are free and the read window has room;
+ * counts the time work waits for a buffer.
+ */
 static void
 pump_once(struct ze_engine *e)
 {
@@ -421,6 +445,10 @@ pump_once(struct ze_engine *e)
 			}
 			return;
 		}
+		/* The read window (engine_impl.h): a buffer is free, the next read waits its turn. */
+		if (e->read_bytes_in_flight > 0 && e->read_bytes_in_flight +
+		    chunk_io_bytes(w->tensor, w->next_chunk) > sb->bytes)
+			break;
 		io = calloc(1, sizeof(*io));
 		if (io == NULL)
 			return;
@@ -439,10 +467,13 @@ pump_once(struct ze_engine *e)
 			free(lane);
 		else
 			TAILQ_INSERT_TAIL(&e->nvme_lanes, lane, entry);
+		e->read_bytes_in_flight += chunk_io_bytes(w->tensor, io->chunk);
 		r = zs_read(e->swap, w->tensor->extent, io->chunk * chunk_bytes(w->tensor), sb->buf,
 		    chunk_io_bytes(w->tensor, io->chunk), read_done, io);
-		if (r < 0)
+		if (r < 0) {
+			e->read_bytes_in_flight -= chunk_io_bytes(w->tensor, io->chunk);
 			work_chunk_finished(e, io, r);
+		}
 	}
 	if (e->io_blocked_since != 0) {
 		e->stats.io_wait_ns += now - e->io_blocked_since;

@@ -153,6 +153,7 @@ ze_grad_pass(struct ze_engine *e, uint32_t lane, uint64_t id, double grad_scale,
 	b->hp.grad_scale = grad_scale;
 	b->isa = e->cfg.isa;
 	b->submit_ns = zu_now_ns();
+	b->seq = ++e->batch_seq;
 	e->batches++;
 	post_check(e, b);
 	return 0;
@@ -199,6 +200,7 @@ ze_step_submit(struct ze_engine *e, const struct ze_step *s, char *err, size_t e
 		b->max_grad_norm = 0;
 	}
 	b->submit_ns = zu_now_ns();
+	b->seq = ++e->batch_seq;
 	b->status = ZE_STEP_APPLIED;
 	b->grad_norm = NAN;
 	b->tensors_left = b->count;
@@ -321,6 +323,8 @@ ze_step_post(struct ze_engine *e, struct ze_task *task)
 		e->stats.compute_waits++;
 		e->stats.compute_wait_ns += now - since;
 	}
+	task->step = task->batch->hp.step;
+	task->seq = task->batch->seq;
 	e->tasks_outstanding++;
 	ze_stepper_submit(e->stepper, task);
 }

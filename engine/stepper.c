@@ -149,6 +149,7 @@ ze_stepper_submit(struct ze_stepper *st, struct ze_task *task)
 {
 	/* Allocated before taking the lock: nothing waits on memory with it held. */
 	struct lane *spare = malloc(sizeof(*spare)), *lane;
+	struct ze_task *q;
 	uint64_t one = 1;
 
 	pthread_mutex_lock(&st->lock);
@@ -171,7 +172,18 @@ ze_stepper_submit(struct ze_stepper *st, struct ze_task *task)
 		TAILQ_INIT(&lane->tasks);
 		TAILQ_INSERT_TAIL(&st->lanes, lane, entry);
 	}
-	TAILQ_INSERT_TAIL(&lane->tasks, task, entry);
+	/*
+	 * The lane's tasks are kept in ze_runs_before order and leave from the
+	 * head: the new one goes behind every task that runs before it or
+	 * ties (its own submission's), searched from the tail.
+	 */
+	q = TAILQ_LAST(&lane->tasks, task_list);
+	while (q != NULL && ze_runs_before(task->step, task->seq, q->step, q->seq))
+		q = TAILQ_PREV(q, task_list, entry);
+	if (q == NULL)
+		TAILQ_INSERT_HEAD(&lane->tasks, task, entry);
+	else
+		TAILQ_INSERT_AFTER(&lane->tasks, q, task, entry);
 	pthread_cond_signal(&st->cond);
 	pthread_mutex_unlock(&st->lock);
 	free(spare);

@@ -2,6 +2,7 @@
 #ifndef ZE_STEPPER_H
 #define ZE_STEPPER_H
 
+#include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
 #include <sys/queue.h>
@@ -26,6 +27,8 @@ struct ze_task {
 	TAILQ_ENTRY(ze_task) entry;
 	enum ze_task_kind kind;
 	uint32_t lane;			/* fairness key: the submitting client */
+	uint64_t step;			/* order within the lane: ze_runs_before() */
+	uint64_t seq;
 	struct ze_batch *batch;
 	size_t index;			/* tensor within the batch */
 	uint64_t unit;			/* slice or chunk of that tensor */
@@ -36,12 +39,27 @@ struct ze_task {
 	uint64_t compute_ns;
 };
 
+/*
+ * The order of step work within one lane (the stepper's tasks, the NVMe
+ * chunks waiting for staging): the lower step number first, so a newer step
+ * never holds back an older one; within one step number the newer
+ * submission (seq) first, and within one submission the order it came in.
+ * A trainer submits its layers last to first as its backward pass ends them
+ * and needs them first to last in the next forward pass: run in submission
+ * order, the first layer it waits for would be the last one done.
+ */
+static inline bool
+ze_runs_before(uint64_t step_a, uint64_t seq_a, uint64_t step_b, uint64_t seq_b)
+{
+	return step_a < step_b || (step_a == step_b && seq_a > seq_b);
+}
+
 int ze_stepper_new(struct zk_pool *pool, struct ze_stepper **ret);
 /* Finishes queued tasks, then joins the thread. */
 void ze_stepper_free(struct ze_stepper *st);
 /* eventfd, readable when finished tasks are waiting. */
 int ze_stepper_fd(const struct ze_stepper *st);
-/* Queues task; without memory for its lane it comes back at once with -ENOMEM. */
+/* Queues task in its lane (ze_runs_before); without memory for its lane it comes back at once with -ENOMEM. */
 void ze_stepper_submit(struct ze_stepper *st, struct ze_task *task);
 /* Pops up to max finished tasks; returns how many. */
 size_t ze_stepper_reap(struct ze_stepper *st, struct ze_task **out, size_t max);

@@ -2,11 +2,12 @@
 # The main job end to end: install what is missing, build, start zoffloadd on a temporary
 # socket with built-in defaults plus a small pinned budget and a temporary swap directory,
 # train the example MLP through it (its optimizer state is twice the pinned budget, so it
-# spills to the swap directory; its parameters are offloaded too), show the stats, stop.
+# spills to the swap directory; its parameters are offloaded too), then a small character-level
+# GPT in PyTorch through zoffload.torch.AdamW on the same daemon, show the stats, stop.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 . scripts/deps.sh
-install_deps
+install_deps demo
 
 build=build-demo
 [ -f "$build/build.ninja" ] || meson setup "$build" --buildtype=release >/dev/null
@@ -63,6 +64,16 @@ if [ -s "$tmp/stats-during.txt" ]; then
 fi
 echo "==> zoffctl stats, after training"
 "$build/client/zoffctl" --socket "$sock" stats
+
+# The PyTorch front end: Debian's torch is installed for /usr/bin/python3, and meson built
+# zoffload._zclient for it (-Dpython_interpreters).
+if ls "$build"/python/zoffload/_zclient*.so >/dev/null 2>&1 &&
+	/usr/bin/python3 -c 'import torch' 2>/dev/null; then
+	echo "==> training a character-level GPT in PyTorch with zoffload.torch.AdamW (same daemon)"
+	PYTHONPATH="$build/python" /usr/bin/python3 examples/train_gpt.py --socket "$sock"
+else
+	echo "==> PyTorch example skipped: /usr/bin/python3 lacks torch or the zoffload extension"
+fi
 
 kill -TERM "$daemon_pid"
 wait "$daemon_pid"

@@ -270,11 +270,16 @@ Test(config, parse_size)
 		{ "4GiB", 4ull << 30 }, { "4gib", 4ull << 30 }, { "2T", 2ull << 40 },
 		{ "16777215T", 16777215ull << 40 },
 		{ "18446744073709551615", UINT64_MAX },
+		/* Decimals: binary units, a whole number of bytes. */
+		{ "4.5G", 9ull << 29 }, { "1.5G", 3ull << 29 }, { "0.5K", 512 },
+		{ "1.25M", 5ull << 18 }, { "2.0", 2 }, { "1.5TiB", 3ull << 39 },
 	};
 	static const struct { const char *text; int error; } bad[] = {
 		{ "", -EINVAL }, { "-1", -EINVAL }, { " 4G", -EINVAL }, { "G", -EINVAL },
 		{ "4X", -EINVAL }, { "4 G", -EINVAL }, { "4GiBs", -EINVAL }, { "4B", -EINVAL },
-		{ "4.5G", -EINVAL }, { "12Q", -EINVAL }, { "0x10", -EINVAL },
+		{ "12Q", -EINVAL }, { "0x10", -EINVAL },
+		{ "1.5", -EINVAL }, { "0.3K", -EINVAL }, { "1.", -EINVAL }, { ".5G", -EINVAL },
+		{ "1.5.0G", -EINVAL }, { "1,5G", -EINVAL }, { "0.00000000000000000001T", -EINVAL },
 		{ "18446744073709551616", -ERANGE }, { "16777216T", -ERANGE },
 	};
 	uint64_t v;
@@ -290,4 +295,63 @@ Test(config, parse_size)
 		cr_assert_eq(v, 12345, "'%s' wrote the result on failure", bad[i].text);
 	}
 	cr_assert_eq(zd_parse_size(NULL, &v), -EINVAL);
+}
+
+Test(config, parse_count_has_no_byte_units)
+{
+	uint64_t v = 0;
+
+	cr_assert_eq(zd_parse_count("4M", &v), 0);
+	cr_assert_eq(v, 4ull << 20);
+	cr_assert_eq(zd_parse_count("1.5K", &v), 0);
+	cr_assert_eq(v, 1536);
+	cr_assert_eq(zd_parse_count("4MiB", &v), -EINVAL);
+	cr_assert_eq(zd_parse_count("4MB", &v), -EINVAL);
+}
+
+Test(config, decimal_sizes_in_a_file)
+{
+	cr_assert_eq(zd_config_parse("{\"memory\": {\"pinned_budget\": \"1.5G\"}}", "t.conf", &cfg,
+	    err, sizeof(err)), 0, "%s", err);
+	cr_assert_eq(cfg.pinned_budget, 3ull << 29);
+	expect_error("{\"memory\": {\"pinned_budget\": \"1.1\"}}", "memory.pinned_budget", "\"1.1\"",
+	    "2^30", NULL);
+}
+
+/* A key given twice would have its second value silently ignored. */
+Test(config, duplicate_keys)
+{
+	expect_error("{\"log\": {\"level\": \"info\"}, \"log\": {\"level\": \"debug\"}}", "'log'",
+	    "twice", NULL);
+	expect_error("{\"memory\": {\"pinned_budget\": \"1G\", \"pinned_budget\": \"2G\"}}",
+	    "'memory.pinned_budget'", "twice", NULL);
+	expect_error("{\"swap\": {\"paths\": [{\"path\": \"/a\", \"capacity\": \"1G\", "
+	    "\"path\": \"/b\"}]}}", "'swap.paths[].path'", "twice", NULL);
+	/* The same key in two different objects is fine. */
+	cr_assert_eq(zd_config_parse("{\"swap\": {\"paths\": [{\"path\": \"/a\", \"capacity\": "
+	    "\"1G\"}, {\"path\": \"/b\", \"capacity\": \"1G\"}]}}", "t.conf", &cfg, err,
+	    sizeof(err)), 0, "%s", err);
+}
+
+Test(config, chunk_elements_speaks_of_elements)
+{
+	expect_error("{\"swap\": {\"chunk_elements\": 1500}}", "swap.chunk_elements",
+	    "1500 elements", "multiple of 1024 elements", NULL);
+	cr_assert(strstr(err, "bytes") == NULL, "'%s' speaks of bytes", err);
+	expect_error("{\"swap\": {\"chunk_elements\": \"4MiB\"}}", "swap.chunk_elements",
+	    "number of elements", NULL);
+	expect_error("{\"swap\": {\"chunk_elements\": 512}}", "at least 1024 elements", NULL);
+	cr_assert(strstr(err, "bytes") == NULL, "'%s' speaks of bytes", err);
+	cr_assert_eq(zd_config_parse("{\"swap\": {\"chunk_elements\": \"1M\"}}", "t.conf", &cfg,
+	    err, sizeof(err)), 0, "%s", err);
+	cr_assert_eq(cfg.chunk_elements, 1u << 20);
+}
+
+Test(config, allow_memory_fs)
+{
+	cr_assert_eq(cfg.swap_allow_memory_fs, false);
+	cr_assert_eq(zd_config_parse("{\"swap\": {\"allow_memory_fs\": true}}", "t.conf", &cfg,
+	    err, sizeof(err)), 0, "%s", err);
+	cr_assert_eq(cfg.swap_allow_memory_fs, true);
+	expect_error("{\"swap\": {\"allow_memory_fs\": 1}}", "swap.allow_memory_fs", NULL);
 }

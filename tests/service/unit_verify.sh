@@ -1,15 +1,31 @@
 #!/usr/bin/env bash
 # The built systemd unit passes `systemd-analyze verify` and keeps the hardening the daemon is meant to run under.
-# usage: unit_verify.sh BUILT_UNIT DAEMON_BINARY.  Exit 77 (skipped) where systemd-analyze cannot run.
+# The example NVMe drop-in (contrib/) verifies on top of it, every directive uncommented.
+# usage: unit_verify.sh BUILT_UNIT DAEMON_BINARY DROP_IN [BUILT_MAN_DIR]
+# With the man pages built, verify checks Documentation=man:zoffloadd(8) against them;
+# without (no scdoc) it runs with --man=no and says so.  Exit 77 (skipped) where
+# systemd-analyze cannot run.
 set -uo pipefail
 
 unit=$1
 daemon=$(realpath "$2")
+dropin=$3
+mandir=${4:-}
 command -v systemd-analyze >/dev/null || { echo "no systemd-analyze: skipped"; exit 77; }
 [ -f "$unit" ] || { echo "FAIL: $unit is not built"; exit 1; }
 
 tmp=$(mktemp -d /tmp/zoff-unit-XXXXXX)
 trap 'rm -rf "$tmp"' EXIT
+
+man_opt=--man=no
+if [ -n "$mandir" ] && [ -f "$mandir/zoffloadd.8" ]; then
+	mkdir -p "$tmp/man/man8"
+	cp "$mandir/zoffloadd.8" "$tmp/man/man8/"
+	export MANPATH=$tmp/man
+	man_opt=--man=yes
+else
+	echo "note: man pages not built (no scdoc): verifying with --man=no"
+fi
 
 # verify checks that ExecStart= exists; the unit names the installed path, so point it at the build.
 sed "s|^ExecStart=[^ ]*|ExecStart=$daemon|" "$unit" > "$tmp/zoffloadd.service"
@@ -17,7 +33,7 @@ sed "s|^ExecStart=[^ ]*|ExecStart=$daemon|" "$unit" > "$tmp/zoffloadd.service"
 # Output worth failing on: anything but the sysusers user and group not existing on this machine.
 verify() {
 	local out rc
-	out=$(systemd-analyze verify --man=no "$1" 2>&1)
+	out=$(systemd-analyze verify "$man_opt" "$1" 2>&1)
 	rc=$?
 	out=$(printf '%s\n' "$out" | grep -v -E \
 	    "(user|group|User|Group).*'?zoffload'?.*(not found|does not exist|No such|unknown|Unknown)|Failed to resolve (user|group) .?zoffload" |
@@ -47,6 +63,19 @@ if ! msg=$(verify "$tmp/zoffloadd.service"); then
 	status=1
 fi
 
+# The drop-in admins copy, with its optional directives on, appended as a second [Service].
+{ cat "$tmp/zoffloadd.service"; echo
+  sed -E 's/^#((PrivateDevices|DevicePolicy|DeviceAllow|RestrictAddressFamilies)=)/\1/' "$dropin" |
+	grep -v '^#'; } > "$tmp/zoffloadd-dropin.service"
+if ! grep -q '^DeviceAllow=' "$tmp/zoffloadd-dropin.service"; then
+	echo "FAIL: $dropin has no DeviceAllow= example"
+	status=1
+elif ! msg=$(verify "$tmp/zoffloadd-dropin.service"); then
+	echo "FAIL: systemd-analyze verify with $dropin:"
+	printf '%s\n' "$msg"
+	status=1
+fi
+
 # What the daemon needs from its unit, and the hardening it is meant to run under.
 for line in 'Type=notify' 'NoNewPrivileges=yes' 'ProtectSystem=strict' 'PrivateTmp=yes' \
     'RestrictAddressFamilies=AF_UNIX' 'SystemCallArchitectures=native' 'LimitMEMLOCK=infinity' \
@@ -68,5 +97,5 @@ done
 if systemd-analyze security --help 2>/dev/null | grep -q -- '--offline'; then
 	systemd-analyze security --offline=true "$tmp/zoffloadd.service" 2>/dev/null | tail -1
 fi
-[ $status -eq 0 ] && echo "ok: $unit verifies"
+[ $status -eq 0 ] && echo "ok: $unit verifies ($man_opt), with the drop-in too"
 exit $status

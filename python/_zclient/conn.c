@@ -1,0 +1,483 @@
+/* zoffload._zclient.Connection: a connection to zoffloadd, its job, steps and control calls. */
+#include <errno.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "build_config.h"
+#include "zpy.h"
+
+static PyObject *
+conn_new(PyTypeObject *type, PyObject *args, PyObject *kw)
+{
+	static char *kwlist[] = { "socket", NULL };
+	const char *path = NULL, *shown;
+	char msg[ZPY_ERRLEN];
+	struct zpy_conn *self;
+	struct zc_conn *c = NULL;
+	int r;
+
+	if (!PyArg_ParseTupleAndKeywords(args, kw, "|z:Connection", kwlist, &path))
+		return NULL;
+	Py_BEGIN_ALLOW_THREADS
+	r = zc_connect(path, &c);
+	Py_END_ALLOW_THREADS
+	if (r < 0) {
+		shown = path != NULL ? path : getenv("ZOFFLOAD_SOCKET");
+		if (shown == NULL || shown[0] == '\0')
+			shown = ZOFFLOAD_DEFAULT_SOCKET;
+		/* HELLO refused: the connection's message was lost with it; errno says enough. */
+		snprintf(msg, sizeof(msg), "cannot connect to zoffloadd at %s: %s%s", shown,
+		    strerror(-r), r == -ENOENT || r == -ECONNREFUSED ?
+		    " (is zoffloadd running? set socket= or $ZOFFLOAD_SOCKET)" : "");
+		return zpy_raise(type, r, msg);
+	}
+	self = (struct zpy_conn *)type->tp_alloc(type, 0);
+	if (self == NULL) {
+		zc_disconnect(c);
+		return NULL;
+	}
+	self->lock = PyThread_allocate_lock();
+	if (self->lock == NULL) {
+		zc_disconnect(c);
+		Py_DECREF(self);
+		return PyErr_NoMemory();
+	}
+	self->c = c;
+	return (PyObject *)self;
+}
+
+static void
+conn_dealloc(struct zpy_conn *self)
+{
+	PyTypeObject *tp = Py_TYPE(self);
+
+	/* Every Tensor holds a reference to us: none is left, so no view of a slot is either. */
+	if (self->c != NULL) {
+		Py_BEGIN_ALLOW_THREADS
+		zc_disconnect(self->c);
+		Py_END_ALLOW_THREADS
+	}
+	if (self->lock != NULL)
+		PyThread_free_lock(self->lock);
+	tp->tp_free(self);
+	Py_DECREF(tp);
+}
+
+bool
+zpy_conn_views_gone(struct zpy_conn *conn, const char *what)
+{
+	for (struct zpy_tensor *t = conn->tensors; t != NULL; t = t->next) {
+		if (t->t != NULL && t->live_slots > 0) {
+			PyErr_Format(PyExc_BufferError, "%s would unmap the slots of tensor %R, which "
+			    "%zd object(s) still view (torch.frombuffer, memoryview): drop them first",
+			    what, t->name, t->live_slots);
+			return false;
+		}
+	}
+	return true;
+}
+
+void
+zpy_conn_forget_tensors(struct zpy_conn *conn)
+{
+	for (struct zpy_tensor *t = conn->tensors; t != NULL; t = t->next)
+		t->t = NULL;
+}
+
+static PyObject *
+conn_close(struct zpy_conn *self, PyObject *unused)
+{
+	struct zc_conn *c = self->c;
+
+	if (c == NULL)
+		Py_RETURN_NONE;
+	if (!zpy_conn_views_gone(self, "close()"))
+		return NULL;
+	self->c = NULL;
+	zpy_conn_forget_tensors(self);
+	Py_BEGIN_ALLOW_THREADS
+	PyThread_acquire_lock(self->lock, WAIT_LOCK);
+	zc_disconnect(c);
+	PyThread_release_lock(self->lock);
+	Py_END_ALLOW_THREADS
+	Py_RETURN_NONE;
+}
+
+static PyObject *
+conn_enter(PyObject *self, PyObject *unused)
+{
+	return Py_NewRef(self);
+}
+
+static PyObject *
+conn_exit(struct zpy_conn *self, PyObject *args)
+{
+	return conn_close(self, NULL);
+}
+
+static int
+parse_policy(const char *s, enum zc_policy *ret)
+{
+	static const struct { const char *name; enum zc_policy p; } names[] = {
+		{ "default", ZC_POLICY_DEFAULT }, { "cpu", ZC_POLICY_CPU },
+		{ "nvme", ZC_POLICY_NVME }, { "auto", ZC_POLICY_AUTO },
+	};
+
+	if (s == NULL) {
+		*ret = ZC_POLICY_DEFAULT;
+		return 0;
+	}
+	for (size_t i = 0; i < sizeof(names) / sizeof(names[0]); i++) {
+		if (strcmp(s, names[i].name) == 0) {
+			*ret = names[i].p;
+			return 0;
+		}
+	}
+	PyErr_Format(PyExc_ValueError, "policy must be 'cpu', 'nvme', 'auto' or 'default', not '%s'",
+	    s);
+	return -1;
+}
+
+static PyObject *
+conn_job_open(struct zpy_conn *self, PyObject *args, PyObject *kw)
+{
+	static char *kwlist[] = { "name", "rank", "world_size", "policy", "pinned_budget", NULL };
+	const char *name, *policy = NULL;
+	unsigned int rank = 0, world = 1;
+	unsigned long long budget = 0;
+	struct zc_job_options opts = { 0 };
+	char err[ZPY_ERRLEN];
+	int r;
+
+	if (!PyArg_ParseTupleAndKeywords(args, kw, "s|II$zK:job_open", kwlist, &name, &rank,
+	    &world, &policy, &budget))
+		return NULL;
+	if (parse_policy(policy, &opts.policy) < 0 || !zpy_conn_ready(self))
+		return NULL;
+	opts.pinned_budget = budget;
+	ZPY_CALL(self, r, err, zc_job_open_opts(self->c, name, rank, world, &opts));
+	if (r < 0)
+		return zpy_raise_conn(self, r, err);
+	Py_RETURN_NONE;
+}
+
+static PyObject *
+conn_job_close(struct zpy_conn *self, PyObject *unused)
+{
+	char err[ZPY_ERRLEN];
+	int r;
+
+	if (!zpy_conn_ready(self) || !zpy_conn_views_gone(self, "job_close()"))
+		return NULL;
+	ZPY_CALL(self, r, err, zc_job_close(self->c));
+	if (r < 0)
+		return zpy_raise_conn(self, r, err);
+	zpy_conn_forget_tensors(self);
+	Py_RETURN_NONE;
+}
+
+static PyObject *
+conn_job_drop(struct zpy_conn *self, PyObject *arg)
+{
+	const char *name = PyUnicode_Check(arg) ? PyUnicode_AsUTF8(arg) : NULL;
+	char err[ZPY_ERRLEN];
+	int r;
+
+	if (name == NULL) {
+		if (!PyErr_Occurred())
+			PyErr_SetString(PyExc_TypeError, "job_drop(name): name must be a str");
+		return NULL;
+	}
+	if (!zpy_conn_ready(self))
+		return NULL;
+	ZPY_CALL(self, r, err, zc_job_drop(self->c, name));
+	if (r < 0)
+		return zpy_raise_conn(self, r, err);
+	Py_RETURN_NONE;
+}
+
+static PyObject *
+conn_job_last_step(struct zpy_conn *self, void *closure)
+{
+	if (!zpy_conn_ready(self))
+		return NULL;
+	return PyLong_FromUnsignedLongLong(zc_job_last_step(self->c));
+}
+
+static PyObject *
+conn_closed(struct zpy_conn *self, void *closure)
+{
+	return PyBool_FromLong(self->c == NULL);
+}
+
+static PyObject *
+conn_register(struct zpy_conn *self, PyObject *args, PyObject *kw)
+{
+	static char *kwlist[] = { "name", "init", "grad_dtype", "param_dtype", "param_offload",
+		NULL };
+	struct zpy_state *st = zpy_state_of(Py_TYPE(self));
+	PyObject *name, *gd = NULL, *pd = NULL;
+	struct zc_tensor_desc desc = { 0 };
+	struct zpy_tensor *t;
+	struct zc_tensor *ct = NULL;
+	char err[ZPY_ERRLEN];
+	int offload = 0, g, p, r;
+	Py_buffer init;
+
+	if (!PyArg_ParseTupleAndKeywords(args, kw, "Uy*|$OOp:register", kwlist, &name, &init,
+	    &gd, &pd, &offload))
+		return NULL;
+	g = zpy_dtype(gd, "grad_dtype");
+	p = g < 0 ? -1 : zpy_dtype(pd, "param_dtype");
+	if (p < 0 || !zpy_conn_ready(self))
+		goto fail_buf;
+	desc.name = PyUnicode_AsUTF8(name);
+	if (desc.name == NULL)
+		goto fail_buf;
+	if (init.len <= 0 || init.len % sizeof(float) != 0) {
+		PyErr_Format(PyExc_ValueError, "tensor %R: init must hold fp32 values (%zd bytes is "
+		    "not a positive multiple of 4)", name, init.len);
+		goto fail_buf;
+	}
+	desc.numel = (uint64_t)init.len / sizeof(float);
+	desc.grad_dtype = (enum zc_dtype)g;
+	desc.param_dtype = (enum zc_dtype)p;
+	desc.param_offload = offload != 0;
+	/* The daemon copies init in before the call returns: the buffer is held until then. */
+	ZPY_CALL(self, r, err, zc_tensor_register(self->c, &desc, init.buf, &ct));
+	PyBuffer_Release(&init);
+	if (r < 0)
+		return zpy_raise_conn(self, r, err);
+	t = (struct zpy_tensor *)st->tensor_type->tp_alloc(st->tensor_type, 0);
+	if (t == NULL) {
+		/* Unreachable in practice; the tensor stays registered until disconnect. */
+		return NULL;
+	}
+	t->conn = (struct zpy_conn *)Py_NewRef(self);
+	t->t = ct;
+	t->name = Py_NewRef(name);
+	t->numel = desc.numel;
+	t->grad_dtype = desc.grad_dtype;
+	t->param_dtype = desc.param_dtype;
+	t->next = self->tensors;
+	if (self->tensors != NULL)
+		self->tensors->prev = t;
+	self->tensors = t;
+	return (PyObject *)t;
+fail_buf:
+	PyBuffer_Release(&init);
+	return NULL;
+}
+
+static int
+parse_optim(const char *s, enum zc_optim *ret)
+{
+	static const struct { const char *name; enum zc_optim o; } names[] = {
+		{ "adamw", ZC_ADAMW }, { "adam", ZC_ADAM }, { "adagrad", ZC_ADAGRAD },
+		{ "lion", ZC_LION },
+	};
+
+	for (size_t i = 0; i < sizeof(names) / sizeof(names[0]); i++) {
+		if (strcmp(s, names[i].name) == 0) {
+			*ret = names[i].o;
+			return 0;
+		}
+	}
+	PyErr_Format(PyExc_ValueError, "optim must be 'adamw', 'adam', 'adagrad' or 'lion', not "
+	    "'%s'", s);
+	return -1;
+}
+
+static PyObject *
+conn_submit(struct zpy_conn *self, PyObject *args, PyObject *kw)
+{
+	static char *kwlist[] = { "tensors", "optim", "step", "lr", "beta1", "beta2", "eps",
+		"weight_decay", "lr_decay", "grad_scale", "max_grad_norm", "no_bias_correction",
+		"check_finite", NULL };
+	struct zc_step_params sp = { .beta1 = 0.9, .beta2 = 0.999, .eps = 1e-8 };
+	unsigned long long step;
+	int nobc = 0, finite = 0, r;
+	const char *optim;
+	PyObject *seq;
+	struct zc_tensor **ts;
+	char err[ZPY_ERRLEN];
+	size_t n;
+
+	if (!PyArg_ParseTupleAndKeywords(args, kw, "OsKd|ddddddddpp:submit", kwlist, &seq,
+	    &optim, &step, &sp.lr, &sp.beta1, &sp.beta2, &sp.eps, &sp.weight_decay,
+	    &sp.lr_decay, &sp.grad_scale, &sp.max_grad_norm, &nobc, &finite))
+		return NULL;
+	if (parse_optim(optim, &sp.optim) < 0 || !zpy_conn_ready(self))
+		return NULL;
+	sp.step = step;
+	sp.no_bias_correction = nobc != 0;
+	sp.check_finite = finite != 0;
+	if (zpy_tensor_list(self, seq, &ts, &n) < 0)
+		return NULL;
+	ZPY_CALL(self, r, err, zc_step_submit(self->c, &sp, ts, n));
+	PyMem_Free(ts);
+	if (r < 0)
+		return zpy_raise_conn(self, r, err);
+	Py_RETURN_NONE;
+}
+
+static PyObject *
+conn_wait_all(struct zpy_conn *self, PyObject *unused)
+{
+	struct zc_step_result res = { 0 };
+	char err[ZPY_ERRLEN];
+	int r;
+
+	if (!zpy_conn_ready(self))
+		return NULL;
+	ZPY_CALL(self, r, err, zc_wait_all(self->c, &res));
+	if (r < 0)
+		return zpy_raise_conn(self, r, err);
+	return zpy_result(&res);
+}
+
+/* zc_param_prefetch / zc_param_release over a list of Tensor. */
+static PyObject *
+conn_handles(struct zpy_conn *self, PyObject *seq,
+    int (*fn)(struct zc_conn *, struct zc_tensor *const *, size_t))
+{
+	struct zc_tensor **ts;
+	char err[ZPY_ERRLEN];
+	size_t n;
+	int r;
+
+	if (!zpy_conn_ready(self) || zpy_tensor_list(self, seq, &ts, &n) < 0)
+		return NULL;
+	ZPY_CALL(self, r, err, fn(self->c, ts, n));
+	PyMem_Free(ts);
+	if (r < 0)
+		return zpy_raise_conn(self, r, err);
+	Py_RETURN_NONE;
+}
+
+static PyObject *
+conn_param_prefetch(struct zpy_conn *self, PyObject *seq)
+{
+	return conn_handles(self, seq, zc_param_prefetch);
+}
+
+static PyObject *
+conn_param_release(struct zpy_conn *self, PyObject *seq)
+{
+	return conn_handles(self, seq, zc_param_release);
+}
+
+static PyObject *
+conn_param_stats(struct zpy_conn *self, PyObject *unused)
+{
+	struct zc_param_stats ps;
+
+	if (!zpy_conn_ready(self))
+		return NULL;
+	zc_param_stats(self->c, &ps);
+	return Py_BuildValue("{s:K,s:K,s:K}", "hits", (unsigned long long)ps.hits, "misses",
+	    (unsigned long long)ps.misses, "wait_ns", (unsigned long long)ps.wait_ns);
+}
+
+static PyObject *
+conn_json(struct zpy_conn *self, int (*fn)(struct zc_conn *, char **))
+{
+	char err[ZPY_ERRLEN], *text = NULL;
+	PyObject *s;
+	int r;
+
+	if (!zpy_conn_ready(self))
+		return NULL;
+	ZPY_CALL(self, r, err, fn(self->c, &text));
+	if (r < 0)
+		return zpy_raise_conn(self, r, err);
+	s = PyUnicode_FromString(text);
+	free(text);
+	return s;
+}
+
+static PyObject *
+conn_stats(struct zpy_conn *self, PyObject *unused)
+{
+	return conn_json(self, zc_stats_json);
+}
+
+static PyObject *
+conn_jobs(struct zpy_conn *self, PyObject *unused)
+{
+	return conn_json(self, zc_jobs_json);
+}
+
+static PyObject *
+conn_ping(struct zpy_conn *self, PyObject *unused)
+{
+	char err[ZPY_ERRLEN];
+	uint64_t rtt = 0;
+	int r;
+
+	if (!zpy_conn_ready(self))
+		return NULL;
+	ZPY_CALL(self, r, err, zc_ping(self->c, &rtt));
+	if (r < 0)
+		return zpy_raise_conn(self, r, err);
+	return PyLong_FromUnsignedLongLong(rtt);
+}
+
+static PyMethodDef conn_methods[] = {
+	{ "close", (PyCFunction)conn_close, METH_NOARGS,
+	  "close(): disconnect.  Tensors still registered stay in the daemon for "
+	  "limits.detach_grace_s, for a new process of the same job and rank to take back; "
+	  "unregister them (or job_close()) first to free them now." },
+	{ "__enter__", conn_enter, METH_NOARGS, NULL },
+	{ "__exit__", (PyCFunction)conn_exit, METH_VARARGS, NULL },
+	{ "job_open", (PyCFunction)(void (*)(void))conn_job_open, METH_VARARGS | METH_KEYWORDS,
+	  "job_open(name, rank=0, world_size=1, *, policy=None, pinned_budget=0)\n"
+	  "policy: 'cpu', 'nvme', 'auto' or None / 'default' (the daemon's memory.policy)." },
+	{ "job_close", (PyCFunction)conn_job_close, METH_NOARGS,
+	  "job_close(): free the job's state, detached ranks included." },
+	{ "job_drop", (PyCFunction)conn_job_drop, METH_O, "job_drop(name): free another job." },
+	{ "register", (PyCFunction)(void (*)(void))conn_register, METH_VARARGS | METH_KEYWORDS,
+	  "register(name, init, *, grad_dtype='fp32', param_dtype='fp32', param_offload=False)"
+	  " -> Tensor\ninit: a buffer of fp32 initial master values (its length gives numel); "
+	  "unused when the tensor is taken back from a rank that died (see Tensor.last_step)." },
+	{ "submit", (PyCFunction)(void (*)(void))conn_submit, METH_VARARGS | METH_KEYWORDS,
+	  "submit(tensors, *, optim, step, lr, beta1=0.9, beta2=0.999, eps=1e-8, "
+	  "weight_decay=0, lr_decay=0, grad_scale=0, max_grad_norm=0, no_bias_correction=False,"
+	  " check_finite=False): queue one step over tensors; returns at once." },
+	{ "wait_all", (PyCFunction)conn_wait_all, METH_NOARGS,
+	  "wait_all() -> dict: wait for every submitted step; the last set's result." },
+	{ "param_prefetch", (PyCFunction)conn_param_prefetch, METH_O,
+	  "param_prefetch(tensors): ask for released params ahead of use." },
+	{ "param_release", (PyCFunction)conn_param_release, METH_O,
+	  "param_release(tensors): hand the param slots' memory back; params stay on the tiers." },
+	{ "param_stats", (PyCFunction)conn_param_stats, METH_NOARGS,
+	  "param_stats() -> dict(hits, misses, wait_ns)" },
+	{ "stats", (PyCFunction)conn_stats, METH_NOARGS, "stats() -> str: the daemon's stats JSON" },
+	{ "jobs", (PyCFunction)conn_jobs, METH_NOARGS, "jobs() -> str: the daemon's jobs JSON" },
+	{ "ping", (PyCFunction)conn_ping, METH_NOARGS, "ping() -> int: round trip in ns" },
+	{ NULL, NULL, 0, NULL },
+};
+
+static PyGetSetDef conn_getset[] = {
+	{ "job_last_step", (getter)conn_job_last_step, NULL,
+	  "highest step any rank of the open job has completed (0 for a new job)", NULL },
+	{ "closed", (getter)conn_closed, NULL, "True once close() ran", NULL },
+	{ NULL, NULL, NULL, NULL, NULL },
+};
+
+static PyType_Slot conn_slots[] = {
+	{ Py_tp_new, conn_new },
+	{ Py_tp_dealloc, conn_dealloc },
+	{ Py_tp_methods, conn_methods },
+	{ Py_tp_getset, conn_getset },
+	{ Py_tp_doc, "Connection(socket=None): a connection to zoffloadd (socket None: "
+	    "$ZOFFLOAD_SOCKET, else the built-in default)." },
+	{ 0, NULL },
+};
+
+PyType_Spec zpy_conn_spec = {
+	.name = "zoffload._zclient.Connection",
+	.basicsize = sizeof(struct zpy_conn),
+	.flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_IMMUTABLETYPE,
+	.slots = conn_slots,
+};

@@ -1,0 +1,94 @@
+/* zoffload._zclient: the CPython binding of libzclient; types shared by its files. */
+#ifndef ZPY_H
+#define ZPY_H
+
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <pythread.h>
+
+#include "zclient.h"
+
+/* One per module object (multi-phase init): the exception and the heap types. */
+struct zpy_state {
+	PyObject *error;		/* ZoffloadError(OSError) */
+	PyTypeObject *conn_type;
+	PyTypeObject *tensor_type;
+	PyTypeObject *slot_type;
+};
+
+struct zpy_tensor;
+
+/*
+ * A libzclient connection.  libzclient allows one thread at a time on a
+ * connection; since every call runs with the GIL released, lock serialises
+ * them (taken only without the GIL, so it never deadlocks against it).
+ * tensors lists (borrowed) the live Python Tensor objects of this connection,
+ * which unlink themselves when freed; each holds a strong reference back, so
+ * the connection outlives them.
+ */
+struct zpy_conn {
+	PyObject_HEAD
+	struct zc_conn *c;		/* NULL once closed */
+	PyThread_type_lock lock;
+	struct zpy_tensor *tensors;
+};
+
+/*
+ * A registered tensor.  t belongs to the libzclient connection; it is NULL
+ * once unregistered or once the connection or job closed.  live_slots counts
+ * the Slot objects alive (each holds a reference to us): the slots' memory is
+ * unmapped with t, so nothing that frees t runs while any view could remain.
+ */
+struct zpy_tensor {
+	PyObject_HEAD
+	struct zpy_conn *conn;		/* strong */
+	struct zc_tensor *t;
+	PyObject *name;
+	uint64_t numel;
+	enum zc_dtype grad_dtype, param_dtype;
+	Py_ssize_t live_slots;
+	struct zpy_tensor *prev, *next;	/* in conn->tensors */
+};
+
+extern PyType_Spec zpy_conn_spec, zpy_tensor_spec, zpy_slot_spec;
+
+struct zpy_state *zpy_state_of(PyTypeObject *type);
+/* Raises ZoffloadError(-neg_errno, msg); returns NULL. */
+PyObject *zpy_raise(PyTypeObject *type, int neg_errno, const char *msg);
+/* Raises with the connection's last error; call with the connection's lock not held. */
+PyObject *zpy_raise_conn(struct zpy_conn *conn, int neg_errno, const char *msg);
+
+/* A closed connection or a freed tensor: raises and returns false. */
+bool zpy_conn_ready(struct zpy_conn *conn);
+bool zpy_tensor_ready(struct zpy_tensor *t);
+
+/* Error text copied out under the lock, so that another thread cannot overwrite it first. */
+#define ZPY_ERRLEN 512
+/*
+ * Runs expr (an int libzclient call) without the GIL and under the
+ * connection's lock; on a negative result copies zc_errmsg into errbuf.
+ */
+#define ZPY_CALL(conn, r, errbuf, expr) do {				\
+	Py_BEGIN_ALLOW_THREADS						\
+	PyThread_acquire_lock((conn)->lock, WAIT_LOCK);			\
+	(r) = (expr);							\
+	if ((r) < 0)							\
+		snprintf((errbuf), ZPY_ERRLEN, "%s", zc_errmsg((conn)->c)); \
+	PyThread_release_lock((conn)->lock);				\
+	Py_END_ALLOW_THREADS						\
+} while (0)
+
+/* "fp32" | "bf16" | "fp16" (also torch's names) to a zc_dtype; -1 with an exception set. */
+int zpy_dtype(PyObject *name, const char *what);
+const char *zpy_dtype_name(enum zc_dtype d);
+/* A step result as a dict. */
+PyObject *zpy_result(const struct zc_step_result *r);
+/* Tensor objects from a sequence, for the calls that take a list (borrowed pointers into out). */
+int zpy_tensor_list(struct zpy_conn *conn, PyObject *seq, struct zc_tensor ***ret, size_t *ret_n);
+
+/* Tensors that free the connection's C tensors: fail if any still has live slot views. */
+bool zpy_conn_views_gone(struct zpy_conn *conn, const char *what);
+/* After the C tensors went away with the connection or the job. */
+void zpy_conn_forget_tensors(struct zpy_conn *conn);
+
+#endif

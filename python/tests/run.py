@@ -1,0 +1,18 @@
+"""Runs one pytest file of zoffload's Python suite for meson; exit 77 (skipped) without torch or pytest."""
+import os
+import sys
+
+if os.environ.get("ZOFFLOAD_PY_SKIP"):
+    print("skipped: " + os.environ["ZOFFLOAD_PY_SKIP"])
+    sys.exit(77)
+try:
+    import pytest
+    import torch  # noqa: F401
+except ImportError as e:
+    print(f"skipped: {sys.executable} cannot import {e.name} (install python3-torch and "
+          "python3-pytest, or point -Dpython_interpreters at an interpreter that has them)")
+    sys.exit(77)
+
+# -p no:cacheprovider: nothing written into the source tree.
+sys.exit(pytest.main(["-q", "-p", "no:cacheprovider", "-W", "error::pytest.PytestUnraisableExceptionWarning",
+                      *sys.argv[1:]]))

@@ -1,0 +1,167 @@
+"""What a user sees when things go wrong: clear Python exceptions, with the daemon's words."""
+import array
+import io
+import errno
+import json
+import os
+
+import pytest
+import torch
+
+import zhelpers
+import zoffload
+import zoffload.torch as zt
+
+
+def params(n=1000):
+    return [torch.nn.Parameter(torch.randn(n))]
+
+
+def test_daemon_not_running(tmp_path):
+    sock = str(tmp_path / "nobody.sock")
+    with pytest.raises(zoffload.ZoffloadError) as info:
+        zt.AdamW(params(), job="j", socket=sock)
+    assert isinstance(info.value, OSError)
+    assert info.value.errno == errno.ENOENT
+    assert sock in str(info.value) and "is zoffloadd running" in str(info.value)
+
+
+def test_refused_job(daemon):
+    first = zt.AdamW(params(), job="shared", socket=daemon.socket, rank=0, world_size=2)
+    with pytest.raises(zoffload.ZoffloadError, match="job 'shared' has world size 2, not 4"):
+        zt.AdamW(params(), job="shared", socket=daemon.socket, rank=1, world_size=4)
+    with pytest.raises(zoffload.ZoffloadError, match="rank 0 of job 'shared' is already attached"):
+        zt.AdamW(params(), job="shared", socket=daemon.socket, rank=0, world_size=2)
+    with pytest.raises(zoffload.ZoffloadError, match="rank 2 is not below world size 2"):
+        zt.AdamW(params(), job="shared", socket=daemon.socket, rank=2, world_size=2)
+    first.close()
+
+
+def test_budget_exhausted(make_daemon):
+    d = make_daemon(config={"memory": {"pinned_budget": "1M"}})
+    with pytest.raises(zoffload.ZoffloadError) as info:
+        zt.AdamW(params(200_000), job="big", socket=d.socket, policy="cpu")
+    assert info.value.errno == errno.ENOSPC
+    assert "needs" in str(info.value) and "pinned budget" in str(info.value)
+
+
+def test_refused_constructor_leaves_nothing(make_daemon):
+    """The first param fits, the second does not: the first is freed, not kept for a restart."""
+    d = make_daemon(config={"memory": {"pinned_budget": "1M"}})
+    with pytest.raises(zoffload.ZoffloadError, match="pinned budget"):
+        zt.AdamW(params(1000) + params(200_000), job="half", socket=d.socket, policy="cpu")
+    with zoffload.Connection(d.socket) as c:
+        assert json.loads(c.jobs())["jobs"] == []
+        assert json.loads(c.stats())["tensors"] == 0
+
+
+def test_step_after_close(daemon):
+    opt = zt.AdamW(params(), job="closed", socket=daemon.socket)
+    opt.close()
+    opt.close()                     # twice is fine
+    with pytest.raises(RuntimeError, match="after close"):
+        opt.step()
+
+
+def test_spills_to_swap_instead(make_daemon):
+    """The same state with policy 'auto' and a swap dir: it fits, partly on NVMe."""
+    d = make_daemon(config={"memory": {"pinned_budget": "1M"}}, swap=True)
+    ps = params(200_000)
+    opt = zt.AdamW(ps, job="big", socket=d.socket, policy="auto")
+    ps[0].grad = torch.ones_like(ps[0])
+    opt.step()
+    job = json.loads(opt.jobs())["jobs"][0]
+    assert job["nvme_bytes"] > 0
+    # The first moment after one step of ones, read back through the NVMe tier.
+    assert torch.equal(opt.state_dict()["state"][0]["exp_avg"], torch.full((200_000,), 0.1))
+    opt.close()
+
+
+def test_bad_arguments(daemon, monkeypatch):
+    with pytest.raises(ValueError, match="amsgrad=True is not supported"):
+        zt.AdamW(params(), amsgrad=True, job="j", socket=daemon.socket)
+    with pytest.raises(ValueError, match="Invalid learning rate"):
+        zt.Adam(params(), lr=-1, job="j", socket=daemon.socket)
+    with pytest.raises(ValueError, match="policy must be 'cpu', 'nvme', 'auto'"):
+        zt.AdamW(params(), job="j", socket=daemon.socket, policy="disk")
+    with pytest.raises(TypeError, match="float32, bfloat16 or float16 only"):
+        zt.AdamW([torch.nn.Parameter(torch.zeros(3, dtype=torch.float64))], job="j2",
+                 socket=daemon.socket)
+    monkeypatch.delenv("ZOFFLOAD_JOB", raising=False)
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    with pytest.raises(ValueError, match="name the job"):
+        zt.AdamW(params(), socket=daemon.socket)
+
+
+def test_job_from_environment(daemon, monkeypatch):
+    monkeypatch.delenv("ZOFFLOAD_JOB", raising=False)
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "abc123")
+    monkeypatch.setenv("ZOFFLOAD_SOCKET", daemon.socket)
+    opt = zt.AdamW(params())
+    assert opt.job == "torchrun-abc123"
+    opt.close()
+    monkeypatch.setenv("ZOFFLOAD_JOB", "from-env")
+    opt = zt.AdamW(params())
+    assert opt.job == "from-env"
+    assert "from-env" in opt.jobs()
+    opt.close()
+
+
+def test_daemon_dies_mid_training(make_daemon):
+    d = make_daemon()
+    m = zhelpers.model(seed=30)
+    opt = zt.AdamW(m.parameters(), job="dies", socket=d.socket)
+    zhelpers.train(m, opt, 2)
+    d.proc.kill()
+    d.proc.wait()
+    with pytest.raises(zoffload.ZoffloadError, match="closed the connection|Broken pipe"):
+        zhelpers.train(m, opt, 1, first=3)
+
+
+def test_slot_views_keep_the_memory_mapped(daemon):
+    c = zoffload.Connection(daemon.socket)
+    c.job_open("views")
+    t = c.register("w", array.array("f", [1.0] * 8), param_dtype="bf16")
+    g = torch.frombuffer(t.grad, dtype=torch.float32)
+    with pytest.raises(BufferError, match="still view"):
+        t.unregister()
+    with pytest.raises(BufferError, match="still view"):
+        c.close()
+    assert memoryview(t.param).readonly and not memoryview(t.grad).readonly
+    with pytest.raises((BufferError, TypeError), match="read-only|read-write"):
+        io.BytesIO(b"x").readinto(t.param)      # asks for a writable buffer
+    with pytest.raises(ValueError, match="holds 3 bytes, its param slot 16"):
+        t.param_into(bytearray(3))
+    t.grad_from(array.array("f", [2.0] * 8))
+    assert g.tolist() == [2.0] * 8
+    out = bytearray(16)
+    t.param_into(out)
+    assert out == memoryview(t.param).tobytes()
+    del g
+    t.unregister()
+    with pytest.raises(zoffload.ZoffloadError, match="no longer registered") as info:
+        t.grad
+    assert info.value.errno == errno.EBADF
+    c.close()
+    with pytest.raises(zoffload.ZoffloadError, match="closed"):
+        c.stats()
+
+
+def test_submit_errors_name_the_problem(daemon):
+    c = zoffload.Connection(daemon.socket)
+    c.job_open("submit")
+    t = c.register("w", array.array("f", [1.0] * 8))
+    with pytest.raises(zoffload.ZoffloadError, match="steps count from 1"):
+        c.submit([t], optim="adamw", step=0, lr=1e-3)
+    with pytest.raises(ValueError, match="optim must be"):
+        c.submit([t], optim="sgd", step=1, lr=1e-3)
+    with pytest.raises(TypeError, match="not a Tensor"):
+        c.submit([t, 3], optim="adamw", step=1, lr=1e-3)
+    c.submit([t], optim="adamw", step=1, lr=1e-3)
+    with pytest.raises(zoffload.ZoffloadError, match="still in a step") as info:
+        c.submit([t], optim="adamw", step=2, lr=1e-3)
+    assert info.value.errno == errno.EBUSY
+    assert c.wait_all()["status"] == "applied"
+    with pytest.raises(ValueError, match="not a positive multiple of 4"):
+        c.register("x", b"abc")
+    c.close()

@@ -1,0 +1,94 @@
+"""zoffload._zclient on its own: the calls torch.py does not make, and the connection lock."""
+import array
+import json
+import threading
+
+import pytest
+import torch
+
+import zoffload
+
+
+def conn(daemon, job="zc"):
+    c = zoffload.Connection(daemon.socket)
+    c.job_open(job)
+    return c
+
+
+def test_state_io_and_job_calls(daemon):
+    c = conn(daemon)
+    t = c.register("w", array.array("f", range(10)))
+    assert (t.name, t.numel, t.grad_dtype, t.param_dtype, t.registered) == ("w", 10, "fp32", "fp32", True)
+    assert t.last_step == 0 and c.job_last_step == 0
+    m = array.array("f", [0.0] * 4)
+    t.read("master", m, 3)
+    assert list(m) == [3.0, 4.0, 5.0, 6.0]
+    t.write("exp_avg", array.array("f", [0.5] * 10))
+    t.set_step(41)
+    assert t.last_step == 41
+    torch.frombuffer(t.grad, dtype=torch.float32).fill_(1.0)
+    c.submit([t], optim="adam", step=42, lr=0.1, weight_decay=0.0)
+    res = t.wait()
+    assert res["status"] == "applied" and res["step"] == 42 and t.last_step == 42
+    out = array.array("f", [0.0] * 10)
+    t.read("exp_avg", out)
+    assert out[0] == pytest.approx(0.9 * 0.5 + 0.1)
+    with pytest.raises(ValueError, match="state must be"):
+        t.read("sum", out)
+    with pytest.raises(zoffload.ZoffloadError, match="outside the tensor"):
+        t.read("master", out, 5)
+    assert c.ping() > 0
+    assert json.loads(c.stats())["tensors"] == 1
+    (job,) = json.loads(c.jobs())["jobs"]
+    assert job["name"] == "zc" and job["last_step"] == 42
+    c.job_close()
+    assert not t.registered
+    c.close()
+    assert c.closed
+
+
+def test_param_offload(daemon):
+    c = conn(daemon, "offload")
+    t = c.register("w", array.array("f", [1.0] * 1000), param_dtype="bf16", param_offload=True)
+    c.submit([t], optim="adamw", step=1, lr=0.1)
+    c.wait_all()
+    before = memoryview(t.param).tobytes()
+    c.param_release([t])
+    c.param_prefetch([t])
+    t.param_wait()
+    t.param_wait()
+    assert memoryview(t.param).tobytes() == before
+    stats = c.param_stats()
+    assert stats["hits"] + stats["misses"] == 2 and stats["hits"] >= 1
+    c.close()
+
+
+def test_threads_share_a_connection(daemon):
+    """Calls from two threads are serialised by the connection's lock (libzclient allows one
+    thread at a time): replies never cross."""
+    c = conn(daemon, "threads")
+    ts = [c.register(f"w{i}", array.array("f", [1.0] * 4096)) for i in range(4)]
+    errors = []
+
+    def pinger():
+        try:
+            for _ in range(300):
+                c.ping()
+                json.loads(c.stats())
+        except Exception as e:          # noqa: BLE001 - reported below
+            errors.append(e)
+    th = threading.Thread(target=pinger)
+    th.start()
+    for step in range(1, 301):
+        c.submit(ts, optim="adamw", step=step, lr=1e-3)
+        assert c.wait_all()["status"] == "applied"
+    th.join()
+    assert errors == []
+    assert all(t.last_step == 300 for t in ts)
+    c.close()
+
+
+def test_types_are_not_made_by_hand():
+    with pytest.raises(TypeError, match="Connection.register"):
+        zoffload.Tensor()
+    assert issubclass(zoffload.ZoffloadError, OSError)

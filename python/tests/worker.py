@@ -1,0 +1,71 @@
+"""A training process for the tests that need more than one: python3 worker.py MODE ARGS...
+
+train SOCKET JOB STEPS OUT [KILL_AFTER]: AdamW on the small transformer for STEPS steps,
+    saving the params to OUT; with KILL_AFTER, save after that step and SIGKILL itself.
+zero RANK WORLD PORT SOCKET JOB STEPS OUT: one rank of ZeroRedundancyOptimizer over gloo,
+    every rank on the same batches (no DDP needed for equal gradients); rank 0 saves.
+"""
+import os
+import signal
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+import zhelpers  # noqa: E402
+import zoffload.torch as zt  # noqa: E402
+
+LR = 2e-3
+
+
+def params_of(m):
+    return [p.detach().clone() for p in m.parameters()]
+
+
+def train(socket, job, steps, out, kill_after=None):
+    m = zhelpers.model(seed=11)
+    opt = zt.AdamW(m.parameters(), lr=LR, job=job, socket=socket)
+    for step in range(1, steps + 1):
+        opt.zero_grad()
+        zhelpers.loss_of(m, step).backward()
+        opt.step()
+        if kill_after == step:
+            torch.save(params_of(m), out)
+            os.kill(os.getpid(), signal.SIGKILL)
+    torch.save(params_of(m), out)
+
+
+def zero(rank, world, port, socket, job, steps, out):
+    import torch.distributed as dist
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    m = zhelpers.model(seed=11)
+    opt = ZeroRedundancyOptimizer(m.parameters(), optimizer_class=zt.AdamW, lr=LR, job=job,
+                                  socket=socket)
+    assert opt.optim.rank == rank and opt.optim.world_size == world
+    for step in range(1, steps + 1):
+        opt.zero_grad()
+        zhelpers.loss_of(m, step).backward()
+        opt.step()
+    # torch's consolidated state: every rank's shard, read from its own daemon.
+    opt.consolidate_state_dict(to=0)
+    if rank == 0:
+        torch.save({"params": params_of(m), "state": opt.state_dict()}, out)
+    dist.barrier()
+    # Every rank is attached and stepped: what this rank's daemon sees of the job.
+    print("JOBS " + opt.optim.jobs(), flush=True)
+    dist.barrier()
+    opt.optim.close()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    mode, args = sys.argv[1], sys.argv[2:]
+    if mode == "train":
+        train(args[0], args[1], int(args[2]), args[3], int(args[4]) if len(args) > 4 else None)
+    elif mode == "zero":
+        zero(int(args[0]), int(args[1]), int(args[2]), args[3], args[4], int(args[5]), args[6])
+    else:
+        sys.exit(f"unknown mode {mode}")

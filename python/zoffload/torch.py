@@ -1,0 +1,512 @@
+"""torch.optim optimizers whose state lives in zoffloadd, the node's optimizer-offload daemon.
+
+Switching a script is one line::
+
+    opt = zoffload.torch.AdamW(model.parameters(), lr=3e-4, weight_decay=0.1)
+
+``AdamW``, ``Adam``, ``Adagrad`` and ``Lion`` take torch's constructor arguments and defaults,
+plus zoffload's own (keyword only):
+
+- ``job``: the job's name, shared by the ranks of one training run.  Default
+  ``$ZOFFLOAD_JOB``, else ``torchrun-$TORCHELASTIC_RUN_ID`` under torchrun.
+- ``socket``: the daemon's socket (default ``$ZOFFLOAD_SOCKET``, else the built-in one).
+- ``policy``: where the job's state lives: ``"cpu"``, ``"nvme"``, ``"auto"`` (default: the
+  daemon's ``memory.policy``); ``pinned_budget``: the job's pinned bytes before ``auto``
+  spills to NVMe.
+- ``grad_dtype``: what gradients are handed over in (default: the param's dtype).
+- ``overlap``: submit each param's step from a gradient hook as soon as backward produced
+  its gradient, so that the daemon works while backward goes on; ``step()`` then only waits.
+  One backward per step (a second before ``step()`` raises).
+- ``rank`` / ``world_size``: default ``torch.distributed``'s when initialized, else 0 / 1.
+
+The fp32 master weights and the moments stay in the daemon; ``step()`` copies gradients into
+the tensor's shared-memory grad slot and the new parameters back from its param slot.
+Parameters are the daemon's to update: a change made to them outside ``step()`` reaches the
+daemon only through ``load_state_dict()``.
+
+A process that dies keeps its state in the daemon for ``limits.detach_grace_s``.  A new
+process of the same job and rank that builds the same optimizer over the same parameters
+gets it back: the parameters are overwritten with the daemon's, ``resumed_step`` says the
+step it resumes after, and a warning says so.  ``close()`` frees the state instead.
+"""
+import errno
+import logging
+import os
+import time
+import warnings
+from itertools import chain
+
+import torch
+
+from . import _zclient
+from ._zclient import ZoffloadError
+
+__all__ = ["AdamW", "Adam", "Adagrad", "Lion", "ZoffloadError"]
+
+log = logging.getLogger("zoffload")
+
+_DTYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+_TORCH_DTYPES = {v: k for k, v in _DTYPES.items()}
+_MAX_SET = 4096         # tensors in one submit (ZP_MAX_STEP_TENSORS)
+
+
+def _default_job(job):
+    if job is not None:
+        return job
+    if os.environ.get("ZOFFLOAD_JOB"):
+        return os.environ["ZOFFLOAD_JOB"]
+    if os.environ.get("TORCHELASTIC_RUN_ID"):
+        return "torchrun-" + os.environ["TORCHELASTIC_RUN_ID"]
+    raise ValueError("zoffload: name the job the optimizer state belongs to: job='...' or "
+                     "$ZOFFLOAD_JOB (under torchrun it defaults to the run id)")
+
+
+def _grad_dtype_name(grad_dtype, param):
+    if grad_dtype is None:
+        grad_dtype = param.dtype
+    if isinstance(grad_dtype, torch.dtype):
+        if grad_dtype not in _DTYPES:
+            raise TypeError(f"zoffload: grad_dtype {grad_dtype} is not float32, bfloat16 or "
+                            "float16")
+        return _DTYPES[grad_dtype]
+    return grad_dtype
+
+
+def _plain(t, dtype):
+    """A CPU tensor laid out as its slot: copied with a memcpy (see Tensor.param_into)."""
+    return t.device.type == "cpu" and t.dtype == dtype and t.is_contiguous()
+
+
+def _raw(t):
+    # Same-size integers: numpy has no bfloat16, and only the bytes matter.
+    return t.view(torch.int16 if t.element_size() == 2 else torch.int32).numpy()
+
+
+class _Entry:
+    """One parameter's tensor in the daemon and no-copy views of its slots."""
+    __slots__ = ("zt", "grad", "param", "in_flight", "cuda_addrs", "grad_view_ok")
+
+    def __init__(self, zt, grad_dtype, param_dtype):
+        self.zt = zt
+        self.grad = torch.frombuffer(zt.grad, dtype=_TORCH_DTYPES[grad_dtype])
+        with warnings.catch_warnings():
+            # The param slot is read-only shared memory: the daemon writes it.
+            warnings.simplefilter("ignore", UserWarning)
+            self.param = torch.frombuffer(zt.param, dtype=_TORCH_DTYPES[param_dtype])
+        self.in_flight = 0          # step submitted and not yet waited for
+        self.cuda_addrs = []
+
+
+class _ZoffloadOptimizer(torch.optim.Optimizer):
+    _optim = None               # the daemon's name for the update
+    _state_keys = {}            # torch's state name -> the daemon's
+
+    def __init__(self, params, defaults, *, job=None, socket=None, policy=None,
+                 pinned_budget=0, grad_dtype=None, overlap=False, rank=None,
+                 world_size=None):
+        if rank is None or world_size is None:
+            dist = torch.distributed
+            initialized = dist.is_available() and dist.is_initialized()
+            rank = (dist.get_rank() if initialized else 0) if rank is None else rank
+            world_size = ((dist.get_world_size() if initialized else 1)
+                          if world_size is None else world_size)
+        self.job = _default_job(job)
+        self.rank, self.world_size = rank, world_size
+        self.overlap = overlap
+        self.resumed_step = 0
+        self._grad_dtype = grad_dtype
+        self._entries = {}
+        self._group_index = {}
+        self._hooks = []
+        self._next_index = 0
+        self._conn = _zclient.Connection(socket)
+        self._conn.job_open(self.job, rank, world_size, policy=policy,
+                            pinned_budget=pinned_budget)
+        try:
+            super().__init__(params, defaults)
+        except BaseException:
+            # What was registered goes now: a refused constructor leaves nothing to take back.
+            self.close()
+            raise
+        if self.resumed_step:
+            msg = (f"zoffload: job '{self.job}' rank {rank}: took back the optimizer state of "
+                   f"a process that died; resuming after step {self.resumed_step}")
+            log.warning(msg)
+            warnings.warn(msg, RuntimeWarning, stacklevel=3)
+
+    # Registration: every param, as torch's constructor or add_param_group hands it over.
+    def add_param_group(self, param_group):
+        super().add_param_group(param_group)
+        for p in self.param_groups[-1]["params"]:
+            if p not in self._entries:
+                self._group_index[p] = len(self.param_groups) - 1
+                self._register(p)
+
+    def _register(self, p):
+        if p.dtype not in _DTYPES:
+            raise TypeError(f"zoffload: parameter of dtype {p.dtype}: float32, bfloat16 or "
+                            "float16 only")
+        if p.numel() == 0:
+            raise ValueError("zoffload: empty parameters have nothing to optimize")
+        index = self._next_index
+        self._next_index += 1
+        # Stable across restarts (same model, same order), so a new process finds its state.
+        name = f"p{index}/{p.numel()}"
+        gd, pd = _grad_dtype_name(self._grad_dtype, p), _DTYPES[p.dtype]
+        init = p.detach().reshape(-1).to(device="cpu", dtype=torch.float32).contiguous()
+        for attempt in range(200):
+            try:
+                zt = self._conn.register(name, init.numpy(), grad_dtype=gd, param_dtype=pd)
+                break
+            except ZoffloadError as ex:
+                # Taken back while a step the dead process submitted still runs on it.
+                if ex.errno != errno.EAGAIN or attempt == 199:
+                    raise
+                time.sleep(0.05)
+        e = _Entry(zt, gd, pd)
+        # Not with overlap (AccumulateGrad would write a slot under a step), nor for a slot of
+        # another dtype or device.
+        e.grad_view_ok = not self.overlap and not p.is_cuda and gd == pd
+        self._entries[p] = e
+        last = zt.last_step
+        if last:
+            master = torch.empty(p.numel(), dtype=torch.float32)
+            zt.read("master", master.numpy())
+            with torch.no_grad():
+                p.copy_(master.view(p.shape))
+            self.state[p]["step"] = torch.tensor(float(last))
+            self.resumed_step = max(self.resumed_step, last)
+        else:
+            self._init_state(p, zt)
+        if p.is_cuda:
+            self._cuda_register(e)
+        if self.overlap:
+            self._hooks.append(p.register_hook(self._make_hook(p)))
+
+    def _init_state(self, p, zt):
+        pass
+
+    def _cuda_register(self, e):
+        # Slots registered with CUDA: the copies to and from them are asynchronous on the
+        # current stream.  Compiled here; not run (no GPU on the machine that tests this).
+        cudart = torch.cuda.cudart()
+        for slot, flags in ((e.zt.grad, 0), (e.zt.param, 8)):     # 8: cudaHostRegisterReadOnly
+            addr = slot.address
+            r = cudart.cudaHostRegister(addr, slot.nbytes, flags)
+            if int(r) != 0:
+                raise RuntimeError(f"zoffload: cudaHostRegister of a slot failed ({r})")
+            e.cuda_addrs.append(addr)
+
+    # The step.
+    def _group_args(self, group):
+        raise NotImplementedError
+
+    def _put_grad(self, p, e, grad, group):
+        if grad.is_sparse:
+            raise RuntimeError("zoffload: sparse gradients are not supported")
+        g = e.grad.view(p.shape)
+        if grad.data_ptr() == g.data_ptr():
+            # p.grad is the slot itself (see _finish): backward wrote it there.
+            if group.get("maximize", False):
+                g.neg_()
+            return
+        if group.get("maximize", False):
+            torch.neg(grad, out=g) if grad.dtype == g.dtype else g.copy_(grad).neg_()
+        elif _plain(grad, g.dtype):
+            e.zt.grad_from(_raw(grad))
+        else:
+            g.copy_(grad, non_blocking=p.is_cuda)
+
+    def _submit(self, group, items):
+        """Queue the steps of (p, entry) pairs of one group, one set per step number."""
+        by_step = {}
+        for p, e in items:
+            step = int(self.state[p].setdefault("step", torch.tensor(0.0)).item()) + 1
+            by_step.setdefault(step, []).append((p, e))
+        if any(p.is_cuda for p, _ in items):
+            torch.cuda.current_stream().synchronize()       # grads are in the slots
+        args = self._group_args(group)
+        for step, pes in by_step.items():
+            for i in range(0, len(pes), _MAX_SET):
+                chunk = pes[i:i + _MAX_SET]
+                self._conn.submit([e.zt for _, e in chunk], optim=self._optim, step=step,
+                                  **args)
+                for _, e in chunk:
+                    e.in_flight = step
+
+    def _make_hook(self, p):
+        def hook(grad):
+            e = self._entries.get(p)
+            if e is None:
+                return None
+            if e.in_flight:
+                raise RuntimeError("zoffload: overlap=True takes one backward per step; "
+                                   "call step() before the next backward")
+            group = self._group_of(p)
+            self._flush_loaded_state()
+            # What AccumulateGrad is about to store in p.grad (a zero grad adds exactly).
+            self._put_grad(p, e, grad if p.grad is None else p.grad + grad, group)
+            self._submit(group, [(p, e)])
+            return None
+        return hook
+
+    def _group_of(self, p):
+        # By position: load_state_dict replaces the group dicts but keeps their order.
+        return self.param_groups[self._group_index[p]]
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        if self._conn.closed:
+            raise RuntimeError("zoffload: step() after close()")
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self._flush_loaded_state()
+        for group in self.param_groups:
+            items = []
+            for p in group["params"]:
+                e = self._entries[p]
+                if p.grad is None or e.in_flight:
+                    continue        # no gradient (as torch), or submitted by its hook
+                self._put_grad(p, e, p.grad, group)
+                items.append((p, e))
+            if items:
+                self._submit(group, items)
+        self._finish()
+        return loss
+
+    def _finish(self):
+        """Waits for every step in flight and copies the new params out of the slots."""
+        waiting = [(p, e) for p, e in self._entries.items() if e.in_flight]
+        if not waiting:
+            return
+        error = None
+        try:
+            self._conn.wait_all()
+        except ZoffloadError as ex:
+            error = ex
+        for p, e in waiting:
+            e.in_flight = 0
+            try:
+                res = e.zt.wait()       # raises with the daemon's reason when it failed
+            except ZoffloadError as ex:
+                error = error or ex
+                continue
+            if res["status"] != "applied":
+                continue
+            self.state[p]["step"] = torch.tensor(float(res["step"]))
+            if _plain(p, e.param.dtype):
+                e.zt.param_into(_raw(p.detach()))
+            else:
+                with torch.no_grad():
+                    p.copy_(e.param.view(p.shape), non_blocking=p.is_cuda)
+            if (e.grad_view_ok and p.grad is not None and p.grad.layout == torch.strided
+                    and not self._group_of(p).get("maximize", False)):
+                # The slot holds what p.grad holds; made p.grad, zero_grad() zeroes it in place
+                # and the next backward accumulates straight into it: no copy next step.
+                p.grad = e.grad.view(p.shape)
+        if error is not None:
+            raise error
+
+    # State in torch's format, read from and written to the daemon.
+    def _flush_loaded_state(self):
+        """Writes state loaded into self.state (load_state_dict, ZeroRedundancyOptimizer)."""
+        for p, e in self._entries.items():
+            st = self.state.get(p)
+            if not st or not any(k in st for k in self._state_keys):
+                continue
+            if e.in_flight:
+                raise RuntimeError("zoffload: state loaded while a step is in flight")
+            master = p.detach().reshape(-1).to(device="cpu", dtype=torch.float32).contiguous()
+            e.zt.write("master", master.numpy())
+            for key, which in self._state_keys.items():
+                if key in st:
+                    value = st.pop(key).detach().reshape(-1)
+                    if value.numel() != p.numel():
+                        raise ValueError(f"zoffload: state '{key}' holds {value.numel()} "
+                                         f"values for a parameter of {p.numel()}")
+                    value = value.to(device="cpu", dtype=torch.float32).contiguous()
+                    e.zt.write(which, value.numpy())
+            step = st.get("step", 0)
+            step = int(step.item() if torch.is_tensor(step) else step)
+            st["step"] = torch.tensor(float(step))
+            e.zt.set_step(step)
+
+    def state_dict(self):
+        self._finish()
+        self._flush_loaded_state()
+        sd = super().state_dict()
+        params = list(chain.from_iterable(g["params"] for g in self.param_groups))
+        for index, st in sd["state"].items():
+            p = params[index]
+            e = self._entries[p]
+            st = dict(st)
+            for key, which in self._state_keys.items():
+                value = torch.empty(p.numel(), dtype=torch.float32)
+                e.zt.read(which, value.numpy())
+                st[key] = value.view(p.shape)
+            sd["state"][index] = st
+        return sd
+
+    def load_state_dict(self, state_dict):
+        self._finish()
+        saved = state_dict["param_groups"]
+        moments = {}
+        stripped = {}
+        for index, st in state_dict["state"].items():
+            moments[index] = {k: v for k, v in st.items() if k in self._state_keys}
+            stripped[index] = {k: v for k, v in st.items() if k not in self._state_keys}
+        # torch's own load casts the moments to the params' dtype; they stay fp32 here.
+        super().load_state_dict({"state": stripped, "param_groups": saved})
+        id_map = dict(zip(chain.from_iterable(g["params"] for g in saved),
+                          chain.from_iterable(g["params"] for g in self.param_groups)))
+        for index, ms in moments.items():
+            if index in id_map and ms:
+                self.state[id_map[index]].update(ms)
+        # A param the saved state does not cover starts afresh, as in torch (lazily there).
+        for p in self._entries:
+            if "step" not in self.state[p]:
+                self.state[p].update(self._fresh_state(p), step=torch.tensor(0.0))
+        self._flush_loaded_state()
+
+    def _fresh_state(self, p):
+        return {key: torch.zeros(p.shape) for key in self._state_keys}
+
+    def __setstate__(self, state):
+        super().__setstate__(state)
+        for group in self.param_groups:
+            for key, value in self.defaults.items():
+                group.setdefault(key, value)
+
+    def stats(self):
+        """The daemon's stats (zoffctl stats --json), as a str of JSON."""
+        return self._conn.stats()
+
+    def jobs(self):
+        """The daemon's jobs (zoffctl jobs --json), as a str of JSON."""
+        return self._conn.jobs()
+
+    def close(self):
+        """Frees the state in the daemon (a process that just exits keeps it for a restart)."""
+        if self._conn.closed:
+            return
+        self._finish()
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+        cudart = None
+        entries, self._entries = self._entries, {}
+        for p, e in entries.items():
+            if p.grad is not None and p.grad.data_ptr() == e.grad.data_ptr():
+                p.grad = p.grad.clone()     # the slot goes away with the tensor
+            if e.cuda_addrs:
+                cudart = cudart or torch.cuda.cudart()
+                for addr in e.cuda_addrs:
+                    cudart.cudaHostUnregister(addr)
+            e.grad = e.param = None
+        for e in entries.values():
+            e.zt.unregister()
+        self._conn.close()
+
+
+def _check(cond, what):
+    if not cond:
+        raise ValueError(f"Invalid {what}")
+
+
+def _refused(name, value, why):
+    if value:
+        raise ValueError(f"zoffload: {name}=True is not supported: {why}")
+
+
+def _adam_defaults(lr, betas, eps, weight_decay, amsgrad, foreach, maximize, capturable):
+    _check(0.0 <= lr, f"learning rate: {lr}")
+    _check(0.0 <= eps, f"epsilon value: {eps}")
+    _check(0.0 <= betas[0] < 1.0, f"beta parameter at index 0: {betas[0]}")
+    _check(0.0 <= betas[1] < 1.0, f"beta parameter at index 1: {betas[1]}")
+    _check(0.0 <= weight_decay, f"weight_decay value: {weight_decay}")
+    _refused("amsgrad", amsgrad, "the daemon keeps no max_exp_avg_sq (yet)")
+    return dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
+                foreach=foreach, maximize=maximize, capturable=capturable)
+
+
+class AdamW(_ZoffloadOptimizer):
+    """torch.optim.AdamW with its state in zoffloadd (decoupled weight decay)."""
+    _optim = "adamw"
+    _state_keys = {"exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq"}
+
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2,
+                 amsgrad=False, *, maximize=False, foreach=None, capturable=False,
+                 differentiable=False, fused=None, **zoffload):
+        # foreach, fused, capturable, differentiable: how torch runs its own kernels; the
+        # daemon has one way.  Accepted and ignored.
+        super().__init__(params, _adam_defaults(lr, betas, eps, weight_decay, amsgrad,
+                                                foreach, maximize, capturable), **zoffload)
+
+    def _group_args(self, g):
+        return dict(lr=g["lr"], beta1=g["betas"][0], beta2=g["betas"][1], eps=g["eps"],
+                    weight_decay=g["weight_decay"])
+
+
+class Adam(AdamW):
+    """torch.optim.Adam with its state in zoffloadd (weight decay as L2 in the gradient)."""
+    _optim = "adam"
+
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0,
+                 amsgrad=False, *, foreach=None, maximize=False, capturable=False,
+                 differentiable=False, fused=None, **zoffload):
+        _ZoffloadOptimizer.__init__(self, params, _adam_defaults(
+            lr, betas, eps, weight_decay, amsgrad, foreach, maximize, capturable), **zoffload)
+
+
+class Adagrad(_ZoffloadOptimizer):
+    """torch.optim.Adagrad with its state ('sum') in zoffloadd."""
+    _optim = "adagrad"
+    _state_keys = {"sum": "exp_avg"}
+
+    def __init__(self, params, lr=1e-2, lr_decay=0, weight_decay=0, initial_accumulator_value=0,
+                 eps=1e-10, foreach=None, *, maximize=False, differentiable=False, **zoffload):
+        _check(0.0 <= lr, f"learning rate: {lr}")
+        _check(0.0 <= lr_decay, f"lr_decay value: {lr_decay}")
+        _check(0.0 <= weight_decay, f"weight_decay value: {weight_decay}")
+        _check(0.0 <= initial_accumulator_value,
+               f"initial_accumulator_value value: {initial_accumulator_value}")
+        _check(0.0 <= eps, f"epsilon value: {eps}")
+        super().__init__(params, dict(lr=lr, lr_decay=lr_decay, eps=eps,
+                                      weight_decay=weight_decay,
+                                      initial_accumulator_value=initial_accumulator_value,
+                                      foreach=foreach, maximize=maximize), **zoffload)
+
+    def _init_state(self, p, zt):
+        value = self._group_of(p)["initial_accumulator_value"]
+        if value:
+            zt.write("exp_avg", torch.full((p.numel(),), float(value)).numpy())
+
+    def _fresh_state(self, p):
+        return {"sum": torch.full(p.shape, float(self._group_of(p)["initial_accumulator_value"]))}
+
+    def _group_args(self, g):
+        return dict(lr=g["lr"], lr_decay=g["lr_decay"], eps=g["eps"],
+                    weight_decay=g["weight_decay"])
+
+
+class Lion(_ZoffloadOptimizer):
+    """Lion (Chen et al. 2023, "Symbolic Discovery of Optimization Algorithms"), as
+    lion-pytorch writes it: decoupled weight decay, sign of the beta1 interpolation, then
+    the beta2 moment.  torch has no Lion of its own."""
+    _optim = "lion"
+    _state_keys = {"exp_avg": "exp_avg"}
+
+    def __init__(self, params, lr=1e-4, betas=(0.9, 0.99), weight_decay=0.0, *, maximize=False,
+                 foreach=None, **zoffload):
+        _check(0.0 <= lr, f"learning rate: {lr}")
+        _check(0.0 <= betas[0] <= 1.0, f"beta parameter at index 0: {betas[0]}")
+        _check(0.0 <= betas[1] <= 1.0, f"beta parameter at index 1: {betas[1]}")
+        _check(0.0 <= weight_decay, f"weight_decay value: {weight_decay}")
+        super().__init__(params, dict(lr=lr, betas=betas, weight_decay=weight_decay,
+                                      maximize=maximize, foreach=foreach), **zoffload)
+
+    def _group_args(self, g):
+        return dict(lr=g["lr"], beta1=g["betas"][0], beta2=g["betas"][1],
+                    weight_decay=g["weight_decay"])
