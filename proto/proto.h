@@ -58,7 +58,7 @@
 	X(XFER_OK, 70)							\
 	X(JSON, 71)							\
 	X(GRAD_PARTIAL, 72)						\
-	X(JSON_FD, 73)							\
+	X(JSON_FD, 74)							\
 	X(TENSOR_DONE, 128)						\
 	X(STEP_DONE, 129)						\
 	X(PARAM_READY, 130)
