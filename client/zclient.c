@@ -399,9 +399,10 @@ send_msg(struct zc_conn *c, struct zp_msg *m, uint64_t deadline)
 	return 0;
 }
 
-/* Request and reply; the reply is in c->msg, its descriptors in fds. */
+/* Request and reply of type reply_type or alt_type; the reply is in c->msg, its descriptors in fds. */
 static int
-rpc(struct zc_conn *c, struct zp_msg *req, uint16_t reply_type, int *fds)
+rpc_either(struct zc_conn *c, struct zp_msg *req, uint16_t reply_type, uint16_t alt_type,
+    int *fds)
 {
 	uint64_t deadline = deadline_after(c->timeout_ms);
 	int tmpfds[ZP_MAX_FDS];
@@ -437,7 +438,7 @@ rpc(struct zc_conn *c, struct zp_msg *req, uint16_t reply_type, int *fds)
 		if (c->msg->hdr.type == ZP_ERROR)
 			return seterr(c, c->msg->u.error.code < 0 ? c->msg->u.error.code : -EIO,
 			    "%s", c->msg->u.error.message);
-		if (c->msg->hdr.type != reply_type) {
+		if (c->msg->hdr.type != reply_type && c->msg->hdr.type != alt_type) {
 			for (unsigned i = 0; i < nfds; i++)
 				close((fds != NULL ? fds : tmpfds)[i]);
 			return seterr(c, -EBADMSG, "zoffloadd answered %s with %s",
@@ -448,6 +449,13 @@ rpc(struct zc_conn *c, struct zp_msg *req, uint16_t reply_type, int *fds)
 				close(tmpfds[i]);
 		return 0;
 	}
+}
+
+/* Request and reply; the reply is in c->msg, its descriptors in fds. */
+static int
+rpc(struct zc_conn *c, struct zp_msg *req, uint16_t reply_type, int *fds)
+{
+	return rpc_either(c, req, reply_type, reply_type, fds);
 }
 
 int
@@ -1325,16 +1333,48 @@ zc_ping(struct zc_conn *c, uint64_t *ret_rtt_ns)
 	return r;
 }
 
+/* A reply too large for a datagram comes as a memfd holding the text. */
+static int
+json_from_fd(struct zc_conn *c, int fd, uint64_t bytes, char **ret)
+{
+	struct stat st;
+	char *text;
+	void *map;
+
+	if (fstat(fd, &st) != 0 || (uint64_t)st.st_size < bytes) {
+		close(fd);
+		return seterr(c, -EBADMSG, "zoffloadd's reply of %llu bytes came in a smaller file",
+		    (unsigned long long)bytes);
+	}
+	map = mmap(NULL, (size_t)bytes, PROT_READ, MAP_SHARED, fd, 0);
+	close(fd);
+	if (map == MAP_FAILED)
+		return seterr(c, -errno, "cannot map zoffloadd's reply: %s", strerror(errno));
+	text = malloc((size_t)bytes + 1);
+	if (text != NULL) {
+		memcpy(text, map, (size_t)bytes);
+		text[bytes] = '\0';
+	}
+	munmap(map, (size_t)bytes);
+	if (text == NULL)
+		return seterr(c, -ENOMEM, "out of memory");
+	*ret = text;
+	return 0;
+}
+
 static int
 json_request(struct zc_conn *c, uint16_t type, char **ret)
 {
 	struct zp_msg m = { .hdr = { .type = type } };
+	int fds[ZP_MAX_FDS];
 	char *text;
 	int r;
 
-	r = rpc(c, &m, ZP_JSON, NULL);
+	r = rpc_either(c, &m, ZP_JSON, ZP_JSON_FD, fds);
 	if (r < 0)
 		return r;
+	if (c->msg->hdr.type == ZP_JSON_FD)
+		return json_from_fd(c, fds[0], c->msg->u.json_fd.bytes, ret);
 	text = malloc(c->msg->u.json.len + 1);
 	if (text == NULL)
 		return seterr(c, -ENOMEM, "out of memory");

@@ -89,7 +89,9 @@ ZC_API int zc_set_timeout(struct zc_conn *conn, int timeout_ms);
 ZC_API int zc_conn_fd(const struct zc_conn *conn);
 
 /*
- * One job per connection: the ranks of one training run share a name.  A
+ * One job per connection: the ranks of one training run share a name.  Names
+ * are per uid: "NAME" is the caller's own job (no other uid can take or join
+ * it), "UID:NAME" another uid's, which only root may join.  A
  * rank whose process died (no zc_job_close) keeps its state in the daemon for
  * limits.detach_grace_s; a new process opening the same job and rank and
  * registering the same tensors gets that state back (zc_tensor_last_step).
@@ -123,9 +125,11 @@ ZC_API uint64_t zc_job_last_step(const struct zc_conn *conn);
  */
 ZC_API int zc_job_close(struct zc_conn *conn);
 /*
- * Frees a whole job of this uid (root: any): every rank's state, attached or
- * detached.  Its connected ranks are disconnected (their next call fails
- * with -ECONNABORTED).  -EBUSY on a rank of that job: zc_job_close there.
+ * Frees a whole job of this uid (root: any, as "UID:NAME"; a plain name is
+ * root's own job, else the one job of that name, -ENOTUNIQ when several uids
+ * have one): every rank's state, attached or detached.  Its connected ranks
+ * are disconnected (their next call fails with -ECONNABORTED).  -EBUSY on a
+ * rank of that job: zc_job_close there.
  */
 ZC_API int zc_job_drop(struct zc_conn *conn, const char *job_name);
 
@@ -288,7 +292,11 @@ struct zc_param_stats {
 };
 ZC_API void zc_param_stats(const struct zc_conn *conn, struct zc_param_stats *ret);
 
-/* Control: round trip time; daemon stats and jobs as JSON (free() the string). */
+/*
+ * Control: round trip time; daemon stats and jobs as JSON (free() the string),
+ * of any size.  A uid other than root is shown its own jobs and uid and the
+ * node's totals; root everything.
+ */
 ZC_API int zc_ping(struct zc_conn *conn, uint64_t *ret_rtt_ns);
 ZC_API int zc_stats_json(struct zc_conn *conn, char **ret_json);
 ZC_API int zc_jobs_json(struct zc_conn *conn, char **ret_json);

@@ -103,11 +103,15 @@ count(double v, char *buf, size_t len)
 	return buf;
 }
 
+/* Rows of the jobs table zoffctl stats shows; zoffctl jobs shows them all. */
+#define STATS_JOB_ROWS 20
+
 static void
-print_jobs_table(const cJSON *jobs)
+print_jobs_table(const cJSON *jobs, int max_rows)
 {
 	const cJSON *j;
 	char a[32], b[32], c[32];
+	int rows = 0, n = cJSON_GetArraySize(jobs);
 
 	printf("%-20s %4s %6s %7s %8s %7s %10s %10s %10s %8s %7s %6s %9s\n", "JOB", "ID", "UID",
 	    "RANKS", "DETACHED", "TENSORS", "PARAMS", "PINNED", "NVME", "APPLIED", "SKIPPED",
@@ -117,6 +121,10 @@ print_jobs_table(const cJSON *jobs)
 		return;
 	}
 	cJSON_ArrayForEach(j, jobs) {
+		if (max_rows > 0 && rows++ == max_rows) {
+			printf("... and %d more jobs (zoffctl jobs lists them all)\n", n - max_rows);
+			break;
+		}
 		printf("%-20s %4.0f %6.0f %3.0f/%-3.0f %8.0f %7.0f %10s %10s %10s %8.0f %7.0f %6.0f "
 		    "%9.0f\n", str(j, "name"), num(j, "id"), num(j, "uid"), num(j, "ranks_attached"),
 		    num(j, "world_size"), num(j, "ranks_detached"), num(j, "tensors"),
@@ -209,7 +217,7 @@ print_stats(const cJSON *s)
 		    "(%.0f samples)\n", num(lat, "last"), num(lat, "mean"), num(lat, "p50"),
 		    num(lat, "p99"), num(lat, "max"), num(lat, "samples"));
 	printf("\n");
-	print_jobs_table(cJSON_GetObjectItemCaseSensitive(s, "jobs"));
+	print_jobs_table(cJSON_GetObjectItemCaseSensitive(s, "jobs"), STATS_JOB_ROWS);
 }
 
 static volatile sig_atomic_t interrupted;
@@ -247,7 +255,7 @@ cmd_json(struct zc_conn *c, bool jobs, bool json, double watch)
 			else if (watch > 0 && !first)
 				printf("\n");
 			if (jobs)
-				print_jobs_table(cJSON_GetObjectItemCaseSensitive(root, "jobs"));
+				print_jobs_table(cJSON_GetObjectItemCaseSensitive(root, "jobs"), 0);
 			else
 				print_stats(root);
 			cJSON_Delete(root);

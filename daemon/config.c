@@ -135,6 +135,9 @@ zd_config_defaults(struct zd_config *cfg)
 	cfg->policy = 3;
 	cfg->max_clients = 1024;
 	cfg->max_queued_messages = 8192;
+	cfg->max_queued_bytes = 16ull << 20;
+	cfg->uid_queued_bytes = 64ull << 20;
+	cfg->uid_max_tensors = 16384;
 	cfg->detach_grace_s = 300;
 	cfg->log_level = ZD_LOG_INFO;
 	cfg->metrics_max_jobs = 20;
@@ -529,7 +532,8 @@ parse_limits(struct parse_ctx *ctx, const cJSON *s, struct zd_config *cfg)
 {
 	static const char *const keys[] = { "max_clients", "max_clients_per_uid",
 		"max_queued_messages", "uid_pinned_budget", "uid_swap_budget", "detach_grace_s",
-		NULL };
+		"max_queued_bytes", "uid_queued_bytes", "uid_max_tensors", "uid_max_fds",
+		"uid_shm_budget", NULL };
 
 	check_keys(ctx, s, "limits", keys);
 	get_unsigned(ctx, s, "limits", "max_clients", 1, 1000000, &cfg->max_clients);
@@ -540,6 +544,12 @@ parse_limits(struct parse_ctx *ctx, const cJSON *s, struct zd_config *cfg)
 	get_unsigned(ctx, s, "limits", "detach_grace_s", 0, 7 * 24 * 3600, &cfg->detach_grace_s);
 	get_unsigned(ctx, s, "limits", "max_queued_messages", 16, 1000000,
 	    &cfg->max_queued_messages);
+	/* Below a few replies' worth a working client would be dropped. */
+	get_size(ctx, s, "limits", "max_queued_bytes", 64 << 10, &cfg->max_queued_bytes);
+	get_size(ctx, s, "limits", "uid_queued_bytes", 64 << 10, &cfg->uid_queued_bytes);
+	get_unsigned(ctx, s, "limits", "uid_max_tensors", 0, 1u << 24, &cfg->uid_max_tensors);
+	get_unsigned(ctx, s, "limits", "uid_max_fds", 0, 1u << 24, &cfg->uid_max_fds);
+	get_size(ctx, s, "limits", "uid_shm_budget", 0, &cfg->uid_shm_budget);
 }
 
 static void

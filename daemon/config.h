@@ -53,6 +53,11 @@ struct zd_config {
 	uint64_t uid_pinned_budget;	/* 0: no per-uid cap */
 	uint64_t uid_swap_budget;	/* 0: no per-uid cap */
 	unsigned detach_grace_s;	/* how long a dead rank's state waits for it; 0: freed at once */
+	uint64_t max_queued_bytes;	/* replies queued for one session, before it is dropped */
+	uint64_t uid_queued_bytes;	/* ... for all sessions of one uid */
+	unsigned uid_max_tensors;	/* tensors a uid holds, detached ones included; 0: none */
+	unsigned uid_max_fds;		/* descriptors held for a uid; 0: a quarter of what the daemon may open */
+	uint64_t uid_shm_budget;	/* slots and transfer windows per uid; 0: no per-uid cap */
 
 	enum zd_log_level log_level;
 

@@ -5,6 +5,7 @@
 #include <stdbool.h>
 #include <stdint.h>
 #include <sys/queue.h>
+#include <sys/stat.h>
 
 #include "config.h"
 #include "optim.h"
@@ -24,6 +25,7 @@ struct zd_swap_sample {
 	uint64_t bytes_written;
 	double read_bps;
 	double write_bps;
+	int bad;			/* as last logged: 0, or why the path takes no new state */
 };
 
 /*
@@ -36,6 +38,7 @@ struct zd_daemon {
 	bool config_from_file;
 	struct event_base *base;
 	int listen_fd;
+	struct stat socket_st;		/* the socket we bound: only it is unlinked at exit */
 	struct event *ev_listen;
 	struct event *ev_signals[4];
 	struct event *ev_stepper;
@@ -49,9 +52,16 @@ struct zd_daemon {
 	TAILQ_HEAD(, zd_session) sessions;
 	unsigned nsessions;
 	TAILQ_HEAD(, zd_job) jobs;
+	unsigned njobs;
+	uint64_t tensors_total;		/* every job's tensors and params, kept as they change */
+	uint64_t params_total;
 	TAILQ_HEAD(, zd_uid) uids;
 	uint32_t next_session_id;	/* never reused: the engine's lanes are session ids */
 	uint64_t next_job_id;
+	unsigned fd_limit;		/* RLIMIT_NOFILE, raised to the hard limit at start */
+	unsigned fd_base;		/* held by the daemon itself at start */
+	unsigned client_fds;		/* held for clients: every uid's zd_uid.fds */
+	int spare_fd;			/* closed to accept and refuse a client at EMFILE */
 	bool draining;
 	uint64_t started_ns;
 	struct zd_step_stats steps;

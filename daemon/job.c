@@ -10,27 +10,74 @@
 #include "log.h"
 #include "session.h"
 
+/*
+ * Job names live in their uid's namespace: "NAME" is the caller's own,
+ * "UID:NAME" names uid UID's (a non-root caller may only name its own).
+ * 0 with *ret_uid and *ret_name (into the caller's string), or -EACCES.
+ */
+static int
+job_name_parse(const struct zd_session *s, const char *text, uid_t *ret_uid,
+    const char **ret_name, char *err, size_t errlen)
+{
+	const char *colon = strchr(text, ':'), *p;
+	unsigned long uid;
+
+	*ret_uid = s->uid;
+	*ret_name = text;
+	if (colon == NULL || colon == text || colon[1] == '\0' || colon - text > 10)
+		return 0;
+	for (p = text; p < colon; p++)
+		if (*p < '0' || *p > '9')
+			return 0;
+	uid = strtoul(text, NULL, 10);
+	if (uid > UINT32_MAX - 1)
+		return 0;
+	if ((uid_t)uid != s->uid && s->uid != 0) {
+		snprintf(err, errlen, "job '%s' is in uid %lu's names; uid %u sees only its own",
+		    colon + 1, uid, (unsigned)s->uid);
+		return -EACCES;
+	}
+	*ret_uid = (uid_t)uid;
+	*ret_name = colon + 1;
+	return 0;
+}
+
+static struct zd_job *
+job_find(struct zd_daemon *d, uid_t uid, const char *name)
+{
+	struct zd_job *job;
+
+	TAILQ_FOREACH(job, &d->jobs, entry)
+		if (job->uid == uid && strcmp(job->name, name) == 0)
+			return job;
+	return NULL;
+}
+
 int
 zd_job_attach(struct zd_session *s, const struct zp_job_open *req, char *err, size_t errlen)
 {
-	const char *name = req->job_name;
 	uint32_t rank = req->rank, world_size = req->world_size;
 	struct zd_daemon *d = s->daemon;
 	struct zd_session *other;
 	struct zd_job *job;
+	const char *name;
+	uid_t uid;
+	int r;
 
 	if (s->job != NULL) {
 		snprintf(err, errlen, "this connection already has job '%s' open", s->job->name);
 		return -EISCONN;
 	}
-	TAILQ_FOREACH(job, &d->jobs, entry)
-		if (strcmp(job->name, name) == 0)
-			break;
+	r = job_name_parse(s, req->job_name, &uid, &name, err, errlen);
+	if (r < 0)
+		return r;
+	job = job_find(d, uid, name);
+	if (job == NULL && uid != s->uid) {
+		/* Root joins another uid's job; it does not make one in that uid's name. */
+		snprintf(err, errlen, "uid %u has no job '%s'", (unsigned)uid, name);
+		return -ENOENT;
+	}
 	if (job != NULL) {
-		if (job->uid != s->uid && s->uid != 0) {
-			snprintf(err, errlen, "job '%s' belongs to uid %u", name, (unsigned)job->uid);
-			return -EACCES;
-		}
 		if (job->world_size != world_size) {
 			snprintf(err, errlen, "job '%s' has world size %u, not %u", name,
 			    job->world_size, world_size);
@@ -52,8 +99,12 @@ zd_job_attach(struct zd_session *s, const struct zp_job_open *req, char *err, si
 		job->id = ++d->next_job_id;
 		snprintf(job->name, sizeof(job->name), "%s", name);
 		job->uid = s->uid;
+		job->owner = s->uid_usage;
+		job->owner->jobs++;
+		TAILQ_INSERT_TAIL(&job->owner->job_list, job, uid_entry);
 		job->world_size = world_size;
 		TAILQ_INIT(&job->detached);
+		TAILQ_INIT(&job->rank_groups);
 		/* The first rank decides where the job's state goes. */
 		job->policy = req->policy != ZP_POLICY_DEFAULT ? req->policy : d->cfg.policy;
 		if (ze_account_new(&(struct ze_account_limits){
@@ -61,11 +112,14 @@ zd_job_attach(struct zd_session *s, const struct zp_job_open *req, char *err, si
 			    d->cfg.job_pinned_budget,
 			.pinned_what = "pinned budget of job",
 		}, &job->account) < 0) {
+			job->owner->jobs--;
+			TAILQ_REMOVE(&job->owner->job_list, job, uid_entry);
 			free(job);
 			snprintf(err, errlen, "out of memory");
 			return -ENOMEM;
 		}
 		TAILQ_INSERT_TAIL(&d->jobs, job, entry);
+		d->njobs++;
 		log_info("job '%s' (id %llu) opened by uid %u, world size %u", name,
 		    (unsigned long long)job->id, (unsigned)s->uid, world_size);
 	}
@@ -84,78 +138,61 @@ zd_job_unref(struct zd_daemon *d, struct zd_job *job)
 	log_info("job '%s' (id %llu) closed after %llu steps", job->name,
 	    (unsigned long long)job->id, (unsigned long long)job->steps_applied);
 	TAILQ_REMOVE(&d->jobs, job, entry);
+	d->njobs--;
 	ze_account_unref(job->account);
+	job->owner->jobs--;
+	TAILQ_REMOVE(&job->owner->job_list, job, uid_entry);
+	zd_uid_put(d, job->owner);
 	free(job);
 	return true;
-}
-
-static struct ze_account_limits
-uid_limits(const struct zd_daemon *d)
-{
-	return (struct ze_account_limits){
-		.pinned_budget = d->cfg.uid_pinned_budget,
-		.swap_budget = d->cfg.uid_swap_budget,
-		.pinned_what = "limits.uid_pinned_budget of its uid",
-		.swap_what = "limits.uid_swap_budget of its uid",
-	};
-}
-
-void
-zd_uid_reload_limits(struct zd_daemon *d)
-{
-	struct ze_account_limits l = uid_limits(d);
-	struct zd_uid *u;
-
-	TAILQ_FOREACH(u, &d->uids, entry)
-		ze_account_set_limits(u->account, &l);
-}
-
-struct zd_uid *
-zd_uid_get(struct zd_daemon *d, uid_t uid)
-{
-	struct ze_account_limits limits = uid_limits(d);
-	struct zd_uid *u;
-
-	TAILQ_FOREACH(u, &d->uids, entry)
-		if (u->uid == uid)
-			return u;
-	u = calloc(1, sizeof(*u));
-	if (u == NULL)
-		return NULL;
-	if (ze_account_new(&limits, &u->account) < 0) {
-		free(u);
-		return NULL;
-	}
-	u->uid = uid;
-	TAILQ_INSERT_TAIL(&d->uids, u, entry);
-	return u;
-}
-
-void
-zd_uid_put(struct zd_daemon *d, struct zd_uid *u)
-{
-	uint64_t pinned, swap;
-
-	if (u == NULL || u->sessions > 0)
-		return;
-	ze_account_usage(u->account, &pinned, &swap);
-	if (pinned > 0 || swap > 0)
-		return;
-	TAILQ_REMOVE(&d->uids, u, entry);
-	ze_account_unref(u->account);
-	free(u);
 }
 
 static void tensor_free(struct zd_daemon *d, struct zd_tensor *t);
 static bool free_detached(struct zd_daemon *d, struct zd_job *job, struct zd_tensor *t);
 
+static struct zd_rank_group *
+rank_group_get(struct zd_job *job, uint32_t rank)
+{
+	struct zd_rank_group *g;
+
+	TAILQ_FOREACH(g, &job->rank_groups, entry)
+		if (g->rank == rank)
+			return g;
+	g = calloc(1, sizeof(*g));
+	if (g == NULL)
+		return NULL;
+	g->rank = rank;
+	TAILQ_INSERT_TAIL(&job->rank_groups, g, entry);
+	job->detached_ranks++;
+	return g;
+}
+
+/* A tensor leaves the detached list (freed or taken back). */
+static void
+undetach(struct zd_job *job, struct zd_tensor *t)
+{
+	struct zd_rank_group *g = t->group;
+
+	TAILQ_REMOVE(&job->detached, t, detached_entry);
+	job->ndetached--;
+	t->detached = false;
+	t->group = NULL;
+	if (--g->tensors == 0) {
+		TAILQ_REMOVE(&job->rank_groups, g, entry);
+		job->detached_ranks--;
+		free(g);
+	}
+}
+
 /* A dead rank's tensor waits for a new process of the same job and rank. */
 static void
-keep_detached(struct zd_job *job, struct zd_tensor *t)
+keep_detached(struct zd_job *job, struct zd_rank_group *g, struct zd_tensor *t)
 {
 	t->session = NULL;
 	t->detached = true;
 	t->detached_ns = zu_now_ns();
+	t->group = g;
+	g->tensors++;
 	TAILQ_INSERT_TAIL(&job->detached, t, detached_entry);
 	job->ndetached++;
 	job->refs++;
@@ -167,8 +204,15 @@ zd_job_detach(struct zd_session *s, bool keep)
 	struct zd_job *job = s->job;
 	unsigned kept = 0;
 
+	struct zd_rank_group *g = NULL;
+
 	keep = keep && job != NULL && !job->dropping && s->daemon->cfg.detach_grace_s > 0 &&
 	    !s->daemon->draining;
+	if (keep && (g = rank_group_get(job, s->rank)) == NULL) {
+		log_warnx("job '%s' rank %u: out of memory keeping its tensors; freed", job->name,
+		    s->rank);
+		keep = false;
+	}
 	for (uint32_t i = 0; i < s->ntensor_slots; i++) {
 		struct zd_tensor *t = s->tensors[i];
 
@@ -176,7 +220,7 @@ zd_job_detach(struct zd_session *s, bool keep)
 			continue;
 		s->tensors[i] = NULL;
 		if (keep) {
-			keep_detached(job, t);
+			keep_detached(job, g, t);
 			kept++;
 		} else {
 			zd_tensor_release(s->daemon, t);
@@ -198,6 +242,11 @@ zd_job_detach(struct zd_session *s, bool keep)
 				(void)free_detached(s->daemon, job, t);
 		}
 	}
+	if (g != NULL && g->tensors == 0) {
+		TAILQ_REMOVE(&job->rank_groups, g, entry);
+		job->detached_ranks--;
+		free(g);
+	}
 	if (kept > 0)
 		log_info("job '%s' rank %u detached (pid %d): %u tensor(s) wait %u s for a reattach",
 		    job->name, s->rank, (int)s->pid, kept, s->daemon->cfg.detach_grace_s);
@@ -210,9 +259,7 @@ zd_job_detach(struct zd_session *s, bool keep)
 static bool
 free_detached(struct zd_daemon *d, struct zd_job *job, struct zd_tensor *t)
 {
-	TAILQ_REMOVE(&job->detached, t, detached_entry);
-	job->ndetached--;
-	t->detached = false;
+	undetach(job, t);
 	/* A step still running on it keeps the engine's tensor until it ends. */
 	tensor_free(d, t);
 	return zd_job_unref(d, job);
@@ -229,8 +276,9 @@ zd_job_expire_detached(struct zd_daemon *d, bool all)
 		next_job = TAILQ_NEXT(job, entry);
 		for (t = TAILQ_FIRST(&job->detached); t != NULL; t = next) {
 			next = TAILQ_NEXT(t, detached_entry);
+			/* Oldest first: the rest are younger still. */
 			if (!all && now - t->detached_ns < grace)
-				continue;
+				break;
 			if (!all)
 				log_info("job '%s' rank %u: tensor '%s' not reattached within %u s, freed",
 				    job->name, t->rank, t->name, d->cfg.detach_grace_s);
@@ -240,24 +288,66 @@ zd_job_expire_detached(struct zd_daemon *d, bool all)
 	}
 }
 
+/* Root's unqualified drop: its own job, else the one job of that name whatever its uid. */
+static int
+job_find_any(struct zd_daemon *d, const char *name, struct zd_job **ret, char *err,
+    size_t errlen)
+{
+	struct zd_job *job, *found = NULL;
+	unsigned n = 0;
+
+	if ((found = job_find(d, 0, name)) != NULL) {
+		*ret = found;
+		return 0;
+	}
+	TAILQ_FOREACH(job, &d->jobs, entry) {
+		if (strcmp(job->name, name) != 0)
+			continue;
+		found = job;
+		n++;
+	}
+	if (n > 1) {
+		size_t len = (size_t)snprintf(err, errlen, "%u uids have a job '%s'; name one as "
+		    "UID:NAME:", n, name);
+
+		TAILQ_FOREACH(job, &d->jobs, entry)
+			if (strcmp(job->name, name) == 0 && len < errlen)
+				len += (size_t)snprintf(err + len, errlen - len, " %u:%s",
+				    (unsigned)job->uid, name);
+		return -ENOTUNIQ;
+	}
+	if (found == NULL) {
+		snprintf(err, errlen, "no job named '%s'", name);
+		return -ENOENT;
+	}
+	*ret = found;
+	return 0;
+}
+
 int
-zd_job_drop(struct zd_session *s, const char *name, char *err, size_t errlen)
+zd_job_drop(struct zd_session *s, const char *text, char *err, size_t errlen)
 {
 	struct zd_daemon *d = s->daemon;
 	struct zd_session *other, *next_s;
 	struct zd_job *job;
 	unsigned closed = 0;
+	const char *name;
+	uid_t uid;
+	int r;
 
-	TAILQ_FOREACH(job, &d->jobs, entry)
-		if (strcmp(job->name, name) == 0)
-			break;
-	if (job == NULL) {
-		snprintf(err, errlen, "no job named '%s'", name);
-		return -ENOENT;
-	}
-	if (job->uid != s->uid && s->uid != 0) {
-		snprintf(err, errlen, "job '%s' belongs to uid %u", name, (unsigned)job->uid);
+	r = job_name_parse(s, text, &uid, &name, err, errlen);
+	if (r < 0)
 		return -EPERM;
+	if (s->uid == 0 && name == text) {
+		r = job_find_any(d, name, &job, err, errlen);
+		if (r < 0)
+			return r;
+	} else {
+		job = job_find(d, uid, name);
+		if (job == NULL) {
+			snprintf(err, errlen, "no job named '%s'", text);
+			return -ENOENT;
+		}
 	}
 	if (s->job == job) {
 		snprintf(err, errlen, "this connection is a rank of job '%s'; close it instead", name);
@@ -276,8 +366,8 @@ zd_job_drop(struct zd_session *s, const char *name, char *err, size_t errlen)
 	}
 	while (!TAILQ_EMPTY(&job->detached))
 		(void)free_detached(d, job, TAILQ_FIRST(&job->detached));
-	log_info("job '%s' dropped by uid %u (pid %d): %u rank(s) disconnected", name,
-	    (unsigned)s->uid, (int)s->pid, closed);
+	log_info("job '%s' of uid %u dropped by uid %u (pid %d): %u rank(s) disconnected", name,
+	    (unsigned)job->uid, (unsigned)s->uid, (int)s->pid, closed);
 	zd_job_unref(d, job);
 	return 0;
 }
@@ -285,22 +375,7 @@ zd_job_drop(struct zd_session *s, const char *name, char *err, size_t errlen)
 unsigned
 zd_job_detached_ranks(const struct zd_job *job)
 {
-	const struct zd_tensor *t, *u;
-	unsigned ranks = 0;
-
-	/* Distinct ranks; the list holds only dead ranks' tensors. */
-	TAILQ_FOREACH(t, &job->detached, detached_entry) {
-		bool seen = false;
-
-		TAILQ_FOREACH(u, &job->detached, detached_entry) {
-			if (u == t)
-				break;
-			if (u->rank == t->rank)
-				seen = true;
-		}
-		ranks += !seen;
-	}
-	return ranks;
+	return job->detached_ranks;
 }
 
 static void
@@ -309,10 +384,28 @@ tensor_free(struct zd_daemon *d, struct zd_tensor *t)
 	if (t->et != NULL) {
 		t->job->tensors--;
 		t->job->params -= ze_tensor_numel(t->et);
+		d->tensors_total--;
+		d->params_total -= ze_tensor_numel(t->et);
 		/* The engine refunds its charge, now or when the work it is in ends. */
 		ze_tensor_free(t->et);
 	}
+	if (t->owner != NULL) {
+		zd_uid_refund(d, t->owner, 2, t->shm_bytes, 1);
+		zd_uid_put(d, t->owner);
+	}
 	free(t);
+}
+
+/* Its two slots as ze_shm_create makes them (whole pages); saturates for absurd sizes. */
+static uint64_t
+slot_bytes(const struct zp_tensor_register *req)
+{
+	uint64_t g = zk_dtype_size((enum zk_dtype)req->grad_dtype);
+	uint64_t p = zk_dtype_size((enum zk_dtype)req->param_dtype);
+
+	if (req->numel > (UINT64_MAX / 16) / 4)
+		return UINT64_MAX / 4;
+	return (req->numel * g + 4095) / 4096 * 4096 + (req->numel * p + 4095) / 4096 * 4096;
 }
 
 void
@@ -383,9 +476,7 @@ resume_detached(struct zd_session *s, const struct zp_tensor_register *req,
 		snprintf(err, errlen, "too many tensors on this connection");
 		return r;
 	}
-	TAILQ_REMOVE(&job->detached, t, detached_entry);
-	job->ndetached--;
-	t->detached = false;
+	undetach(job, t);
 	t->session = s;
 	/* The session's own reference to the job covers it now. */
 	job->refs--;
@@ -431,13 +522,24 @@ zd_tensor_create(struct zd_session *s, const struct zp_tensor_register *req,
 			return -EEXIST;
 		}
 	}
-	u = zd_uid_get(d, s->uid);
+	u = s->uid_usage;
 	t = calloc(1, sizeof(*t));
-	if (t == NULL || u == NULL) {
-		free(t);
+	if (t == NULL) {
 		snprintf(err, errlen, "out of memory");
 		return -ENOMEM;
 	}
+	/* Its two slot memfds and their pages, counted before they exist. */
+	t->shm_bytes = slot_bytes(req);
+	r = zd_uid_charge(d, u, 2, t->shm_bytes, 1, err, errlen);
+	if (r < 0) {
+		char why[ZP_ERRMSG_MAX + 1];
+
+		snprintf(why, sizeof(why), "tensor '%s': %s", req->name, err);
+		snprintf(err, errlen, "%s", why);
+		free(t);
+		return r;
+	}
+	t->owner = u;
 	snprintf(t->name, sizeof(t->name), "%s", req->name);
 	t->job = s->job;
 	/* Charged to the registering uid: whoever asked for the memory pays, and is refunded. */
@@ -450,12 +552,14 @@ zd_tensor_create(struct zd_session *s, const struct zp_tensor_register *req,
 		.policy = engine_policy(s->job->policy),
 	}, s->job->account, u->account, t, &t->et, err, errlen);
 	if (r < 0) {
+		zd_uid_refund(d, u, 2, t->shm_bytes, 1);
 		free(t);
-		zd_uid_put(d, u);
 		return r;
 	}
 	s->job->tensors++;
 	s->job->params += req->numel;
+	d->tensors_total++;
+	d->params_total += req->numel;
 	r = add_handle(s, t);
 	if (r < 0) {
 		snprintf(err, errlen, "too many tensors on this connection");

@@ -9,6 +9,7 @@
 #include <sys/types.h>
 
 #include "proto.h"
+#include "uid.h"
 
 struct zd_daemon;
 struct zd_session;
@@ -25,11 +26,21 @@ struct zd_tensor {
 	char name[ZP_NAME_MAX + 1];
 	struct ze_tensor *et;
 	struct zd_session *session;	/* NULL while detached */
+	struct zd_uid *owner;		/* who registered it: holds its descriptors, slots and count */
+	uint64_t shm_bytes;		/* its slots, as charged to owner */
 	struct zd_job *job;
 	uint32_t rank;
 	bool detached;			/* its rank died; kept for a reattach until the grace ends */
 	uint64_t detached_ns;
+	struct zd_rank_group *group;	/* while detached: its rank's */
 	TAILQ_ENTRY(zd_tensor) detached_entry;
+};
+
+/* A dead rank's detached tensors in a job, counted so that stats need not pair them up. */
+struct zd_rank_group {
+	TAILQ_ENTRY(zd_rank_group) entry;
+	uint32_t rank;
+	unsigned tensors;
 };
 
 /*
@@ -39,9 +50,11 @@ struct zd_tensor {
  */
 struct zd_job {
 	TAILQ_ENTRY(zd_job) entry;
+	TAILQ_ENTRY(zd_job) uid_entry;	/* in owner->job_list */
 	uint64_t id;
 	char name[ZP_NAME_MAX + 1];
 	uid_t uid;
+	struct zd_uid *owner;		/* counts the job in its jobs while it lives */
 	uint32_t world_size;
 	unsigned refs;
 	unsigned ranks_attached;
@@ -54,16 +67,10 @@ struct zd_job {
 	bool dropping;			/* zoffctl drop: nothing is kept for a reattach */
 	uint8_t policy;			/* enum zp_policy */
 	struct ze_account *account;
-	TAILQ_HEAD(, zd_tensor) detached;
+	TAILQ_HEAD(, zd_tensor) detached;	/* oldest first */
 	unsigned ndetached;
-};
-
-/* What one uid holds, against the per-uid limits; forgotten when it holds nothing. */
-struct zd_uid {
-	TAILQ_ENTRY(zd_uid) entry;
-	uid_t uid;
-	unsigned sessions;
-	struct ze_account *account;	/* the uid's budgets; tensors registered by it are charged here */
+	TAILQ_HEAD(, zd_rank_group) rank_groups;
+	unsigned detached_ranks;	/* groups in rank_groups */
 };
 
 int zd_job_attach(struct zd_session *s, const struct zp_job_open *req, char *err,
@@ -76,11 +83,6 @@ bool zd_job_unref(struct zd_daemon *d, struct zd_job *job);
 void zd_job_expire_detached(struct zd_daemon *d, bool all);
 int zd_job_drop(struct zd_session *s, const char *name, char *err, size_t errlen);
 unsigned zd_job_detached_ranks(const struct zd_job *job);
-struct zd_uid *zd_uid_get(struct zd_daemon *d, uid_t uid);
-/* Forgets u when it holds no sessions and no charges. */
-void zd_uid_put(struct zd_daemon *d, struct zd_uid *u);
-/* After a reload: every uid's account takes the configured budgets. */
-void zd_uid_reload_limits(struct zd_daemon *d);
 /*
  * *ret_resumed: an existing detached tensor of this rank was taken over and
  * holds all its initial values (else the client must write them again).

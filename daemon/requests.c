@@ -1,9 +1,12 @@
 /* What the daemon does with each request, once it has been decoded and validated. */
 #include <errno.h>
+#include <fcntl.h>
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
+#include <unistd.h>
 
 #include "build_config.h"
 #include "daemon.h"
@@ -12,6 +15,7 @@
 #include "log.h"
 #include "requests.h"
 #include "session.h"
+#include "uid.h"
 
 static void
 reply_ok(struct zd_session *s, uint64_t request_id)
@@ -21,23 +25,64 @@ reply_ok(struct zd_session *s, uint64_t request_id)
 	(void)zd_session_send(s, &m, NULL, 0);
 }
 
+/* A reply too large for one datagram goes in a sealed memfd the client reads and closes. */
+static int
+json_memfd(const char *text, size_t len)
+{
+	int fd = memfd_create("zoffload-json", MFD_CLOEXEC | MFD_ALLOW_SEALING);
+	size_t off = 0;
+
+	if (fd < 0)
+		return -errno;
+	while (off < len) {
+		ssize_t n = write(fd, text + off, len - off);
+
+		if (n < 0 && errno == EINTR)
+			continue;
+		if (n <= 0) {
+			int r = n < 0 ? -errno : -EIO;
+
+			close(fd);
+			return r;
+		}
+		off += (size_t)n;
+	}
+	/* What the client maps stays what we wrote. */
+	if (fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_WRITE | F_SEAL_SEAL) != 0) {
+		int r = -errno;
+
+		close(fd);
+		return r;
+	}
+	return fd;
+}
+
 static void
 reply_json(struct zd_session *s, uint64_t request_id, char *text)
 {
 	struct zp_msg m = { .hdr = { .type = ZP_JSON, .request_id = request_id } };
 	size_t len;
+	int fd;
 
 	if (text == NULL) {
 		zd_session_error(s, request_id, -ENOMEM, "out of memory");
 		return;
 	}
 	len = strlen(text);
-	if (len > ZP_MAX_PAYLOAD) {
-		zd_session_error(s, request_id, -EMSGSIZE, "reply of %zu bytes is too large", len);
-	} else {
+	if (len <= ZP_MAX_PAYLOAD) {
 		m.u.json.text = text;
 		m.u.json.len = (uint32_t)len;
 		(void)zd_session_send(s, &m, NULL, 0);
+	} else if (len > ZP_MAX_XFER) {
+		zd_session_error(s, request_id, -EMSGSIZE, "reply of %zu bytes is too large", len);
+	} else if ((fd = json_memfd(text, len)) < 0) {
+		zd_session_error(s, request_id, fd, "cannot hand over a reply of %zu bytes: %s",
+		    len, strerror(-fd));
+	} else {
+		m.hdr.type = ZP_JSON_FD;
+		m.u.json_fd.bytes = len;
+		(void)zd_session_send_blob(s, &m, fd, len);
+		close(fd);
 	}
 	free(text);
 }
@@ -81,7 +126,7 @@ handle_tensor_register(struct zd_session *s, const struct zp_msg *msg)
 	char err[ZP_ERRMSG_MAX + 1];
 	struct zd_tensor *t;
 	bool resumed;
-	int fds[2], r;
+	int r;
 
 	r = zd_tensor_create(s, &msg->u.tensor_register, &t, &resumed, err, sizeof(err));
 	if (r < 0) {
@@ -97,9 +142,7 @@ handle_tensor_register(struct zd_session *s, const struct zp_msg *msg)
 	    zk_dtype_size(ze_tensor_param_dtype(t->et));
 	m.u.tensor_ok.resumed = resumed;
 	m.u.tensor_ok.last_step = ze_tensor_last_step(t->et);
-	fds[0] = ze_tensor_grad_fd(t->et);
-	fds[1] = ze_tensor_param_fd(t->et);
-	(void)zd_session_send(s, &m, fds, 2);
+	(void)zd_session_send_slots(s, &m, t->handle);
 }
 
 static struct zd_tensor *
@@ -161,9 +204,20 @@ handle_xfer_open(struct zd_session *s, const struct zp_msg *msg)
 	int r;
 
 	if (s->xfer.map == NULL) {
-		r = ze_shm_create(s->daemon->engine, "zoffload-xfer", s->daemon->cfg.xfer_window,
-		    false, &s->xfer);
+		struct zd_daemon *d = s->daemon;
+		char err[ZP_ERRMSG_MAX + 1];
+		uint64_t bytes = (d->cfg.xfer_window + 4095) / 4096 * 4096;
+
+		/* One descriptor and the window's pages, the uid's. */
+		r = zd_uid_charge(d, s->uid_usage, 1, bytes, 0, err, sizeof(err));
 		if (r < 0) {
+			zd_session_error(s, msg->hdr.request_id, r, "cannot create the transfer "
+			    "window: %s", err);
+			return;
+		}
+		r = ze_shm_create(d->engine, "zoffload-xfer", bytes, false, &s->xfer);
+		if (r < 0) {
+			zd_uid_refund(d, s->uid_usage, 1, bytes, 0);
 			zd_session_error(s, msg->hdr.request_id, r,
 			    "cannot create the transfer window: %s",
 			    r == -ENOSPC ? "shared-memory budget exhausted" : strerror(-r));
@@ -171,7 +225,7 @@ handle_xfer_open(struct zd_session *s, const struct zp_msg *msg)
 		}
 	}
 	m.u.xfer_ok.bytes = s->xfer.bytes;
-	(void)zd_session_send(s, &m, &s->xfer.fd, 1);
+	(void)zd_session_send_xfer(s, &m);
 }
 
 /* Copies between a tensor's state and the transfer window; offsets come from the message only. */
@@ -482,10 +536,10 @@ zd_handle_request(struct zd_session *s, const struct zp_msg *msg)
 		handle_param_release(s, msg);
 		break;
 	case ZP_STATS:
-		reply_json(s, id, zd_stats_json(s->daemon));
+		reply_json(s, id, zd_stats_json_as(s->daemon, s->uid_usage));
 		break;
 	case ZP_JOBS:
-		reply_json(s, id, zd_jobs_json(s->daemon));
+		reply_json(s, id, zd_jobs_json_as(s->daemon, s->uid_usage));
 		break;
 	default:
 		zd_session_error(s, id, -EBADMSG, "%s is not a request", zp_type_name(msg->hdr.type));

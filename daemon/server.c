@@ -1,5 +1,6 @@
 /* zoffloadd's life: the listening socket, signals, start-up checks and shutdown. */
 #include <errno.h>
+#include <fcntl.h>
 #include <event2/event.h>
 #include <grp.h>
 #include <linux/capability.h>
@@ -25,6 +26,7 @@
 #include "server.h"
 #include "session.h"
 #include "swap.h"
+#include "uid.h"
 
 static bool
 have_cap_ipc_lock(void)
@@ -78,15 +80,37 @@ clear_stale_socket(const char *path)
 		return errno == ENOENT ? 0 : -errno;
 	if (!S_ISSOCK(st.st_mode))
 		return -EEXIST;
-	fd = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
+	/*
+	 * Without blocking: a listener whose daemon is stopped, its backlog
+	 * full, would hold a blocking connect for ever.  EAGAIN is that
+	 * listener, alive; only a refusal means nobody is there.
+	 */
+	fd = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
 	if (fd < 0)
 		return -errno;
 	snprintf(sa.sun_path, sizeof(sa.sun_path), "%s", path);
-	r = connect(fd, (struct sockaddr *)&sa, sizeof(sa));
+	r = connect(fd, (struct sockaddr *)&sa, sizeof(sa)) == 0 ? 0 : -errno;
 	close(fd);
-	if (r == 0)
+	if (r == 0 || r == -EAGAIN || r == -EINPROGRESS)
 		return -EADDRINUSE;
+	if (r != -ECONNREFUSED)
+		return r;
 	return unlink(path) == 0 ? 0 : -errno;
+}
+
+/* Removes the socket path if it is still the socket we bound, not a successor's. */
+static void
+unlink_own_socket(struct zd_daemon *d)
+{
+	struct stat st;
+
+	if (lstat(d->cfg.socket_path, &st) != 0)
+		return;
+	if (st.st_dev != d->socket_st.st_dev || st.st_ino != d->socket_st.st_ino) {
+		log_info("%s is no longer our socket: left in place", d->cfg.socket_path);
+		return;
+	}
+	(void)unlink(d->cfg.socket_path);
 }
 
 static int
@@ -119,6 +143,12 @@ open_listener(struct zd_daemon *d)
 		log_error(r, "bind %s", c->socket_path);
 		goto fail;
 	}
+	/* Ours is this inode: at exit the path is removed only while it still is. */
+	if (lstat(c->socket_path, &d->socket_st) != 0) {
+		r = -errno;
+		log_error(r, "stat %s", c->socket_path);
+		goto fail;
+	}
 	if (c->socket_group != NULL) {
 		struct group *g = getgrnam(c->socket_group);
 
@@ -141,7 +171,7 @@ open_listener(struct zd_daemon *d)
 	d->listen_fd = fd;
 	return 0;
 fail_unlink:
-	unlink(c->socket_path);
+	unlink_own_socket(d);
 fail:
 	close(fd);
 	return r;
@@ -155,6 +185,27 @@ accept_cb(evutil_socket_t lfd, short what, void *arg)
 
 	for (int i = 0; i < 64; i++) {
 		fd = accept4(lfd, NULL, NULL, SOCK_NONBLOCK | SOCK_CLOEXEC);
+		if (fd < 0 && (errno == EMFILE || errno == ENFILE) && d->spare_fd >= 0) {
+			/*
+			 * Out of descriptors (only root can take the daemon there):
+			 * the spare one lets the client in to be told so, instead of
+			 * leaving it in the backlog and this callback spinning.
+			 */
+			close(d->spare_fd);
+			fd = accept4(lfd, NULL, NULL, SOCK_NONBLOCK | SOCK_CLOEXEC);
+			if (fd >= 0) {
+				struct zp_msg m = { .hdr = { .type = ZP_ERROR } };
+
+				m.u.error.code = -ENFILE;
+				snprintf(m.u.error.message, sizeof(m.u.error.message),
+				    "zoffloadd is out of descriptors");
+				(void)zp_send(fd, &m, NULL, 0);
+				close(fd);
+				log_warnx("refused a client: out of descriptors");
+			}
+			d->spare_fd = open("/dev/null", O_RDONLY | O_CLOEXEC);
+			return;
+		}
 		if (fd < 0) {
 			if (errno != EAGAIN && errno != EINTR)
 				log_warn(errno, "accept");
@@ -195,12 +246,47 @@ engine_cb(evutil_socket_t fd, short what, void *arg)
 	zd_maybe_finish(d);
 }
 
+static bool
+str_differ(const char *a, const char *b)
+{
+	return (a == NULL) != (b == NULL) || (a != NULL && strcmp(a, b) != 0);
+}
+
+static bool
+swap_paths_differ(const struct zd_config *a, const struct zd_config *b)
+{
+	if (a->nswap_paths != b->nswap_paths)
+		return true;
+	for (unsigned i = 0; i < a->nswap_paths; i++)
+		if (strcmp(a->swap_paths[i].path, b->swap_paths[i].path) != 0 ||
+		    a->swap_paths[i].capacity != b->swap_paths[i].capacity)
+			return true;
+	return false;
+}
+
+/* Appends key to a ", "-separated list. */
+static void
+list_add(char *list, size_t len, const char *key)
+{
+	size_t used = strlen(list);
+
+	snprintf(list + used, len - used, "%s%s", used > 0 ? ", " : "", key);
+}
+
+/*
+ * SIGHUP: every key is compared with the running value.  What can change
+ * live is applied (each is read where it is used, so it applies from its
+ * next use on: new jobs, new windows, the next charge or accept; nothing
+ * already admitted is undone); what was bound at start keeps its running
+ * value until a restart.  The log names both kinds, key by key.
+ */
 static void
 reload(struct zd_daemon *d)
 {
-	struct zd_config fresh;
-	char err[512];
+	struct zd_config fresh, *c = &d->cfg;
+	char err[512], live[1024] = "", restart[1024] = "";
 	enum zk_isa isa;
+	unsigned workers;
 	int r;
 
 	if (!d->config_from_file) {
@@ -218,31 +304,81 @@ reload(struct zd_daemon *d)
 		zd_config_clear(&fresh);
 		return;
 	}
-	/* What is bound at start (socket, swap, threads) needs a restart. */
-	if (strcmp(fresh.socket_path, d->cfg.socket_path) != 0 ||
-	    fresh.worker_threads != d->cfg.worker_threads || fresh.numa_node != d->cfg.numa_node)
-		log_warnx("SIGHUP: socket, worker and NUMA changes take effect at restart");
-	log_set_level(fresh.log_level);
-	d->cfg.log_level = fresh.log_level;
-	ze_engine_set_budgets(d->engine, fresh.pinned_budget, fresh.shm_budget);
+	/* 0 workers means one per CPU, as at start. */
+	workers = fresh.worker_threads;
+	if (workers == 0) {
+		long n = sysconf(_SC_NPROCESSORS_ONLN);
+
+		workers = n > 0 ? (unsigned)n : 1;
+	}
+#define LIVE(key, field) do {						\
+		if (fresh.field != c->field) {				\
+			c->field = fresh.field;				\
+			list_add(live, sizeof(live), key);		\
+		}							\
+	} while (0)
+#define RESTART(key, differ) do {					\
+		if (differ)						\
+			list_add(restart, sizeof(restart), key);	\
+	} while (0)
+	RESTART("socket.path", strcmp(fresh.socket_path, c->socket_path) != 0);
+	RESTART("socket.mode", fresh.socket_mode != c->socket_mode);
+	RESTART("socket.group", str_differ(fresh.socket_group, c->socket_group));
+	LIVE("memory.pinned_budget", pinned_budget);
+	RESTART("memory.numa_node", fresh.numa_node != c->numa_node);
+	RESTART("memory.require_pinned", fresh.require_pinned != c->require_pinned);
+	RESTART("memory.hugepages", fresh.hugepages != c->hugepages);
+	LIVE("memory.shm_budget", shm_budget);
+	LIVE("memory.xfer_window", xfer_window);
+	LIVE("memory.policy", policy);
+	LIVE("memory.job_pinned_budget", job_pinned_budget);
+	RESTART("compute.worker_threads", workers != c->worker_threads);
+	RESTART("compute.cpus", fresh.ncpus != c->ncpus ||
+	    memcmp(fresh.cpus, c->cpus, fresh.ncpus * sizeof(fresh.cpus[0])) != 0);
+	if (strcmp(fresh.isa, c->isa) != 0) {
+		char *old = c->isa;
+
+		c->isa = fresh.isa;
+		fresh.isa = old;
+		list_add(live, sizeof(live), "compute.isa");
+	}
+	RESTART("swap.paths", swap_paths_differ(&fresh, c));
+	RESTART("swap.block_size", fresh.swap_block_size != c->swap_block_size);
+	RESTART("swap.queue_depth", fresh.swap_queue_depth != c->swap_queue_depth);
+	RESTART("swap.engine", strcmp(fresh.swap_engine, c->swap_engine) != 0);
+	RESTART("swap.fallback", fresh.swap_fallback != c->swap_fallback);
+	RESTART("swap.staging_buffers", fresh.staging_buffers != c->staging_buffers);
+	RESTART("swap.chunk_elements", fresh.chunk_elements != c->chunk_elements);
+	/* Read by --check-config alone. */
+	LIVE("swap.allow_memory_fs", swap_allow_memory_fs);
+	LIVE("limits.max_clients", max_clients);
+	LIVE("limits.max_clients_per_uid", max_clients_per_uid);
+	LIVE("limits.max_queued_messages", max_queued_messages);
+	LIVE("limits.max_queued_bytes", max_queued_bytes);
+	LIVE("limits.uid_queued_bytes", uid_queued_bytes);
+	LIVE("limits.uid_pinned_budget", uid_pinned_budget);
+	LIVE("limits.uid_swap_budget", uid_swap_budget);
+	LIVE("limits.uid_max_tensors", uid_max_tensors);
+	LIVE("limits.uid_max_fds", uid_max_fds);
+	LIVE("limits.uid_shm_budget", uid_shm_budget);
+	LIVE("limits.detach_grace_s", detach_grace_s);
+	LIVE("log.level", log_level);
+	RESTART("metrics.listen", str_differ(fresh.metrics_listen, c->metrics_listen));
+	/* Read at each scrape. */
+	LIVE("metrics.max_jobs", metrics_max_jobs);
+#undef LIVE
+#undef RESTART
+	log_set_level(c->log_level);
+	ze_engine_set_budgets(d->engine, c->pinned_budget, c->shm_budget);
 	ze_engine_set_isa(d->engine, isa);
-	d->cfg.pinned_budget = fresh.pinned_budget;
-	d->cfg.shm_budget = fresh.shm_budget;
-	/*
-	 * Every limits.* key: each is read where it is enforced (accept,
-	 * placement, detach), so a new value applies from the next use on and
-	 * nothing already admitted is undone.
-	 */
-	d->cfg.max_clients = fresh.max_clients;
-	d->cfg.max_clients_per_uid = fresh.max_clients_per_uid;
-	d->cfg.max_queued_messages = fresh.max_queued_messages;
-	d->cfg.uid_pinned_budget = fresh.uid_pinned_budget;
-	d->cfg.uid_swap_budget = fresh.uid_swap_budget;
-	d->cfg.detach_grace_s = fresh.detach_grace_s;
-	zd_uid_reload_limits(d);
 	d->isa = isa;
+	zd_uid_reload_limits(d);
 	zd_config_clear(&fresh);
-	log_info("SIGHUP: reloaded %s (kernels %s)", d->config_path, zk_isa_name(d->isa));
+	log_info("SIGHUP: reloaded %s (kernels %s): %s%s", d->config_path, zk_isa_name(d->isa),
+	    live[0] != '\0' ? "changed live: " : "nothing changed live", live);
+	if (restart[0] != '\0')
+		log_warnx("SIGHUP: changed in %s but applied only at restart (the running values "
+		    "stay): %s", d->config_path, restart);
 }
 
 static void
@@ -303,7 +439,17 @@ start_swap(struct zd_daemon *d, struct zs_engine **ret)
 		zc.engine = ZS_ENGINE_AUTO;
 	r = zs_engine_new(&zc, ret, &info);
 	if (r < 0) {
-		if (info.path >= 0)
+		if (info.path >= 0 && r == -EBUSY && info.step != NULL &&
+		    strcmp(info.step, "lock") == 0 && info.holder_pid > 0)
+			log_errorx("swap path %s is in use by pid %d (another zoffloadd?): two daemons "
+			    "on one swap path would overwrite each other's state", paths[info.path].path,
+			    info.holder_pid);
+		else if (info.path >= 0 && r == -EBUSY && info.step != NULL &&
+		    strcmp(info.step, "lock") == 0)
+			log_errorx("swap path %s is locked by another process (another zoffloadd?): "
+			    "two daemons on one swap path would overwrite each other's state",
+			    paths[info.path].path);
+		else if (info.path >= 0)
 			log_errorx("swap path %s: %s failed: %s", paths[info.path].path,
 			    info.step ? info.step : "setup", zs_strerror(info.cause ? info.cause : r));
 		else
@@ -368,12 +514,14 @@ start_engine(struct zd_daemon *d)
 		    (unsigned long long)d->cfg.chunk_elements);
 	d->ev_stepper = event_new(d->base, ze_engine_step_fd(d->engine), EV_READ | EV_PERSIST,
 	    engine_cb, d);
-	if (d->ev_stepper == NULL || event_add(d->ev_stepper, NULL) != 0)
+	if (d->ev_stepper == NULL || event_priority_set(d->ev_stepper, 0) != 0 ||
+	    event_add(d->ev_stepper, NULL) != 0)
 		return -ENOMEM;
 	if (swap != NULL) {
 		d->ev_swap = event_new(d->base, ze_engine_swap_fd(d->engine), EV_READ | EV_PERSIST,
 		    engine_cb, d);
-		if (d->ev_swap == NULL || event_add(d->ev_swap, NULL) != 0)
+		if (d->ev_swap == NULL || event_priority_set(d->ev_swap, 0) != 0 ||
+		    event_add(d->ev_swap, NULL) != 0)
 			return -ENOMEM;
 	}
 	report_pinning(d);
@@ -396,12 +544,18 @@ zd_tick(struct zd_daemon *d)
 
 	d->last_tick_ns = now;
 	if (swap != NULL) {
+		(void)zs_engine_check_paths(swap);
 		for (unsigned i = 0; i < d->cfg.nswap_paths && i < ZD_MAX_SWAP_PATHS; i++) {
 			struct zd_swap_sample *smp = &d->swap_samples[i];
 			struct zs_path_stats ps;
 
 			if (zs_engine_path_stats(swap, i, &ps) != 0)
 				continue;
+			if (ps.bad != 0 && smp->bad == 0)
+				log_errorx("swap path %s is bad (%s): no new state goes there; state "
+				    "already there fails its I/O until its job is dropped",
+				    d->cfg.swap_paths[i].path, zs_strerror(ps.bad));
+			smp->bad = ps.bad;
 			if (dt > 0) {
 				smp->read_bps = (double)(ps.bytes_read - smp->bytes_read) / dt;
 				smp->write_bps = (double)(ps.bytes_written - smp->bytes_written) / dt;
@@ -468,6 +622,7 @@ zd_server_run(struct zd_daemon *d)
 	TAILQ_INIT(&d->jobs);
 	TAILQ_INIT(&d->uids);
 	d->listen_fd = -1;
+	d->spare_fd = -1;
 	d->started_ns = zu_now_ns();
 	signal(SIGPIPE, SIG_IGN);
 
@@ -484,7 +639,12 @@ zd_server_run(struct zd_daemon *d)
 		d->cfg.worker_threads = n > 0 ? (unsigned)n : 1;
 	}
 	d->base = event_base_new();
-	if (d->base == NULL) {
+	/*
+	 * Two priorities: the engine's completions (0) run before any client's
+	 * request (1, the default), so that no flood of control requests
+	 * delays the steps of others.
+	 */
+	if (d->base == NULL || event_base_priority_init(d->base, 2) != 0) {
 		r = -ENOMEM;
 		goto out;
 	}
@@ -494,6 +654,8 @@ zd_server_run(struct zd_daemon *d)
 	r = open_listener(d);
 	if (r < 0)
 		goto out;
+	d->spare_fd = open("/dev/null", O_RDONLY | O_CLOEXEC);
+	zd_fd_init(d);
 	d->ev_listen = event_new(d->base, d->listen_fd, EV_READ | EV_PERSIST, accept_cb, d);
 	if (d->ev_listen == NULL || event_add(d->ev_listen, NULL)) {
 		r = -ENOMEM;
@@ -555,8 +717,10 @@ out:
 		event_free(d->ev_swap);
 	if (d->listen_fd >= 0) {
 		close(d->listen_fd);
-		unlink(d->cfg.socket_path);
+		unlink_own_socket(d);
 	}
+	if (d->spare_fd >= 0)
+		close(d->spare_fd);
 	if (d->base != NULL)
 		event_base_free(d->base);
 	return r;

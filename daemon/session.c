@@ -15,10 +15,22 @@
 #include "msgio.h"
 #include "requests.h"
 #include "session.h"
+#include "uid.h"
 
+/* Where a queued reply's descriptors come from when it goes out. */
+enum out_fds { OUT_FDS_NONE, OUT_FDS_DUP, OUT_FDS_SLOTS, OUT_FDS_XFER };
+
+/*
+ * A reply the client has not read yet.  Only OUT_FDS_DUP holds descriptors
+ * (counted in the uid's); slots and the window are looked up at send time,
+ * so unread replies cannot pile up descriptors.
+ */
 struct zd_out {
 	TAILQ_ENTRY(zd_out) entry;
 	size_t len;
+	size_t cost;			/* bytes counted against the queue bounds */
+	enum out_fds source;
+	uint32_t handle;		/* OUT_FDS_SLOTS: the tensor's */
 	int fds[ZP_MAX_FDS];
 	unsigned nfds;
 	uint8_t data[];
@@ -30,40 +42,73 @@ struct zd_out {
 static void session_read_cb(evutil_socket_t fd, short what, void *arg);
 static void session_write_cb(evutil_socket_t fd, short what, void *arg);
 
+/* A client turned away at accept: one ERROR that says why, then the end. */
+static void
+refuse(struct zd_daemon *d, int fd, struct zd_uid *u, int code, const char *why)
+{
+	struct zp_msg m = { .hdr = { .type = ZP_ERROR } };
+
+	m.u.error.code = code;
+	snprintf(m.u.error.message, sizeof(m.u.error.message), "%s", why);
+	(void)zp_send(fd, &m, NULL, 0);
+	log_warnx("refused a client of uid %u: %s", (unsigned)u->uid, why);
+	close(fd);
+	zd_uid_put(d, u);
+}
+
+static void
+out_free(struct zd_session *s, struct zd_out *o)
+{
+	struct zd_uid *u = s->uid_usage;
+
+	TAILQ_REMOVE(&s->outq, o, entry);
+	s->outq_len--;
+	s->outq_bytes -= o->cost;
+	u->queued_bytes -= o->cost;
+	for (unsigned i = 0; i < o->nfds; i++)
+		close(o->fds[i]);
+	if (o->nfds > 0)
+		zd_uid_refund(s->daemon, u, o->nfds, 0, 0);
+	free(o);
+}
+
 void
 zd_session_accept(struct zd_daemon *d, int fd)
 {
 	struct zd_session *s;
 	struct ucred cred;
 	socklen_t len = sizeof(cred);
+	struct zd_uid *u;
+	char err[ZP_ERRMSG_MAX + 1];
+	int r;
 
 	if (getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &cred, &len) != 0) {
 		log_warn(errno, "SO_PEERCRED");
 		close(fd);
 		return;
 	}
-	if (d->cfg.max_clients_per_uid > 0) {
-		struct zd_uid *u = zd_uid_get(d, cred.uid);
-
-		if (u != NULL && u->sessions >= d->cfg.max_clients_per_uid) {
-			struct zp_msg m = { .hdr = { .type = ZP_ERROR } };
-
-			m.u.error.code = -EUSERS;
-			snprintf(m.u.error.message, sizeof(m.u.error.message),
-			    "uid %u already has %u connections (limits.max_clients_per_uid)",
-			    (unsigned)cred.uid, u->sessions);
-			(void)zp_send(fd, &m, NULL, 0);
-			log_warnx("refused a client of uid %u: %u connections", (unsigned)cred.uid,
-			    u->sessions);
-			close(fd);
-			return;
-		}
+	u = zd_uid_get(d, cred.uid);
+	if (u == NULL) {
+		log_warnx("out of memory accepting a client");
+		close(fd);
+		return;
+	}
+	if (d->cfg.max_clients_per_uid > 0 && u->sessions >= d->cfg.max_clients_per_uid) {
+		snprintf(err, sizeof(err), "uid %u already has %u connections "
+		    "(limits.max_clients_per_uid)", (unsigned)cred.uid, u->sessions);
+		refuse(d, fd, u, -EUSERS, err);
+		return;
+	}
+	/* Its socket is one of the uid's descriptors. */
+	r = zd_uid_charge(d, u, 1, 0, 0, err, sizeof(err));
+	if (r < 0) {
+		refuse(d, fd, u, r, err);
+		return;
 	}
 	s = calloc(1, sizeof(*s));
 	if (s == NULL) {
 		log_warnx("out of memory accepting a client");
-		close(fd);
-		return;
+		goto fail;
 	}
 	s->daemon = d;
 	s->id = ++d->next_session_id;
@@ -83,15 +128,18 @@ zd_session_accept(struct zd_daemon *d, int fd)
 		if (s->ev_write)
 			event_free(s->ev_write);
 		free(s);
-		close(fd);
-		return;
+		goto fail;
 	}
-	s->uid_usage = zd_uid_get(d, s->uid);
-	if (s->uid_usage != NULL)
-		s->uid_usage->sessions++;
+	s->uid_usage = u;
+	u->sessions++;
 	TAILQ_INSERT_TAIL(&d->sessions, s, entry);
 	d->nsessions++;
 	log_debug("session %u: connected, pid %d uid %u", s->id, (int)s->pid, (unsigned)s->uid);
+	return;
+fail:
+	zd_uid_refund(d, u, 1, 0, 0);
+	zd_uid_put(d, u);
+	close(fd);
 }
 
 void
@@ -108,82 +156,207 @@ zd_session_close(struct zd_session *s)
 	ze_engine_cancel_lane(d->engine, s->id);
 	/* A connection that goes without JOB_CLOSE is a rank that died: keep its state a while. */
 	zd_job_detach(s, true);
-	if (s->uid_usage != NULL) {
-		s->uid_usage->sessions--;
-		zd_uid_put(d, s->uid_usage);
-	}
+	s->uid_usage->sessions--;
+	while ((o = TAILQ_FIRST(&s->outq)) != NULL)
+		out_free(s, o);
+	if (s->xfer.map != NULL)
+		zd_uid_refund(d, s->uid_usage, 1, s->xfer.bytes, 0);
 	ze_shm_destroy(d->engine, &s->xfer);
-	while ((o = TAILQ_FIRST(&s->outq)) != NULL) {
-		TAILQ_REMOVE(&s->outq, o, entry);
-		for (unsigned i = 0; i < o->nfds; i++)
-			close(o->fds[i]);
-		free(o);
-	}
 	event_free(s->ev_read);
 	event_free(s->ev_write);
 	close(s->fd);
+	zd_uid_refund(d, s->uid_usage, 1, 0, 0);
 	TAILQ_REMOVE(&d->sessions, s, entry);
 	d->nsessions--;
+	zd_uid_put(d, s->uid_usage);
 	free(s->tensors);
 	free(s);
 }
 
+/*
+ * Why a reply cannot be queued: a bound it would pass.  Every bound drops
+ * the session, so that a client that does not read costs the daemon a
+ * fixed amount whatever it sends.
+ */
 static int
-queue_out(struct zd_session *s, const void *buf, size_t len, const int *fds, unsigned nfds)
+over_bound(const struct zd_session *s, size_t cost, char *why, size_t whylen)
 {
-	struct zd_out *o;
+	const struct zd_config *c = &s->daemon->cfg;
+	char have[32], limit[32];
 
-	if (s->outq_len >= s->daemon->cfg.max_queued_messages)
+	if (s->outq_len >= c->max_queued_messages) {
+		snprintf(why, whylen, "%u replies queued (limits.max_queued_messages)", s->outq_len);
 		return -ENOBUFS;
+	}
+	if (s->outq_bytes + cost > c->max_queued_bytes) {
+		zd_fmt_bytes(s->outq_bytes, have, sizeof(have));
+		zd_fmt_bytes(c->max_queued_bytes, limit, sizeof(limit));
+		snprintf(why, whylen, "%s of replies queued, limits.max_queued_bytes is %s", have,
+		    limit);
+		return -ENOBUFS;
+	}
+	if (s->uid_usage->queued_bytes + cost > c->uid_queued_bytes) {
+		zd_fmt_bytes(s->uid_usage->queued_bytes, have, sizeof(have));
+		zd_fmt_bytes(c->uid_queued_bytes, limit, sizeof(limit));
+		snprintf(why, whylen, "its uid has %s of replies queued, limits.uid_queued_bytes "
+		    "is %s", have, limit);
+		return -ENOBUFS;
+	}
+	return 0;
+}
+
+static int
+queue_out(struct zd_session *s, const void *buf, size_t len, enum out_fds source,
+    uint32_t handle, const int *fds, unsigned nfds, size_t extra, char *why, size_t whylen)
+{
+	struct zd_daemon *d = s->daemon;
+	size_t cost = sizeof(struct zd_out) + len + extra;
+	struct zd_out *o;
+	int r;
+
+	r = over_bound(s, cost, why, whylen);
+	if (r < 0)
+		return r;
+	if (nfds > 0) {
+		r = zd_uid_charge(d, s->uid_usage, nfds, 0, 0, why, whylen);
+		if (r < 0)
+			return r;
+	}
 	o = malloc(sizeof(*o) + len);
-	if (o == NULL)
-		return -ENOMEM;
+	if (o == NULL) {
+		snprintf(why, whylen, "out of memory for its replies");
+		r = -ENOMEM;
+		goto fail;
+	}
 	o->len = len;
+	o->cost = cost;
+	o->source = source;
+	o->handle = handle;
 	o->nfds = 0;
 	memcpy(o->data, buf, len);
 	for (unsigned i = 0; i < nfds; i++) {
 		o->fds[i] = fcntl(fds[i], F_DUPFD_CLOEXEC, 0);
 		if (o->fds[i] < 0) {
+			r = -errno;
+			snprintf(why, whylen, "cannot keep a descriptor for its reply: %s",
+			    strerror(-r));
 			for (unsigned j = 0; j < i; j++)
 				close(o->fds[j]);
 			free(o);
-			return -EMFILE;
+			goto fail;
 		}
 		o->nfds++;
 	}
 	TAILQ_INSERT_TAIL(&s->outq, o, entry);
 	s->outq_len++;
+	s->outq_bytes += cost;
+	s->uid_usage->queued_bytes += cost;
 	event_add(s->ev_write, NULL);
 	return 0;
+fail:
+	if (nfds > 0)
+		zd_uid_refund(d, s->uid_usage, nfds, 0, 0);
+	return r;
 }
 
-int
-zd_session_send(struct zd_session *s, const struct zp_msg *msg, const int *fds, unsigned nfds)
+/* The descriptors a reply carries, now: 0 and *nfds, or -ENOENT when their owner is gone. */
+static int
+resolve_fds(struct zd_session *s, enum out_fds source, uint32_t handle, const int *given,
+    unsigned ngiven, int *fds, unsigned *nfds)
+{
+	struct zd_tensor *t;
+
+	switch (source) {
+	case OUT_FDS_SLOTS:
+		t = zd_session_tensor(s, handle);
+		if (t == NULL)
+			return -ENOENT;
+		fds[0] = ze_tensor_grad_fd(t->et);
+		fds[1] = ze_tensor_param_fd(t->et);
+		*nfds = 2;
+		return 0;
+	case OUT_FDS_XFER:
+		if (s->xfer.map == NULL)
+			return -ENOENT;
+		fds[0] = s->xfer.fd;
+		*nfds = 1;
+		return 0;
+	default:
+		for (unsigned i = 0; i < ngiven; i++)
+			fds[i] = given[i];
+		*nfds = ngiven;
+		return 0;
+	}
+}
+
+/* Dropped for not reading: the loop must not free the session under its caller. */
+static void
+stall(struct zd_session *s, const char *why)
+{
+	if (s->stalled)
+		return;
+	log_warnx("session %u (pid %d, uid %u): not reading its replies: %s; disconnecting",
+	    s->id, (int)s->pid, (unsigned)s->uid, why);
+	s->stalled = true;
+	s->closing = true;
+	event_del(s->ev_read);
+	event_active(s->ev_write, EV_WRITE, 0);
+}
+
+static int
+send_msg(struct zd_session *s, const struct zp_msg *msg, enum out_fds source, uint32_t handle,
+    const int *given, unsigned ngiven, size_t extra)
 {
 	uint8_t buf[ZP_MAX_MESSAGE];
+	char why[ZP_ERRMSG_MAX + 1];
+	int fds[ZP_MAX_FDS];
+	unsigned nfds = 0;
 	size_t len;
 	int r;
 
+	if (s->stalled)
+		return -ENOBUFS;
 	if (zp_encode(msg, buf, sizeof(buf), &len) != ZP_S_OK) {
 		log_warnx("session %u: cannot encode %s", s->id, zp_type_name(msg->hdr.type));
 		return -EPROTO;
 	}
 	/* Keep order: nothing goes around messages already queued. */
 	if (TAILQ_EMPTY(&s->outq)) {
-		r = zp_send_raw(s->fd, buf, len, fds, nfds);
+		r = resolve_fds(s, source, handle, given, ngiven, fds, &nfds);
+		if (r == 0)
+			r = zp_send_raw(s->fd, buf, len, fds, nfds);
 		if (r != -EAGAIN)
 			return r;
 	}
-	r = queue_out(s, buf, len, fds, nfds);
-	if (r == -ENOBUFS && !s->closing) {
-		log_warnx("session %u (pid %d): not reading its replies; %u queued, disconnecting",
-		    s->id, (int)s->pid, s->outq_len);
-		/* The loop must not free the session under its caller: close on the next pass. */
-		s->closing = true;
-		event_del(s->ev_read);
-		event_active(s->ev_write, EV_WRITE, 0);
-	}
+	r = queue_out(s, buf, len, source, handle, source == OUT_FDS_DUP ? given : NULL,
+	    source == OUT_FDS_DUP ? ngiven : 0, extra, why, sizeof(why));
+	if (r < 0)
+		stall(s, why);
 	return r;
+}
+
+int
+zd_session_send(struct zd_session *s, const struct zp_msg *msg, const int *fds, unsigned nfds)
+{
+	return send_msg(s, msg, nfds > 0 ? OUT_FDS_DUP : OUT_FDS_NONE, 0, fds, nfds, 0);
+}
+
+int
+zd_session_send_blob(struct zd_session *s, const struct zp_msg *msg, int fd, size_t bytes)
+{
+	return send_msg(s, msg, OUT_FDS_DUP, 0, &fd, 1, bytes);
+}
+
+int
+zd_session_send_slots(struct zd_session *s, const struct zp_msg *msg, uint32_t handle)
+{
+	return send_msg(s, msg, OUT_FDS_SLOTS, handle, NULL, 0, 0);
+}
+
+int
+zd_session_send_xfer(struct zd_session *s, const struct zp_msg *msg)
+{
+	return send_msg(s, msg, OUT_FDS_XFER, 0, NULL, 0, 0);
 }
 
 void
@@ -231,23 +404,29 @@ static void
 session_write_cb(evutil_socket_t fd, short what, void *arg)
 {
 	struct zd_session *s = arg;
+	int fds[ZP_MAX_FDS];
+	unsigned nfds;
 	struct zd_out *o;
 	int r;
 
 	while ((o = TAILQ_FIRST(&s->outq)) != NULL) {
-		r = zp_send_raw(s->fd, o->data, o->len, o->fds, o->nfds);
+		r = resolve_fds(s, o->source, o->handle, o->fds, o->nfds, fds, &nfds);
+		if (r < 0) {
+			/* Only a client that unregisters a handle it was never told gets here. */
+			log_info("session %u (pid %d): dropped: tensor %u went before its reply",
+			    s->id, (int)s->pid, o->handle);
+			s->closing = true;
+			break;
+		}
+		r = zp_send_raw(s->fd, o->data, o->len, fds, nfds);
 		if (r == -EAGAIN) {
-			if (!s->closing || s->outq_len < s->daemon->cfg.max_queued_messages) {
+			if (!s->stalled) {
 				event_add(s->ev_write, NULL);
 				return;
 			}
-			break;	/* not reading and over the bound: give up on it */
+			break;	/* not reading and over a bound: give up on it */
 		}
-		TAILQ_REMOVE(&s->outq, o, entry);
-		s->outq_len--;
-		for (unsigned i = 0; i < o->nfds; i++)
-			close(o->fds[i]);
-		free(o);
+		out_free(s, o);
 		if (r < 0)
 			break;
 	}

@@ -39,6 +39,8 @@ struct zd_session {
 	struct event *ev_write;
 	TAILQ_HEAD(, zd_out) outq;
 	unsigned outq_len;
+	uint64_t outq_bytes;		/* counted in uid_usage->queued_bytes too */
+	bool stalled;			/* dropped for not reading: give up on what is queued */
 	struct zd_job *job;
 	uint32_t rank;
 	struct zd_uid *uid_usage;
@@ -53,8 +55,23 @@ struct zd_session {
 void zd_session_accept(struct zd_daemon *d, int fd);
 void zd_session_close(struct zd_session *s);
 struct zd_session *zd_session_by_id(struct zd_daemon *d, uint32_t id);
+/*
+ * Sends msg, or queues it while the client is not reading (bounded in
+ * messages and bytes, per session and per uid; past a bound the session is
+ * dropped and -ENOBUFS returned).  fds are duplicated while queued and
+ * counted against the uid's descriptors.
+ */
 int zd_session_send(struct zd_session *s, const struct zp_msg *msg, const int *fds,
     unsigned nfds);
+/*
+ * The same for a reply that carries a tensor's slots or the session's
+ * transfer window: while queued it holds no descriptor, they are looked up
+ * when it goes out.
+ */
+int zd_session_send_slots(struct zd_session *s, const struct zp_msg *msg, uint32_t handle);
+int zd_session_send_xfer(struct zd_session *s, const struct zp_msg *msg);
+/* A reply with one memfd of `bytes` bytes (the caller keeps fd): queued, it counts them too. */
+int zd_session_send_blob(struct zd_session *s, const struct zp_msg *msg, int fd, size_t bytes);
 /* Error reply: code is a negative errno, the text says what was wrong. */
 void zd_session_error(struct zd_session *s, uint64_t request_id, int code, const char *fmt, ...)
     __attribute__((format(printf, 4, 5)));

@@ -12,6 +12,7 @@
 #include "stats.h"
 #include "metrics.h"
 #include "swap.h"
+#include "uid.h"
 
 #if HAVE_JEMALLOC
 #include <jemalloc/jemalloc.h>
@@ -213,6 +214,9 @@ add_nvme(cJSON *tiers, const struct zd_daemon *d)
 		cJSON_AddNumberToObject(p, "errors_eio", (double)ps.errors_eio);
 		cJSON_AddNumberToObject(p, "errors_enospc", (double)ps.errors_enospc);
 		cJSON_AddNumberToObject(p, "errors_other", (double)ps.errors_other);
+		cJSON_AddBoolToObject(p, "bad", ps.bad != 0);
+		if (ps.bad != 0)
+			cJSON_AddStringToObject(p, "bad_reason", zs_strerror(ps.bad));
 		cJSON_AddItemToArray(paths, p);
 	}
 }
@@ -264,30 +268,52 @@ add_pipeline(cJSON *root, const struct zd_daemon *d)
 	cJSON_AddNumberToObject(params, "bytes_written_back", (double)t->param_bytes_written);
 }
 
+/*
+ * Root (viewer NULL or uid 0) sees everything; any other uid its own jobs
+ * and holdings, and the node's totals, at a cost that does not grow with
+ * what other uids hold.
+ */
+static bool
+sees_all(const struct zd_uid *viewer)
+{
+	return viewer == NULL || viewer->uid == 0;
+}
+
 static void
-add_uids(cJSON *root, const struct zd_daemon *d)
+add_uid(cJSON *uids, const struct zd_uid *u)
+{
+	cJSON *o = cJSON_CreateObject();
+	uint64_t pinned, swap;
+
+	if (o == NULL)
+		return;
+	ze_account_usage(u->account, &pinned, &swap);
+	cJSON_AddNumberToObject(o, "uid", u->uid);
+	cJSON_AddNumberToObject(o, "sessions", u->sessions);
+	cJSON_AddNumberToObject(o, "pinned_bytes", (double)pinned);
+	cJSON_AddNumberToObject(o, "swap_bytes", (double)swap);
+	cJSON_AddNumberToObject(o, "tensors", u->tensors);
+	cJSON_AddNumberToObject(o, "fds", u->fds);
+	cJSON_AddNumberToObject(o, "shm_bytes", (double)u->shm_bytes);
+	cJSON_AddNumberToObject(o, "queued_bytes", (double)u->queued_bytes);
+	cJSON_AddItemToArray(uids, o);
+}
+
+static void
+add_uids(cJSON *root, const struct zd_daemon *d, const struct zd_uid *viewer)
 {
 	cJSON *uids = cJSON_AddArrayToObject(root, "uids");
 	const struct zd_uid *u;
 
-	TAILQ_FOREACH(u, &d->uids, entry) {
-		cJSON *o = cJSON_CreateObject();
-
-		if (uids == NULL || o == NULL) {
-			cJSON_Delete(o);
-			return;
-		}
-		uint64_t pinned, swap;
-
-		ze_account_usage(u->account, &pinned, &swap);
-		cJSON_AddNumberToObject(o, "uid", u->uid);
-		cJSON_AddNumberToObject(o, "sessions", u->sessions);
-		cJSON_AddNumberToObject(o, "pinned_bytes", (double)pinned);
-		cJSON_AddNumberToObject(o, "swap_bytes", (double)swap);
-		cJSON_AddItemToArray(uids, o);
+	if (uids == NULL)
+		return;
+	if (!sees_all(viewer)) {
+		add_uid(uids, viewer);
+		return;
 	}
+	TAILQ_FOREACH(u, &d->uids, entry)
+		add_uid(uids, u);
 }
-
 /* The running limits, so that a SIGHUP reload can be seen from outside. */
 static void
 add_limits(cJSON *root, const struct zd_daemon *d)
@@ -302,6 +328,13 @@ add_limits(cJSON *root, const struct zd_daemon *d)
 	cJSON_AddNumberToObject(l, "uid_pinned_budget", (double)d->cfg.uid_pinned_budget);
 	cJSON_AddNumberToObject(l, "uid_swap_budget", (double)d->cfg.uid_swap_budget);
 	cJSON_AddNumberToObject(l, "detach_grace_s", d->cfg.detach_grace_s);
+	cJSON_AddNumberToObject(l, "max_queued_bytes", (double)d->cfg.max_queued_bytes);
+	cJSON_AddNumberToObject(l, "uid_queued_bytes", (double)d->cfg.uid_queued_bytes);
+	cJSON_AddNumberToObject(l, "uid_max_tensors", d->cfg.uid_max_tensors);
+	cJSON_AddNumberToObject(l, "uid_max_fds", zd_uid_fd_cap(d));
+	cJSON_AddNumberToObject(l, "uid_shm_budget", (double)d->cfg.uid_shm_budget);
+	cJSON_AddNumberToObject(l, "fd_limit", d->fd_limit);
+	cJSON_AddNumberToObject(l, "client_fds", d->client_fds);
 }
 
 static void
@@ -361,38 +394,48 @@ add_malloc(cJSON *root)
 }
 
 static cJSON *
-jobs_array(const struct zd_daemon *d)
+job_json(const struct zd_job *job)
+{
+	cJSON *j = cJSON_CreateObject();
+	uint64_t pinned, nvme;
+
+	if (j == NULL)
+		return NULL;
+	ze_account_usage(job->account, &pinned, &nvme);
+	cJSON_AddNumberToObject(j, "id", (double)job->id);
+	cJSON_AddStringToObject(j, "name", job->name);
+	cJSON_AddNumberToObject(j, "uid", job->uid);
+	cJSON_AddNumberToObject(j, "world_size", job->world_size);
+	cJSON_AddNumberToObject(j, "ranks_attached", job->ranks_attached);
+	cJSON_AddNumberToObject(j, "ranks_detached", zd_job_detached_ranks(job));
+	cJSON_AddNumberToObject(j, "tensors_detached", job->ndetached);
+	cJSON_AddStringToObject(j, "policy", job->policy == ZP_POLICY_CPU ? "cpu" :
+	    job->policy == ZP_POLICY_NVME ? "nvme" : "auto");
+	cJSON_AddNumberToObject(j, "pinned_bytes", (double)pinned);
+	cJSON_AddNumberToObject(j, "nvme_bytes", (double)nvme);
+	cJSON_AddNumberToObject(j, "tensors", (double)job->tensors);
+	cJSON_AddNumberToObject(j, "params", (double)job->params);
+	cJSON_AddNumberToObject(j, "steps_applied", (double)job->steps_applied);
+	cJSON_AddNumberToObject(j, "steps_skipped", (double)job->steps_skipped);
+	cJSON_AddNumberToObject(j, "steps_failed", (double)job->steps_failed);
+	cJSON_AddNumberToObject(j, "last_step", (double)job->last_step);
+	return j;
+}
+
+static cJSON *
+jobs_array(const struct zd_daemon *d, const struct zd_uid *viewer)
 {
 	cJSON *jobs = cJSON_CreateArray();
 	const struct zd_job *job;
 
 	if (jobs == NULL)
 		return NULL;
-	TAILQ_FOREACH(job, &d->jobs, entry) {
-		cJSON *j = cJSON_CreateObject();
-		uint64_t pinned, nvme;
-
-		if (j == NULL)
-			break;
-		ze_account_usage(job->account, &pinned, &nvme);
-		cJSON_AddNumberToObject(j, "id", (double)job->id);
-		cJSON_AddStringToObject(j, "name", job->name);
-		cJSON_AddNumberToObject(j, "uid", job->uid);
-		cJSON_AddNumberToObject(j, "world_size", job->world_size);
-		cJSON_AddNumberToObject(j, "ranks_attached", job->ranks_attached);
-		cJSON_AddNumberToObject(j, "ranks_detached", zd_job_detached_ranks(job));
-		cJSON_AddNumberToObject(j, "tensors_detached", job->ndetached);
-		cJSON_AddStringToObject(j, "policy", job->policy == ZP_POLICY_CPU ? "cpu" :
-		    job->policy == ZP_POLICY_NVME ? "nvme" : "auto");
-		cJSON_AddNumberToObject(j, "pinned_bytes", (double)pinned);
-		cJSON_AddNumberToObject(j, "nvme_bytes", (double)nvme);
-		cJSON_AddNumberToObject(j, "tensors", (double)job->tensors);
-		cJSON_AddNumberToObject(j, "params", (double)job->params);
-		cJSON_AddNumberToObject(j, "steps_applied", (double)job->steps_applied);
-		cJSON_AddNumberToObject(j, "steps_skipped", (double)job->steps_skipped);
-		cJSON_AddNumberToObject(j, "steps_failed", (double)job->steps_failed);
-		cJSON_AddNumberToObject(j, "last_step", (double)job->last_step);
-		cJSON_AddItemToArray(jobs, j);
+	if (sees_all(viewer)) {
+		TAILQ_FOREACH(job, &d->jobs, entry)
+			cJSON_AddItemToArray(jobs, job_json(job));
+	} else {
+		TAILQ_FOREACH(job, &viewer->job_list, uid_entry)
+			cJSON_AddItemToArray(jobs, job_json(job));
 	}
 	return jobs;
 }
@@ -414,19 +457,33 @@ zd_stats_json(struct zd_daemon *d)
 	return root != NULL ? print_and_free(root) : NULL;
 }
 
+char *
+zd_jobs_json(struct zd_daemon *d)
+{
+	return zd_jobs_json_as(d, NULL);
+}
+
 cJSON *
 zd_stats_tree(struct zd_daemon *d)
 {
+	return zd_stats_tree_as(d, NULL);
+}
+
+char *
+zd_stats_json_as(struct zd_daemon *d, const struct zd_uid *viewer)
+{
+	cJSON *root = zd_stats_tree_as(d, viewer);
+
+	return root != NULL ? print_and_free(root) : NULL;
+}
+
+cJSON *
+zd_stats_tree_as(struct zd_daemon *d, const struct zd_uid *viewer)
+{
 	cJSON *root = cJSON_CreateObject();
-	uint64_t tensors = 0, params = 0;
-	const struct zd_job *job;
 
 	if (root == NULL)
 		return NULL;
-	TAILQ_FOREACH(job, &d->jobs, entry) {
-		tensors += job->tensors;
-		params += job->params;
-	}
 	cJSON_AddStringToObject(root, "version", ZOFFLOAD_VERSION);
 	cJSON_AddNumberToObject(root, "pid", (double)getpid());
 	cJSON_AddNumberToObject(root, "uptime_s", (double)(zu_now_ns() - d->started_ns) / 1e9);
@@ -434,25 +491,26 @@ zd_stats_tree(struct zd_daemon *d)
 	cJSON_AddStringToObject(root, "log_level", log_level_name(d->cfg.log_level));
 	cJSON_AddNumberToObject(root, "worker_threads", d->cfg.worker_threads);
 	cJSON_AddNumberToObject(root, "sessions", d->nsessions);
-	cJSON_AddNumberToObject(root, "tensors", (double)tensors);
-	cJSON_AddNumberToObject(root, "params", (double)params);
+	cJSON_AddNumberToObject(root, "tensors", (double)d->tensors_total);
+	cJSON_AddNumberToObject(root, "params", (double)d->params_total);
 	add_tiers(root, d);
 	add_malloc(root);
 	add_steps(root, d);
 	add_pipeline(root, d);
-	add_uids(root, d);
+	cJSON_AddNumberToObject(root, "jobs_total", d->njobs);
+	add_uids(root, d, viewer);
 	add_limits(root, d);
-	cJSON_AddItemToObject(root, "jobs", jobs_array(d));
+	cJSON_AddItemToObject(root, "jobs", jobs_array(d, viewer));
 	return root;
 }
 
 char *
-zd_jobs_json(struct zd_daemon *d)
+zd_jobs_json_as(struct zd_daemon *d, const struct zd_uid *viewer)
 {
 	cJSON *root = cJSON_CreateObject();
 
 	if (root == NULL)
 		return NULL;
-	cJSON_AddItemToObject(root, "jobs", jobs_array(d));
+	cJSON_AddItemToObject(root, "jobs", jobs_array(d, viewer));
 	return print_and_free(root);
 }

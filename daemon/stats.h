@@ -5,6 +5,8 @@
 #include <stdint.h>
 
 struct zd_daemon;
+struct zd_uid;
+struct cJSON;
 struct ze_step_result;
 
 /* Rolling step statistics for zoffctl stats. */
@@ -24,7 +26,15 @@ struct zd_step_stats {
 };
 
 void zd_stats_record(struct zd_daemon *d, const struct ze_step_result *r);
+/* As root sees them: every job and uid. */
 char *zd_stats_json(struct zd_daemon *d);
 char *zd_jobs_json(struct zd_daemon *d);
+/*
+ * As viewer sees them: a uid other than root gets its own jobs and uid, and
+ * the node's totals; the cost grows with what viewer holds, not others.
+ */
+char *zd_stats_json_as(struct zd_daemon *d, const struct zd_uid *viewer);
+struct cJSON *zd_stats_tree_as(struct zd_daemon *d, const struct zd_uid *viewer);
+char *zd_jobs_json_as(struct zd_daemon *d, const struct zd_uid *viewer);
 
 #endif

@@ -53,6 +53,7 @@ zp_type_fds(uint16_t type)
 	case ZP_TENSOR_OK:
 		return 2;
 	case ZP_XFER_OK:
+	case ZP_JSON_FD:
 		return 1;
 	default:
 		return 0;
@@ -361,6 +362,9 @@ encode_payload(const struct zp_msg *m, struct wbuf *w)
 	case ZP_JSON:
 		put_bytes(w, m->u.json.text, m->u.json.len);
 		break;
+	case ZP_JSON_FD:
+		put_u64(w, m->u.json_fd.bytes);
+		break;
 	case ZP_TENSOR_DONE:
 		put_u32(w, m->u.tensor_done.handle);
 		put_u64(w, m->u.tensor_done.step);
@@ -560,6 +564,10 @@ decode_payload(struct rbuf *r, struct zp_msg *m)
 		m->u.json.text = (const char *)r->p + r->off;
 		m->u.json.len = (uint32_t)(r->len - r->off);
 		r->off = r->len;
+		break;
+	case ZP_JSON_FD:
+		m->u.json_fd.bytes = get_u64(r, "bytes");
+		check(r, m->u.json_fd.bytes > 0 && m->u.json_fd.bytes <= ZP_MAX_XFER, "bytes");
 		break;
 	case ZP_TENSOR_DONE:
 		m->u.tensor_done.handle = get_u32(r, "handle");

@@ -58,6 +58,7 @@
 	X(XFER_OK, 70)							\
 	X(JSON, 71)							\
 	X(GRAD_PARTIAL, 72)						\
+	X(JSON_FD, 74)							\
 	X(TENSOR_DONE, 128)						\
 	X(STEP_DONE, 129)						\
 	X(PARAM_READY, 130)
@@ -198,6 +199,8 @@ struct zp_tensor_ok {
 struct zp_xfer_ok { uint64_t bytes; };
 /* JSON: the rest of the payload is UTF-8 JSON text (not NUL-terminated on the wire) */
 struct zp_json { const char *text; uint32_t len; };
+/* JSON_FD: u64 bytes; fd: a sealed memfd whose first `bytes` bytes are the JSON text (a reply too large for JSON) */
+struct zp_json_fd { uint64_t bytes; };
 /* TENSOR_DONE: u32 handle, u64 step, u8 status, i32 error */
 struct zp_tensor_done { uint32_t handle; uint64_t step; uint8_t status; int32_t error; };
 /* STEP_DONE: u64 step, u8 status, i32 error, f64 grad_norm, u64 latency_ns, u32 count */
@@ -230,6 +233,7 @@ struct zp_msg {
 		struct zp_tensor_ok tensor_ok;
 		struct zp_xfer_ok xfer_ok;
 		struct zp_json json;
+		struct zp_json_fd json_fd;
 		struct zp_grad_partial grad_partial;
 		struct zp_tensor_done tensor_done;
 		struct zp_step_done step_done;

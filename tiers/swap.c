@@ -3,6 +3,7 @@
 #define _GNU_SOURCE	/* statx, fallocate, O_DIRECT, strerrordesc_np */
 #endif
 #include <errno.h>
+#include <sys/stat.h>
 #include <poll.h>
 #include <stdlib.h>
 #include <string.h>
@@ -93,7 +94,8 @@ start_backend(struct zs_engine *e, const struct zs_config *c, struct zs_error_in
 		e->uring_error = r;
 		if (c->engine == ZS_ENGINE_URING || !c->allow_fallback) {
 			if (info != NULL)
-				*info = (struct zs_error_info){ -1, "io_uring_queue_init", r };
+				*info = (struct zs_error_info){ .path = -1, .step = "io_uring_queue_init",
+				    .cause = r };
 			e->backend = NULL;
 			return -ZS_E_NOURING;
 		}
@@ -102,7 +104,7 @@ start_backend(struct zs_engine *e, const struct zs_config *c, struct zs_error_in
 	r = e->backend->init(e);
 	if (r < 0) {
 		if (info != NULL)
-			*info = (struct zs_error_info){ -1, "pthread_create", r };
+			*info = (struct zs_error_info){ .path = -1, .step = "pthread_create", .cause = r };
 		e->backend = NULL;
 	}
 	return r;
@@ -129,7 +131,7 @@ zs_engine_new(const struct zs_config *c, struct zs_engine **ret, struct zs_error
 	int r;
 
 	if (info != NULL)
-		*info = (struct zs_error_info){ -1, "config", 0 };
+		*info = (struct zs_error_info){ .path = -1, .step = "config", .cause = 0 };
 	r = check_config(c);
 	if (r < 0)
 		return r;
@@ -137,8 +139,10 @@ zs_engine_new(const struct zs_config *c, struct zs_engine **ret, struct zs_error
 	if (e == NULL)
 		return -ENOMEM;
 	e->efd = -1;
-	for (i = 0; i < ZS_MAX_PATHS; i++)
+	for (i = 0; i < ZS_MAX_PATHS; i++) {
 		e->files[i].fd = -1;
+		e->files[i].lock_fd = -1;
+	}
 	e->unit = c->stripe_unit ? c->stripe_unit : DEFAULT_UNIT;
 	e->qd = c->queue_depth ? c->queue_depth : DEFAULT_QD;
 	e->threads = c->threads ? c->threads : (e->qd < MAX_THREADS ? e->qd : MAX_THREADS);
@@ -166,7 +170,7 @@ zs_engine_new(const struct zs_config *c, struct zs_engine **ret, struct zs_error
 	if (e->unit % e->granule != 0 || e->unit > MAX_OP_LEN) {
 		r = -EINVAL;
 		if (info != NULL)
-			*info = (struct zs_error_info){ -1, "stripe_unit", r };
+			*info = (struct zs_error_info){ .path = -1, .step = "stripe_unit", .cause = r };
 		goto err;
 	}
 	for (i = 0; i < e->npaths; i++) {
@@ -195,7 +199,7 @@ zs_engine_new(const struct zs_config *c, struct zs_engine **ret, struct zs_error
 	if (e->efd < 0) {
 		r = -errno;
 		if (info != NULL)
-			*info = (struct zs_error_info){ -1, "eventfd", r };
+			*info = (struct zs_error_info){ .path = -1, .step = "eventfd", .cause = r };
 		goto err;
 	}
 	r = start_backend(e, c, info);
@@ -417,10 +421,10 @@ pump(struct zs_engine *e)
 		}
 		unit_index = pos / e->unit;
 		within = pos % e->unit;
-		path = (unsigned)((x->first_path + unit_index) % x->npaths);
+		path = x->paths[(x->first_slot + unit_index) % x->nslots];
 		len = q->len - q->issued;
 		/* One path: the extent is contiguous in its file, no need to cut at units. */
-		if (x->npaths > 1 && len > e->unit - within)
+		if (x->nslots > 1 && len > e->unit - within)
 			len = e->unit - within;
 		if (len > MAX_OP_LEN)
 			len = MAX_OP_LEN;
@@ -430,7 +434,7 @@ pump(struct zs_engine *e)
 		*op = (struct zs_op){
 			.req = q,
 			.buf = q->buf + q->issued,
-			.offset = x->offset[path] + unit_index / x->npaths * e->unit + within,
+			.offset = x->offset[path] + unit_index / x->nslots * e->unit + within,
 			.len = (uint32_t)len,
 			.path = (uint16_t)path,
 			.write = q->write,
@@ -459,6 +463,19 @@ count_error(struct zs_file *f, int res)
 		f->errors_other++;
 }
 
+/*
+ * A path whose I/O fails takes no new extents: what it holds is read and
+ * written as before (and fails as before), but nothing new lands there.
+ * Cancellation, shutdown and lack of memory say nothing about the path.
+ */
+static void
+mark_bad(struct zs_file *f, int res)
+{
+	if (f->bad == 0 && res != -ECANCELED && res != -ESHUTDOWN && res != -ENOMEM &&
+	    res != -EAGAIN && res != -EINTR)
+		f->bad = res;
+}
+
 static void
 op_finish(struct zs_engine *e, struct zs_op *op, int res)
 {
@@ -466,6 +483,7 @@ op_finish(struct zs_engine *e, struct zs_op *op, int res)
 
 	if (res < 0) {
 		count_error(&e->files[op->path], res);
+		mark_bad(&e->files[op->path], res);
 		if (q->error == 0)
 			q->error = res;
 	}
@@ -545,8 +563,12 @@ submit(struct zs_engine *e, const struct zs_extent *x, uint64_t offset, void *bu
 		return -ESHUTDOWN;
 	if (x == NULL || cb == NULL || buf == NULL || len == 0)
 		return -EINVAL;
-	if (x->npaths != e->npaths || x->size == 0)
+	if (x->npaths != e->npaths || x->size == 0 || x->nslots == 0 || x->nslots > e->npaths ||
+	    x->first_slot >= x->nslots)
 		return -EINVAL;
+	for (unsigned i = 0; i < x->nslots; i++)
+		if (x->paths[i] >= e->npaths)
+			return -EINVAL;
 	if (offset > x->size || len > x->size - offset)
 		return -ERANGE;
 	if (offset % e->offset_align || len % e->offset_align ||
@@ -692,8 +714,26 @@ zs_engine_path_stats(const struct zs_engine *e, unsigned path, struct zs_path_st
 		.errors_other = f->errors_other,
 		.dio_offset_align = f->dio_offset_align,
 		.dio_mem_align = f->dio_mem_align,
+		.bad = f->bad,
 	};
 	return 0;
+}
+
+unsigned
+zs_engine_check_paths(struct zs_engine *e)
+{
+	unsigned bad = 0;
+
+	for (unsigned i = 0; i < e->npaths; i++) {
+		struct zs_file *f = &e->files[i];
+		struct stat st;
+
+		if (f->bad == 0 && f->regular && fstat(f->fd, &st) == 0 &&
+		    (uint64_t)st.st_size < f->space.capacity)
+			f->bad = -ZS_E_TRUNCATED;
+		bad += f->bad != 0;
+	}
+	return bad;
 }
 
 void

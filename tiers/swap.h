@@ -23,7 +23,8 @@
 #define ZS_ERROR_LIST(X) \
 	X(ZS_E_NOURING, 4096, ENOSYS, "io_uring is unavailable and the configuration does not allow the pthread fallback") \
 	X(ZS_E_NODIRECT, 4097, EINVAL, "the swap path's filesystem does not support O_DIRECT") \
-	X(ZS_E_STALLED, 4098, EIO, "the kernel kept returning no progress for an I/O")
+	X(ZS_E_STALLED, 4098, EIO, "the kernel kept returning no progress for an I/O") \
+	X(ZS_E_TRUNCATED, 4099, EIO, "the swap file was truncated under the engine")
 
 enum zs_error {
 #define ZS_ERROR_ENUM(name, value, errno_, text) name = value,
@@ -92,6 +93,7 @@ struct zs_error_info {
 	int path;		/* index into config->paths, -1: not about one path */
 	const char *step;	/* "open", "fallocate", "io_uring_queue_init", ... */
 	int cause;		/* -errno of that step */
+	int holder_pid;		/* step "lock": the process holding the path (0: not found) */
 };
 
 struct zs_engine;
@@ -131,11 +133,19 @@ uint32_t zs_engine_mem_align(const struct zs_engine *engine);
 const char *zs_engine_name(const struct zs_engine *engine);
 
 /* Space on the swap paths; striped over all of them in stripe units. */
+/*
+ * Striped over the paths that were good when it was made: stripe unit k is
+ * on path paths[(first_slot + k) % nslots].  With every path good, paths is
+ * 0, 1, ... and first_slot == first_path.
+ */
 struct zs_extent {
 	uint64_t size;			/* rounded up to the allocation granularity */
 	uint32_t first_path;		/* holds the extent's first stripe unit */
-	uint32_t npaths;
-	uint64_t offset[ZS_MAX_PATHS];	/* of this extent's run in each path's file */
+	uint32_t npaths;		/* the engine's */
+	uint64_t offset[ZS_MAX_PATHS];	/* of this extent's run in each path's file (by path) */
+	uint32_t nslots;		/* paths it is striped over */
+	uint32_t first_slot;
+	uint8_t paths[ZS_MAX_PATHS];
 };
 
 int zs_extent_alloc(struct zs_engine *engine, uint64_t size, struct zs_extent *ret);
@@ -167,6 +177,7 @@ struct zs_path_stats {
 	uint64_t errors_other;
 	uint32_t dio_offset_align;
 	uint32_t dio_mem_align;
+	int bad;			/* 0, or why no new extent goes there (-errno / -ZS_E_*) */
 };
 
 struct zs_engine_stats {
@@ -187,5 +198,11 @@ struct zs_engine_stats {
 int zs_engine_path_stats(const struct zs_engine *engine, unsigned path,
     struct zs_path_stats *ret);
 void zs_engine_stats(const struct zs_engine *engine, struct zs_engine_stats *ret);
+/*
+ * Looks for paths gone bad under the engine (a swap file truncated below
+ * its capacity); such a path, like one whose I/O failed, takes no new
+ * extent.  Returns how many paths are bad.
+ */
+unsigned zs_engine_check_paths(struct zs_engine *engine);
 
 #endif

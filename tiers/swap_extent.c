@@ -114,20 +114,20 @@ zs_space_release(struct zs_space *s, uint64_t off, uint64_t len)
 	}
 }
 
-/* Bytes of an extent of size bytes, starting on path first, that land on path p. */
+/* Bytes of an extent of size bytes over n slots, starting on slot first, that land on slot p. */
 static uint64_t
-extent_share(const struct zs_engine *e, uint64_t size, unsigned first, unsigned p)
+extent_share(const struct zs_engine *e, uint64_t size, unsigned n, unsigned first, unsigned p)
 {
 	uint64_t nunits = (size + e->unit - 1) / e->unit;
-	uint64_t i = (p + e->npaths - first) % e->npaths;
+	uint64_t i = (p + n - first) % n;
 	uint64_t units, last = nunits - 1, bytes;
 
 	if (i >= nunits)
 		return 0;
-	units = (nunits - 1 - i) / e->npaths + 1;
+	units = (nunits - 1 - i) / n + 1;
 	bytes = units * e->unit;
 	/* The extent's last unit may be short. */
-	if (last % e->npaths == i)
+	if (last % n == i)
 		bytes -= nunits * e->unit - size;
 	return bytes;
 }
@@ -137,7 +137,7 @@ zs_extent_alloc(struct zs_engine *e, uint64_t size, struct zs_extent *ret)
 {
 	struct zs_extent x;
 	uint64_t best = 0;
-	unsigned p, first = 0;
+	unsigned p, s, n = 0, first = 0;
 	int r;
 
 	if (size == 0)
@@ -146,27 +146,37 @@ zs_extent_alloc(struct zs_engine *e, uint64_t size, struct zs_extent *ret)
 		return -ENOSPC;
 	size = (size + e->granule - 1) / e->granule * e->granule;
 
+	memset(&x, 0, sizeof(x));
+	/* Only good paths take new extents. */
+	for (p = 0; p < e->npaths; p++)
+		if (e->files[p].bad == 0)
+			x.paths[n++] = (uint8_t)p;
+	if (n == 0)
+		return -EIO;
 	/* Start where most room is left, so that small extents spread over paths. */
-	for (p = 0; p < e->npaths; p++) {
-		unsigned q = (e->rr + p) % e->npaths;
-		uint64_t room = e->files[q].space.capacity - e->files[q].space.used;
+	for (s = 0; s < n; s++) {
+		unsigned q = (unsigned)((e->rr + s) % n);
+		const struct zs_space *sp = &e->files[x.paths[q]].space;
+		uint64_t room = sp->capacity - sp->used;
 
-		if (p == 0 || room > best) {
+		if (s == 0 || room > best) {
 			best = room;
 			first = q;
 		}
 	}
-	memset(&x, 0, sizeof(x));
 	x.size = size;
-	x.first_path = first;
+	x.nslots = n;
+	x.first_slot = first;
+	x.first_path = x.paths[first];
 	x.npaths = e->npaths;
-	for (p = 0; p < e->npaths; p++) {
-		uint64_t share = extent_share(e, size, first, p);
-
+	for (p = 0; p < e->npaths; p++)
 		x.offset[p] = UINT64_MAX;
+	for (s = 0; s < n; s++) {
+		uint64_t share = extent_share(e, size, n, first, s);
+
 		if (share == 0)
 			continue;
-		r = zs_space_alloc(&e->files[p].space, share, &x.offset[p]);
+		r = zs_space_alloc(&e->files[x.paths[s]].space, share, &x.offset[x.paths[s]]);
 		if (r < 0)
 			goto fail;
 	}
@@ -175,11 +185,11 @@ zs_extent_alloc(struct zs_engine *e, uint64_t size, struct zs_extent *ret)
 	return 0;
 
 fail:
-	while (p-- > 0) {
-		uint64_t share = extent_share(e, size, first, p);
+	while (s-- > 0) {
+		uint64_t share = extent_share(e, size, n, first, s);
 
 		if (share != 0)
-			zs_space_release(&e->files[p].space, x.offset[p], share);
+			zs_space_release(&e->files[x.paths[s]].space, x.offset[x.paths[s]], share);
 	}
 	return r;
 }
@@ -187,14 +197,16 @@ fail:
 void
 zs_extent_free(struct zs_engine *e, const struct zs_extent *x)
 {
-	unsigned p;
+	unsigned s;
 
-	if (x == NULL || x->size == 0 || x->npaths != e->npaths)
+	if (x == NULL || x->size == 0 || x->npaths != e->npaths || x->nslots == 0 ||
+	    x->nslots > e->npaths)
 		return;
-	for (p = 0; p < e->npaths; p++) {
-		uint64_t share = extent_share(e, x->size, x->first_path, p);
+	for (s = 0; s < x->nslots; s++) {
+		uint64_t share = extent_share(e, x->size, x->nslots, x->first_slot, s);
 
 		if (share != 0)
-			zs_space_release(&e->files[p].space, x->offset[p], share);
+			zs_space_release(&e->files[x->paths[s]].space, x->offset[x->paths[s]],
+			    share);
 	}
 }

@@ -8,7 +8,11 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <ctype.h>
+#include <dirent.h>
+#include <sys/file.h>
 #include <sys/ioctl.h>
+#include <sys/sysmacros.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -25,6 +29,98 @@ fail(struct zs_error_info *info, const char *step, int cause, int code)
 		info->cause = cause;
 	}
 	return code;
+}
+
+/* Whether any descriptor in /proc/pid/fdinfo holds a lock on the file whose key is needle. */
+static bool
+fdinfo_has_lock(const char *pid, const char *needle)
+{
+	char path[320], buf[4096];
+	struct dirent *e;
+	bool found = false;
+	DIR *dir;
+
+	snprintf(path, sizeof(path), "/proc/%s/fdinfo", pid);
+	dir = opendir(path);
+	if (dir == NULL)
+		return false;
+	while (!found && (e = readdir(dir)) != NULL) {
+		ssize_t n;
+		int fd;
+
+		if (!isdigit((unsigned char)e->d_name[0]))
+			continue;
+		snprintf(path, sizeof(path), "/proc/%s/fdinfo/%s", pid, e->d_name);
+		fd = open(path, O_RDONLY | O_CLOEXEC);
+		if (fd < 0)
+			continue;
+		n = read(fd, buf, sizeof(buf) - 1);
+		close(fd);
+		if (n <= 0)
+			continue;
+		buf[n] = '\0';
+		for (char *line = strstr(buf, "lock:"); line != NULL; line = strstr(line + 1, "lock:"))
+			if (strstr(line, needle) != NULL) {
+				found = true;
+				break;
+			}
+	}
+	closedir(dir);
+	return found;
+}
+
+/*
+ * Who holds the lock on fd's file: OFD locks show no pid (F_OFD_GETLK and
+ * /proc/locks say -1), so look for the lock among every process's
+ * descriptors, which /proc/PID/fdinfo lists with the file's device and inode.
+ */
+static int
+lock_holder(int fd)
+{
+	char needle[64];
+	struct dirent *e;
+	struct stat st;
+	int pid = 0;
+	DIR *proc;
+
+	if (fstat(fd, &st) != 0)
+		return 0;
+	snprintf(needle, sizeof(needle), " %02x:%02x:%llu ", major(st.st_dev), minor(st.st_dev),
+	    (unsigned long long)st.st_ino);
+	proc = opendir("/proc");
+	if (proc == NULL)
+		return 0;
+	while (pid == 0 && (e = readdir(proc)) != NULL) {
+		if (!isdigit((unsigned char)e->d_name[0]) || atoi(e->d_name) == getpid())
+			continue;
+		if (fdinfo_has_lock(e->d_name, needle))
+			pid = atoi(e->d_name);
+	}
+	closedir(proc);
+	return pid;
+}
+
+/*
+ * Two daemons on one swap path would overwrite each other's state: the
+ * path is locked for as long as it is open, by its open file description
+ * (an OFD lock on a file or device, flock on a directory, which cannot be
+ * opened for writing), so no other process can take it.  -EBUSY and the
+ * holder's pid when one does.
+ */
+static int
+lock_path(int fd, bool dir, struct zs_error_info *info)
+{
+	struct flock l = { .l_type = F_WRLCK, .l_whence = SEEK_SET };
+	int r = dir ? flock(fd, LOCK_EX | LOCK_NB) : fcntl(fd, F_OFD_SETLK, &l);
+
+	if (r == 0)
+		return 0;
+	r = errno;
+	if (r != EAGAIN && r != EACCES && r != EWOULDBLOCK)
+		return fail(info, "lock", -r, -r);
+	if (info != NULL)
+		info->holder_pid = lock_holder(fd);
+	return fail(info, "lock", -EBUSY, -EBUSY);
 }
 
 /*
@@ -119,10 +215,17 @@ zs_file_open(const struct zs_path *path, uint64_t capacity, struct zs_file *f,
 
 	memset(f, 0, sizeof(*f));
 	f->fd = -1;
+	f->lock_fd = -1;
 	if (path->path == NULL || path->path[0] == '\0')
 		return fail(info, "path", -EINVAL, -EINVAL);
 
 	if (stat(path->path, &st) == 0 && S_ISDIR(st.st_mode)) {
+		f->lock_fd = open(path->path, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+		if (f->lock_fd < 0)
+			return fail(info, "open", -errno, -errno);
+		r = lock_path(f->lock_fd, true, info);
+		if (r < 0)
+			goto err;
 		f->fd = open_in_dir(path->path);
 		if (f->fd < 0) {
 			r = f->fd;
@@ -138,12 +241,17 @@ zs_file_open(const struct zs_path *path, uint64_t capacity, struct zs_file *f,
 			r = -errno;
 			goto open_failed;
 		}
+		/* Before anything is written: a file in use is left exactly as it was. */
+		r = lock_path(f->fd, false, info);
+		if (r < 0)
+			goto err;
 	}
 	if (fstat(f->fd, &st) < 0) {
 		r = fail(info, "fstat", -errno, -errno);
 		goto err;
 	}
 	blockdev = S_ISBLK(st.st_mode);
+	f->regular = S_ISREG(st.st_mode);
 	if (!blockdev && !S_ISREG(st.st_mode)) {
 		r = fail(info, "open", -EINVAL, -EINVAL);
 		goto err;
@@ -198,6 +306,9 @@ zs_file_open(const struct zs_path *path, uint64_t capacity, struct zs_file *f,
 	return 0;
 
 open_failed:
+	if (f->lock_fd >= 0)
+		close(f->lock_fd);
+	f->lock_fd = -1;
 	/* Filesystems without O_DIRECT refuse it at open with EINVAL. */
 	if (r == -EINVAL)
 		return fail(info, "open O_DIRECT", r, -ZS_E_NODIRECT);
@@ -205,8 +316,12 @@ open_failed:
 err:
 	if (created)
 		(void)unlink(path->path);
-	close(f->fd);
+	if (f->fd >= 0)
+		close(f->fd);
+	if (f->lock_fd >= 0)
+		close(f->lock_fd);
 	f->fd = -1;
+	f->lock_fd = -1;
 	return r;
 }
 
@@ -216,5 +331,8 @@ zs_file_close(struct zs_file *f)
 	zs_space_fini(&f->space);
 	if (f->fd >= 0)
 		close(f->fd);
+	if (f->lock_fd >= 0)
+		close(f->lock_fd);
 	f->fd = -1;
+	f->lock_fd = -1;
 }

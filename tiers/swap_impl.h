@@ -26,6 +26,9 @@ struct zs_space {
 
 struct zs_file {
 	int fd;
+	int lock_fd;			/* a directory path's: holds its flock; -1 for a file */
+	bool regular;			/* a regular file, whose size can be checked */
+	int bad;			/* 0, or why it takes no new extents */
 	uint32_t dio_offset_align;
 	uint32_t dio_mem_align;
 	struct zs_space space;

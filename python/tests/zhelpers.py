@@ -3,6 +3,7 @@ transformer, and deterministic data."""
 import json
 import os
 import signal
+import socket
 import subprocess
 import tempfile
 import time
@@ -33,13 +34,23 @@ class Daemon:
         with open(self.log, "w") as logf:
             self.proc = subprocess.Popen([ZOFFLOADD, "--config", os.path.join(self.dir, "zoffload.conf"),
                                           "--socket", self.socket], stdout=logf, stderr=logf)
+        # The socket exists from bind(); the daemon may still be preparing its swap files
+        # before it listens, so wait until a connection is accepted (as itd.c does).
         deadline = time.monotonic() + 10
-        while not os.path.exists(self.socket):
+        while not self._accepts():
             if self.proc.poll() is not None:
                 raise RuntimeError("zoffloadd exited at start: " + self.log_text())
             if time.monotonic() > deadline:
                 raise RuntimeError("zoffloadd did not listen within 10 s: " + self.log_text())
             time.sleep(0.005)
+
+    def _accepts(self):
+        with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as s:
+            try:
+                s.connect(self.socket)
+            except OSError:
+                return False
+        return True
 
     def log_text(self):
         with open(self.log) as f:

@@ -93,7 +93,34 @@ Test(config, defaults)
 	cr_assert(cfg.swap_fallback);
 	cr_assert_eq(cfg.max_clients, 1024);
 	cr_assert_eq(cfg.max_queued_messages, 8192);
+	cr_assert_eq(cfg.max_queued_bytes, 16u << 20);
+	cr_assert_eq(cfg.uid_queued_bytes, 64u << 20);
+	cr_assert_eq(cfg.uid_max_tensors, 16384);
+	cr_assert_eq(cfg.uid_max_fds, 0);
+	cr_assert_eq(cfg.uid_shm_budget, 0);
 	cr_assert_eq(cfg.log_level, ZD_LOG_INFO);
+}
+
+/* The per-uid limits: sizes, counts, and a queue bound below 64 KiB refused by name. */
+Test(config, per_uid_limits)
+{
+	cr_assert_eq(zd_config_parse("{\"limits\": {\"max_queued_bytes\": \"1M\", "
+	    "\"uid_queued_bytes\": \"8M\", \"uid_max_tensors\": 7, \"uid_max_fds\": 300, "
+	    "\"uid_shm_budget\": \"2G\"}}", "x.conf", &cfg, err, sizeof(err)), 0, "%s", err);
+	cr_assert_eq(cfg.max_queued_bytes, 1u << 20);
+	cr_assert_eq(cfg.uid_queued_bytes, 8u << 20);
+	cr_assert_eq(cfg.uid_max_tensors, 7);
+	cr_assert_eq(cfg.uid_max_fds, 300);
+	cr_assert_eq(cfg.uid_shm_budget, 2ull << 30);
+	expect_error("{\"limits\": {\"max_queued_bytes\": 1000}}", "limits.max_queued_bytes",
+	    "1000", NULL);
+	expect_error("{\"limits\": {\"uid_queued_bytes\": \"1K\"}}", "limits.uid_queued_bytes",
+	    NULL);
+	expect_error("{\"limits\": {\"uid_max_tensors\": -1}}", "limits.uid_max_tensors", NULL);
+	expect_error("{\"limits\": {\"uid_max_fds\": \"many\"}}", "limits.uid_max_fds", "many",
+	    NULL);
+	expect_error("{\"limits\": {\"uid_shm_budget\": \"12Q\"}}", "limits.uid_shm_budget", "12Q",
+	    NULL);
 }
 
 Test(config, full_file)

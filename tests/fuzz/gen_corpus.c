@@ -96,6 +96,9 @@ fill(struct zp_msg *m)
 	case ZP_XFER_OK:
 		m->u.xfer_ok.bytes = 16u << 20;
 		break;
+	case ZP_JSON_FD:
+		m->u.json_fd.bytes = 200u << 10;
+		break;
 	case ZP_JSON:
 		m->u.json.text = "{\"sessions\":1,\"tiers\":{\"pinned\":{\"used_bytes\":0}}}";
 		m->u.json.len = (uint32_t)strlen(m->u.json.text);

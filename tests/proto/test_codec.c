@@ -105,6 +105,7 @@ Test(codec, type_tables)
 	cr_assert_null(zp_type_name(0xffff));
 	cr_assert_eq(zp_type_fds(ZP_TENSOR_OK), 2);
 	cr_assert_eq(zp_type_fds(ZP_XFER_OK), 1);
+	cr_assert_eq(zp_type_fds(ZP_JSON_FD), 1);
 	cr_assert_eq(zp_type_fds(ZP_JSON), 0);
 	cr_assert(zp_type_is_request(ZP_HELLO));
 	cr_assert(zp_type_is_request(ZP_JOBS));
@@ -142,6 +143,9 @@ fill_valid(uint16_t type)
 		break;
 	case ZP_XFER_OK:
 		in.u.xfer_ok.bytes = 1 << 20;
+		break;
+	case ZP_JSON_FD:
+		in.u.json_fd.bytes = 1 << 20;
 		break;
 	case ZP_ERROR:
 		in.u.error.code = -22;
@@ -712,6 +716,10 @@ Test(codec, out_of_range)
 	expect_value("TENSOR_READ", "count");
 
 	reset();
+	in.hdr.type = ZP_JSON_FD;
+	expect_value("JSON_FD", "bytes");
+	in.u.json_fd.bytes = ZP_MAX_XFER + 1;
+	expect_value("JSON_FD", "bytes");
 	in.hdr.type = ZP_XFER_OK;
 	expect_value("XFER_OK", "bytes");
 	in.u.xfer_ok.bytes = ZP_MAX_XFER + 1;

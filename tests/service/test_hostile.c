@@ -318,8 +318,11 @@ trespass(void *arg, struct svc_report *out)
 		snprintf(out->text, sizeof(out->text), "connect: %s", strerror(-r));
 		return;
 	}
+	/* Job names are per uid: root's job is "0:roots-job" to anyone else. */
 	if (strcmp(arg, "open") == 0)
-		r = zc_job_open(c, "roots-job", 1, 2);
+		r = zc_job_open(c, "0:roots-job", 1, 2);
+	else if (strcmp(arg, "drop") == 0)
+		r = zc_job_drop(c, "0:roots-job");
 	else
 		r = zc_job_drop(c, "roots-job");
 	out->result = r;
@@ -388,11 +391,14 @@ Test(hostile, jobs_belong_to_their_uid)
 	svc_in_child(OTHER_UID, trespass, "open", &rep);
 	cr_assert_eq(rep.result, -EACCES, "another uid opening root's job: %d %s", rep.result,
 	    rep.text);
-	cr_assert(strstr(rep.text, "belongs to uid 0") != NULL, "'%s'", rep.text);
+	cr_assert(strstr(rep.text, "uid 0's names") != NULL, "'%s'", rep.text);
 	svc_in_child(OTHER_UID, trespass, "drop", &rep);
 	cr_assert_eq(rep.result, -EPERM, "another uid dropping root's job: %d %s", rep.result,
 	    rep.text);
-	cr_assert(strstr(rep.text, "belongs to uid 0") != NULL, "'%s'", rep.text);
+	cr_assert(strstr(rep.text, "uid 0's names") != NULL, "'%s'", rep.text);
+	/* Its own name space has no such job. */
+	svc_in_child(OTHER_UID, trespass, "drop-own", &rep);
+	cr_assert_eq(rep.result, -ENOENT, "%d %s", rep.result, rep.text);
 	cr_assert(has_job(c, "roots-job", NULL), "root's job is gone after the attempts");
 
 	/* The other uid's own job, left behind by a rank that died. */
@@ -402,7 +408,8 @@ Test(hostile, jobs_belong_to_their_uid)
 	cr_assert_eq(uid, OTHER_UID);
 	/* Root may join it and may drop it. */
 	c2 = itd_connect(&daemon_);
-	cr_assert_eq(zc_job_open(c2, "nobodys-job", 1, 2), 0, "root joining: %s", zc_errmsg(c2));
+	cr_assert_eq(zc_job_open(c2, "65534:nobodys-job", 1, 2), 0, "root joining: %s",
+	    zc_errmsg(c2));
 	cr_assert_eq(zc_job_close(c2), 0, "%s", zc_errmsg(c2));
 	zc_disconnect(c2);
 	cr_assert_eq(zc_job_drop(c, "nobodys-job"), 0, "root dropping: %s", zc_errmsg(c));
@@ -605,7 +612,8 @@ Test(hostile, charges_go_back_to_whom_they_were_charged)
 	cr_assert_eq(rep.result, 0, "the other uid's own job: %d %s", rep.result, rep.text);
 	cr_assert_gt(uid_pinned(keep, OTHER_UID), 0);
 	c = itd_connect(&daemon_);
-	cr_assert_eq(zc_job_open(c, "nobodys-job", 1, 2), 0, "root joining: %s", zc_errmsg(c));
+	cr_assert_eq(zc_job_open(c, "65534:nobodys-job", 1, 2), 0, "root joining: %s",
+	    zc_errmsg(c));
 	cr_assert_eq(zc_tensor_register(c, &desc, init, &t), 0, "%s", zc_errmsg(c));
 	cr_assert_gt(uid_pinned(keep, 0), 0, "root's tensor is not charged to root");
 	cr_assert_eq(zc_job_close(c), 0, "%s", zc_errmsg(c));

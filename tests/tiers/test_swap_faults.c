@@ -308,3 +308,36 @@ main(int argc, char **argv)
 {
 	return th_main(argc, argv, th_environment_problem);
 }
+
+/* A path whose I/O failed is bad: new extents go to the others only, and work there. */
+Test(swap_faults, failing_path_takes_no_new_extents)
+{
+	for (unsigned k = 0; k < 2; k++) {
+		struct zs_path_stats ps;
+		struct zs_extent y;
+		uint64_t used1;
+		struct setup s;
+
+		if (!setup(&s, kinds[k], F_EIO_PATH1, 2))
+			continue;
+		cr_assert_eq(zs_engine_path_stats(s.e, 1, &ps), 0);
+		cr_assert_eq(ps.bad, 0, "bad before any I/O");
+		cr_assert_eq(th_io(s.e, true, &s.x, 0, s.buf, s.size), -EIO);
+		cr_assert_eq(zs_engine_path_stats(s.e, 1, &ps), 0);
+		cr_assert_eq(ps.bad, -EIO, "path 1 failed its I/O but is not bad (%d)", ps.bad);
+		used1 = ps.used_bytes;
+		cr_assert_eq(zs_engine_path_stats(s.e, 0, &ps), 0);
+		cr_assert_eq(ps.bad, 0);
+		cr_assert_eq(zs_extent_alloc(s.e, s.size, &y), 0);
+		cr_assert_eq(y.nslots, 1);
+		cr_assert_eq(y.paths[0], 0);
+		cr_assert_eq(zs_engine_path_stats(s.e, 1, &ps), 0);
+		cr_assert_eq(ps.used_bytes, used1, "the bad path took part of a new extent");
+		cr_assert_eq(zs_engine_check_paths(s.e), 1);
+		cr_assert_eq(th_io(s.e, true, &y, 0, s.buf, s.size), 0);
+		cr_assert_eq(th_io(s.e, false, &y, 0, s.back, s.size), 0);
+		cr_assert(memcmp(s.buf, s.back, s.size) == 0);
+		zs_extent_free(s.e, &y);
+		teardown(&s);
+	}
+}
