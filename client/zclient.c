@@ -18,6 +18,7 @@
 #include "convert.h"
 #include "msgio.h"
 #include "zclient.h"
+#include "zclient_impl.h"
 
 struct pending_set {
 	struct pending_set *next;
@@ -30,6 +31,7 @@ struct pending_set {
 struct zc_tensor {
 	struct zc_conn *conn;
 	uint32_t handle;
+	char name[ZP_NAME_MAX + 1];
 	uint64_t numel;
 	void *grad;
 	size_t grad_bytes;
@@ -74,6 +76,8 @@ struct zc_conn {
 	uint8_t *buf;
 	struct zp_msg *msg;
 	bool job_open;
+	uint32_t rank;
+	uint32_t world_size;
 	uint64_t job_last_step;
 	uint32_t session_id;
 	struct zc_tensor **tensors;	/* by handle - 1 */
@@ -362,7 +366,7 @@ reads_only(uint16_t type)
 }
 
 static int
-send_msg(struct zc_conn *c, struct zp_msg *m, uint64_t deadline)
+send_msg(struct zc_conn *c, struct zp_msg *m, uint64_t deadline, int sendfd)
 {
 	int r;
 
@@ -375,7 +379,7 @@ send_msg(struct zc_conn *c, struct zp_msg *m, uint64_t deadline)
 	if (r < 0)
 		return r;
 	/* A datagram goes whole or not at all: a send that times out leaves nothing half-sent. */
-	while ((r = zp_send(c->fd, m, NULL, 0)) == -EAGAIN) {
+	while ((r = zp_send(c->fd, m, &sendfd, sendfd >= 0 ? 1 : 0)) == -EAGAIN) {
 		r = await_fd(c->fd, POLLOUT, deadline);
 		if (r == -ETIMEDOUT)
 			return seterr(c, r, "send %s to zoffloadd: timed out with no room to send "
@@ -396,16 +400,16 @@ send_msg(struct zc_conn *c, struct zp_msg *m, uint64_t deadline)
 	return 0;
 }
 
-/* Request and reply; the reply is in c->msg, its descriptors in fds. */
+/* Request (with sendfd unless -1) and reply; the reply is in c->msg, its descriptors in fds. */
 static int
-rpc(struct zc_conn *c, struct zp_msg *req, uint16_t reply_type, int *fds)
+rpc_fd(struct zc_conn *c, struct zp_msg *req, uint16_t reply_type, int *fds, int sendfd)
 {
 	uint64_t deadline = deadline_after(c->timeout_ms);
 	int tmpfds[ZP_MAX_FDS];
 	unsigned nfds;
 	int r;
 
-	r = send_msg(c, req, deadline);
+	r = send_msg(c, req, deadline, sendfd);
 	if (r < 0)
 		return r;
 	for (;;) {
@@ -445,6 +449,66 @@ rpc(struct zc_conn *c, struct zp_msg *req, uint16_t reply_type, int *fds)
 				close(tmpfds[i]);
 		return 0;
 	}
+}
+
+static int
+rpc(struct zc_conn *c, struct zp_msg *req, uint16_t reply_type, int *fds)
+{
+	return rpc_fd(c, req, reply_type, fds, -1);
+}
+
+int
+zci_rpc_fd(struct zc_conn *c, struct zp_msg *req, uint16_t reply_type, int sendfd,
+    const struct zp_msg **reply)
+{
+	int r = rpc_fd(c, req, reply_type, NULL, sendfd);
+
+	if (r == 0)
+		*reply = c->msg;
+	return r;
+}
+
+int
+zci_seterr(struct zc_conn *c, int code, const char *fmt, ...)
+{
+	va_list ap;
+
+	va_start(ap, fmt);
+	vsnprintf(c->err, sizeof(c->err), fmt, ap);
+	va_end(ap);
+	return code;
+}
+
+bool
+zci_job_rank(const struct zc_conn *c, uint32_t *rank, uint32_t *world_size)
+{
+	*rank = c->rank;
+	*world_size = c->world_size;
+	return c->job_open;
+}
+
+const char *
+zci_tensor_name(const struct zc_tensor *t)
+{
+	return t->name;
+}
+
+uint32_t
+zci_tensor_handle(const struct zc_tensor *t)
+{
+	return t->handle;
+}
+
+bool
+zci_tensor_pending(const struct zc_tensor *t)
+{
+	return t->pending;
+}
+
+struct zc_conn *
+zci_tensor_conn(const struct zc_tensor *t)
+{
+	return t->conn;
 }
 
 int
@@ -590,6 +654,8 @@ zc_job_open_opts(struct zc_conn *c, const char *job_name, uint32_t rank, uint32_
 	r = rpc(c, &m, ZP_JOB_OK, NULL);
 	if (r == 0) {
 		c->job_open = true;
+		c->rank = rank;
+		c->world_size = world_size;
 		c->job_last_step = c->msg->u.job_ok.last_step;
 	}
 	return r;
@@ -775,6 +841,7 @@ zc_tensor_register(struct zc_conn *c, const struct zc_tensor_desc *desc, const f
 		goto fail_fds;
 	}
 	t->conn = c;
+	snprintf(t->name, sizeof(t->name), "%s", desc->name);
 	t->handle = c->msg->u.tensor_ok.handle;
 	t->numel = desc->numel;
 	t->grad_bytes = c->msg->u.tensor_ok.grad_bytes;
@@ -1045,7 +1112,7 @@ zc_step_submit(struct zc_conn *c, const struct zc_step_params *p,
 	}
 	set->count = (uint32_t)ntensors;
 	set->step = p->step;
-	r = send_msg(c, m, deadline_after(c->timeout_ms));
+	r = send_msg(c, m, deadline_after(c->timeout_ms), -1);
 	if (r < 0) {
 		free(set->handles);
 		free(set);
@@ -1176,7 +1243,7 @@ prefetch(struct zc_conn *c, struct zc_tensor *const *tensors, size_t n, uint64_t
 		tensors[i]->param_state = PARAM_FETCHING;
 		m->u.handles.handles[m->u.handles.count++] = tensors[i]->handle;
 	}
-	r = m->u.handles.count > 0 ? send_msg(c, m, deadline) : 0;
+	r = m->u.handles.count > 0 ? send_msg(c, m, deadline, -1) : 0;
 	/*
 	 * Not sent: no READY will come, and a tensor left fetching would have
 	 * zc_param_wait wait for it forever.

@@ -30,6 +30,8 @@ struct zd_swap_sample {
  * One per process.  Owns the engine (and through it every tensor's state),
  * the sessions, the jobs and the uids; server.c makes and ends it.
  */
+struct zd_ckpt_write;
+
 struct zd_daemon {
 	struct zd_config cfg;
 	const char *config_path;
@@ -55,6 +57,8 @@ struct zd_daemon {
 	bool draining;
 	uint64_t started_ns;
 	struct zd_step_stats steps;
+	struct zd_ckpt_write *ckpt_writes;	/* checkpoint.c: writes waiting for NVMe reads */
+	uint64_t ckpt_bytes;			/* written into checkpoint files */
 };
 
 /* server.c */

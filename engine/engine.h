@@ -173,6 +173,8 @@ bool ze_tensor_on_nvme(const struct ze_tensor *t);
 bool ze_tensor_initialized(const struct ze_tensor *t);
 /* The last step applied to every element. */
 uint64_t ze_tensor_last_step(const struct ze_tensor *t);
+/* A step landed on part of the tensor only (it failed there): its state is of two steps. */
+bool ze_tensor_step_partial(const struct ze_tensor *t);
 /* State written back from a checkpoint is at `step`: every element is, from now on. */
 int ze_tensor_set_step(struct ze_tensor *t, uint64_t step);
 

@@ -411,3 +411,9 @@ ze_tensor_io(struct ze_tensor *t, bool write, enum ze_state which, uint64_t offs
 	}
 	return 1;
 }
+
+bool
+ze_tensor_step_partial(const struct ze_tensor *t)
+{
+	return t->partial_step != 0;
+}

@@ -53,6 +53,7 @@ zp_type_fds(uint16_t type)
 	case ZP_TENSOR_OK:
 		return 2;
 	case ZP_XFER_OK:
+	case ZP_CKPT_WRITE:
 		return 1;
 	default:
 		return 0;
@@ -296,6 +297,18 @@ encode_payload(const struct zp_msg *m, struct wbuf *w)
 		put_u8(w, m->u.tensor_io.state);
 		put_u64(w, m->u.tensor_io.offset);
 		put_u64(w, m->u.tensor_io.count);
+		break;
+	case ZP_CKPT_WRITE:
+		put_u32(w, m->u.ckpt_write.handle);
+		put_u8(w, m->u.ckpt_write.state);
+		put_u64(w, m->u.ckpt_write.offset);
+		put_u64(w, m->u.ckpt_write.count);
+		put_u64(w, m->u.ckpt_write.file_offset);
+		put_u32(w, m->u.ckpt_write.crc);
+		break;
+	case ZP_CKPT_DONE:
+		put_u32(w, m->u.ckpt_done.crc);
+		put_u64(w, m->u.ckpt_done.last_step);
 		break;
 	case ZP_STEP_SUBMIT: {
 		const struct zp_step_submit *s = &m->u.step_submit;
@@ -551,6 +564,24 @@ decode_payload(struct rbuf *r, struct zp_msg *m)
 		m->u.tensor_ok.resumed = get_u8(r, "resumed");
 		check(r, m->u.tensor_ok.resumed <= 1, "resumed");
 		m->u.tensor_ok.last_step = get_u64(r, "last_step");
+		break;
+	case ZP_CKPT_WRITE: {
+		struct zp_ckpt_write *cw = &m->u.ckpt_write;
+
+		cw->handle = get_u32(r, "handle");
+		cw->state = get_u8(r, "state");
+		check(r, cw->state < ZP_STATE_COUNT, "state");
+		cw->offset = get_u64(r, "offset");
+		cw->count = get_u64(r, "count");
+		check(r, cw->count > 0 && cw->count <= ZP_MAX_XFER / sizeof(float), "count");
+		cw->file_offset = get_u64(r, "file_offset");
+		check(r, cw->file_offset <= INT64_MAX - ZP_MAX_XFER, "file_offset");
+		cw->crc = get_u32(r, "crc");
+		break;
+	}
+	case ZP_CKPT_DONE:
+		m->u.ckpt_done.crc = get_u32(r, "crc");
+		m->u.ckpt_done.last_step = get_u64(r, "last_step");
 		break;
 	case ZP_XFER_OK:
 		m->u.xfer_ok.bytes = get_u64(r, "bytes");

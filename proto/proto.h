@@ -49,6 +49,7 @@
 	X(PARAM_RELEASE, 15)						\
 	X(TENSOR_SET_STEP, 16)						\
 	X(GRAD_PASS, 17)						\
+	X(CKPT_WRITE, 18)						\
 	X(OK, 64)							\
 	X(ERROR, 65)							\
 	X(HELLO_OK, 66)							\
@@ -58,6 +59,7 @@
 	X(XFER_OK, 70)							\
 	X(JSON, 71)							\
 	X(GRAD_PARTIAL, 72)						\
+	X(CKPT_DONE, 73)						\
 	X(TENSOR_DONE, 128)						\
 	X(STEP_DONE, 129)						\
 	X(PARAM_READY, 130)
@@ -176,6 +178,24 @@ struct zp_grad_pass {
 };
 /* GRAD_PARTIAL: f64 sumsq (of the unscaled gradients, in double), u64 nonfinite, u64 elements */
 struct zp_grad_partial { double sumsq; uint64_t nonfinite; uint64_t elements; };
+/*
+ * CKPT_WRITE: u32 handle, u8 state, u64 offset, u64 count (elements, count <= ZP_MAX_XFER / 4),
+ * u64 file_offset, u32 crc; fd: a regular file the client opened for writing.  The daemon
+ * writes elements [offset, offset + count) of that state array there at file_offset (pwrite;
+ * it never opens a path itself) and answers CKPT_DONE with the CRC-32C of those bytes
+ * continued from crc (0 to start one), so that a client can checksum an array written in
+ * several pieces.
+ */
+struct zp_ckpt_write {
+	uint32_t handle;
+	uint8_t state;
+	uint64_t offset;
+	uint64_t count;
+	uint64_t file_offset;
+	uint32_t crc;
+};
+/* CKPT_DONE: u32 crc (continued), u64 last_step (of the tensor, whose state was written) */
+struct zp_ckpt_done { uint32_t crc; uint64_t last_step; };
 /* ERROR: i32 code (negative errno), str message */
 struct zp_error { int32_t code; char message[ZP_ERRMSG_MAX + 1]; };
 /* HELLO_OK: u32 session_id, u32 uid the daemon sees, str daemon_version */
@@ -233,6 +253,8 @@ struct zp_msg {
 		struct zp_grad_partial grad_partial;
 		struct zp_tensor_done tensor_done;
 		struct zp_step_done step_done;
+		struct zp_ckpt_write ckpt_write;
+		struct zp_ckpt_done ckpt_done;
 	} u;
 };
 
