@@ -107,16 +107,19 @@ find_pieces(struct zc_checkpoint *ck, const char *name, uint64_t lo, uint64_t hi
 	}
 	if (n > 0)
 		qsort(ps, n, sizeof(*ps), by_offset);
-	for (size_t i = 0; i < n && at < hi; i++) {
-		if (ps[i].e->global_offset > at)
-			break;
+	for (size_t i = 0; i <= n && at < hi; i++) {
+		/* A gap before piece i (or after the last): the first range nobody holds. */
+		if (i == n || ps[i].e->global_offset > at) {
+			uint64_t end = i < n && ps[i].e->global_offset < hi ? ps[i].e->global_offset :
+			    hi;
+
+			r = zci_seterr(c, -ENOENT, "checkpoint %s: elements %" PRIu64 "..%" PRIu64
+			    " of '%s' are in none of its %zu rank files", ck->ix->dir, at, end, name,
+			    ck->ix->nfiles);
+			goto fail;
+		}
 		if (ps[i].e->global_offset + ps[i].e->numel > at)
 			at = ps[i].e->global_offset + ps[i].e->numel;
-	}
-	if (at < hi) {
-		r = zci_seterr(c, -ENOENT, "checkpoint %s: elements %" PRIu64 "..%" PRIu64 " of '%s' "
-		    "are in none of its %zu rank files", ck->ix->dir, at, hi, name, ck->ix->nfiles);
-		goto fail;
 	}
 	*ret = ps;
 	*ret_n = n;
