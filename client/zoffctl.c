@@ -10,6 +10,7 @@
 #include <unistd.h>
 
 #include "zclient.h"
+#include "zoffctl_checkpoint.h"
 
 static void
 usage(FILE *f)
@@ -22,6 +23,8 @@ usage(FILE *f)
 	    "  jobs [--json]                      jobs and their ranks, attached and detached\n"
 	    "  drop JOB                           free a job (its ranks are disconnected)\n"
 	    "  ping [--count N]                   control round trip\n"
+	    "  checkpoint inspect DIR             a checkpoint's ranks, tensors, steps, sizes;\n"
+	    "                                     verifies every checksum (exit 1 if damaged)\n"
 	    "\n"
 	    "The socket is --socket, else $ZOFFLOAD_SOCKET, else the built-in default.\n");
 }
@@ -327,6 +330,9 @@ main(int argc, char **argv)
 		return 2;
 	}
 	cmd = argv[optind++];
+	/* Files, not the daemon: its own arguments, no connection. */
+	if (strcmp(cmd, "checkpoint") == 0)
+		return zoffctl_checkpoint(argc - optind, argv + optind);
 	while ((opt = getopt_long(argc, argv, "s:jw:n:h", opts, NULL)) != -1)
 		if ((r = take_option(opt, optarg, &o)) != 0)
 			return r == 1 ? 0 : r;

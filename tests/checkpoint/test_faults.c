@@ -133,6 +133,49 @@ Test(faults, one_bit_flipped)
 	running_job_unharmed();
 }
 
+/* zoffctl checkpoint inspect: the whole directory passes, a flipped bit is named. */
+static int
+inspect(char *out, size_t len)
+{
+	char cmd[256];
+	FILE *p;
+	size_t n;
+	int status;
+
+	snprintf(cmd, sizeof(cmd), "'%s' checkpoint inspect '%s' 2>&1", getenv("ZOFFCTL"), ckdir);
+	p = popen(cmd, "r");
+	cr_assert_not_null(p);
+	n = fread(out, 1, len - 1, p);
+	out[n] = '\0';
+	status = pclose(p);
+	cr_assert(WIFEXITED(status), "%s", out);
+	return WEXITSTATUS(status);
+}
+
+Test(faults, zoffctl_inspect)
+{
+	static char out[16384];
+	char path[128];
+
+	saved_job();
+	cr_assert_eq(inspect(out, sizeof(out)), 0, "%s", out);
+	cr_assert(strstr(out, "2 rank files of world size 2, optimizer adamw") != NULL, "%s", out);
+	cr_assert(strstr(out, "layers.0.w#1") != NULL && strstr(out, "[35001, 70001) of 70001  "
+	    "step 3") != NULL, "%s", out);
+	cr_assert(strstr(out, "12 arrays verified, 0 damaged") != NULL, "%s", out);
+	rank_file(path, sizeof(path), ckdir, 1, 2);
+	flip_bit(path, 5);
+	cr_assert_eq(inspect(out, sizeof(out)), 1, "%s", out);
+	cr_assert(strstr(out, "rank-00001-of-00002.safetensors: tensor 'layers.0.b#1/exp_avg_sq': "
+	    "CRC-32C") != NULL, "%s", out);
+	cr_assert(strstr(out, "12 arrays verified, 1 damaged") != NULL, "%s", out);
+	rank_file(path, sizeof(path), ckdir, 0, 2);
+	cr_assert_eq(unlink(path), 0);
+	cr_assert_eq(inspect(out, sizeof(out)), 1, "%s", out);
+	cr_assert(strstr(out, "MISSING RANKS: 1 of 2") != NULL, "%s", out);
+	cr_assert(strstr(out, "INCOMPLETE") != NULL, "%s", out);
+}
+
 Test(faults, truncated_file)
 {
 	char path[128];
