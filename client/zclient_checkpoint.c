@@ -12,8 +12,8 @@
 #include "zclient.h"
 #include "zclient_impl.h"
 
-/* Elements per CKPT_WRITE: the daemon holds one such piece in memory per request. */
-#define SAVE_PIECE (16u << 20)
+/* Elements per CKPT_WRITE: the daemon holds a piece of all three arrays (48 MiB) per request. */
+#define SAVE_PIECE (4u << 20)
 
 /* The saved hyperparameters, JSON text (free it). */
 static char *
@@ -47,8 +47,7 @@ struct save_tensor {
 	uint64_t numel;
 	uint64_t begin[ZCK_STATES];	/* from the start of the data */
 	uint32_t crc[ZCK_STATES];
-	uint64_t step;
-	bool stepped;			/* step holds the daemon's answer */
+	uint64_t step;			/* the daemon's answer */
 };
 
 static void
@@ -128,12 +127,12 @@ pwrite_all(int fd, const void *buf, size_t len, uint64_t off)
 	return 0;
 }
 
-/* One array of one tensor into the file, by the daemon, a piece at a time. */
+/* One tensor's three arrays into the file, by the daemon, a piece of each at a time. */
 static int
-save_array(struct zc_conn *c, struct zc_tensor *t, struct save_tensor *st, unsigned state,
-    int fd, uint64_t data_start, const char *path)
+save_tensor(struct zc_conn *c, struct zc_tensor *t, struct save_tensor *st, int fd,
+    uint64_t data_start, const char *path)
 {
-	uint32_t crc = 0;
+	uint32_t crc[ZCK_STATES] = { 0 };
 
 	for (uint64_t done = 0; done < st->numel;) {
 		uint64_t n = st->numel - done < SAVE_PIECE ? st->numel - done : SAVE_PIECE;
@@ -142,10 +141,12 @@ save_array(struct zc_conn *c, struct zc_tensor *t, struct save_tensor *st, unsig
 		int r;
 
 		m.u.ckpt_write = (struct zp_ckpt_write){
-			.handle = zci_tensor_handle(t), .state = (uint8_t)state, .offset = done,
-			.count = n, .file_offset = data_start + st->begin[state] + 4 * done,
-			.crc = crc,
+			.handle = zci_tensor_handle(t), .offset = done, .count = n,
 		};
+		for (unsigned k = 0; k < ZCK_STATES; k++) {
+			m.u.ckpt_write.file_offset[k] = data_start + st->begin[k] + 4 * done;
+			m.u.ckpt_write.crc[k] = crc[k];
+		}
 		r = zci_rpc_fd(c, &m, ZP_CKPT_DONE, fd, &reply);
 		if (r < 0) {
 			char why[sizeof(((struct zp_error *)0)->message) + 64];
@@ -153,16 +154,15 @@ save_array(struct zc_conn *c, struct zc_tensor *t, struct save_tensor *st, unsig
 			snprintf(why, sizeof(why), "%s", zc_errmsg(c));
 			return zci_seterr(c, r, "checkpoint %s: %s", path, why);
 		}
-		if (st->stepped && reply->u.ckpt_done.last_step != st->step)
+		if (done > 0 && reply->u.ckpt_done.last_step != st->step)
 			return zci_seterr(c, -EIO, "checkpoint %s: tensor '%s' moved from step %" PRIu64
 			    " to %" PRIu64 " while it was saved", path, st->name, st->step,
 			    reply->u.ckpt_done.last_step);
 		st->step = reply->u.ckpt_done.last_step;
-		st->stepped = true;
-		crc = reply->u.ckpt_done.crc;
+		memcpy(crc, reply->u.ckpt_done.crc, sizeof(crc));
 		done += n;
 	}
-	st->crc[state] = crc;
+	memcpy(st->crc, crc, sizeof(crc));
 	return 0;
 }
 
@@ -244,8 +244,7 @@ zc_checkpoint_save(struct zc_conn *c, const char *dir, const struct zc_checkpoin
 		goto out;
 	}
 	for (size_t i = 0; i < n && r == 0; i++)
-		for (unsigned st = 0; st < ZCK_STATES && r == 0; st++)
-			r = save_array(c, es[i].tensor, &ts[i], st, fd, 8 + reserved, path);
+		r = save_tensor(c, es[i].tensor, &ts[i], fd, 8 + reserved, path);
 	if (r < 0)
 		goto out;
 	head = header_json(ts, n, zck_optim_names[last->optim], hp, rank, world, true);

@@ -30,10 +30,10 @@ struct zd_ckpt_write {
 	uint32_t lane;
 	uint64_t id;
 	int fd;
-	uint64_t file_offset;
-	uint32_t crc;
-	void *buf;
-	size_t bytes;
+	uint64_t file_offset[ZP_STATE_COUNT];
+	uint32_t crc[ZP_STATE_COUNT];
+	float *buf;			/* master, m, v: count elements each */
+	uint64_t count;
 	char name[ZP_NAME_MAX + 1];
 };
 
@@ -85,14 +85,19 @@ ckpt_finish(struct zd_daemon *d, struct zd_ckpt_write *w, uint64_t last_step, in
 		ckpt_free(w);
 		return;
 	}
-	result = write_all(w->fd, w->buf, w->bytes, w->file_offset);
-	if (result < 0) {
-		zd_session_error(s, w->id, result, "tensor '%s': writing the checkpoint file "
-		    "failed at byte %llu: %s", w->name, (unsigned long long)w->file_offset,
-		    strerror(-result));
-	} else {
-		d->ckpt_bytes += w->bytes;
-		m.u.ckpt_done.crc = zp_crc32c(w->crc, w->buf, w->bytes);
+	for (unsigned i = 0; i < ZP_STATE_COUNT && result == 0; i++) {
+		const float *a = w->buf + i * w->count;
+
+		result = write_all(w->fd, a, w->count * sizeof(float), w->file_offset[i]);
+		if (result < 0)
+			zd_session_error(s, w->id, result, "tensor '%s': writing the checkpoint file "
+			    "failed at byte %llu: %s", w->name, (unsigned long long)w->file_offset[i],
+			    strerror(-result));
+		else
+			m.u.ckpt_done.crc[i] = zp_crc32c(w->crc[i], a, w->count * sizeof(float));
+	}
+	if (result == 0) {
+		d->ckpt_bytes += 3 * w->count * sizeof(float);
 		m.u.ckpt_done.last_step = last_step;
 		(void)zd_session_send(s, &m, NULL, 0);
 	}
@@ -185,7 +190,7 @@ zd_handle_request_fd(struct zd_session *s, const struct zp_msg *msg, int fd)
 	}
 	w = calloc(1, sizeof(*w));
 	if (w != NULL)
-		w->buf = malloc(req->count * sizeof(float));
+		w->buf = malloc(3 * req->count * sizeof(float));
 	if (w == NULL || w->buf == NULL) {
 		free(w);
 		close(fd);
@@ -196,16 +201,15 @@ zd_handle_request_fd(struct zd_session *s, const struct zp_msg *msg, int fd)
 	w->lane = s->id;
 	w->id = id;
 	w->fd = fd;
-	w->file_offset = req->file_offset;
-	w->crc = req->crc;
-	w->bytes = req->count * sizeof(float);
+	memcpy(w->file_offset, req->file_offset, sizeof(w->file_offset));
+	memcpy(w->crc, req->crc, sizeof(w->crc));
+	w->count = req->count;
 	snprintf(w->name, sizeof(w->name), "%s", t->name);
 	/*
 	 * Through the engine, so NVMe state comes through the staging buffers
 	 * chunk by chunk like a step's; pinned state is copied at once.
 	 */
-	r = ze_tensor_io(t->et, false, (enum ze_state)req->state, req->offset, req->count,
-	    w->buf, s->id, id);
+	r = ze_tensor_read_all(t->et, req->offset, req->count, w->buf, s->id, id);
 	if (r > 0) {
 		ckpt_finish(s->daemon, w, ze_tensor_last_step(t->et), 0);
 	} else if (r == 0) {

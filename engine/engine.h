@@ -185,6 +185,13 @@ int ze_tensor_set_step(struct ze_tensor *t, uint64_t step);
  */
 int ze_tensor_io(struct ze_tensor *t, bool write, enum ze_state which, uint64_t offset,
     uint64_t count, void *buf, uint32_t lane, uint64_t id);
+/*
+ * Reads elements [offset, offset + count) of master, m and v at once into buf (3 * count
+ * floats: master's, then m's, then v's), from one pass over the state (a checkpoint).
+ * As ze_tensor_io: 1 done now, 0 queued (io_done reports ZE_IO_READ), < 0 refused.
+ */
+int ze_tensor_read_all(struct ze_tensor *t, uint64_t offset, uint64_t count, float *buf,
+    uint32_t lane, uint64_t id);
 /* Queued transfers of lane stop touching their buffers; they end with -ECANCELED. */
 void ze_engine_cancel_lane(struct ze_engine *e, uint32_t lane);
 

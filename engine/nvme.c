@@ -17,7 +17,7 @@
  * step, 12% of the I/O of bench_step's tensors.
  */
 
-enum work_kind { WORK_STEP, WORK_READ, WORK_WRITE };
+enum work_kind { WORK_STEP, WORK_READ, WORK_WRITE, WORK_READ_ALL };
 
 /*
  * Chunks of one tensor waiting for staging buffers: a step, or a state
@@ -258,7 +258,7 @@ work_chunk_finished(struct ze_engine *e, struct chunk_io *io, int error)
 		ze_step_unit_done(e, b, index, chunk, error);
 	} else if (w->outstanding == 0 && w->next_chunk == w->end_chunk) {
 		struct ze_tensor *t = w->tensor;
-		enum ze_io kind = w->kind == WORK_READ ? ZE_IO_READ : ZE_IO_WRITE;
+		enum ze_io kind = w->kind == WORK_WRITE ? ZE_IO_WRITE : ZE_IO_READ;
 		uint32_t lane = w->lane;
 		uint64_t id = w->id;
 		void *user = t->user;
@@ -324,6 +324,15 @@ xfer_chunk(struct ze_engine *e, struct chunk_io *io)
 		return;
 	}
 	window = (float *)w->buf + (from - w->offset);
+	if (w->kind == WORK_READ_ALL) {
+		/* master, m, v: each to its own third of the buffer */
+		for (unsigned s = 0; s < 3; s++)
+			memcpy((float *)w->buf + s * w->count + (from - w->offset),
+			    (float *)io->staging->buf + s * chunk_stride(t, io->chunk) + (from - first),
+			    (to - from) * sizeof(float));
+		work_chunk_finished(e, io, 0);
+		return;
+	}
 	if (w->kind == WORK_READ) {
 		memcpy(window, array + (from - first), (to - from) * sizeof(float));
 		work_chunk_finished(e, io, 0);
@@ -514,8 +523,8 @@ ze_nvme_queue_step(struct ze_engine *e, struct ze_batch *b, size_t i)
 	pump(e);
 }
 
-int
-ze_nvme_xfer(struct ze_tensor *t, bool write, enum ze_state which, uint64_t offset,
+static int
+xfer_queue(struct ze_tensor *t, enum work_kind kind, enum ze_state which, uint64_t offset,
     uint64_t count, void *buf, uint32_t lane, uint64_t id)
 {
 	struct ze_engine *e = t->e;
@@ -526,7 +535,7 @@ ze_nvme_xfer(struct ze_tensor *t, bool write, enum ze_state which, uint64_t offs
 	w = calloc(1, sizeof(*w));
 	if (w == NULL)
 		return -ENOMEM;
-	w->kind = write ? WORK_WRITE : WORK_READ;
+	w->kind = kind;
 	w->tensor = t;
 	w->lane = lane;
 	w->id = id;
@@ -546,6 +555,20 @@ ze_nvme_xfer(struct ze_tensor *t, bool write, enum ze_state which, uint64_t offs
 	e->xfers++;
 	pump(e);
 	return 0;
+}
+
+int
+ze_nvme_xfer(struct ze_tensor *t, bool write, enum ze_state which, uint64_t offset,
+    uint64_t count, void *buf, uint32_t lane, uint64_t id)
+{
+	return xfer_queue(t, write ? WORK_WRITE : WORK_READ, which, offset, count, buf, lane, id);
+}
+
+int
+ze_nvme_read_all(struct ze_tensor *t, uint64_t offset, uint64_t count, float *buf,
+    uint32_t lane, uint64_t id)
+{
+	return xfer_queue(t, WORK_READ_ALL, ZE_STATE_MASTER, offset, count, buf, lane, id);
 }
 
 void

@@ -412,6 +412,22 @@ ze_tensor_io(struct ze_tensor *t, bool write, enum ze_state which, uint64_t offs
 	return 1;
 }
 
+int
+ze_tensor_read_all(struct ze_tensor *t, uint64_t offset, uint64_t count, float *buf,
+    uint32_t lane, uint64_t id)
+{
+	if (t->busy)
+		return -EBUSY;
+	if (offset > t->numel || count > t->numel - offset)
+		return -ERANGE;
+	if (t->on_nvme)
+		return ze_nvme_read_all(t, offset, count, buf, lane, id);
+	memcpy(buf, t->master + offset, count * sizeof(float));
+	memcpy(buf + count, t->m + offset, count * sizeof(float));
+	memcpy(buf + 2 * count, t->v + offset, count * sizeof(float));
+	return 1;
+}
+
 bool
 ze_tensor_step_partial(const struct ze_tensor *t)
 {

@@ -300,14 +300,16 @@ encode_payload(const struct zp_msg *m, struct wbuf *w)
 		break;
 	case ZP_CKPT_WRITE:
 		put_u32(w, m->u.ckpt_write.handle);
-		put_u8(w, m->u.ckpt_write.state);
 		put_u64(w, m->u.ckpt_write.offset);
 		put_u64(w, m->u.ckpt_write.count);
-		put_u64(w, m->u.ckpt_write.file_offset);
-		put_u32(w, m->u.ckpt_write.crc);
+		for (unsigned i = 0; i < ZP_STATE_COUNT; i++) {
+			put_u64(w, m->u.ckpt_write.file_offset[i]);
+			put_u32(w, m->u.ckpt_write.crc[i]);
+		}
 		break;
 	case ZP_CKPT_DONE:
-		put_u32(w, m->u.ckpt_done.crc);
+		for (unsigned i = 0; i < ZP_STATE_COUNT; i++)
+			put_u32(w, m->u.ckpt_done.crc[i]);
 		put_u64(w, m->u.ckpt_done.last_step);
 		break;
 	case ZP_STEP_SUBMIT: {
@@ -569,18 +571,19 @@ decode_payload(struct rbuf *r, struct zp_msg *m)
 		struct zp_ckpt_write *cw = &m->u.ckpt_write;
 
 		cw->handle = get_u32(r, "handle");
-		cw->state = get_u8(r, "state");
-		check(r, cw->state < ZP_STATE_COUNT, "state");
 		cw->offset = get_u64(r, "offset");
 		cw->count = get_u64(r, "count");
-		check(r, cw->count > 0 && cw->count <= ZP_MAX_XFER / sizeof(float), "count");
-		cw->file_offset = get_u64(r, "file_offset");
-		check(r, cw->file_offset <= INT64_MAX - ZP_MAX_XFER, "file_offset");
-		cw->crc = get_u32(r, "crc");
+		check(r, cw->count > 0 && cw->count <= ZP_MAX_XFER / (3 * sizeof(float)), "count");
+		for (unsigned i = 0; i < ZP_STATE_COUNT; i++) {
+			cw->file_offset[i] = get_u64(r, "file_offset");
+			check(r, cw->file_offset[i] <= INT64_MAX - ZP_MAX_XFER, "file_offset");
+			cw->crc[i] = get_u32(r, "crc");
+		}
 		break;
 	}
 	case ZP_CKPT_DONE:
-		m->u.ckpt_done.crc = get_u32(r, "crc");
+		for (unsigned i = 0; i < ZP_STATE_COUNT; i++)
+			m->u.ckpt_done.crc[i] = get_u32(r, "crc");
 		m->u.ckpt_done.last_step = get_u64(r, "last_step");
 		break;
 	case ZP_XFER_OK:

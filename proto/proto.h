@@ -179,23 +179,23 @@ struct zp_grad_pass {
 /* GRAD_PARTIAL: f64 sumsq (of the unscaled gradients, in double), u64 nonfinite, u64 elements */
 struct zp_grad_partial { double sumsq; uint64_t nonfinite; uint64_t elements; };
 /*
- * CKPT_WRITE: u32 handle, u8 state, u64 offset, u64 count (elements, count <= ZP_MAX_XFER / 4),
- * u64 file_offset, u32 crc; fd: a regular file the client opened for writing.  The daemon
- * writes elements [offset, offset + count) of that state array there at file_offset (pwrite;
- * it never opens a path itself) and answers CKPT_DONE with the CRC-32C of those bytes
- * continued from crc (0 to start one), so that a client can checksum an array written in
- * several pieces.
+ * CKPT_WRITE: u32 handle, u64 offset, u64 count (elements, count <= ZP_MAX_XFER / 12), then
+ * per state (master, exp_avg, exp_avg_sq) u64 file_offset and u32 crc; fd: a regular file
+ * the client opened for writing.  The daemon writes elements [offset, offset + count) of
+ * each state array there at its file_offset (pwrite; it never opens a path itself), all
+ * three from one read of the state, and answers CKPT_DONE with the CRC-32C of each array's
+ * bytes continued from its crc (0 to start one), so that a client can checksum an array
+ * written in several pieces.
  */
 struct zp_ckpt_write {
 	uint32_t handle;
-	uint8_t state;
 	uint64_t offset;
 	uint64_t count;
-	uint64_t file_offset;
-	uint32_t crc;
+	uint64_t file_offset[ZP_STATE_COUNT];
+	uint32_t crc[ZP_STATE_COUNT];
 };
-/* CKPT_DONE: u32 crc (continued), u64 last_step (of the tensor, whose state was written) */
-struct zp_ckpt_done { uint32_t crc; uint64_t last_step; };
+/* CKPT_DONE: u32 crc per state (continued), u64 last_step (of the tensor whose state was written) */
+struct zp_ckpt_done { uint32_t crc[ZP_STATE_COUNT]; uint64_t last_step; };
 /* ERROR: i32 code (negative errno), str message */
 struct zp_error { int32_t code; char message[ZP_ERRMSG_MAX + 1]; };
 /* HELLO_OK: u32 session_id, u32 uid the daemon sees, str daemon_version */

@@ -101,11 +101,11 @@ fill(struct zp_msg *m)
 		m->u.json.len = (uint32_t)strlen(m->u.json.text);
 		break;
 	case ZP_CKPT_WRITE:
-		m->u.ckpt_write = (struct zp_ckpt_write){ .handle = 7, .state = ZP_STATE_MASTER,
-			.offset = 0, .count = 1u << 20, .file_offset = 4096, .crc = 0 };
+		m->u.ckpt_write = (struct zp_ckpt_write){ .handle = 7, .offset = 0,
+			.count = 1u << 20, .file_offset = { 4096, 4096 + (4u << 20), 4096 + (8u << 20) } };
 		break;
 	case ZP_CKPT_DONE:
-		m->u.ckpt_done = (struct zp_ckpt_done){ .crc = 0xe3069283u, .last_step = 12 };
+		m->u.ckpt_done = (struct zp_ckpt_done){ .crc = { 0xe3069283u, 1, 2 }, .last_step = 12 };
 		break;
 	case ZP_TENSOR_DONE:
 		m->u.tensor_done.handle = 7;

@@ -281,30 +281,33 @@ Test(codec, round_trip_tensor_set_step)
 
 Test(codec, round_trip_ckpt_write_and_done)
 {
-
-	in.u.ckpt_write = (struct zp_ckpt_write){ .handle = 9, .state = ZP_STATE_EXP_AVG_SQ,
-		.offset = 1ull << 33, .count = 1u << 24, .file_offset = 4096 + (1ull << 40),
-		.crc = 0xe3069283u };
+	in.u.ckpt_write = (struct zp_ckpt_write){ .handle = 9, .offset = 1ull << 33,
+		.count = 1u << 24, .file_offset = { 4096, 4096 + (1ull << 40), 1ull << 41 },
+		.crc = { 0xe3069283u, 1, 0xffffffffu } };
 	round_trip(ZP_CKPT_WRITE, 37);
 	cr_assert_eq(out.u.ckpt_write.handle, 9);
-	cr_assert_eq(out.u.ckpt_write.state, ZP_STATE_EXP_AVG_SQ);
 	cr_assert_eq(out.u.ckpt_write.offset, 1ull << 33);
 	cr_assert_eq(out.u.ckpt_write.count, 1u << 24);
-	cr_assert_eq(out.u.ckpt_write.file_offset, 4096 + (1ull << 40));
-	cr_assert_eq(out.u.ckpt_write.crc, 0xe3069283u);
+	cr_assert_eq(out.u.ckpt_write.file_offset[1], 4096 + (1ull << 40));
+	cr_assert_eq(out.u.ckpt_write.file_offset[2], 1ull << 41);
+	cr_assert_eq(out.u.ckpt_write.crc[0], 0xe3069283u);
+	cr_assert_eq(out.u.ckpt_write.crc[2], 0xffffffffu);
 	cr_assert_eq(zp_type_fds(ZP_CKPT_WRITE), 1);
-	/* No empty write, none past the transfer limit, no fourth state. */
-	in.u.ckpt_write.count = 0;
+	/* No empty write, none past the transfer limit, no offset near the end of a file's range. */
 	in.hdr.type = ZP_CKPT_WRITE;
+	in.u.ckpt_write.count = 0;
 	cr_assert_eq(decode(encode(&in)), ZP_S_VALUE);
 	cr_assert(strstr(why, "count") != NULL, "%s", why);
-	in.u.ckpt_write.count = 1;
-	in.u.ckpt_write.state = ZP_STATE_COUNT;
+	in.u.ckpt_write.count = ZP_MAX_XFER / 12 + 1;
 	cr_assert_eq(decode(encode(&in)), ZP_S_VALUE);
-	cr_assert(strstr(why, "state") != NULL, "%s", why);
-	in.u.ckpt_done = (struct zp_ckpt_done){ .crc = 0x12345678u, .last_step = 77 };
+	in.u.ckpt_write.count = 1;
+	in.u.ckpt_write.file_offset[2] = UINT64_MAX - 5;
+	cr_assert_eq(decode(encode(&in)), ZP_S_VALUE);
+	cr_assert(strstr(why, "file_offset") != NULL, "%s", why);
+	in.u.ckpt_done = (struct zp_ckpt_done){ .crc = { 0x12345678u, 2, 3 }, .last_step = 77 };
 	round_trip(ZP_CKPT_DONE, 12);
-	cr_assert_eq(out.u.ckpt_done.crc, 0x12345678u);
+	cr_assert_eq(out.u.ckpt_done.crc[0], 0x12345678u);
+	cr_assert_eq(out.u.ckpt_done.crc[2], 3);
 	cr_assert_eq(out.u.ckpt_done.last_step, 77);
 }
 
