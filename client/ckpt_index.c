@@ -399,3 +399,33 @@ zck_read_array(const struct zck_file *f, const struct zck_entry *e, unsigned sta
 	free(buf);
 	return r;
 }
+
+int
+zck_crc_range(const struct zck_file *f, const struct zck_entry *e, unsigned state,
+    uint64_t from, uint64_t to, uint32_t *crc, char *err, size_t errlen)
+{
+	uint64_t block = to - from < BLOCK_ELEMENTS ? to - from : BLOCK_ELEMENTS;
+	float *buf;
+	int r = 0;
+
+	if (from >= to)
+		return 0;
+	buf = malloc(block * sizeof(float));
+	if (buf == NULL)
+		return fail(err, errlen, -ENOMEM, "out of memory");
+	while (from < to) {
+		uint64_t n = to - from < block ? to - from : block;
+
+		r = read_full(f->fd, buf, n * 4, e->begin[state] + from * 4);
+		if (r < 0) {
+			r = fail(err, errlen, r == -ENODATA ? -EBADMSG : r, "%s: tensor '%s/%s': %s",
+			    f->path, e->name, zck_state_names[state], r == -ENODATA ?
+			    "the file is truncated" : strerror(-r));
+			break;
+		}
+		*crc = zp_crc32c(*crc, buf, n * 4);
+		from += n;
+	}
+	free(buf);
+	return r;
+}

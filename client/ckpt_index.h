@@ -67,4 +67,8 @@ typedef int zck_block_fn(void *arg, uint64_t first, const float *data, uint64_t 
 int zck_read_array(const struct zck_file *f, const struct zck_entry *e, unsigned state,
     zck_block_fn *fn, void *arg, char *err, size_t errlen);
 
+/* CRC-32C of elements [from, to) of one array continued from *crc; err names file and tensor. */
+int zck_crc_range(const struct zck_file *f, const struct zck_entry *e, unsigned state,
+    uint64_t from, uint64_t to, uint32_t *crc, char *err, size_t errlen);
+
 #endif

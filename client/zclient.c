@@ -813,6 +813,15 @@ int
 zc_tensor_register(struct zc_conn *c, const struct zc_tensor_desc *desc, const float *init,
     struct zc_tensor **ret)
 {
+	if (init == NULL && desc != NULL && desc->name != NULL)
+		return seterr(c, -EINVAL, "tensor '%s': initial values are required", desc->name);
+	return zci_tensor_register(c, desc, init, ret);
+}
+
+int
+zci_tensor_register(struct zc_conn *c, const struct zc_tensor_desc *desc, const float *init,
+    struct zc_tensor **ret)
+{
 	struct zp_msg m = { .hdr = { .type = ZP_TENSOR_REGISTER } };
 	struct zc_tensor *t;
 	char saved[sizeof(c->err)];
@@ -825,8 +834,6 @@ zc_tensor_register(struct zc_conn *c, const struct zc_tensor_desc *desc, const f
 		return seterr(c, -EINVAL, "tensor '%s': unknown dtype", desc->name);
 	if (desc->numel == 0)
 		return seterr(c, -EINVAL, "tensor '%s': numel is 0", desc->name);
-	if (init == NULL)
-		return seterr(c, -EINVAL, "tensor '%s': initial values are required", desc->name);
 	snprintf(m.u.tensor_register.name, sizeof(m.u.tensor_register.name), "%s", desc->name);
 	m.u.tensor_register.numel = desc->numel;
 	m.u.tensor_register.grad_dtype = (uint8_t)desc->grad_dtype;
@@ -884,8 +891,11 @@ zc_tensor_register(struct zc_conn *c, const struct zc_tensor_desc *desc, const f
 		seterr(c, r, "out of memory");
 		goto fail_mapped;
 	}
-	/* Taken back from a rank that died: its state is newer than any initial values. */
-	r = resumed ? 0 : tensor_copy(t, ZP_TENSOR_WRITE, ZC_STATE_MASTER, 0, t->numel,
+	/*
+	 * Taken back from a rank that died: its state is newer than any initial values.
+	 * No init: the caller writes every element itself (a restore).
+	 */
+	r = resumed || init == NULL ? 0 : tensor_copy(t, ZP_TENSOR_WRITE, ZC_STATE_MASTER, 0, t->numel,
 	    (float *)init);
 	if (r < 0) {
 		c->tensors[t->handle - 1] = NULL;

@@ -19,6 +19,9 @@ int zci_seterr(struct zc_conn *c, int code, const char *fmt, ...)
     __attribute__((format(printf, 3, 4)));
 /* False when no job is open. */
 bool zci_job_rank(const struct zc_conn *c, uint32_t *rank, uint32_t *world_size);
+/* zc_tensor_register, where init NULL means the caller writes master itself next. */
+int zci_tensor_register(struct zc_conn *c, const struct zc_tensor_desc *desc, const float *init,
+    struct zc_tensor **ret);
 const char *zci_tensor_name(const struct zc_tensor *t);
 uint32_t zci_tensor_handle(const struct zc_tensor *t);
 bool zci_tensor_pending(const struct zc_tensor *t);

@@ -20,35 +20,6 @@ struct piece {
 	const struct zck_entry *e;
 };
 
-/* Where a block of a saved array goes: the part inside [lo, hi) of the parameter. */
-struct sink {
-	const struct piece *p;
-	uint64_t lo, hi;		/* the tensor's range in its parameter */
-	float *master;			/* restoring master: the tensor's own buffer */
-	struct zc_tensor *t;		/* restoring a moment: written through the daemon */
-	enum zc_state state;
-};
-
-static int
-take_block(void *arg, uint64_t first, const float *data, uint64_t count)
-{
-	struct sink *s = arg;
-	uint64_t from = s->p->e->global_offset + first, to = from + count;
-
-	if (from < s->lo)
-		from = s->lo;
-	if (to > s->hi)
-		to = s->hi;
-	if (from >= to)
-		return 0;
-	data += from - (s->p->e->global_offset + first);
-	if (s->master != NULL) {
-		memcpy(s->master + (from - s->lo), data, (to - from) * sizeof(float));
-		return 0;
-	}
-	return zc_tensor_write(s->t, s->state, from - s->lo, to - from, data);
-}
-
 static int
 by_offset(const void *a, const void *b)
 {
@@ -129,21 +100,64 @@ fail:
 	return r;
 }
 
-/* Reads state from every piece (whole arrays, for their checksums), keeping [lo, hi). */
+/* Elements per CKPT_READ: the daemon holds a piece of all three arrays (48 MiB) per request. */
+#define RESTORE_PIECE (4u << 20)
+
+/*
+ * One saved tensor's part in [lo, hi) of the parameter into t, read from the file by the
+ * daemon (through the descriptor this process opened) straight into the tensor's tier.
+ * The CRC of each whole array is checked: the parts outside the range are read here.
+ */
 static int
-restore_state(struct zc_checkpoint *ck, const struct piece *ps, size_t n, struct sink *s,
-    unsigned state)
+restore_piece(struct zc_conn *c, struct zc_tensor *t, const struct piece *p, uint64_t lo,
+    uint64_t hi)
 {
+	const struct zck_entry *e = p->e;
+	uint64_t a = lo > e->global_offset ? lo - e->global_offset : 0;
+	uint64_t b = hi < e->global_offset + e->numel ? hi - e->global_offset : e->numel;
+	uint32_t crc[ZCK_STATES] = { 0 };
 	char err[512];
+	int r;
 
-	for (size_t i = 0; i < n; i++) {
-		int r;
-
-		s->p = &ps[i];
-		r = zck_read_array(ps[i].f, ps[i].e, state, take_block, s, err, sizeof(err));
+	if (e->bad != NULL)
+		return zci_seterr(c, -EBADMSG, "%s: tensor '%s': an array %s", p->f->path, e->name,
+		    e->bad);
+	for (unsigned k = 0; k < ZCK_STATES; k++) {
+		if (e->begin[k] + 4 * e->numel > p->f->size)
+			return zci_seterr(c, -EBADMSG, "%s: tensor '%s/%s': the file is truncated (%"
+			    PRIu64 " bytes, its header needs %" PRIu64 ")", p->f->path, e->name,
+			    zck_state_names[k], p->f->size, p->f->data_end);
+		r = zck_crc_range(p->f, e, k, 0, a, &crc[k], err, sizeof(err));
 		if (r < 0)
-			/* An error of zc_tensor_write is already the connection's message. */
-			return err[0] != '\0' ? zci_seterr(ck->conn, r, "%s", err) : r;
+			return zci_seterr(c, r, "%s", err);
+	}
+	for (uint64_t x = a; x < b;) {
+		uint64_t n = b - x < RESTORE_PIECE ? b - x : RESTORE_PIECE;
+		struct zp_msg m = { .hdr = { .type = ZP_CKPT_READ } };
+		const struct zp_msg *reply;
+
+		m.u.ckpt_write = (struct zp_ckpt_write){ .handle = zci_tensor_handle(t),
+			.offset = e->global_offset + x - lo, .count = n };
+		for (unsigned k = 0; k < ZCK_STATES; k++) {
+			m.u.ckpt_write.file_offset[k] = e->begin[k] + 4 * x;
+			m.u.ckpt_write.crc[k] = crc[k];
+		}
+		r = zci_rpc_fd(c, &m, ZP_CKPT_DONE, p->f->fd, &reply);
+		if (r < 0) {
+			snprintf(err, sizeof(err), "%s", zc_errmsg(c));
+			return zci_seterr(c, r, "%s: %s", p->f->path, err);
+		}
+		memcpy(crc, reply->u.ckpt_done.crc, sizeof(crc));
+		x += n;
+	}
+	for (unsigned k = 0; k < ZCK_STATES; k++) {
+		r = zck_crc_range(p->f, e, k, b, e->numel, &crc[k], err, sizeof(err));
+		if (r < 0)
+			return zci_seterr(c, r, "%s", err);
+		if (crc[k] != e->crc[k])
+			return zci_seterr(c, -EBADMSG, "%s: tensor '%s/%s': CRC-32C %08x, the header "
+			    "says %08x: the file is damaged", p->f->path, e->name, zck_state_names[k],
+			    crc[k], e->crc[k]);
 	}
 	return 0;
 }
@@ -158,7 +172,6 @@ zc_tensor_register_checkpoint(struct zc_conn *c, const struct zc_tensor_desc *de
 	uint64_t lo = place != NULL ? place->global_offset : 0;
 	uint64_t gnumel = place != NULL && place->global_numel != 0 ? place->global_numel :
 	    desc->numel;
-	struct sink s = { .lo = lo, .hi = lo + desc->numel };
 	struct piece *ps = NULL;
 	struct zc_tensor *t = NULL;
 	uint64_t step = 0;
@@ -176,24 +189,12 @@ zc_tensor_register_checkpoint(struct zc_conn *c, const struct zc_tensor_desc *de
 	    &step);
 	if (r < 0)
 		return r;
-	/* Master first, checked, in memory: it is what registering writes. */
-	s.master = malloc(desc->numel * sizeof(float));
-	if (s.master == NULL) {
-		r = zci_seterr(c, -ENOMEM, "out of memory");
-		goto out;
-	}
-	r = restore_state(ck, ps, n, &s, ZCK_STATES - 3);
-	if (r == 0)
-		r = zc_tensor_register(c, desc, s.master, &t);
+	/* No initial values: the pieces below write every element (find_pieces checked). */
+	r = zci_tensor_register(c, desc, NULL, &t);
 	if (r < 0)
 		goto out;
-	free(s.master);
-	s.master = NULL;
-	s.t = t;
-	for (unsigned st = 1; st < ZCK_STATES && r == 0; st++) {
-		s.state = (enum zc_state)st;
-		r = restore_state(ck, ps, n, &s, st);
-	}
+	for (size_t i = 0; i < n && r == 0; i++)
+		r = restore_piece(c, t, &ps[i], lo, lo + desc->numel);
 	if (r == 0 && step > 0)
 		r = zc_tensor_set_step(t, step);
 	if (r < 0) {
@@ -205,7 +206,6 @@ zc_tensor_register_checkpoint(struct zc_conn *c, const struct zc_tensor_desc *de
 	}
 	*ret = t;
 out:
-	free(s.master);
 	free(ps);
 	return r;
 }

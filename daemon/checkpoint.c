@@ -21,7 +21,8 @@
 #include "session.h"
 
 /*
- * One CKPT_WRITE whose state is being read from NVMe.  Owned by the
+ * One CKPT_WRITE whose state is being read from NVMe, or CKPT_READ whose state is being
+ * written there (restore: the file was read already, crc holds its CRCs).  Owned by the
  * daemon's list from the engine's acceptance until its io_done; fd and
  * buf are this struct's.
  */
@@ -34,6 +35,7 @@ struct zd_ckpt_write {
 	uint32_t crc[ZP_STATE_COUNT];
 	float *buf;			/* master, m, v: count elements each */
 	uint64_t count;
+	bool restore;
 	char name[ZP_NAME_MAX + 1];
 };
 
@@ -75,12 +77,18 @@ ckpt_finish(struct zd_daemon *d, struct zd_ckpt_write *w, uint64_t last_step, in
 
 	if (result < 0) {
 		if (s != NULL)
-			zd_session_error(s, w->id, ze_errno(result), "tensor '%s': reading its "
-			    "state for the checkpoint failed: %s", w->name, ze_strerror(result));
+			zd_session_error(s, w->id, ze_errno(result), "tensor '%s': %s its state "
+			    "failed: %s", w->name, w->restore ? "restoring" : "reading for the "
+			    "checkpoint", ze_strerror(result));
 		ckpt_free(w);
 		return;
 	}
-	if (s == NULL) {
+	if (s != NULL && w->restore) {
+		memcpy(m.u.ckpt_done.crc, w->crc, sizeof(w->crc));
+		m.u.ckpt_done.last_step = last_step;
+		(void)zd_session_send(s, &m, NULL, 0);
+	}
+	if (s == NULL || w->restore) {
 		/* The client is gone; so is the use of its file. */
 		ckpt_free(w);
 		return;
@@ -120,9 +128,12 @@ zd_ckpt_io_done(struct zd_daemon *d, uint32_t lane, uint64_t id, void *user, int
 	return true;
 }
 
-/* Only a regular file open for writing and not for appending: pwrite must land where asked. */
+/*
+ * Only a regular file, open for writing and not for appending (pwrite must land where
+ * asked), or open for reading.
+ */
 static int
-check_fd(int fd, char *err, size_t errlen)
+check_fd(int fd, bool write, char *err, size_t errlen)
 {
 	struct stat st;
 	int fl;
@@ -136,10 +147,54 @@ check_fd(int fd, char *err, size_t errlen)
 		snprintf(err, errlen, "the checkpoint descriptor is not a regular file");
 		return -EBADF;
 	}
-	if ((fl & O_ACCMODE) == O_RDONLY || (fl & O_APPEND) != 0) {
+	if (!write && (fl & O_ACCMODE) == O_WRONLY) {
+		snprintf(err, errlen, "the checkpoint file must be open for reading");
+		return -EBADF;
+	}
+	if (write && ((fl & O_ACCMODE) == O_RDONLY || (fl & O_APPEND) != 0)) {
 		snprintf(err, errlen, "the checkpoint file must be open for writing, not %s",
 		    (fl & O_APPEND) ? "appending" : "reading only");
 		return -EBADF;
+	}
+	return 0;
+}
+
+static int
+read_all(int fd, void *buf, size_t len, uint64_t offset)
+{
+	char *p = buf;
+
+	while (len > 0) {
+		ssize_t n = pread(fd, p, len, (off_t)offset);
+
+		if (n < 0 && errno == EINTR)
+			continue;
+		if (n < 0)
+			return -errno;
+		if (n == 0)
+			return -ENODATA;
+		p += n;
+		len -= (size_t)n;
+		offset += (uint64_t)n;
+	}
+	return 0;
+}
+
+/* A restore: the pieces from the file, checksummed, then into the tensor. */
+static int
+restore_read(struct zd_ckpt_write *w, char *err, size_t errlen)
+{
+	for (unsigned i = 0; i < ZP_STATE_COUNT; i++) {
+		float *a = w->buf + i * w->count;
+		int r = read_all(w->fd, a, w->count * sizeof(float), w->file_offset[i]);
+
+		if (r < 0) {
+			snprintf(err, errlen, "tensor '%s': reading the checkpoint file at byte %llu: "
+			    "%s", w->name, (unsigned long long)w->file_offset[i], r == -ENODATA ?
+			    "the file ends there (truncated)" : strerror(-r));
+			return r == -ENODATA ? -EBADMSG : r;
+		}
+		w->crc[i] = zp_crc32c(w->crc[i], a, w->count * sizeof(float));
 	}
 	return 0;
 }
@@ -155,12 +210,14 @@ zd_handle_request_fd(struct zd_session *s, const struct zp_msg *msg, int fd)
 	uint64_t numel;
 	int r;
 
-	if (msg->hdr.type != ZP_CKPT_WRITE || !s->hello_done) {
+	bool restore = msg->hdr.type == ZP_CKPT_READ;
+
+	if ((msg->hdr.type != ZP_CKPT_WRITE && !restore) || !s->hello_done) {
 		close(fd);
 		zd_handle_request(s, msg);	/* says what is wrong (no HELLO yet) */
 		return;
 	}
-	r = check_fd(fd, err, sizeof(err));
+	r = check_fd(fd, !restore, err, sizeof(err));
 	if (r < 0) {
 		close(fd);
 		zd_session_error(s, id, r, "%s", err);
@@ -204,12 +261,24 @@ zd_handle_request_fd(struct zd_session *s, const struct zp_msg *msg, int fd)
 	memcpy(w->file_offset, req->file_offset, sizeof(w->file_offset));
 	memcpy(w->crc, req->crc, sizeof(w->crc));
 	w->count = req->count;
+	w->restore = restore;
 	snprintf(w->name, sizeof(w->name), "%s", t->name);
+	if (restore) {
+		r = restore_read(w, err, sizeof(err));
+		if (r < 0) {
+			zd_session_error(s, id, r, "%s", err);
+			ckpt_free(w);
+			return;
+		}
+		r = ze_tensor_write_all(t->et, req->offset, req->count, w->buf, s->id, id);
+		goto queued;
+	}
 	/*
 	 * Through the engine, so NVMe state comes through the staging buffers
 	 * chunk by chunk like a step's; pinned state is copied at once.
 	 */
 	r = ze_tensor_read_all(t->et, req->offset, req->count, w->buf, s->id, id);
+queued:
 	if (r > 0) {
 		ckpt_finish(s->daemon, w, ze_tensor_last_step(t->et), 0);
 	} else if (r == 0) {

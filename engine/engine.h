@@ -192,6 +192,12 @@ int ze_tensor_io(struct ze_tensor *t, bool write, enum ze_state which, uint64_t 
  */
 int ze_tensor_read_all(struct ze_tensor *t, uint64_t offset, uint64_t count, float *buf,
     uint32_t lane, uint64_t id);
+/*
+ * The other way (a restore): buf's three arrays into master, m and v, the param slot
+ * refreshed; on NVMe a chunk the range covers whole is written without being read.
+ */
+int ze_tensor_write_all(struct ze_tensor *t, uint64_t offset, uint64_t count, const float *buf,
+    uint32_t lane, uint64_t id);
 /* Queued transfers of lane stop touching their buffers; they end with -ECANCELED. */
 void ze_engine_cancel_lane(struct ze_engine *e, uint32_t lane);
 

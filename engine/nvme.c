@@ -17,7 +17,7 @@
  * step, 12% of the I/O of bench_step's tensors.
  */
 
-enum work_kind { WORK_STEP, WORK_READ, WORK_WRITE, WORK_READ_ALL };
+enum work_kind { WORK_STEP, WORK_READ, WORK_WRITE, WORK_READ_ALL, WORK_WRITE_ALL };
 
 /*
  * Chunks of one tensor waiting for staging buffers: a step, or a state
@@ -258,7 +258,8 @@ work_chunk_finished(struct ze_engine *e, struct chunk_io *io, int error)
 		ze_step_unit_done(e, b, index, chunk, error);
 	} else if (w->outstanding == 0 && w->next_chunk == w->end_chunk) {
 		struct ze_tensor *t = w->tensor;
-		enum ze_io kind = w->kind == WORK_WRITE ? ZE_IO_WRITE : ZE_IO_READ;
+		enum ze_io kind = w->kind == WORK_WRITE || w->kind == WORK_WRITE_ALL ? ZE_IO_WRITE :
+		    ZE_IO_READ;
 		uint32_t lane = w->lane;
 		uint64_t id = w->id;
 		void *user = t->user;
@@ -284,7 +285,8 @@ write_done(int result, void *arg)
 		t->chunks_written[io->chunk / 8] |= (uint8_t)(1u << (io->chunk % 8));
 		io->e->stats.chunks_written++;
 		io->e->stats.bytes_written += chunk_io_bytes(t, io->chunk);
-		if (w->kind == WORK_WRITE && w->state == ZE_STATE_MASTER) {
+		if ((w->kind == WORK_WRITE && w->state == ZE_STATE_MASTER) ||
+		    w->kind == WORK_WRITE_ALL) {
 			uint64_t first = io->chunk * t->chunk_elements;
 			uint64_t last = first + chunk_len(t, io->chunk);
 			uint64_t from = w->offset > first ? w->offset : first;
@@ -331,6 +333,21 @@ xfer_chunk(struct ze_engine *e, struct chunk_io *io)
 			    (float *)io->staging->buf + s * chunk_stride(t, io->chunk) + (from - first),
 			    (to - from) * sizeof(float));
 		work_chunk_finished(e, io, 0);
+		return;
+	}
+	if (w->kind == WORK_WRITE_ALL) {
+		uint64_t stride = chunk_stride(t, io->chunk);
+
+		for (unsigned s = 0; s < 3; s++) {
+			float *a = (float *)io->staging->buf + s * stride;
+
+			memcpy(a + (from - first), (float *)w->buf + s * w->count + (from - w->offset),
+			    (to - from) * sizeof(float));
+			/* A chunk written whole was not read: its padding is the buffer's last use. */
+			memset(a + (last - first), 0, (stride - (last - first)) * sizeof(float));
+		}
+		ze_tensor_write_param(t, from, to - from, (float *)io->staging->buf + (from - first));
+		write_back(e, io);
 		return;
 	}
 	if (w->kind == WORK_READ) {
@@ -409,6 +426,15 @@ ze_nvme_step_computed(struct ze_engine *e, struct ze_task *task)
 	write_back(e, io);
 }
 
+/* The transfer covers every element of chunk c. */
+static bool
+covers_chunk(const struct nvme_work *w, uint64_t c)
+{
+	uint64_t first = c * w->tensor->chunk_elements;
+
+	return w->offset <= first && w->offset + w->count >= first + chunk_len(w->tensor, c);
+}
+
 /* Starts reads while staging buffers are free; counts the time work waits for one. */
 static void
 pump_once(struct ze_engine *e)
@@ -448,6 +474,11 @@ pump_once(struct ze_engine *e)
 			free(lane);
 		else
 			TAILQ_INSERT_TAIL(&e->nvme_lanes, lane, entry);
+		if (w->kind == WORK_WRITE_ALL && covers_chunk(w, io->chunk)) {
+			/* Every byte of the chunk is new: nothing to read first. */
+			xfer_chunk(e, io);
+			continue;
+		}
 		r = zs_read(e->swap, w->tensor->extent, io->chunk * chunk_bytes(w->tensor), sb->buf,
 		    chunk_io_bytes(w->tensor, io->chunk), read_done, io);
 		if (r < 0)
@@ -569,6 +600,15 @@ ze_nvme_read_all(struct ze_tensor *t, uint64_t offset, uint64_t count, float *bu
     uint32_t lane, uint64_t id)
 {
 	return xfer_queue(t, WORK_READ_ALL, ZE_STATE_MASTER, offset, count, buf, lane, id);
+}
+
+int
+ze_nvme_write_all(struct ze_tensor *t, uint64_t offset, uint64_t count, const float *buf,
+    uint32_t lane, uint64_t id)
+{
+	/* The buffer is only read from: a write's source. */
+	return xfer_queue(t, WORK_WRITE_ALL, ZE_STATE_MASTER, offset, count, (float *)(uintptr_t)buf,
+	    lane, id);
 }
 
 void

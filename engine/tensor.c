@@ -428,6 +428,26 @@ ze_tensor_read_all(struct ze_tensor *t, uint64_t offset, uint64_t count, float *
 	return 1;
 }
 
+int
+ze_tensor_write_all(struct ze_tensor *t, uint64_t offset, uint64_t count, const float *buf,
+    uint32_t lane, uint64_t id)
+{
+	if (t->busy)
+		return -EBUSY;
+	if (offset > t->numel || count > t->numel - offset)
+		return -ERANGE;
+	if (!t->param_resident)
+		return -EAGAIN;
+	if (t->on_nvme)
+		return ze_nvme_write_all(t, offset, count, buf, lane, id);
+	memcpy(t->master + offset, buf, count * sizeof(float));
+	memcpy(t->m + offset, buf + count, count * sizeof(float));
+	memcpy(t->v + offset, buf + 2 * count, count * sizeof(float));
+	ze_tensor_write_param(t, offset, count, t->master + offset);
+	ze_tensor_mark_init(t, offset, count);
+	return 1;
+}
+
 bool
 ze_tensor_step_partial(const struct ze_tensor *t)
 {

@@ -54,6 +54,7 @@ zp_type_fds(uint16_t type)
 		return 2;
 	case ZP_XFER_OK:
 	case ZP_CKPT_WRITE:
+	case ZP_CKPT_READ:
 		return 1;
 	default:
 		return 0;
@@ -299,6 +300,7 @@ encode_payload(const struct zp_msg *m, struct wbuf *w)
 		put_u64(w, m->u.tensor_io.count);
 		break;
 	case ZP_CKPT_WRITE:
+	case ZP_CKPT_READ:
 		put_u32(w, m->u.ckpt_write.handle);
 		put_u64(w, m->u.ckpt_write.offset);
 		put_u64(w, m->u.ckpt_write.count);
@@ -567,7 +569,8 @@ decode_payload(struct rbuf *r, struct zp_msg *m)
 		check(r, m->u.tensor_ok.resumed <= 1, "resumed");
 		m->u.tensor_ok.last_step = get_u64(r, "last_step");
 		break;
-	case ZP_CKPT_WRITE: {
+	case ZP_CKPT_WRITE:
+	case ZP_CKPT_READ: {
 		struct zp_ckpt_write *cw = &m->u.ckpt_write;
 
 		cw->handle = get_u32(r, "handle");

@@ -50,6 +50,7 @@
 	X(TENSOR_SET_STEP, 16)						\
 	X(GRAD_PASS, 17)						\
 	X(CKPT_WRITE, 18)						\
+	X(CKPT_READ, 19)						\
 	X(OK, 64)							\
 	X(ERROR, 65)							\
 	X(HELLO_OK, 66)							\
@@ -186,6 +187,11 @@ struct zp_grad_partial { double sumsq; uint64_t nonfinite; uint64_t elements; };
  * three from one read of the state, and answers CKPT_DONE with the CRC-32C of each array's
  * bytes continued from its crc (0 to start one), so that a client can checksum an array
  * written in several pieces.
+ */
+/*
+ * CKPT_READ: the same fields and fd (open for reading), the other way: the daemon reads
+ * the three arrays' pieces from the file (pread) into elements [offset, offset + count) of
+ * the tensor, and answers CKPT_DONE with their CRC-32C continued from crc: a restore.
  */
 struct zp_ckpt_write {
 	uint32_t handle;

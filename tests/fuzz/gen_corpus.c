@@ -101,6 +101,7 @@ fill(struct zp_msg *m)
 		m->u.json.len = (uint32_t)strlen(m->u.json.text);
 		break;
 	case ZP_CKPT_WRITE:
+	case ZP_CKPT_READ:
 		m->u.ckpt_write = (struct zp_ckpt_write){ .handle = 7, .offset = 0,
 			.count = 1u << 20, .file_offset = { 4096, 4096 + (4u << 20), 4096 + (8u << 20) } };
 		break;

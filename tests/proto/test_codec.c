@@ -137,6 +137,7 @@ fill_valid(uint16_t type)
 		in.u.tensor_io.count = 10;
 		break;
 	case ZP_CKPT_WRITE:
+	case ZP_CKPT_READ:
 		in.u.ckpt_write.count = 10;
 		break;
 	case ZP_STEP_SUBMIT:
@@ -293,6 +294,7 @@ Test(codec, round_trip_ckpt_write_and_done)
 	cr_assert_eq(out.u.ckpt_write.crc[0], 0xe3069283u);
 	cr_assert_eq(out.u.ckpt_write.crc[2], 0xffffffffu);
 	cr_assert_eq(zp_type_fds(ZP_CKPT_WRITE), 1);
+	cr_assert_eq(zp_type_fds(ZP_CKPT_READ), 1);
 	/* No empty write, none past the transfer limit, no offset near the end of a file's range. */
 	in.hdr.type = ZP_CKPT_WRITE;
 	in.u.ckpt_write.count = 0;
