@@ -12,8 +12,12 @@
 #include "zclient.h"
 #include "zclient_impl.h"
 
-/* Elements per CKPT_WRITE: the daemon holds a piece of all three arrays (48 MiB) per request. */
-#define SAVE_PIECE (4u << 20)
+/*
+ * Elements per CKPT_WRITE: the daemon streams a request's range through two buffers of
+ * its own, overlapping the reads from the tiers with the writes to the file; a request
+ * is bounded so that it ends within a reasonable request timeout.
+ */
+#define SAVE_PIECE (64u << 20)
 
 /* The saved hyperparameters, JSON text (free it). */
 static char *

@@ -1,8 +1,8 @@
 /*
- * Checkpoint writes: a tensor's state streamed into a file the client opened and passed
- * over the socket.  The daemon never opens a path for a client: the client's uid owns the
- * file and its permissions decide where it may go; the daemon only pwrites to the
- * descriptor.
+ * Checkpoints: a tensor's state streamed into a file the client opened and passed over the
+ * socket (CKPT_WRITE), or back from one (CKPT_READ).  The daemon never opens a path for a
+ * client: the client's uid owns the file and its permissions decide where it may go; the
+ * daemon only pwrites to, or preads from, the descriptor it was given.
  */
 #include <errno.h>
 #include <fcntl.h>
@@ -21,21 +21,35 @@
 #include "session.h"
 
 /*
- * One CKPT_WRITE whose state is being read from NVMe, or CKPT_READ whose state is being
- * written there (restore: the file was read already, crc holds its CRCs).  Owned by the
- * daemon's list from the engine's acceptance until its io_done; fd and
- * buf are this struct's.
+ * Elements per piece: a save moves a request's range a piece at a time through two
+ * buffers, reading the next piece from the tiers (NVMe: through the staging buffers)
+ * while this one is written to the file.
+ */
+#define PIECE (4u << 20)
+
+/*
+ * One CKPT_WRITE or CKPT_READ.  Owned by the daemon's list while a piece is in the
+ * engine, else by the handler on the stack; fd and bufs are this struct's.  et is used
+ * only from the handler and from an io_done that names the tensor (so it is alive).
  */
 struct zd_ckpt_write {
 	struct zd_ckpt_write *next;
 	uint32_t lane;
-	uint64_t id;
+	uint64_t id;			/* the request's */
 	int fd;
-	uint64_t file_offset[ZP_STATE_COUNT];
-	uint32_t crc[ZP_STATE_COUNT];
-	float *buf;			/* master, m, v: count elements each */
-	uint64_t count;
+	struct ze_tensor *et;
 	bool restore;
+	bool failed;			/* answered with an error; a piece is still in the engine */
+	uint64_t offset;		/* in the tensor */
+	uint64_t count;
+	uint64_t file_offset[ZP_STATE_COUNT];	/* of element offset, per state */
+	uint32_t crc[ZP_STATE_COUNT];
+	float *buf[2];			/* master, m, v of one piece each */
+	unsigned cur;			/* buf[cur]: the piece being read (or just read) */
+	uint64_t piece_off;		/* that piece, from offset */
+	uint64_t piece_n;
+	uint64_t issued;		/* elements asked of the engine */
+	uint64_t last_step;
 	char name[ZP_NAME_MAX + 1];
 };
 
@@ -43,8 +57,16 @@ static void
 ckpt_free(struct zd_ckpt_write *w)
 {
 	close(w->fd);
-	free(w->buf);
+	free(w->buf[0]);
+	free(w->buf[1]);
 	free(w);
+}
+
+/* The engine's id for w's transfers: not a request id (bit 63), unique while w lives. */
+static uint64_t
+engine_id(const struct zd_ckpt_write *w)
+{
+	return (uint64_t)(uintptr_t)w | (1ull << 63);
 }
 
 static int
@@ -68,48 +90,121 @@ write_all(int fd, const void *buf, size_t len, uint64_t offset)
 	return 0;
 }
 
-/* The state is in w->buf (result 0) or could not be read: write it and answer. */
-static void
-ckpt_finish(struct zd_daemon *d, struct zd_ckpt_write *w, uint64_t last_step, int result)
+static int
+read_all(int fd, void *buf, size_t len, uint64_t offset)
 {
-	struct zd_session *s = zd_session_by_id(d, w->lane);
+	char *p = buf;
+
+	while (len > 0) {
+		ssize_t n = pread(fd, p, len, (off_t)offset);
+
+		if (n < 0 && errno == EINTR)
+			continue;
+		if (n < 0)
+			return -errno;
+		if (n == 0)
+			return -ENODATA;
+		p += n;
+		len -= (size_t)n;
+		offset += (uint64_t)n;
+	}
+	return 0;
+}
+
+static void
+reply_done(struct zd_session *s, struct zd_ckpt_write *w)
+{
 	struct zp_msg m = { .hdr = { .type = ZP_CKPT_DONE, .request_id = w->id } };
 
-	if (result < 0) {
-		if (s != NULL)
-			zd_session_error(s, w->id, ze_errno(result), "tensor '%s': %s its state "
-			    "failed: %s", w->name, w->restore ? "restoring" : "reading for the "
-			    "checkpoint", ze_strerror(result));
-		ckpt_free(w);
-		return;
-	}
-	if (s != NULL && w->restore) {
-		memcpy(m.u.ckpt_done.crc, w->crc, sizeof(w->crc));
-		m.u.ckpt_done.last_step = last_step;
-		(void)zd_session_send(s, &m, NULL, 0);
-	}
-	if (s == NULL || w->restore) {
-		/* The client is gone; so is the use of its file. */
-		ckpt_free(w);
-		return;
-	}
-	for (unsigned i = 0; i < ZP_STATE_COUNT && result == 0; i++) {
-		const float *a = w->buf + i * w->count;
+	memcpy(m.u.ckpt_done.crc, w->crc, sizeof(w->crc));
+	m.u.ckpt_done.last_step = w->last_step;
+	(void)zd_session_send(s, &m, NULL, 0);
+}
 
-		result = write_all(w->fd, a, w->count * sizeof(float), w->file_offset[i]);
-		if (result < 0)
-			zd_session_error(s, w->id, result, "tensor '%s': writing the checkpoint file "
-			    "failed at byte %llu: %s", w->name, (unsigned long long)w->file_offset[i],
-			    strerror(-result));
-		else
-			m.u.ckpt_done.crc[i] = zp_crc32c(w->crc[i], a, w->count * sizeof(float));
+/* Asks the engine for the next piece into buf[cur]: 1 there now, 0 queued, < 0 refused. */
+static int
+issue(struct zd_ckpt_write *w)
+{
+	uint64_t n = w->count - w->issued < PIECE ? w->count - w->issued : PIECE;
+
+	w->piece_off = w->issued;
+	w->piece_n = n;
+	w->issued += n;
+	return ze_tensor_read_all(w->et, w->offset + w->piece_off, n, w->buf[w->cur], w->lane,
+	    engine_id(w));
+}
+
+static int
+write_piece(struct zd_daemon *d, struct zd_ckpt_write *w, const float *buf, uint64_t off,
+    uint64_t n, char *err, size_t errlen)
+{
+	for (unsigned i = 0; i < ZP_STATE_COUNT; i++) {
+		uint64_t at = w->file_offset[i] + off * sizeof(float);
+		int r = write_all(w->fd, buf + i * n, n * sizeof(float), at);
+
+		if (r < 0) {
+			snprintf(err, errlen, "tensor '%s': writing the checkpoint file failed at "
+			    "byte %llu: %s", w->name, (unsigned long long)at, strerror(-r));
+			return r;
+		}
+		w->crc[i] = zp_crc32c(w->crc[i], buf + i * n, n * sizeof(float));
 	}
-	if (result == 0) {
-		d->ckpt_bytes += 3 * w->count * sizeof(float);
-		m.u.ckpt_done.last_step = last_step;
-		(void)zd_session_send(s, &m, NULL, 0);
+	d->ckpt_bytes += 3 * n * sizeof(float);
+	return 0;
+}
+
+/*
+ * A save's piece is in buf[cur]: ask for the next one into the other buffer first (on
+ * NVMe it is read while this one is written), then write this one.  Ends w (answered,
+ * freed) or leaves it on the list waiting for the engine.
+ */
+static void
+save_advance(struct zd_daemon *d, struct zd_session *s, struct zd_ckpt_write *w)
+{
+	char err[ZP_ERRMSG_MAX + 1];
+	int r;
+
+	for (;;) {
+		const float *ready = w->buf[w->cur];
+		uint64_t off = w->piece_off, n = w->piece_n;
+		int next = 0;
+
+		w->last_step = ze_tensor_last_step(w->et);
+		if (w->issued < w->count) {
+			w->cur ^= 1;
+			next = issue(w);
+			if (next < 0) {
+				zd_session_error(s, w->id, ze_errno(next), "tensor '%s': %s", w->name,
+				    ze_strerror(next));
+				ckpt_free(w);
+				return;
+			}
+		}
+		r = write_piece(d, w, ready, off, n, err, sizeof(err));
+		if (r < 0) {
+			zd_session_error(s, w->id, r, "%s", err);
+			if (w->piece_off != off && next == 0) {
+				/* The next piece is in the engine: w goes when it comes back. */
+				w->failed = true;
+				w->next = d->ckpt_writes;
+				d->ckpt_writes = w;
+			} else {
+				ckpt_free(w);
+			}
+			return;
+		}
+		if (w->piece_off == off) {
+			/* Nothing more was asked for: that was the last piece. */
+			reply_done(s, w);
+			ckpt_free(w);
+			return;
+		}
+		if (next == 0) {
+			w->next = d->ckpt_writes;
+			d->ckpt_writes = w;
+			return;
+		}
 	}
-	ckpt_free(w);
 }
 
 bool
@@ -117,14 +212,34 @@ zd_ckpt_io_done(struct zd_daemon *d, uint32_t lane, uint64_t id, void *user, int
 {
 	struct zd_ckpt_write **pp, *w;
 	struct zd_tensor *t = user;
+	struct zd_session *s;
 
 	for (pp = &d->ckpt_writes; (w = *pp) != NULL; pp = &w->next)
-		if (w->lane == lane && w->id == id)
+		if (w->lane == lane && engine_id(w) == id)
 			break;
 	if (w == NULL)
 		return false;
 	*pp = w->next;
-	ckpt_finish(d, w, t != NULL ? ze_tensor_last_step(t->et) : 0, result);
+	s = zd_session_by_id(d, lane);
+	/* The client went away, or its tensor did, or it was answered: the file is of no use. */
+	if (s == NULL || t == NULL || t->session != s || w->failed) {
+		ckpt_free(w);
+		return true;
+	}
+	if (result < 0) {
+		zd_session_error(s, w->id, ze_errno(result), "tensor '%s': %s its state failed: %s",
+		    w->name, w->restore ? "restoring" : "reading for the checkpoint",
+		    ze_strerror(result));
+		ckpt_free(w);
+		return true;
+	}
+	if (w->restore) {
+		w->last_step = ze_tensor_last_step(w->et);
+		reply_done(s, w);
+		ckpt_free(w);
+		return true;
+	}
+	save_advance(d, s, w);
 	return true;
 }
 
@@ -159,33 +274,12 @@ check_fd(int fd, bool write, char *err, size_t errlen)
 	return 0;
 }
 
-static int
-read_all(int fd, void *buf, size_t len, uint64_t offset)
-{
-	char *p = buf;
-
-	while (len > 0) {
-		ssize_t n = pread(fd, p, len, (off_t)offset);
-
-		if (n < 0 && errno == EINTR)
-			continue;
-		if (n < 0)
-			return -errno;
-		if (n == 0)
-			return -ENODATA;
-		p += n;
-		len -= (size_t)n;
-		offset += (uint64_t)n;
-	}
-	return 0;
-}
-
-/* A restore: the pieces from the file, checksummed, then into the tensor. */
+/* A restore: the range from the file, checksummed (then ze_tensor_write_all puts it in). */
 static int
 restore_read(struct zd_ckpt_write *w, char *err, size_t errlen)
 {
 	for (unsigned i = 0; i < ZP_STATE_COUNT; i++) {
-		float *a = w->buf + i * w->count;
+		float *a = w->buf[0] + i * w->count;
 		int r = read_all(w->fd, a, w->count * sizeof(float), w->file_offset[i]);
 
 		if (r < 0) {
@@ -199,93 +293,113 @@ restore_read(struct zd_ckpt_write *w, char *err, size_t errlen)
 	return 0;
 }
 
-void
-zd_handle_request_fd(struct zd_session *s, const struct zp_msg *msg, int fd)
+/* Validates the request; a new w, or NULL after answering why not. */
+static struct zd_ckpt_write *
+ckpt_new(struct zd_session *s, const struct zp_msg *msg, int fd)
 {
 	const struct zp_ckpt_write *req = &msg->u.ckpt_write;
-	uint64_t id = msg->hdr.request_id;
+	bool restore = msg->hdr.type == ZP_CKPT_READ;
+	uint64_t id = msg->hdr.request_id, numel, piece;
 	char err[ZP_ERRMSG_MAX + 1];
 	struct zd_ckpt_write *w;
 	struct zd_tensor *t;
-	uint64_t numel;
 	int r;
 
-	bool restore = msg->hdr.type == ZP_CKPT_READ;
-
-	if ((msg->hdr.type != ZP_CKPT_WRITE && !restore) || !s->hello_done) {
-		close(fd);
-		zd_handle_request(s, msg);	/* says what is wrong (no HELLO yet) */
-		return;
-	}
 	r = check_fd(fd, !restore, err, sizeof(err));
 	if (r < 0) {
-		close(fd);
 		zd_session_error(s, id, r, "%s", err);
-		return;
+		return NULL;
 	}
 	t = zd_session_tensor(s, req->handle);
 	if (t == NULL || ze_tensor_busy(t->et)) {
-		close(fd);
 		zd_session_error(s, id, t == NULL ? -ENOENT : -EBUSY, t == NULL ?
 		    "no tensor with handle %u on this connection" : "tensor with handle %u is in "
 		    "a step or transfer: checkpoint between steps", req->handle);
-		return;
+		return NULL;
 	}
-	if (ze_tensor_step_partial(t->et)) {
-		close(fd);
+	if (!restore && ze_tensor_step_partial(t->et)) {
 		zd_session_error(s, id, -EINPROGRESS, "tensor '%s': a step failed part-way on "
 		    "it; retry that step before saving a checkpoint", t->name);
-		return;
+		return NULL;
 	}
 	numel = ze_tensor_numel(t->et);
 	if (req->offset > numel || req->count > numel - req->offset) {
-		close(fd);
 		zd_session_error(s, id, -ERANGE, "tensor '%s': elements %llu..%llu are outside "
 		    "its %llu", t->name, (unsigned long long)req->offset,
 		    (unsigned long long)(req->offset + req->count), (unsigned long long)numel);
-		return;
+		return NULL;
 	}
+	/* A restore is read whole first (the codec bounds it); a save goes a piece at a time. */
+	piece = restore || req->count < PIECE ? req->count : PIECE;
 	w = calloc(1, sizeof(*w));
-	if (w != NULL)
-		w->buf = malloc(3 * req->count * sizeof(float));
-	if (w == NULL || w->buf == NULL) {
+	if (w != NULL) {
+		w->buf[0] = malloc(3 * piece * sizeof(float));
+		w->buf[1] = restore || req->count <= PIECE ? NULL : malloc(3 * piece * sizeof(float));
+	}
+	if (w == NULL || w->buf[0] == NULL || (!restore && req->count > PIECE && w->buf[1] == NULL)) {
+		if (w != NULL) {
+			free(w->buf[0]);
+			free(w->buf[1]);
+		}
 		free(w);
-		close(fd);
-		zd_session_error(s, id, -ENOMEM, "out of memory for a %llu-element checkpoint "
-		    "write", (unsigned long long)req->count);
-		return;
+		zd_session_error(s, id, -ENOMEM, "out of memory for a checkpoint transfer of %llu "
+		    "elements", (unsigned long long)piece);
+		return NULL;
 	}
 	w->lane = s->id;
 	w->id = id;
 	w->fd = fd;
+	w->et = t->et;
+	w->restore = restore;
+	w->offset = req->offset;
+	w->count = req->count;
 	memcpy(w->file_offset, req->file_offset, sizeof(w->file_offset));
 	memcpy(w->crc, req->crc, sizeof(w->crc));
-	w->count = req->count;
-	w->restore = restore;
 	snprintf(w->name, sizeof(w->name), "%s", t->name);
-	if (restore) {
+	return w;
+}
+
+void
+zd_handle_request_fd(struct zd_session *s, const struct zp_msg *msg, int fd)
+{
+	char err[ZP_ERRMSG_MAX + 1];
+	struct zd_ckpt_write *w;
+	int r;
+
+	if ((msg->hdr.type != ZP_CKPT_WRITE && msg->hdr.type != ZP_CKPT_READ) ||
+	    !s->hello_done) {
+		close(fd);
+		zd_handle_request(s, msg);	/* says what is wrong (no HELLO yet) */
+		return;
+	}
+	w = ckpt_new(s, msg, fd);
+	if (w == NULL) {
+		close(fd);
+		return;
+	}
+	if (w->restore) {
 		r = restore_read(w, err, sizeof(err));
 		if (r < 0) {
-			zd_session_error(s, id, r, "%s", err);
+			zd_session_error(s, w->id, r, "%s", err);
 			ckpt_free(w);
 			return;
 		}
-		r = ze_tensor_write_all(t->et, req->offset, req->count, w->buf, s->id, id);
-		goto queued;
+		r = ze_tensor_write_all(w->et, w->offset, w->count, w->buf[0], w->lane,
+		    engine_id(w));
+	} else {
+		r = issue(w);
 	}
-	/*
-	 * Through the engine, so NVMe state comes through the staging buffers
-	 * chunk by chunk like a step's; pinned state is copied at once.
-	 */
-	r = ze_tensor_read_all(t->et, req->offset, req->count, w->buf, s->id, id);
-queued:
-	if (r > 0) {
-		ckpt_finish(s->daemon, w, ze_tensor_last_step(t->et), 0);
+	if (r < 0) {
+		zd_session_error(s, w->id, ze_errno(r), "tensor '%s': %s", w->name, ze_strerror(r));
+		ckpt_free(w);
 	} else if (r == 0) {
 		w->next = s->daemon->ckpt_writes;
 		s->daemon->ckpt_writes = w;
-	} else {
-		zd_session_error(s, id, ze_errno(r), "tensor '%s': %s", t->name, ze_strerror(r));
+	} else if (w->restore) {
+		w->last_step = ze_tensor_last_step(w->et);
+		reply_done(s, w);
 		ckpt_free(w);
+	} else {
+		save_advance(s->daemon, s, w);
 	}
 }

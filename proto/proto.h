@@ -180,7 +180,7 @@ struct zp_grad_pass {
 /* GRAD_PARTIAL: f64 sumsq (of the unscaled gradients, in double), u64 nonfinite, u64 elements */
 struct zp_grad_partial { double sumsq; uint64_t nonfinite; uint64_t elements; };
 /*
- * CKPT_WRITE: u32 handle, u64 offset, u64 count (elements, count <= ZP_MAX_XFER / 12), then
+ * CKPT_WRITE: u32 handle, u64 offset, u64 count (elements, 1..2^40), then
  * per state (master, exp_avg, exp_avg_sq) u64 file_offset and u32 crc; fd: a regular file
  * the client opened for writing.  The daemon writes elements [offset, offset + count) of
  * each state array there at its file_offset (pwrite; it never opens a path itself), all
@@ -189,7 +189,8 @@ struct zp_grad_partial { double sumsq; uint64_t nonfinite; uint64_t elements; };
  * written in several pieces.
  */
 /*
- * CKPT_READ: the same fields and fd (open for reading), the other way: the daemon reads
+ * CKPT_READ: the same fields (count <= ZP_MAX_XFER / 12) and fd (open for reading), the
+ * other way: the daemon reads
  * the three arrays' pieces from the file (pread) into elements [offset, offset + count) of
  * the tensor, and answers CKPT_DONE with their CRC-32C continued from crc: a restore.
  */
