@@ -268,6 +268,8 @@ main(int argc, char **argv)
 		zc_checkpoint_close(ck);
 		(void)zc_job_close(c2);
 		zc_disconnect(c2);
+		/* The same way as before the restore: fio's own invalidation may leave pages. */
+		drop_cache(bd.dir);
 		fr = best(fr, fio_pass(fiofile, bytes, false));
 		unlink(fiofile);
 	}

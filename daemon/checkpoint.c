@@ -4,6 +4,7 @@
  * client: the client's uid owns the file and its permissions decide where it may go; the
  * daemon only pwrites to, or preads from, the descriptor it was given.
  */
+#include <cjson/cJSON.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <stdio.h>
@@ -12,6 +13,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include "checkpoint.h"
 #include "crc32c.h"
 #include "daemon.h"
 #include "engine.h"
@@ -276,7 +278,7 @@ check_fd(int fd, bool write, char *err, size_t errlen)
 
 /* A restore: the range from the file, checksummed (then ze_tensor_write_all puts it in). */
 static int
-restore_read(struct zd_ckpt_write *w, char *err, size_t errlen)
+restore_read(struct zd_daemon *d, struct zd_ckpt_write *w, char *err, size_t errlen)
 {
 	for (unsigned i = 0; i < ZP_STATE_COUNT; i++) {
 		float *a = w->buf[0] + i * w->count;
@@ -290,6 +292,7 @@ restore_read(struct zd_ckpt_write *w, char *err, size_t errlen)
 		}
 		w->crc[i] = zp_crc32c(w->crc[i], a, w->count * sizeof(float));
 	}
+	d->ckpt_bytes_read += 3 * w->count * sizeof(float);
 	return 0;
 }
 
@@ -378,7 +381,7 @@ zd_handle_request_fd(struct zd_session *s, const struct zp_msg *msg, int fd)
 		return;
 	}
 	if (w->restore) {
-		r = restore_read(w, err, sizeof(err));
+		r = restore_read(s->daemon, w, err, sizeof(err));
 		if (r < 0) {
 			zd_session_error(s, w->id, r, "%s", err);
 			ckpt_free(w);
@@ -402,4 +405,20 @@ zd_handle_request_fd(struct zd_session *s, const struct zp_msg *msg, int fd)
 	} else {
 		save_advance(s->daemon, s, w);
 	}
+}
+
+void
+zd_ckpt_stats_json(struct cJSON *root, const struct zd_daemon *d)
+{
+	cJSON *c = cJSON_AddObjectToObject(root, "checkpoint");
+	const struct zd_ckpt_write *w;
+	unsigned n = 0;
+
+	if (c == NULL)
+		return;
+	for (w = d->ckpt_writes; w != NULL; w = w->next)
+		n++;
+	cJSON_AddNumberToObject(c, "bytes_written", (double)d->ckpt_bytes);
+	cJSON_AddNumberToObject(c, "bytes_read", (double)d->ckpt_bytes_read);
+	cJSON_AddNumberToObject(c, "transfers_in_flight", n);
 }

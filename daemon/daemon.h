@@ -59,6 +59,7 @@ struct zd_daemon {
 	struct zd_step_stats steps;
 	struct zd_ckpt_write *ckpt_writes;	/* checkpoint.c: writes waiting for NVMe reads */
 	uint64_t ckpt_bytes;			/* written into checkpoint files */
+	uint64_t ckpt_bytes_read;		/* read from them (restores) */
 };
 
 /* server.c */

@@ -3,6 +3,7 @@
 #include <math.h>
 #include <stdio.h>
 
+#include "checkpoint.h"
 #include "daemon.h"
 #include "engine.h"
 #include "job.h"

@@ -9,6 +9,7 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include "checkpoint.h"
 #include "daemon.h"
 #include "job.h"
 #include "log.h"

@@ -6,6 +6,7 @@
 
 #include "arena.h"
 #include "build_config.h"
+#include "checkpoint.h"
 #include "daemon.h"
 #include "engine.h"
 #include "job.h"
@@ -368,6 +369,7 @@ zd_stats_json(struct zd_daemon *d)
 	add_malloc(root);
 	add_steps(root, d);
 	add_pipeline(root, d);
+	zd_ckpt_stats_json(root, d);
 	add_uids(root, d);
 	add_limits(root, d);
 	cJSON_AddItemToObject(root, "jobs", jobs_array(d));

@@ -130,6 +130,8 @@ Test(reshard, longer_than_a_piece)
 		ck_tmpdir(ckdir, sizeof(ckdir), "ckpt");
 		e = (struct zc_checkpoint_entry){ t, NULL, 0, 0 };
 		cr_assert_eq(zc_checkpoint_save(c, ckdir, &e, 1, &sp), 0, "%s", zc_errmsg(c));
+		/* zoffctl stats counts what was saved (both policies: the first's bytes too). */
+		cr_assert_eq(itd_stat(c, "checkpoint.bytes_written"), (pi + 1) * 12.0 * LONG);
 		read_state(t, LONG, want);
 		cr_assert_eq(zc_job_close(c), 0);
 		zc_disconnect(c);
@@ -148,6 +150,7 @@ Test(reshard, longer_than_a_piece)
 			    0, "%s", zc_errmsg(c));
 			cr_assert_eq(zc_tensor_last_step(t), 1);
 			read_state(t, n, part);
+			cr_assert_geq(itd_stat(c, "checkpoint.bytes_read"), 12.0 * n);
 			zc_checkpoint_close(ck);
 			cr_assert_eq(zc_job_close(c), 0);
 			zc_disconnect(c);
