@@ -100,8 +100,12 @@ fail:
 	return r;
 }
 
-/* Elements per CKPT_READ: the daemon holds a piece of all three arrays (48 MiB) per request. */
-#define RESTORE_PIECE (4u << 20)
+/*
+ * Elements per CKPT_READ: the daemon streams a request's range through two buffers of its
+ * own, reading the file while it writes into the tiers; a request is bounded so that it
+ * ends within a reasonable request timeout.
+ */
+#define RESTORE_PIECE (64u << 20)
 
 /*
  * One saved tensor's part in [lo, hi) of the parameter into t, read from the file by the

@@ -23,9 +23,10 @@
 #include "session.h"
 
 /*
- * Elements per piece: a save moves a request's range a piece at a time through two
- * buffers, reading the next piece from the tiers (NVMe: through the staging buffers)
- * while this one is written to the file.
+ * Elements per piece: a transfer moves a request's range a piece at a time through two
+ * buffers.  A save reads the next piece from the tiers (NVMe: through the staging
+ * buffers) while it writes this one to the file; a restore reads the next piece from the
+ * file while the engine writes this one into the tiers.
  */
 #define PIECE (4u << 20)
 
@@ -50,7 +51,9 @@ struct zd_ckpt_write {
 	unsigned cur;			/* buf[cur]: the piece being read (or just read) */
 	uint64_t piece_off;		/* that piece, from offset */
 	uint64_t piece_n;
-	uint64_t issued;		/* elements asked of the engine */
+	uint64_t issued;		/* save: elements asked of the engine; restore: read from the file */
+	bool have_next;			/* restore: buf[cur ^ 1] holds the piece after this one */
+	uint64_t next_off, next_n;
 	uint64_t last_step;
 	char name[ZP_NAME_MAX + 1];
 };
@@ -209,6 +212,8 @@ save_advance(struct zd_daemon *d, struct zd_session *s, struct zd_ckpt_write *w)
 	}
 }
 
+static void restore_advance(struct zd_daemon *d, struct zd_session *s, struct zd_ckpt_write *w);
+
 bool
 zd_ckpt_io_done(struct zd_daemon *d, uint32_t lane, uint64_t id, void *user, int result)
 {
@@ -235,13 +240,10 @@ zd_ckpt_io_done(struct zd_daemon *d, uint32_t lane, uint64_t id, void *user, int
 		ckpt_free(w);
 		return true;
 	}
-	if (w->restore) {
-		w->last_step = ze_tensor_last_step(w->et);
-		reply_done(s, w);
-		ckpt_free(w);
-		return true;
-	}
-	save_advance(d, s, w);
+	if (w->restore)
+		restore_advance(d, s, w);
+	else
+		save_advance(d, s, w);
 	return true;
 }
 
@@ -276,24 +278,81 @@ check_fd(int fd, bool write, char *err, size_t errlen)
 	return 0;
 }
 
-/* A restore: the range from the file, checksummed (then ze_tensor_write_all puts it in). */
+/* A restore's next piece from the file into buf[cur ^ 1], checksummed. */
 static int
 restore_read(struct zd_daemon *d, struct zd_ckpt_write *w, char *err, size_t errlen)
 {
+	uint64_t n = w->count - w->issued < PIECE ? w->count - w->issued : PIECE;
+	float *buf = w->buf[w->cur ^ 1];
+
 	for (unsigned i = 0; i < ZP_STATE_COUNT; i++) {
-		float *a = w->buf[0] + i * w->count;
-		int r = read_all(w->fd, a, w->count * sizeof(float), w->file_offset[i]);
+		uint64_t at = w->file_offset[i] + w->issued * sizeof(float);
+		float *a = buf + i * n;
+		int r = read_all(w->fd, a, n * sizeof(float), at);
 
 		if (r < 0) {
 			snprintf(err, errlen, "tensor '%s': reading the checkpoint file at byte %llu: "
-			    "%s", w->name, (unsigned long long)w->file_offset[i], r == -ENODATA ?
+			    "%s", w->name, (unsigned long long)at, r == -ENODATA ?
 			    "the file ends there (truncated)" : strerror(-r));
 			return r == -ENODATA ? -EBADMSG : r;
 		}
-		w->crc[i] = zp_crc32c(w->crc[i], a, w->count * sizeof(float));
+		w->crc[i] = zp_crc32c(w->crc[i], a, n * sizeof(float));
 	}
-	d->ckpt_bytes_read += 3 * w->count * sizeof(float);
+	d->ckpt_bytes_read += 3 * n * sizeof(float);
+	w->next_off = w->issued;
+	w->next_n = n;
+	w->issued += n;
+	w->have_next = true;
 	return 0;
+}
+
+/*
+ * A restore's next piece was read: hand it to the engine, and read the one after from
+ * the file while the engine writes.  Ends w or leaves it on the list.
+ */
+static void
+restore_advance(struct zd_daemon *d, struct zd_session *s, struct zd_ckpt_write *w)
+{
+	char err[ZP_ERRMSG_MAX + 1];
+	int r, wr;
+
+	for (;;) {
+		if (!w->have_next) {
+			w->last_step = ze_tensor_last_step(w->et);
+			reply_done(s, w);
+			ckpt_free(w);
+			return;
+		}
+		w->cur ^= 1;
+		w->have_next = false;
+		w->piece_off = w->next_off;
+		w->piece_n = w->next_n;
+		wr = ze_tensor_write_all(w->et, w->offset + w->piece_off, w->piece_n, w->buf[w->cur],
+		    w->lane, engine_id(w));
+		if (wr < 0) {
+			zd_session_error(s, w->id, ze_errno(wr), "tensor '%s': %s", w->name,
+			    ze_strerror(wr));
+			ckpt_free(w);
+			return;
+		}
+		r = w->issued < w->count ? restore_read(d, w, err, sizeof(err)) : 0;
+		if (r < 0) {
+			zd_session_error(s, w->id, r, "%s", err);
+			if (wr == 0) {
+				w->failed = true;
+				w->next = d->ckpt_writes;
+				d->ckpt_writes = w;
+			} else {
+				ckpt_free(w);
+			}
+			return;
+		}
+		if (wr == 0) {
+			w->next = d->ckpt_writes;
+			d->ckpt_writes = w;
+			return;
+		}
+	}
 }
 
 /* Validates the request; a new w, or NULL after answering why not. */
@@ -332,14 +391,13 @@ ckpt_new(struct zd_session *s, const struct zp_msg *msg, int fd)
 		    (unsigned long long)(req->offset + req->count), (unsigned long long)numel);
 		return NULL;
 	}
-	/* A restore is read whole first (the codec bounds it); a save goes a piece at a time. */
-	piece = restore || req->count < PIECE ? req->count : PIECE;
+	piece = req->count < PIECE ? req->count : PIECE;
 	w = calloc(1, sizeof(*w));
 	if (w != NULL) {
 		w->buf[0] = malloc(3 * piece * sizeof(float));
-		w->buf[1] = restore || req->count <= PIECE ? NULL : malloc(3 * piece * sizeof(float));
+		w->buf[1] = req->count <= PIECE ? NULL : malloc(3 * piece * sizeof(float));
 	}
-	if (w == NULL || w->buf[0] == NULL || (!restore && req->count > PIECE && w->buf[1] == NULL)) {
+	if (w == NULL || w->buf[0] == NULL || (req->count > PIECE && w->buf[1] == NULL)) {
 		if (w != NULL) {
 			free(w->buf[0]);
 			free(w->buf[1]);
@@ -381,27 +439,24 @@ zd_handle_request_fd(struct zd_session *s, const struct zp_msg *msg, int fd)
 		return;
 	}
 	if (w->restore) {
+		/* The first piece into buf[0] (cur ^ 1 with cur 1): restore_advance takes it on. */
+		w->cur = 1;
 		r = restore_read(s->daemon, w, err, sizeof(err));
 		if (r < 0) {
 			zd_session_error(s, w->id, r, "%s", err);
 			ckpt_free(w);
-			return;
+		} else {
+			restore_advance(s->daemon, s, w);
 		}
-		r = ze_tensor_write_all(w->et, w->offset, w->count, w->buf[0], w->lane,
-		    engine_id(w));
-	} else {
-		r = issue(w);
+		return;
 	}
+	r = issue(w);
 	if (r < 0) {
 		zd_session_error(s, w->id, ze_errno(r), "tensor '%s': %s", w->name, ze_strerror(r));
 		ckpt_free(w);
 	} else if (r == 0) {
 		w->next = s->daemon->ckpt_writes;
 		s->daemon->ckpt_writes = w;
-	} else if (w->restore) {
-		w->last_step = ze_tensor_last_step(w->et);
-		reply_done(s, w);
-		ckpt_free(w);
 	} else {
 		save_advance(s->daemon, s, w);
 	}

@@ -576,9 +576,7 @@ decode_payload(struct rbuf *r, struct zp_msg *m)
 		cw->handle = get_u32(r, "handle");
 		cw->offset = get_u64(r, "offset");
 		cw->count = get_u64(r, "count");
-		/* A save streams any range; a restore's is read whole first, so it is bounded. */
-		check(r, cw->count > 0 && cw->count <= (m->hdr.type == ZP_CKPT_WRITE ? 1ull << 40 :
-		    ZP_MAX_XFER / (3 * sizeof(float))), "count");
+		check(r, cw->count > 0 && cw->count <= 1ull << 40, "count");
 		for (unsigned i = 0; i < ZP_STATE_COUNT; i++) {
 			cw->file_offset[i] = get_u64(r, "file_offset");
 			check(r, cw->file_offset[i] <= INT64_MAX - ZP_MAX_XFER, "file_offset");

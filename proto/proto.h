@@ -189,8 +189,7 @@ struct zp_grad_partial { double sumsq; uint64_t nonfinite; uint64_t elements; };
  * written in several pieces.
  */
 /*
- * CKPT_READ: the same fields (count <= ZP_MAX_XFER / 12) and fd (open for reading), the
- * other way: the daemon reads
+ * CKPT_READ: the same fields and fd (open for reading), the other way: the daemon reads
  * the three arrays' pieces from the file (pread) into elements [offset, offset + count) of
  * the tensor, and answers CKPT_DONE with their CRC-32C continued from crc: a restore.
  */
