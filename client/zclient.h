@@ -298,6 +298,8 @@ struct zc_checkpoint_entry {
  * (pinned or NVMe); then fsync, rename into place, fsync of dir.  The file is whole or
  * absent: a rank file saved earlier under the same name stays readable until then.
  * last: the hyperparameters of the last step (saved for the resume, optim checked by it).
+ * Each request of a save or a restore moves up to 64 Mi elements of a tensor (768 MiB of
+ * state): a connection timeout (zc_set_timeout) must leave time for that.
  */
 ZC_API int zc_checkpoint_save(struct zc_conn *conn, const char *dir,
     const struct zc_checkpoint_entry *entries, size_t nentries, const struct zc_step_params *last);

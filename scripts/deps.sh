@@ -1,10 +1,12 @@
 # Sourced by demo.sh, test.sh and fuzz.sh: installs the Debian packages they need, if missing.
 # install_deps: what builds and runs zoffload; install_deps test: also what the tests use
 # (Criterion, fio for the swap benchmark, clang for the fuzzers and the clang build,
-# systemd-analyze for the unit).
+# systemd-analyze for the unit, python3-venv and numpy for the checkpoint test's venv in which
+# it installs safetensors from PyPI).
 ZOFFLOAD_BUILD_PACKAGES="build-essential pkg-config meson ninja-build liburing-dev libnuma-dev
 libjemalloc-dev libevent-dev libcjson-dev"
-ZOFFLOAD_TEST_PACKAGES="libcriterion-dev fio clang libclang-rt-14-dev systemd"
+ZOFFLOAD_TEST_PACKAGES="libcriterion-dev fio clang libclang-rt-14-dev systemd python3-venv
+python3-numpy"
 
 install_deps() {
 	local missing=() pkg packages=$ZOFFLOAD_BUILD_PACKAGES
