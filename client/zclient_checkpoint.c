@@ -180,6 +180,10 @@ check_entries(struct zc_conn *c, const struct zc_checkpoint_entry *es, size_t n,
 		if (t == NULL || zci_tensor_conn(t) != c)
 			return zci_seterr(c, -EINVAL, "checkpoint entry %zu: not a tensor of this "
 			    "connection", i);
+		for (size_t j = 0; j < i; j++)
+			if (es[j].tensor == t)
+				return zci_seterr(c, -EINVAL, "checkpoint: tensor '%s' is listed twice",
+				    zci_tensor_name(t));
 		if (zci_tensor_pending(t))
 			return zci_seterr(c, -EBUSY, "checkpoint: tensor '%s' is in a step; wait for "
 			    "it first", zci_tensor_name(t));

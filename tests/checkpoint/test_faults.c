@@ -200,6 +200,35 @@ Test(faults, missing_rank_file)
 	running_job_unharmed();
 }
 
+/* A save that cannot be right is refused before any file is made. */
+Test(faults, save_refused)
+{
+	struct zc_step_params sp = ck_params(ZC_ADAMW, K);
+	struct zc_checkpoint_entry es[2];
+	struct zc_conn *c;
+	char cmd[160];
+
+	saved_job();
+	c = job.r[0].c;
+	es[0] = (struct zc_checkpoint_entry){ job.r[0].t[0], NULL, 0, 0 };
+	es[1] = es[0];
+	cr_assert_eq(zc_checkpoint_save(c, "/tmp", es, 2, &sp), -EINVAL);
+	cr_assert(strstr(zc_errmsg(c), "listed twice") != NULL, "%s", zc_errmsg(c));
+	es[0].global_numel = 10;
+	cr_assert_eq(zc_checkpoint_save(c, ckdir, es, 1, &sp), -EINVAL);
+	cr_assert(strstr(zc_errmsg(c), "does not fit at 0 in 'layers.0.w#0' of 10") != NULL, "%s",
+	    zc_errmsg(c));
+	cr_assert_eq(zc_checkpoint_save(c, "/nonexistent-dir", es, 0, &sp), -EINVAL);
+	es[0].global_numel = 0;
+	cr_assert_eq(zc_checkpoint_save(c, "/nonexistent-dir", es, 1, &sp), -ENOENT);
+	cr_assert(strstr(zc_errmsg(c), "cannot create /nonexistent-dir/.rank-00000-of-00002") !=
+	    NULL, "%s", zc_errmsg(c));
+	/* Only the two rank files saved before are there. */
+	snprintf(cmd, sizeof(cmd), "test $(ls -A %s | wc -l) = 2", ckdir);
+	cr_assert_eq(system(cmd), 0);
+	running_job_unharmed();
+}
+
 Test(faults, other_optimizer)
 {
 	saved_job();
