@@ -126,7 +126,10 @@ reply_done(struct zd_session *s, struct zd_ckpt_write *w)
 	(void)zd_session_send(s, &m, NULL, 0);
 }
 
-/* Asks the engine for the next piece into buf[cur]: 1 there now, 0 queued, < 0 refused. */
+/*
+ * Asks the engine for the next piece into buf[cur]: 1 there now, 0 queued, < 0 refused.
+ * State in memory is written to the file from where it is: nothing to ask.
+ */
 static int
 issue(struct zd_ckpt_write *w)
 {
@@ -135,24 +138,29 @@ issue(struct zd_ckpt_write *w)
 	w->piece_off = w->issued;
 	w->piece_n = n;
 	w->issued += n;
+	if (ze_tensor_memory_state(w->et, ZE_STATE_MASTER) != NULL)
+		return 1;
 	return ze_tensor_read_all(w->et, w->offset + w->piece_off, n, w->buf[w->cur], w->lane,
 	    engine_id(w));
 }
 
+/* Elements [off, off + n) of the range: from the tensor in memory, or from buf. */
 static int
 write_piece(struct zd_daemon *d, struct zd_ckpt_write *w, const float *buf, uint64_t off,
     uint64_t n, char *err, size_t errlen)
 {
 	for (unsigned i = 0; i < ZP_STATE_COUNT; i++) {
+		const float *mem = ze_tensor_memory_state(w->et, (enum ze_state)i);
+		const float *a = mem != NULL ? mem + w->offset + off : buf + i * n;
 		uint64_t at = w->file_offset[i] + off * sizeof(float);
-		int r = write_all(w->fd, buf + i * n, n * sizeof(float), at);
+		int r = write_all(w->fd, a, n * sizeof(float), at);
 
 		if (r < 0) {
 			snprintf(err, errlen, "tensor '%s': writing the checkpoint file failed at "
 			    "byte %llu: %s", w->name, (unsigned long long)at, strerror(-r));
 			return r;
 		}
-		w->crc[i] = zp_crc32c(w->crc[i], buf + i * n, n * sizeof(float));
+		w->crc[i] = zp_crc32c(w->crc[i], a, n * sizeof(float));
 	}
 	d->ckpt_bytes += 3 * n * sizeof(float);
 	return 0;
@@ -391,13 +399,17 @@ ckpt_new(struct zd_session *s, const struct zp_msg *msg, int fd)
 		    (unsigned long long)(req->offset + req->count), (unsigned long long)numel);
 		return NULL;
 	}
+	/* A save of state in memory writes it from where it is: no buffers. */
 	piece = req->count < PIECE ? req->count : PIECE;
+	if (!restore && ze_tensor_memory_state(t->et, ZE_STATE_MASTER) != NULL)
+		piece = 0;
 	w = calloc(1, sizeof(*w));
-	if (w != NULL) {
+	if (w != NULL && piece > 0) {
 		w->buf[0] = malloc(3 * piece * sizeof(float));
 		w->buf[1] = req->count <= PIECE ? NULL : malloc(3 * piece * sizeof(float));
 	}
-	if (w == NULL || w->buf[0] == NULL || (req->count > PIECE && w->buf[1] == NULL)) {
+	if (w == NULL || (piece > 0 && (w->buf[0] == NULL ||
+	    (req->count > PIECE && w->buf[1] == NULL)))) {
 		if (w != NULL) {
 			free(w->buf[0]);
 			free(w->buf[1]);

@@ -186,6 +186,11 @@ int ze_tensor_set_step(struct ze_tensor *t, uint64_t step);
 int ze_tensor_io(struct ze_tensor *t, bool write, enum ze_state which, uint64_t offset,
     uint64_t count, void *buf, uint32_t lane, uint64_t id);
 /*
+ * A state array of a tensor in memory (pinned or not), for writing it out as it is
+ * while the tensor is not busy (no step can change it meanwhile); NULL on NVMe.
+ */
+const float *ze_tensor_memory_state(const struct ze_tensor *t, enum ze_state which);
+/*
  * Reads elements [offset, offset + count) of master, m and v at once into buf (3 * count
  * floats: master's, then m's, then v's), from one pass over the state (a checkpoint).
  * As ze_tensor_io: 1 done now, 0 queued (io_done reports ZE_IO_READ), < 0 refused.

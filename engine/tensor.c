@@ -412,6 +412,14 @@ ze_tensor_io(struct ze_tensor *t, bool write, enum ze_state which, uint64_t offs
 	return 1;
 }
 
+const float *
+ze_tensor_memory_state(const struct ze_tensor *t, enum ze_state which)
+{
+	if (t->on_nvme)
+		return NULL;
+	return which == ZE_STATE_MASTER ? t->master : which == ZE_STATE_EXP_AVG ? t->m : t->v;
+}
+
 int
 ze_tensor_read_all(struct ze_tensor *t, uint64_t offset, uint64_t count, float *buf,
     uint32_t lane, uint64_t id)
