@@ -26,12 +26,12 @@ struct zd_swap_sample {
 	double write_bps;
 };
 
+struct zd_ckpt_write;
+
 /*
  * One per process.  Owns the engine (and through it every tensor's state),
  * the sessions, the jobs and the uids; server.c makes and ends it.
  */
-struct zd_ckpt_write;
-
 struct zd_daemon {
 	struct zd_config cfg;
 	const char *config_path;
@@ -57,7 +57,7 @@ struct zd_daemon {
 	bool draining;
 	uint64_t started_ns;
 	struct zd_step_stats steps;
-	struct zd_ckpt_write *ckpt_writes;	/* checkpoint.c: writes waiting for NVMe reads */
+	struct zd_ckpt_write *ckpt_writes;	/* checkpoint.c: transfers waiting for the engine */
 	uint64_t ckpt_bytes;			/* written into checkpoint files */
 	uint64_t ckpt_bytes_read;		/* read from them (restores) */
 };
