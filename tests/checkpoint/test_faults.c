@@ -229,6 +229,30 @@ Test(faults, save_refused)
 	running_job_unharmed();
 }
 
+/* Every array of rank 0's file says F16: the same length of header, another dtype. */
+Test(faults, other_dtype)
+{
+	static char head[65536];
+	char path[128], *p;
+	ssize_t n;
+	int fd;
+
+	saved_job();
+	rank_file(path, sizeof(path), ckdir, 0, 2);
+	fd = open(path, O_RDWR);
+	cr_assert_geq(fd, 0);
+	n = pread(fd, head, sizeof(head) - 1, 0);
+	cr_assert_gt(n, 8);
+	head[n] = '\0';
+	for (p = head + 8; (p = strstr(p, "\"F32\"")) != NULL; p += 5)
+		memcpy(p, "\"F16\"", 5);
+	cr_assert_eq(pwrite(fd, head, (size_t)n, 0), n);
+	close(fd);
+	expect_refused(0, ZC_ADAMW, -EBADMSG, (const char *const[]){ "rank-00000-of-00002",
+	    "layers.0.w#0", "not F32", NULL });
+	running_job_unharmed();
+}
+
 Test(faults, other_optimizer)
 {
 	saved_job();
