@@ -48,6 +48,7 @@ struct zd_ckpt_write {
 	uint64_t file_offset[ZP_STATE_COUNT];	/* of element offset, per state */
 	uint32_t crc[ZP_STATE_COUNT];
 	float *buf[2];			/* master, m, v of one piece each */
+	uint64_t buf_elements;		/* per array in each */
 	unsigned cur;			/* buf[cur]: the piece being read (or just read) */
 	uint64_t piece_off;		/* that piece, from offset */
 	uint64_t piece_n;
@@ -58,12 +59,45 @@ struct zd_ckpt_write {
 	char name[ZP_NAME_MAX + 1];
 };
 
+/*
+ * Whole-piece buffers (48 MiB) kept for the next transfer: a fresh one costs a page
+ * fault and a page of zeros per 4 KiB, which was a quarter of a restore's time.  Two
+ * are kept, one transfer's worth; the process has one daemon, and they live as long.
+ */
+static float *spare[2];
+
+static float *
+piece_buf(uint64_t elements)
+{
+	for (unsigned i = 0; elements == PIECE && i < 2; i++) {
+		if (spare[i] != NULL) {
+			float *b = spare[i];
+
+			spare[i] = NULL;
+			return b;
+		}
+	}
+	return malloc(3 * elements * sizeof(float));
+}
+
+static void
+piece_buf_free(float *b, uint64_t elements)
+{
+	for (unsigned i = 0; b != NULL && elements == PIECE && i < 2; i++) {
+		if (spare[i] == NULL) {
+			spare[i] = b;
+			return;
+		}
+	}
+	free(b);
+}
+
 static void
 ckpt_free(struct zd_ckpt_write *w)
 {
 	close(w->fd);
-	free(w->buf[0]);
-	free(w->buf[1]);
+	piece_buf_free(w->buf[0], w->buf_elements);
+	piece_buf_free(w->buf[1], w->buf_elements);
 	free(w);
 }
 
@@ -405,14 +439,15 @@ ckpt_new(struct zd_session *s, const struct zp_msg *msg, int fd)
 		piece = 0;
 	w = calloc(1, sizeof(*w));
 	if (w != NULL && piece > 0) {
-		w->buf[0] = malloc(3 * piece * sizeof(float));
-		w->buf[1] = req->count <= PIECE ? NULL : malloc(3 * piece * sizeof(float));
+		w->buf_elements = piece;
+		w->buf[0] = piece_buf(piece);
+		w->buf[1] = req->count <= PIECE ? NULL : piece_buf(piece);
 	}
 	if (w == NULL || (piece > 0 && (w->buf[0] == NULL ||
 	    (req->count > PIECE && w->buf[1] == NULL)))) {
 		if (w != NULL) {
-			free(w->buf[0]);
-			free(w->buf[1]);
+			piece_buf_free(w->buf[0], piece);
+			piece_buf_free(w->buf[1], piece);
 		}
 		free(w);
 		zd_session_error(s, id, -ENOMEM, "out of memory for a checkpoint transfer of %llu "
