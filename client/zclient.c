@@ -19,6 +19,7 @@
 #include "msgio.h"
 #include "zclient.h"
 #include "zclient_connerr.h"
+#include "zclient_impl.h"
 
 struct pending_set {
 	struct pending_set *next;
@@ -31,6 +32,7 @@ struct pending_set {
 struct zc_tensor {
 	struct zc_conn *conn;
 	uint32_t handle;
+	char name[ZP_NAME_MAX + 1];
 	uint64_t numel;
 	void *grad;
 	size_t grad_bytes;
@@ -75,6 +77,8 @@ struct zc_conn {
 	uint8_t *buf;
 	struct zp_msg *msg;
 	bool job_open;
+	uint32_t rank;
+	uint32_t world_size;
 	uint64_t job_last_step;
 	uint32_t session_id;
 	struct zc_tensor **tensors;	/* by handle - 1 */
@@ -365,7 +369,7 @@ reads_only(uint16_t type)
 }
 
 static int
-send_msg(struct zc_conn *c, struct zp_msg *m, uint64_t deadline)
+send_msg(struct zc_conn *c, struct zp_msg *m, uint64_t deadline, int sendfd)
 {
 	int r;
 
@@ -378,7 +382,7 @@ send_msg(struct zc_conn *c, struct zp_msg *m, uint64_t deadline)
 	if (r < 0)
 		return r;
 	/* A datagram goes whole or not at all: a send that times out leaves nothing half-sent. */
-	while ((r = zp_send(c->fd, m, NULL, 0)) == -EAGAIN) {
+	while ((r = zp_send(c->fd, m, &sendfd, sendfd >= 0 ? 1 : 0)) == -EAGAIN) {
 		r = await_fd(c->fd, POLLOUT, deadline);
 		if (r == -ETIMEDOUT)
 			return seterr(c, r, "send %s to zoffloadd: timed out with no room to send "
@@ -399,17 +403,20 @@ send_msg(struct zc_conn *c, struct zp_msg *m, uint64_t deadline)
 	return 0;
 }
 
-/* Request and reply of type reply_type or alt_type; the reply is in c->msg, its descriptors in fds. */
+/*
+ * Request (with sendfd unless -1) and reply of type reply_type or alt_type; the reply is in
+ * c->msg, its descriptors in fds.
+ */
 static int
-rpc_either(struct zc_conn *c, struct zp_msg *req, uint16_t reply_type, uint16_t alt_type,
-    int *fds)
+rpc_full(struct zc_conn *c, struct zp_msg *req, uint16_t reply_type, uint16_t alt_type,
+    int *fds, int sendfd)
 {
 	uint64_t deadline = deadline_after(c->timeout_ms);
 	int tmpfds[ZP_MAX_FDS];
 	unsigned nfds;
 	int r;
 
-	r = send_msg(c, req, deadline);
+	r = send_msg(c, req, deadline, sendfd);
 	if (r < 0)
 		return r;
 	for (;;) {
@@ -451,11 +458,73 @@ rpc_either(struct zc_conn *c, struct zp_msg *req, uint16_t reply_type, uint16_t 
 	}
 }
 
+/* Request and reply of type reply_type or alt_type; the reply is in c->msg, its descriptors in fds. */
+static int
+rpc_either(struct zc_conn *c, struct zp_msg *req, uint16_t reply_type, uint16_t alt_type,
+    int *fds)
+{
+	return rpc_full(c, req, reply_type, alt_type, fds, -1);
+}
+
 /* Request and reply; the reply is in c->msg, its descriptors in fds. */
 static int
 rpc(struct zc_conn *c, struct zp_msg *req, uint16_t reply_type, int *fds)
 {
-	return rpc_either(c, req, reply_type, reply_type, fds);
+	return rpc_full(c, req, reply_type, reply_type, fds, -1);
+}
+
+int
+zci_rpc_fd(struct zc_conn *c, struct zp_msg *req, uint16_t reply_type, int sendfd,
+    const struct zp_msg **reply)
+{
+	int r = rpc_full(c, req, reply_type, reply_type, NULL, sendfd);
+
+	if (r == 0)
+		*reply = c->msg;
+	return r;
+}
+
+int
+zci_seterr(struct zc_conn *c, int code, const char *fmt, ...)
+{
+	va_list ap;
+
+	va_start(ap, fmt);
+	vsnprintf(c->err, sizeof(c->err), fmt, ap);
+	va_end(ap);
+	return code;
+}
+
+bool
+zci_job_rank(const struct zc_conn *c, uint32_t *rank, uint32_t *world_size)
+{
+	*rank = c->rank;
+	*world_size = c->world_size;
+	return c->job_open;
+}
+
+const char *
+zci_tensor_name(const struct zc_tensor *t)
+{
+	return t->name;
+}
+
+uint32_t
+zci_tensor_handle(const struct zc_tensor *t)
+{
+	return t->handle;
+}
+
+bool
+zci_tensor_pending(const struct zc_tensor *t)
+{
+	return t->pending;
+}
+
+struct zc_conn *
+zci_tensor_conn(const struct zc_tensor *t)
+{
+	return t->conn;
 }
 
 int
@@ -608,6 +677,8 @@ zc_job_open_opts(struct zc_conn *c, const char *job_name, uint32_t rank, uint32_
 	r = rpc(c, &m, ZP_JOB_OK, NULL);
 	if (r == 0) {
 		c->job_open = true;
+		c->rank = rank;
+		c->world_size = world_size;
 		c->job_last_step = c->msg->u.job_ok.last_step;
 	}
 	return r;
@@ -765,6 +836,15 @@ int
 zc_tensor_register(struct zc_conn *c, const struct zc_tensor_desc *desc, const float *init,
     struct zc_tensor **ret)
 {
+	if (init == NULL && desc != NULL && desc->name != NULL)
+		return seterr(c, -EINVAL, "tensor '%s': initial values are required", desc->name);
+	return zci_tensor_register(c, desc, init, ret);
+}
+
+int
+zci_tensor_register(struct zc_conn *c, const struct zc_tensor_desc *desc, const float *init,
+    struct zc_tensor **ret)
+{
 	struct zp_msg m = { .hdr = { .type = ZP_TENSOR_REGISTER } };
 	struct zc_tensor *t;
 	char saved[sizeof(c->err)];
@@ -777,8 +857,6 @@ zc_tensor_register(struct zc_conn *c, const struct zc_tensor_desc *desc, const f
 		return seterr(c, -EINVAL, "tensor '%s': unknown dtype", desc->name);
 	if (desc->numel == 0)
 		return seterr(c, -EINVAL, "tensor '%s': numel is 0", desc->name);
-	if (init == NULL)
-		return seterr(c, -EINVAL, "tensor '%s': initial values are required", desc->name);
 	snprintf(m.u.tensor_register.name, sizeof(m.u.tensor_register.name), "%s", desc->name);
 	m.u.tensor_register.numel = desc->numel;
 	m.u.tensor_register.grad_dtype = (uint8_t)desc->grad_dtype;
@@ -793,6 +871,7 @@ zc_tensor_register(struct zc_conn *c, const struct zc_tensor_desc *desc, const f
 		goto fail_fds;
 	}
 	t->conn = c;
+	snprintf(t->name, sizeof(t->name), "%s", desc->name);
 	t->handle = c->msg->u.tensor_ok.handle;
 	t->numel = desc->numel;
 	t->grad_bytes = c->msg->u.tensor_ok.grad_bytes;
@@ -835,8 +914,11 @@ zc_tensor_register(struct zc_conn *c, const struct zc_tensor_desc *desc, const f
 		seterr(c, r, "out of memory");
 		goto fail_mapped;
 	}
-	/* Taken back from a rank that died: its state is newer than any initial values. */
-	r = resumed ? 0 : tensor_copy(t, ZP_TENSOR_WRITE, ZC_STATE_MASTER, 0, t->numel,
+	/*
+	 * Taken back from a rank that died: its state is newer than any initial values.
+	 * No init: the caller writes every element itself (a restore).
+	 */
+	r = resumed || init == NULL ? 0 : tensor_copy(t, ZP_TENSOR_WRITE, ZC_STATE_MASTER, 0, t->numel,
 	    (float *)init);
 	if (r < 0) {
 		c->tensors[t->handle - 1] = NULL;
@@ -1063,7 +1145,7 @@ zc_step_submit(struct zc_conn *c, const struct zc_step_params *p,
 	}
 	set->count = (uint32_t)ntensors;
 	set->step = p->step;
-	r = send_msg(c, m, deadline_after(c->timeout_ms));
+	r = send_msg(c, m, deadline_after(c->timeout_ms), -1);
 	if (r < 0) {
 		free(set->handles);
 		free(set);
@@ -1194,7 +1276,7 @@ prefetch(struct zc_conn *c, struct zc_tensor *const *tensors, size_t n, uint64_t
 		tensors[i]->param_state = PARAM_FETCHING;
 		m->u.handles.handles[m->u.handles.count++] = tensors[i]->handle;
 	}
-	r = m->u.handles.count > 0 ? send_msg(c, m, deadline) : 0;
+	r = m->u.handles.count > 0 ? send_msg(c, m, deadline, -1) : 0;
 	/*
 	 * Not sent: no READY will come, and a tensor left fetching would have
 	 * zc_param_wait wait for it forever.

@@ -301,6 +301,64 @@ ZC_API int zc_ping(struct zc_conn *conn, uint64_t *ret_rtt_ns);
 ZC_API int zc_stats_json(struct zc_conn *conn, char **ret_json);
 ZC_API int zc_jobs_json(struct zc_conn *conn, char **ret_json);
 
+/*
+ * Checkpoints: a rank's optimizer state saved into a directory, one safetensors file per
+ * rank (rank-RRRRR-of-WWWWW.safetensors: NAME/master, NAME/exp_avg, NAME/exp_avg_sq, F32,
+ * and in the header's __metadata__ the optimizer, the last hyperparameters, rank, world
+ * size, and per tensor its step, its place in its logical parameter and a CRC-32C per
+ * array).  Any rank layout can be restored into any other.
+ *
+ * Each entry names a registered tensor and where it sits in its logical parameter:
+ * global_name (NULL: the tensor's own name), global_offset and global_numel (0: the
+ * tensor's numel, a parameter that is not sharded).
+ */
+struct zc_checkpoint_entry {
+	struct zc_tensor *tensor;
+	const char *global_name;
+	uint64_t global_offset;
+	uint64_t global_numel;
+};
+
+/*
+ * Saves this rank's tensors into dir, between steps (no step of theirs in flight; the
+ * call returns when the file is whole, so this rank's next step waits for it).  The
+ * library creates the file under a temporary name in dir with the caller's permissions
+ * and passes its descriptor to zoffloadd, which writes the state from wherever it lives
+ * (pinned or NVMe); then fsync, rename into place, fsync of dir.  The file is whole or
+ * absent: a rank file saved earlier under the same name stays readable until then.
+ * last: the hyperparameters of the last step (saved for the resume, optim checked by it).
+ * Each request of a save or a restore moves up to 64 Mi elements of a tensor (768 MiB of
+ * state): a connection timeout (zc_set_timeout) must leave time for that.
+ */
+ZC_API int zc_checkpoint_save(struct zc_conn *conn, const char *dir,
+    const struct zc_checkpoint_entry *entries, size_t nentries, const struct zc_step_params *last);
+
+/* A checkpoint directory opened for restoring: every rank file's header read and checked. */
+struct zc_checkpoint;
+ZC_API int zc_checkpoint_open(struct zc_conn *conn, const char *dir, struct zc_checkpoint **ret);
+ZC_API void zc_checkpoint_close(struct zc_checkpoint *ckpt);
+/* The hyperparameters saved with rank 0's file (step: the highest saved step). */
+ZC_API int zc_checkpoint_step_params(struct zc_checkpoint *ckpt, struct zc_step_params *ret);
+
+struct zc_checkpoint_place {
+	const char *global_name;	/* NULL: desc->name */
+	uint64_t global_offset;
+	uint64_t global_numel;		/* 0: desc->numel */
+};
+
+/*
+ * Registers a tensor whose state (master, both moments, step) comes from the checkpoint:
+ * elements [global_offset, global_offset + desc->numel) of parameter global_name, taken
+ * from whichever rank files hold them, whatever the world size and shard layout they were
+ * saved with.  Every array read is checked against its CRC-32C.  A checksum mismatch, a
+ * range no file holds, a truncated file, another optimizer than optim, a dtype other than
+ * F32, pieces at different steps: -EBADMSG (-ENOENT for a missing range), zc_errmsg names
+ * the file and the tensor, and no tensor is left registered.
+ */
+ZC_API int zc_tensor_register_checkpoint(struct zc_conn *conn, const struct zc_tensor_desc *desc,
+    struct zc_checkpoint *ckpt, const struct zc_checkpoint_place *place, enum zc_optim optim,
+    struct zc_tensor **ret);
+
 /* Conversions for clients that fill bf16/fp16 grad slots on the CPU. */
 ZC_API uint16_t zc_f32_to_bf16(float f);
 ZC_API float zc_bf16_to_f32(uint16_t h);

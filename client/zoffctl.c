@@ -12,6 +12,7 @@
 #include "build_config.h"
 #include "zclient.h"
 #include "zoffctl.h"
+#include "zoffctl_checkpoint.h"
 
 static void
 usage(FILE *f)
@@ -29,6 +30,8 @@ usage(FILE *f)
 	    "                                     rate, print a recommended swap config\n"
 	    "  import-deepspeed [--json] FILE     a DeepSpeed config as zoffload config and\n"
 	    "                                     job options, naming what has no equivalent\n"
+	    "  checkpoint inspect DIR             a checkpoint's ranks, tensors, steps, sizes;\n"
+	    "                                     verifies every checksum (exit 1 if damaged)\n"
 	    "\n"
 	    "  -s, --socket PATH   the daemon's socket\n"
 	    "  -V, --version       print the version and exit\n"
@@ -398,6 +401,9 @@ main(int argc, char **argv)
 		return 2;
 	}
 	cmd = argv[optind++];
+	/* Files, not the daemon: its own arguments, no connection. */
+	if (strcmp(cmd, "checkpoint") == 0)
+		return zoffctl_checkpoint(argc - optind, argv + optind);
 	while ((opt = getopt_long(argc, argv, "s:jw:n:hVS:B:q", opts, NULL)) != -1)
 		if ((r = take_option(opt, optarg, &o)) != 0)
 			return r == 1 ? 0 : r;

@@ -28,6 +28,8 @@ struct zd_swap_sample {
 	int bad;			/* as last logged: 0, or why the path takes no new state */
 };
 
+struct zd_ckpt_write;
+
 /*
  * One per process.  Owns the engine (and through it every tensor's state),
  * the sessions, the jobs and the uids; server.c makes and ends it.
@@ -65,6 +67,9 @@ struct zd_daemon {
 	bool draining;
 	uint64_t started_ns;
 	struct zd_step_stats steps;
+	struct zd_ckpt_write *ckpt_writes;	/* checkpoint.c: transfers waiting for the engine */
+	uint64_t ckpt_bytes;			/* written into checkpoint files */
+	uint64_t ckpt_bytes_read;		/* read from them (restores) */
 };
 
 /* server.c */

@@ -3,6 +3,7 @@
 #include <math.h>
 #include <stdio.h>
 
+#include "checkpoint.h"
 #include "daemon.h"
 #include "engine.h"
 #include "job.h"
@@ -84,6 +85,8 @@ io_done(void *arg, uint32_t lane, uint64_t id, enum ze_io kind, void *user, int 
 	struct zd_session *s = zd_session_by_id(arg, lane);
 	struct zd_tensor *t = user;
 
+	if (kind != ZE_IO_PARAM_RELEASE && zd_ckpt_io_done(arg, lane, id, user, result))
+		return;
 	if (s == NULL)
 		return;
 	if (result == 0) {

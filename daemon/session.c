@@ -9,6 +9,7 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include "checkpoint.h"
 #include "daemon.h"
 #include "job.h"
 #include "log.h"
@@ -477,28 +478,41 @@ session_read_cb(evutil_socket_t fd, short what, void *arg)
 			session_fail(s);
 			break;
 		}
-		/* Clients never send descriptors. */
-		if (nfds > 0) {
-			for (unsigned j = 0; j < nfds; j++)
-				close(fds[j]);
-			zd_session_error(s, 0, -EBADMSG, "requests carry no file descriptors");
-			log_info("session %u (pid %d): dropped: sent file descriptors", s->id,
-			    (int)s->pid);
-			session_fail(s);
-			break;
-		}
 		enum zp_status st = zp_decode(buf, (size_t)n, msg, why, sizeof(why));
 
 		if (st == ZP_S_OK && !zp_type_is_request(msg->hdr.type)) {
 			st = ZP_S_TYPE;
 			snprintf(why, sizeof(why), "%s is not a request", zp_type_name(msg->hdr.type));
 		}
+		/* Descriptors come only with the requests that carry one (CKPT_WRITE), exactly. */
+		if (st == ZP_S_OK && nfds != zp_type_fds(msg->hdr.type)) {
+			for (unsigned j = 0; j < nfds; j++)
+				close(fds[j]);
+			zd_session_error(s, msg->hdr.request_id, -EBADMSG, "%s carries %u file "
+			    "descriptors, not %u", zp_type_name(msg->hdr.type), nfds,
+			    zp_type_fds(msg->hdr.type));
+			log_info("session %u (pid %d): dropped: %s with %u descriptors", s->id,
+			    (int)s->pid, zp_type_name(msg->hdr.type), nfds);
+			session_fail(s);
+			break;
+		}
 		if (st != ZP_S_OK) {
+			for (unsigned j = 0; j < nfds; j++)
+				close(fds[j]);
 			zd_session_error(s, st == ZP_S_SHORT ? 0 : msg->hdr.request_id,
 			    st == ZP_S_VERSION ? -EPROTONOSUPPORT : -EBADMSG, "%s", why);
 			log_info("session %u (pid %d): dropped: %s", s->id, (int)s->pid, why);
 			session_fail(s);
 			break;
+		}
+		if (nfds > 0) {
+			/* The handler owns the descriptor from here. */
+			zd_handle_request_fd(s, msg, fds[0]);
+			if (s->closing) {
+				session_fail(s);
+				break;
+			}
+			continue;
 		}
 		zd_handle_request(s, msg);
 		if (s->closing) {

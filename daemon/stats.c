@@ -6,6 +6,7 @@
 
 #include "arena.h"
 #include "build_config.h"
+#include "checkpoint.h"
 #include "daemon.h"
 #include "engine.h"
 #include "job.h"
@@ -498,6 +499,7 @@ zd_stats_tree_as(struct zd_daemon *d, const struct zd_uid *viewer)
 	add_steps(root, d);
 	add_pipeline(root, d);
 	cJSON_AddNumberToObject(root, "jobs_total", d->njobs);
+	zd_ckpt_stats_json(root, d);
 	add_uids(root, d, viewer);
 	add_limits(root, d);
 	cJSON_AddItemToObject(root, "jobs", jobs_array(d, viewer));

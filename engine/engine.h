@@ -175,6 +175,8 @@ bool ze_tensor_on_nvme(const struct ze_tensor *t);
 bool ze_tensor_initialized(const struct ze_tensor *t);
 /* The last step applied to every element. */
 uint64_t ze_tensor_last_step(const struct ze_tensor *t);
+/* A step landed on part of the tensor only (it failed there): its state is of two steps. */
+bool ze_tensor_step_partial(const struct ze_tensor *t);
 /* State written back from a checkpoint is at `step`: every element is, from now on. */
 int ze_tensor_set_step(struct ze_tensor *t, uint64_t step);
 
@@ -185,6 +187,24 @@ int ze_tensor_set_step(struct ze_tensor *t, uint64_t step);
  */
 int ze_tensor_io(struct ze_tensor *t, bool write, enum ze_state which, uint64_t offset,
     uint64_t count, void *buf, uint32_t lane, uint64_t id);
+/*
+ * A state array of a tensor in memory (pinned or not), for writing it out as it is
+ * while the tensor is not busy (no step can change it meanwhile); NULL on NVMe.
+ */
+const float *ze_tensor_memory_state(const struct ze_tensor *t, enum ze_state which);
+/*
+ * Reads elements [offset, offset + count) of master, m and v at once into buf (3 * count
+ * floats: master's, then m's, then v's), from one pass over the state (a checkpoint).
+ * As ze_tensor_io: 1 done now, 0 queued (io_done reports ZE_IO_READ), < 0 refused.
+ */
+int ze_tensor_read_all(struct ze_tensor *t, uint64_t offset, uint64_t count, float *buf,
+    uint32_t lane, uint64_t id);
+/*
+ * The other way (a restore): buf's three arrays into master, m and v, the param slot
+ * refreshed; on NVMe a chunk the range covers whole is written without being read.
+ */
+int ze_tensor_write_all(struct ze_tensor *t, uint64_t offset, uint64_t count, const float *buf,
+    uint32_t lane, uint64_t id);
 /* Queued transfers of lane stop touching their buffers; they end with -ECANCELED. */
 void ze_engine_cancel_lane(struct ze_engine *e, uint32_t lane);
 

@@ -17,7 +17,7 @@
  * step, 12% of the I/O of bench_step's tensors.
  */
 
-enum work_kind { WORK_STEP, WORK_READ, WORK_WRITE };
+enum work_kind { WORK_STEP, WORK_READ, WORK_WRITE, WORK_READ_ALL, WORK_WRITE_ALL };
 
 /*
  * Chunks of one tensor waiting for staging buffers: a step, or a state
@@ -276,7 +276,8 @@ work_chunk_finished(struct ze_engine *e, struct chunk_io *io, int error)
 		ze_step_unit_done(e, b, index, chunk, error);
 	} else if (w->outstanding == 0 && w->next_chunk == w->end_chunk) {
 		struct ze_tensor *t = w->tensor;
-		enum ze_io kind = w->kind == WORK_READ ? ZE_IO_READ : ZE_IO_WRITE;
+		enum ze_io kind = w->kind == WORK_WRITE || w->kind == WORK_WRITE_ALL ? ZE_IO_WRITE :
+		    ZE_IO_READ;
 		uint32_t lane = w->lane;
 		uint64_t id = w->id;
 		void *user = t->user;
@@ -302,7 +303,8 @@ write_done(int result, void *arg)
 		t->chunks_written[io->chunk / 8] |= (uint8_t)(1u << (io->chunk % 8));
 		io->e->stats.chunks_written++;
 		io->e->stats.bytes_written += chunk_io_bytes(t, io->chunk);
-		if (w->kind == WORK_WRITE && w->state == ZE_STATE_MASTER) {
+		if ((w->kind == WORK_WRITE && w->state == ZE_STATE_MASTER) ||
+		    w->kind == WORK_WRITE_ALL) {
 			uint64_t first = io->chunk * t->chunk_elements;
 			uint64_t last = first + chunk_len(t, io->chunk);
 			uint64_t from = w->offset > first ? w->offset : first;
@@ -342,6 +344,30 @@ xfer_chunk(struct ze_engine *e, struct chunk_io *io)
 		return;
 	}
 	window = (float *)w->buf + (from - w->offset);
+	if (w->kind == WORK_READ_ALL) {
+		/* master, m, v: each to its own third of the buffer */
+		for (unsigned s = 0; s < 3; s++)
+			memcpy((float *)w->buf + s * w->count + (from - w->offset),
+			    (float *)io->staging->buf + s * chunk_stride(t, io->chunk) + (from - first),
+			    (to - from) * sizeof(float));
+		work_chunk_finished(e, io, 0);
+		return;
+	}
+	if (w->kind == WORK_WRITE_ALL) {
+		uint64_t stride = chunk_stride(t, io->chunk);
+
+		for (unsigned s = 0; s < 3; s++) {
+			float *a = (float *)io->staging->buf + s * stride;
+
+			memcpy(a + (from - first), (float *)w->buf + s * w->count + (from - w->offset),
+			    (to - from) * sizeof(float));
+			/* A chunk written whole was not read: its padding is the buffer's last use. */
+			memset(a + (last - first), 0, (stride - (last - first)) * sizeof(float));
+		}
+		ze_tensor_write_param(t, from, to - from, (float *)io->staging->buf + (from - first));
+		write_back(e, io);
+		return;
+	}
 	if (w->kind == WORK_READ) {
 		memcpy(window, array + (from - first), (to - from) * sizeof(float));
 		work_chunk_finished(e, io, 0);
@@ -421,6 +447,15 @@ ze_nvme_step_computed(struct ze_engine *e, struct ze_task *task)
 	write_back(e, io);
 }
 
+/* The transfer covers every element of chunk c. */
+static bool
+covers_chunk(const struct nvme_work *w, uint64_t c)
+{
+	uint64_t first = c * w->tensor->chunk_elements;
+
+	return w->offset <= first && w->offset + w->count >= first + chunk_len(w->tensor, c);
+}
+
 /*
  * Starts reads while staging buffers are free and the read window has room;
  * counts the time work waits for a buffer.
@@ -467,6 +502,11 @@ pump_once(struct ze_engine *e)
 			free(lane);
 		else
 			TAILQ_INSERT_TAIL(&e->nvme_lanes, lane, entry);
+		if (w->kind == WORK_WRITE_ALL && covers_chunk(w, io->chunk)) {
+			/* Every byte of the chunk is new: nothing to read first. */
+			xfer_chunk(e, io);
+			continue;
+		}
 		e->read_bytes_in_flight += chunk_io_bytes(w->tensor, io->chunk);
 		r = zs_read(e->swap, w->tensor->extent, io->chunk * chunk_bytes(w->tensor), sb->buf,
 		    chunk_io_bytes(w->tensor, io->chunk), read_done, io);
@@ -545,8 +585,8 @@ ze_nvme_queue_step(struct ze_engine *e, struct ze_batch *b, size_t i)
 	pump(e);
 }
 
-int
-ze_nvme_xfer(struct ze_tensor *t, bool write, enum ze_state which, uint64_t offset,
+static int
+xfer_queue(struct ze_tensor *t, enum work_kind kind, enum ze_state which, uint64_t offset,
     uint64_t count, void *buf, uint32_t lane, uint64_t id)
 {
 	struct ze_engine *e = t->e;
@@ -557,7 +597,7 @@ ze_nvme_xfer(struct ze_tensor *t, bool write, enum ze_state which, uint64_t offs
 	w = calloc(1, sizeof(*w));
 	if (w == NULL)
 		return -ENOMEM;
-	w->kind = write ? WORK_WRITE : WORK_READ;
+	w->kind = kind;
 	w->tensor = t;
 	w->lane = lane;
 	w->id = id;
@@ -577,6 +617,29 @@ ze_nvme_xfer(struct ze_tensor *t, bool write, enum ze_state which, uint64_t offs
 	e->xfers++;
 	pump(e);
 	return 0;
+}
+
+int
+ze_nvme_xfer(struct ze_tensor *t, bool write, enum ze_state which, uint64_t offset,
+    uint64_t count, void *buf, uint32_t lane, uint64_t id)
+{
+	return xfer_queue(t, write ? WORK_WRITE : WORK_READ, which, offset, count, buf, lane, id);
+}
+
+int
+ze_nvme_read_all(struct ze_tensor *t, uint64_t offset, uint64_t count, float *buf,
+    uint32_t lane, uint64_t id)
+{
+	return xfer_queue(t, WORK_READ_ALL, ZE_STATE_MASTER, offset, count, buf, lane, id);
+}
+
+int
+ze_nvme_write_all(struct ze_tensor *t, uint64_t offset, uint64_t count, const float *buf,
+    uint32_t lane, uint64_t id)
+{
+	/* The buffer is only read from: a write's source. */
+	return xfer_queue(t, WORK_WRITE_ALL, ZE_STATE_MASTER, offset, count, (float *)(uintptr_t)buf,
+	    lane, id);
 }
 
 void

@@ -411,3 +411,53 @@ ze_tensor_io(struct ze_tensor *t, bool write, enum ze_state which, uint64_t offs
 	}
 	return 1;
 }
+
+const float *
+ze_tensor_memory_state(const struct ze_tensor *t, enum ze_state which)
+{
+	if (t->on_nvme)
+		return NULL;
+	return which == ZE_STATE_MASTER ? t->master : which == ZE_STATE_EXP_AVG ? t->m : t->v;
+}
+
+int
+ze_tensor_read_all(struct ze_tensor *t, uint64_t offset, uint64_t count, float *buf,
+    uint32_t lane, uint64_t id)
+{
+	if (t->busy)
+		return -EBUSY;
+	if (offset > t->numel || count > t->numel - offset)
+		return -ERANGE;
+	if (t->on_nvme)
+		return ze_nvme_read_all(t, offset, count, buf, lane, id);
+	memcpy(buf, t->master + offset, count * sizeof(float));
+	memcpy(buf + count, t->m + offset, count * sizeof(float));
+	memcpy(buf + 2 * count, t->v + offset, count * sizeof(float));
+	return 1;
+}
+
+int
+ze_tensor_write_all(struct ze_tensor *t, uint64_t offset, uint64_t count, const float *buf,
+    uint32_t lane, uint64_t id)
+{
+	if (t->busy)
+		return -EBUSY;
+	if (offset > t->numel || count > t->numel - offset)
+		return -ERANGE;
+	if (!t->param_resident)
+		return -EAGAIN;
+	if (t->on_nvme)
+		return ze_nvme_write_all(t, offset, count, buf, lane, id);
+	memcpy(t->master + offset, buf, count * sizeof(float));
+	memcpy(t->m + offset, buf + count, count * sizeof(float));
+	memcpy(t->v + offset, buf + 2 * count, count * sizeof(float));
+	ze_tensor_write_param(t, offset, count, t->master + offset);
+	ze_tensor_mark_init(t, offset, count);
+	return 1;
+}
+
+bool
+ze_tensor_step_partial(const struct ze_tensor *t)
+{
+	return t->partial_step != 0;
+}

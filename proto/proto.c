@@ -54,6 +54,8 @@ zp_type_fds(uint16_t type)
 		return 2;
 	case ZP_XFER_OK:
 	case ZP_JSON_FD:
+	case ZP_CKPT_WRITE:
+	case ZP_CKPT_READ:
 		return 1;
 	default:
 		return 0;
@@ -297,6 +299,21 @@ encode_payload(const struct zp_msg *m, struct wbuf *w)
 		put_u8(w, m->u.tensor_io.state);
 		put_u64(w, m->u.tensor_io.offset);
 		put_u64(w, m->u.tensor_io.count);
+		break;
+	case ZP_CKPT_WRITE:
+	case ZP_CKPT_READ:
+		put_u32(w, m->u.ckpt_write.handle);
+		put_u64(w, m->u.ckpt_write.offset);
+		put_u64(w, m->u.ckpt_write.count);
+		for (unsigned i = 0; i < ZP_STATE_COUNT; i++) {
+			put_u64(w, m->u.ckpt_write.file_offset[i]);
+			put_u32(w, m->u.ckpt_write.crc[i]);
+		}
+		break;
+	case ZP_CKPT_DONE:
+		for (unsigned i = 0; i < ZP_STATE_COUNT; i++)
+			put_u32(w, m->u.ckpt_done.crc[i]);
+		put_u64(w, m->u.ckpt_done.last_step);
 		break;
 	case ZP_STEP_SUBMIT: {
 		const struct zp_step_submit *s = &m->u.step_submit;
@@ -555,6 +572,26 @@ decode_payload(struct rbuf *r, struct zp_msg *m)
 		m->u.tensor_ok.resumed = get_u8(r, "resumed");
 		check(r, m->u.tensor_ok.resumed <= 1, "resumed");
 		m->u.tensor_ok.last_step = get_u64(r, "last_step");
+		break;
+	case ZP_CKPT_WRITE:
+	case ZP_CKPT_READ: {
+		struct zp_ckpt_write *cw = &m->u.ckpt_write;
+
+		cw->handle = get_u32(r, "handle");
+		cw->offset = get_u64(r, "offset");
+		cw->count = get_u64(r, "count");
+		check(r, cw->count > 0 && cw->count <= 1ull << 40, "count");
+		for (unsigned i = 0; i < ZP_STATE_COUNT; i++) {
+			cw->file_offset[i] = get_u64(r, "file_offset");
+			check(r, cw->file_offset[i] <= INT64_MAX - ZP_MAX_XFER, "file_offset");
+			cw->crc[i] = get_u32(r, "crc");
+		}
+		break;
+	}
+	case ZP_CKPT_DONE:
+		for (unsigned i = 0; i < ZP_STATE_COUNT; i++)
+			m->u.ckpt_done.crc[i] = get_u32(r, "crc");
+		m->u.ckpt_done.last_step = get_u64(r, "last_step");
 		break;
 	case ZP_XFER_OK:
 		m->u.xfer_ok.bytes = get_u64(r, "bytes");

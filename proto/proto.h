@@ -49,6 +49,8 @@
 	X(PARAM_RELEASE, 15)						\
 	X(TENSOR_SET_STEP, 16)						\
 	X(GRAD_PASS, 17)						\
+	X(CKPT_WRITE, 18)						\
+	X(CKPT_READ, 19)						\
 	X(OK, 64)							\
 	X(ERROR, 65)							\
 	X(HELLO_OK, 66)							\
@@ -58,6 +60,7 @@
 	X(XFER_OK, 70)							\
 	X(JSON, 71)							\
 	X(GRAD_PARTIAL, 72)						\
+	X(CKPT_DONE, 73)						\
 	X(JSON_FD, 74)							\
 	X(TENSOR_DONE, 128)						\
 	X(STEP_DONE, 129)						\
@@ -177,6 +180,29 @@ struct zp_grad_pass {
 };
 /* GRAD_PARTIAL: f64 sumsq (of the unscaled gradients, in double), u64 nonfinite, u64 elements */
 struct zp_grad_partial { double sumsq; uint64_t nonfinite; uint64_t elements; };
+/*
+ * CKPT_WRITE: u32 handle, u64 offset, u64 count (elements, 1..2^40), then
+ * per state (master, exp_avg, exp_avg_sq) u64 file_offset and u32 crc; fd: a regular file
+ * the client opened for writing.  The daemon writes elements [offset, offset + count) of
+ * each state array there at its file_offset (pwrite; it never opens a path itself), all
+ * three from one read of the state, and answers CKPT_DONE with the CRC-32C of each array's
+ * bytes continued from its crc (0 to start one), so that a client can checksum an array
+ * written in several pieces.
+ */
+/*
+ * CKPT_READ: the same fields and fd (open for reading), the other way: the daemon reads
+ * the three arrays' pieces from the file (pread) into elements [offset, offset + count) of
+ * the tensor, and answers CKPT_DONE with their CRC-32C continued from crc: a restore.
+ */
+struct zp_ckpt_write {
+	uint32_t handle;
+	uint64_t offset;
+	uint64_t count;
+	uint64_t file_offset[ZP_STATE_COUNT];
+	uint32_t crc[ZP_STATE_COUNT];
+};
+/* CKPT_DONE: u32 crc per state (continued), u64 last_step (of the tensor whose state was written) */
+struct zp_ckpt_done { uint32_t crc[ZP_STATE_COUNT]; uint64_t last_step; };
 /* ERROR: i32 code (negative errno), str message */
 struct zp_error { int32_t code; char message[ZP_ERRMSG_MAX + 1]; };
 /* HELLO_OK: u32 session_id, u32 uid the daemon sees, str daemon_version */
@@ -237,6 +263,8 @@ struct zp_msg {
 		struct zp_grad_partial grad_partial;
 		struct zp_tensor_done tensor_done;
 		struct zp_step_done step_done;
+		struct zp_ckpt_write ckpt_write;
+		struct zp_ckpt_done ckpt_done;
 	} u;
 };
 

@@ -103,6 +103,14 @@ fill(struct zp_msg *m)
 		m->u.json.text = "{\"sessions\":1,\"tiers\":{\"pinned\":{\"used_bytes\":0}}}";
 		m->u.json.len = (uint32_t)strlen(m->u.json.text);
 		break;
+	case ZP_CKPT_WRITE:
+	case ZP_CKPT_READ:
+		m->u.ckpt_write = (struct zp_ckpt_write){ .handle = 7, .offset = 0,
+			.count = 1u << 20, .file_offset = { 4096, 4096 + (4u << 20), 4096 + (8u << 20) } };
+		break;
+	case ZP_CKPT_DONE:
+		m->u.ckpt_done = (struct zp_ckpt_done){ .crc = { 0xe3069283u, 1, 2 }, .last_step = 12 };
+		break;
 	case ZP_TENSOR_DONE:
 		m->u.tensor_done.handle = 7;
 		m->u.tensor_done.step = 12;

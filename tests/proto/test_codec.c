@@ -6,6 +6,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "crc32c.h"
 #include "proto.h"
 
 /* Big enough for any message; static because a zp_msg with 4096 handles is 16 KiB. */
@@ -135,6 +136,10 @@ fill_valid(uint16_t type)
 	case ZP_TENSOR_READ:
 	case ZP_TENSOR_WRITE:
 		in.u.tensor_io.count = 10;
+		break;
+	case ZP_CKPT_WRITE:
+	case ZP_CKPT_READ:
+		in.u.ckpt_write.count = 10;
 		break;
 	case ZP_STEP_SUBMIT:
 		in.u.step_submit = (struct zp_step_submit){ .step = 5, .lr = 1e-3, .beta1 = 0.9,
@@ -277,6 +282,56 @@ Test(codec, round_trip_tensor_set_step)
 	round_trip(ZP_TENSOR_SET_STEP, 12);
 	cr_assert_eq(out.u.tensor_step.handle, 0x01020304);
 	cr_assert_eq(out.u.tensor_step.step, 1ull << 40);
+}
+
+Test(codec, round_trip_ckpt_write_and_done)
+{
+	in.u.ckpt_write = (struct zp_ckpt_write){ .handle = 9, .offset = 1ull << 33,
+		.count = 1u << 24, .file_offset = { 4096, 4096 + (1ull << 40), 1ull << 41 },
+		.crc = { 0xe3069283u, 1, 0xffffffffu } };
+	round_trip(ZP_CKPT_WRITE, 37);
+	cr_assert_eq(out.u.ckpt_write.handle, 9);
+	cr_assert_eq(out.u.ckpt_write.offset, 1ull << 33);
+	cr_assert_eq(out.u.ckpt_write.count, 1u << 24);
+	cr_assert_eq(out.u.ckpt_write.file_offset[1], 4096 + (1ull << 40));
+	cr_assert_eq(out.u.ckpt_write.file_offset[2], 1ull << 41);
+	cr_assert_eq(out.u.ckpt_write.crc[0], 0xe3069283u);
+	cr_assert_eq(out.u.ckpt_write.crc[2], 0xffffffffu);
+	cr_assert_eq(zp_type_fds(ZP_CKPT_WRITE), 1);
+	cr_assert_eq(zp_type_fds(ZP_CKPT_READ), 1);
+	/* No empty write, none past the transfer limit, no offset near the end of a file's range. */
+	in.hdr.type = ZP_CKPT_WRITE;
+	in.u.ckpt_write.count = 0;
+	cr_assert_eq(decode(encode(&in)), ZP_S_VALUE);
+	cr_assert(strstr(why, "count") != NULL, "%s", why);
+	in.u.ckpt_write.count = (1ull << 40) + 1;
+	cr_assert_eq(decode(encode(&in)), ZP_S_VALUE);
+	/* Both stream: any tensor's length. */
+	in.u.ckpt_write.count = 1ull << 40;
+	cr_assert_eq(decode(encode(&in)), ZP_S_OK);
+	in.u.ckpt_write.count = 1;
+	in.u.ckpt_write.file_offset[2] = UINT64_MAX - 5;
+	cr_assert_eq(decode(encode(&in)), ZP_S_VALUE);
+	cr_assert(strstr(why, "file_offset") != NULL, "%s", why);
+	in.u.ckpt_done = (struct zp_ckpt_done){ .crc = { 0x12345678u, 2, 3 }, .last_step = 77 };
+	round_trip(ZP_CKPT_DONE, 12);
+	cr_assert_eq(out.u.ckpt_done.crc[0], 0x12345678u);
+	cr_assert_eq(out.u.ckpt_done.crc[2], 3);
+	cr_assert_eq(out.u.ckpt_done.last_step, 77);
+}
+
+Test(codec, crc32c_known_values)
+{
+	/* RFC 3720 B.4 and the usual check value. */
+	static uint8_t zeros[32], ones[32];
+
+	memset(ones, 0xff, sizeof(ones));
+	cr_assert_eq(zp_crc32c(0, "123456789", 9), 0xe3069283u);
+	cr_assert_eq(zp_crc32c(0, zeros, 32), 0x8a9136aau);
+	cr_assert_eq(zp_crc32c(0, ones, 32), 0x62a8ab43u);
+	/* Continued: the CRC of the halves chained is that of the whole. */
+	cr_assert_eq(zp_crc32c(zp_crc32c(0, "1234", 4), "56789", 5), 0xe3069283u);
+	cr_assert_eq(zp_crc32c(0, "", 0), 0);
 }
 
 Test(codec, round_trip_grad_pass_and_partial)

@@ -1,0 +1,385 @@
+/* libzclient: saving a rank's optimizer state into a checkpoint, and restoring it, resharded. */
+#include <cjson/cJSON.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <inttypes.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "ckpt_index.h"
+#include "zclient.h"
+#include "zclient_impl.h"
+
+/*
+ * Elements per CKPT_WRITE: the daemon streams a request's range through two buffers of
+ * its own, overlapping the reads from the tiers with the writes to the file; a request
+ * is bounded so that it ends within a reasonable request timeout.
+ */
+#define SAVE_PIECE (64u << 20)
+
+/* The saved hyperparameters, JSON text (free it). */
+static char *
+hparams_json(const struct zc_step_params *p)
+{
+	cJSON *o = cJSON_CreateObject();
+	char *text;
+
+	cJSON_AddStringToObject(o, "optimizer", zck_optim_names[p->optim]);
+	cJSON_AddNumberToObject(o, "lr", p->lr);
+	cJSON_AddNumberToObject(o, "beta1", p->beta1);
+	cJSON_AddNumberToObject(o, "beta2", p->beta2);
+	cJSON_AddNumberToObject(o, "eps", p->eps);
+	cJSON_AddNumberToObject(o, "weight_decay", p->weight_decay);
+	cJSON_AddNumberToObject(o, "lr_decay", p->lr_decay);
+	cJSON_AddNumberToObject(o, "grad_scale", p->grad_scale);
+	cJSON_AddNumberToObject(o, "max_grad_norm", p->max_grad_norm);
+	cJSON_AddBoolToObject(o, "no_bias_correction", p->no_bias_correction);
+	cJSON_AddBoolToObject(o, "check_finite", p->check_finite);
+	cJSON_AddNumberToObject(o, "step", (double)p->step);
+	text = cJSON_PrintUnformatted(o);
+	cJSON_Delete(o);
+	return text;
+}
+
+struct save_tensor {
+	const char *name;
+	const char *global_name;
+	uint64_t global_offset;
+	uint64_t global_numel;
+	uint64_t numel;
+	uint64_t begin[ZCK_STATES];	/* from the start of the data */
+	uint32_t crc[ZCK_STATES];
+	uint64_t step;			/* the daemon's answer */
+};
+
+static void
+add_meta_u64(cJSON *meta, const char *name, const char *what, uint64_t v)
+{
+	char key[1024], val[32];
+
+	snprintf(key, sizeof(key), "%s/%s", name, what);
+	snprintf(val, sizeof(val), "%" PRIu64, v);
+	cJSON_AddStringToObject(meta, key, val);
+}
+
+/*
+ * The header's JSON.  Until the data is written its CRCs and steps are not known: the
+ * first header is made with the widest values they can take, and its length reserved.
+ */
+static char *
+header_json(const struct save_tensor *ts, size_t n, const char *optim, const char *hparams,
+    uint32_t rank, uint32_t world, bool final)
+{
+	cJSON *hdr = cJSON_CreateObject(), *meta = cJSON_CreateObject();
+	char key[1024], val[32];
+	char *text;
+
+	cJSON_AddItemToObject(hdr, "__metadata__", meta);
+	cJSON_AddStringToObject(meta, "format", ZCK_FORMAT);
+	cJSON_AddStringToObject(meta, "optimizer", optim);
+	cJSON_AddStringToObject(meta, "hyperparameters", hparams);
+	snprintf(val, sizeof(val), "%u", rank);
+	cJSON_AddStringToObject(meta, "rank", val);
+	snprintf(val, sizeof(val), "%u", world);
+	cJSON_AddStringToObject(meta, "world_size", val);
+	for (size_t i = 0; i < n; i++) {
+		const struct save_tensor *t = &ts[i];
+
+		snprintf(key, sizeof(key), "%s/global_name", t->name);
+		cJSON_AddStringToObject(meta, key, t->global_name);
+		add_meta_u64(meta, t->name, "global_offset", t->global_offset);
+		add_meta_u64(meta, t->name, "global_numel", t->global_numel);
+		add_meta_u64(meta, t->name, "step", final ? t->step : UINT64_MAX);
+		for (unsigned st = 0; st < ZCK_STATES; st++) {
+			cJSON *a = cJSON_CreateObject();
+			double offs[2] = { (double)t->begin[st], (double)(t->begin[st] + 4 * t->numel) };
+			double shape = (double)t->numel;
+
+			snprintf(key, sizeof(key), "%s/%s/crc32c", t->name, zck_state_names[st]);
+			snprintf(val, sizeof(val), "%08x", final ? t->crc[st] : 0xffffffffu);
+			cJSON_AddStringToObject(meta, key, val);
+			cJSON_AddStringToObject(a, "dtype", "F32");
+			cJSON_AddItemToObject(a, "shape", cJSON_CreateDoubleArray(&shape, 1));
+			cJSON_AddItemToObject(a, "data_offsets", cJSON_CreateDoubleArray(offs, 2));
+			snprintf(key, sizeof(key), "%s/%s", t->name, zck_state_names[st]);
+			cJSON_AddItemToObject(hdr, key, a);
+		}
+	}
+	text = cJSON_PrintUnformatted(hdr);
+	cJSON_Delete(hdr);
+	return text;
+}
+
+static int
+pwrite_all(int fd, const void *buf, size_t len, uint64_t off)
+{
+	const char *p = buf;
+
+	while (len > 0) {
+		ssize_t n = pwrite(fd, p, len, (off_t)off);
+
+		if (n < 0 && errno == EINTR)
+			continue;
+		if (n <= 0)
+			return n < 0 ? -errno : -EIO;
+		p += n;
+		len -= (size_t)n;
+		off += (uint64_t)n;
+	}
+	return 0;
+}
+
+/* One tensor's three arrays into the file, by the daemon, a piece of each at a time. */
+static int
+save_tensor(struct zc_conn *c, struct zc_tensor *t, struct save_tensor *st, int fd,
+    uint64_t data_start, const char *path)
+{
+	uint32_t crc[ZCK_STATES] = { 0 };
+
+	for (uint64_t done = 0; done < st->numel;) {
+		uint64_t n = st->numel - done < SAVE_PIECE ? st->numel - done : SAVE_PIECE;
+		struct zp_msg m = { .hdr = { .type = ZP_CKPT_WRITE } };
+		const struct zp_msg *reply;
+		int r;
+
+		m.u.ckpt_write = (struct zp_ckpt_write){
+			.handle = zci_tensor_handle(t), .offset = done, .count = n,
+		};
+		for (unsigned k = 0; k < ZCK_STATES; k++) {
+			m.u.ckpt_write.file_offset[k] = data_start + st->begin[k] + 4 * done;
+			m.u.ckpt_write.crc[k] = crc[k];
+		}
+		r = zci_rpc_fd(c, &m, ZP_CKPT_DONE, fd, &reply);
+		if (r < 0) {
+			char why[sizeof(((struct zp_error *)0)->message) + 64];
+
+			snprintf(why, sizeof(why), "%s", zc_errmsg(c));
+			return zci_seterr(c, r, "checkpoint %s: %s", path, why);
+		}
+		if (done > 0 && reply->u.ckpt_done.last_step != st->step)
+			return zci_seterr(c, -EIO, "checkpoint %s: tensor '%s' moved from step %" PRIu64
+			    " to %" PRIu64 " while it was saved", path, st->name, st->step,
+			    reply->u.ckpt_done.last_step);
+		st->step = reply->u.ckpt_done.last_step;
+		memcpy(crc, reply->u.ckpt_done.crc, sizeof(crc));
+		done += n;
+	}
+	memcpy(st->crc, crc, sizeof(crc));
+	return 0;
+}
+
+static int
+check_entries(struct zc_conn *c, const struct zc_checkpoint_entry *es, size_t n,
+    struct save_tensor *ts)
+{
+	for (size_t i = 0; i < n; i++) {
+		struct zc_tensor *t = es[i].tensor;
+
+		if (t == NULL || zci_tensor_conn(t) != c)
+			return zci_seterr(c, -EINVAL, "checkpoint entry %zu: not a tensor of this "
+			    "connection", i);
+		for (size_t j = 0; j < i; j++)
+			if (es[j].tensor == t)
+				return zci_seterr(c, -EINVAL, "checkpoint: tensor '%s' is listed twice",
+				    zci_tensor_name(t));
+		if (zci_tensor_pending(t))
+			return zci_seterr(c, -EBUSY, "checkpoint: tensor '%s' is in a step; wait for "
+			    "it first", zci_tensor_name(t));
+		ts[i].name = zci_tensor_name(t);
+		ts[i].numel = zc_tensor_numel(t);
+		ts[i].global_name = es[i].global_name != NULL ? es[i].global_name : ts[i].name;
+		ts[i].global_offset = es[i].global_offset;
+		ts[i].global_numel = es[i].global_numel != 0 ? es[i].global_numel : ts[i].numel;
+		if (strlen(ts[i].global_name) == 0 || strlen(ts[i].global_name) > 255)
+			return zci_seterr(c, -EINVAL, "checkpoint: tensor '%s': global name must be 1 "
+			    "to 255 bytes", ts[i].name);
+		if (ts[i].global_offset > ts[i].global_numel ||
+		    ts[i].numel > ts[i].global_numel - ts[i].global_offset)
+			return zci_seterr(c, -EINVAL, "checkpoint: tensor '%s' of %" PRIu64 " elements "
+			    "does not fit at %" PRIu64 " in '%s' of %" PRIu64, ts[i].name, ts[i].numel,
+			    ts[i].global_offset, ts[i].global_name, ts[i].global_numel);
+	}
+	return 0;
+}
+
+int
+zc_checkpoint_save(struct zc_conn *c, const char *dir, const struct zc_checkpoint_entry *es,
+    size_t n, const struct zc_step_params *last)
+{
+	char *path = NULL, *tmp = NULL, *hp = NULL, *head = NULL;
+	struct save_tensor *ts = NULL;
+	uint64_t data = 0, reserved;
+	uint32_t rank, world;
+	int fd = -1, dfd = -1, r;
+	size_t hlen;
+	uint8_t *hbuf = NULL;
+
+	if (!zci_job_rank(c, &rank, &world))
+		return zci_seterr(c, -ENOTCONN, "checkpoint: open a job first");
+	if (dir == NULL || n == 0 || es == NULL || last == NULL || (unsigned)last->optim > ZC_LION)
+		return zci_seterr(c, -EINVAL, "checkpoint: a directory, at least one tensor and "
+		    "the last step's parameters are needed");
+	ts = calloc(n, sizeof(*ts));
+	if (ts == NULL)
+		return zci_seterr(c, -ENOMEM, "out of memory");
+	r = check_entries(c, es, n, ts);
+	if (r < 0)
+		goto out;
+	for (size_t i = 0; i < n; i++)
+		for (unsigned st = 0; st < ZCK_STATES; st++) {
+			ts[i].begin[st] = data;
+			data += 4 * ts[i].numel;
+		}
+	hp = hparams_json(last);
+	head = hp != NULL ? header_json(ts, n, zck_optim_names[last->optim], hp, rank, world,
+	    false) : NULL;
+	if (head == NULL || asprintf(&path, "%s/rank-%05u-of-%05u.safetensors", dir, rank,
+	    world) < 0 || asprintf(&tmp, "%s/.rank-%05u-of-%05u.safetensors.%d.tmp", dir, rank,
+	    world, (int)getpid()) < 0) {
+		path = tmp = NULL;
+		r = zci_seterr(c, -ENOMEM, "out of memory");
+		goto out;
+	}
+	/* Data 8-byte aligned, as safetensors readers like it; the pad is spaces. */
+	reserved = (8 + strlen(head) + 7) / 8 * 8 - 8;
+	free(head);
+	head = NULL;
+	fd = open(tmp, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+	if (fd < 0) {
+		r = zci_seterr(c, -errno, "checkpoint: cannot create %s: %s", tmp, strerror(errno));
+		goto out;
+	}
+	for (size_t i = 0; i < n && r == 0; i++)
+		r = save_tensor(c, es[i].tensor, &ts[i], fd, 8 + reserved, path);
+	if (r < 0)
+		goto out;
+	head = header_json(ts, n, zck_optim_names[last->optim], hp, rank, world, true);
+	hlen = head != NULL ? strlen(head) : 0;
+	hbuf = head != NULL && hlen <= reserved ? malloc(8 + reserved) : NULL;
+	if (hbuf == NULL) {
+		r = zci_seterr(c, -ENOMEM, "checkpoint: out of memory for the header");
+		goto out;
+	}
+	for (int i = 0; i < 8; i++)
+		hbuf[i] = (uint8_t)(reserved >> (8 * i));
+	memcpy(hbuf + 8, head, hlen);
+	memset(hbuf + 8 + hlen, ' ', reserved - hlen);
+	r = pwrite_all(fd, hbuf, 8 + reserved, 0);
+	if (r == 0 && fsync(fd) < 0)
+		r = -errno;
+	if (r < 0) {
+		r = zci_seterr(c, r, "checkpoint %s: %s", tmp, strerror(-r));
+		goto out;
+	}
+	r = close(fd) < 0 ? -errno : 0;
+	fd = -1;
+	/* Whole on disk before its name says so; the name on disk before we say it is saved. */
+	if (r == 0 && rename(tmp, path) < 0)
+		r = -errno;
+	if (r < 0) {
+		r = zci_seterr(c, r, "checkpoint %s: %s", path, strerror(-r));
+		goto out;
+	}
+	free(tmp);
+	tmp = NULL;
+	dfd = open(dir, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+	if (dfd < 0 || fsync(dfd) < 0)
+		r = zci_seterr(c, -errno, "checkpoint: fsync of %s: %s", dir, strerror(errno));
+out:
+	if (fd >= 0)
+		close(fd);
+	if (tmp != NULL)
+		unlink(tmp);
+	if (dfd >= 0)
+		close(dfd);
+	free(hbuf);
+	free(head);
+	free(hp);
+	free(tmp);
+	free(path);
+	free(ts);
+	return r;
+}
+
+struct zc_checkpoint {
+	struct zc_conn *conn;
+	struct zck_index *ix;
+};
+
+int
+zc_checkpoint_open(struct zc_conn *c, const char *dir, struct zc_checkpoint **ret)
+{
+	struct zc_checkpoint *ck;
+	char err[512];
+	int r;
+
+	if (dir == NULL)
+		return zci_seterr(c, -EINVAL, "checkpoint: no directory");
+	ck = calloc(1, sizeof(*ck));
+	if (ck == NULL)
+		return zci_seterr(c, -ENOMEM, "out of memory");
+	r = zck_open(dir, &ck->ix, err, sizeof(err));
+	if (r < 0) {
+		free(ck);
+		return zci_seterr(c, r, "%s", err);
+	}
+	ck->conn = c;
+	*ret = ck;
+	return 0;
+}
+
+void
+zc_checkpoint_close(struct zc_checkpoint *ck)
+{
+	if (ck == NULL)
+		return;
+	zck_close(ck->ix);
+	free(ck);
+}
+
+static double
+num(const cJSON *o, const char *key)
+{
+	const cJSON *v = cJSON_GetObjectItemCaseSensitive(o, key);
+
+	return cJSON_IsNumber(v) ? v->valuedouble : 0;
+}
+
+int
+zc_checkpoint_step_params(struct zc_checkpoint *ck, struct zc_step_params *p)
+{
+	const struct zck_file *f = &ck->ix->files[0];
+	cJSON *o = cJSON_Parse(f->hparams);
+	unsigned optim;
+
+	if (!cJSON_IsObject(o)) {
+		cJSON_Delete(o);
+		return zci_seterr(ck->conn, -EBADMSG, "%s: the saved hyperparameters are not JSON",
+		    f->path);
+	}
+	for (optim = 0; optim < 4; optim++)
+		if (strcmp(zck_optim_names[optim], f->optimizer) == 0)
+			break;
+	if (optim == 4) {
+		cJSON_Delete(o);
+		return zci_seterr(ck->conn, -EBADMSG, "%s: unknown optimizer '%s'", f->path,
+		    f->optimizer);
+	}
+	*p = (struct zc_step_params){
+		.optim = (enum zc_optim)optim,
+		.lr = num(o, "lr"), .beta1 = num(o, "beta1"), .beta2 = num(o, "beta2"),
+		.eps = num(o, "eps"), .weight_decay = num(o, "weight_decay"),
+		.lr_decay = num(o, "lr_decay"), .grad_scale = num(o, "grad_scale"),
+		.max_grad_norm = num(o, "max_grad_norm"),
+		.no_bias_correction = cJSON_IsTrue(cJSON_GetObjectItem(o, "no_bias_correction")),
+		.check_finite = cJSON_IsTrue(cJSON_GetObjectItem(o, "check_finite")),
+	};
+	for (size_t i = 0; i < ck->ix->nfiles; i++)
+		for (size_t j = 0; j < ck->ix->files[i].nentries; j++)
+			if (ck->ix->files[i].entries[j].step > p->step)
+				p->step = ck->ix->files[i].entries[j].step;
+	cJSON_Delete(o);
+	return 0;
+}

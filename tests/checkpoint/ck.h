@@ -1,0 +1,59 @@
+/* Checkpoint-test helpers: a logical model sharded over ranks, stepped, saved, restored. */
+#ifndef CK_H
+#define CK_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "itd.h"
+
+#define CK_MAX_RANKS 4
+#define CK_PARAMS 2
+
+/* The logical model: parameters of odd sizes, split into contiguous shards per rank. */
+extern const uint64_t ck_param_numel[CK_PARAMS];
+extern const char *const ck_param_name[CK_PARAMS];
+
+/* One rank of a job: its connection and its shard of each parameter. */
+struct ck_rank {
+	struct zc_conn *c;
+	struct zc_tensor *t[CK_PARAMS];
+	uint64_t off[CK_PARAMS];
+	uint64_t numel[CK_PARAMS];
+};
+
+struct ck_job {
+	unsigned world;
+	enum zc_optim optim;
+	struct ck_rank r[CK_MAX_RANKS];
+};
+
+/* Every parameter's whole master, m and v, gathered from the ranks. */
+struct ck_state {
+	float *a[CK_PARAMS][3];
+};
+
+/* The daemon's configuration: a swap directory, small chunks so tensors span several. */
+void ck_config(char *buf, size_t len, const char *swapdir);
+/* Opens job name with world ranks (policy for all) and registers the shards (fresh values). */
+void ck_job_start(struct ck_job *j, const struct itd *d, const char *name, unsigned world,
+    enum zc_optim optim, enum zc_policy policy);
+/* Opens the job and registers every shard from the checkpoint in dir; asserts step. */
+void ck_job_restore(struct ck_job *j, const struct itd *d, const char *name, unsigned world,
+    enum zc_optim optim, enum zc_policy policy, const char *dir, uint64_t step);
+/* Steps from..to (inclusive) on every rank: gradients depend on (param, element, step) only. */
+void ck_job_steps(struct ck_job *j, uint64_t from, uint64_t to);
+/* Every rank saves into dir; asserts success. */
+void ck_job_save(struct ck_job *j, const char *dir, uint64_t step);
+/* Reads back every rank's state into s (ck_state_free). */
+void ck_job_gather(struct ck_job *j, struct ck_state *s);
+void ck_job_close(struct ck_job *j);
+void ck_assert_same(const struct ck_state *a, const struct ck_state *b, const char *what);
+void ck_state_free(struct ck_state *s);
+struct zc_step_params ck_params(enum zc_optim optim, uint64_t step);
+/* A fresh directory under /tmp, and its removal with every file in it. */
+void ck_tmpdir(char *dir, size_t len, const char *what);
+void ck_rmdir(const char *dir);
+
+#endif
