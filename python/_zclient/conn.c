@@ -205,15 +205,38 @@ conn_closed(struct zpy_conn *self, void *closure)
 	return PyBool_FromLong(self->c == NULL);
 }
 
+PyObject *
+zpy_tensor_wrap(struct zpy_conn *self, struct zc_tensor *ct, PyObject *name,
+    const struct zc_tensor_desc *desc)
+{
+	struct zpy_state *st = zpy_state_of(Py_TYPE(self));
+	struct zpy_tensor *t;
+
+	t = (struct zpy_tensor *)st->tensor_type->tp_alloc(st->tensor_type, 0);
+	if (t == NULL) {
+		/* Unreachable in practice; the tensor stays registered until disconnect. */
+		return NULL;
+	}
+	t->conn = (struct zpy_conn *)Py_NewRef(self);
+	t->t = ct;
+	t->name = Py_NewRef(name);
+	t->numel = desc->numel;
+	t->grad_dtype = desc->grad_dtype;
+	t->param_dtype = desc->param_dtype;
+	t->next = self->tensors;
+	if (self->tensors != NULL)
+		self->tensors->prev = t;
+	self->tensors = t;
+	return (PyObject *)t;
+}
+
 static PyObject *
 conn_register(struct zpy_conn *self, PyObject *args, PyObject *kw)
 {
 	static char *kwlist[] = { "name", "init", "grad_dtype", "param_dtype", "param_offload",
 		NULL };
-	struct zpy_state *st = zpy_state_of(Py_TYPE(self));
 	PyObject *name, *gd = NULL, *pd = NULL;
 	struct zc_tensor_desc desc = { 0 };
-	struct zpy_tensor *t;
 	struct zc_tensor *ct = NULL;
 	char err[ZPY_ERRLEN];
 	int offload = 0, g, p, r;
@@ -243,29 +266,14 @@ conn_register(struct zpy_conn *self, PyObject *args, PyObject *kw)
 	PyBuffer_Release(&init);
 	if (r < 0)
 		return zpy_raise_conn(self, r, err);
-	t = (struct zpy_tensor *)st->tensor_type->tp_alloc(st->tensor_type, 0);
-	if (t == NULL) {
-		/* Unreachable in practice; the tensor stays registered until disconnect. */
-		return NULL;
-	}
-	t->conn = (struct zpy_conn *)Py_NewRef(self);
-	t->t = ct;
-	t->name = Py_NewRef(name);
-	t->numel = desc.numel;
-	t->grad_dtype = desc.grad_dtype;
-	t->param_dtype = desc.param_dtype;
-	t->next = self->tensors;
-	if (self->tensors != NULL)
-		self->tensors->prev = t;
-	self->tensors = t;
-	return (PyObject *)t;
+	return zpy_tensor_wrap(self, ct, name, &desc);
 fail_buf:
 	PyBuffer_Release(&init);
 	return NULL;
 }
 
-static int
-parse_optim(const char *s, enum zc_optim *ret)
+int
+zpy_optim(const char *s, enum zc_optim *ret)
 {
 	static const struct { const char *name; enum zc_optim o; } names[] = {
 		{ "adamw", ZC_ADAMW }, { "adam", ZC_ADAM }, { "adagrad", ZC_ADAGRAD },
@@ -302,7 +310,7 @@ conn_submit(struct zpy_conn *self, PyObject *args, PyObject *kw)
 	    &optim, &step, &sp.lr, &sp.beta1, &sp.beta2, &sp.eps, &sp.weight_decay,
 	    &sp.lr_decay, &sp.grad_scale, &sp.max_grad_norm, &nobc, &finite))
 		return NULL;
-	if (parse_optim(optim, &sp.optim) < 0 || !zpy_conn_ready(self))
+	if (zpy_optim(optim, &sp.optim) < 0 || !zpy_conn_ready(self))
 		return NULL;
 	sp.step = step;
 	sp.no_bias_correction = nobc != 0;
@@ -450,6 +458,19 @@ static PyMethodDef conn_methods[] = {
 	{ "stats", (PyCFunction)conn_stats, METH_NOARGS, "stats() -> str: the daemon's stats JSON" },
 	{ "jobs", (PyCFunction)conn_jobs, METH_NOARGS, "jobs() -> str: the daemon's jobs JSON" },
 	{ "ping", (PyCFunction)conn_ping, METH_NOARGS, "ping() -> int: round trip in ns" },
+	{ "checkpoint_save", (PyCFunction)(void (*)(void))zpy_checkpoint_save,
+	  METH_VARARGS | METH_KEYWORDS,
+	  "checkpoint_save(dir, entries, optim, step, lr, beta1=0.9, beta2=0.999, eps=1e-8, "
+	  "weight_decay=0, lr_decay=0): save this rank's tensors into dir (zc_checkpoint_save).\n"
+	  "entries: (Tensor, global_name or None, global_offset, global_numel) tuples; the "
+	  "keywords are the last step's hyperparameters, saved with the file." },
+	{ "register_checkpoint", (PyCFunction)(void (*)(void))zpy_register_checkpoint,
+	  METH_VARARGS | METH_KEYWORDS,
+	  "register_checkpoint(dir, tensors, optim) -> (list of Tensor, dict)\n"
+	  "tensors: (name, numel, grad_dtype, param_dtype, global_name or None, global_offset, "
+	  "global_numel) tuples, each registered with its state (master, moments, step) from "
+	  "the checkpoint in dir; all or none.  The dict: the hyperparameters saved with rank "
+	  "0's file (zc_checkpoint_step_params)." },
 	{ NULL, NULL, 0, NULL },
 };
 

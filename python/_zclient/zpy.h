@@ -86,6 +86,15 @@ PyObject *zpy_result(const struct zc_step_result *r);
 /* Tensor objects from a sequence, for the calls that take a list (borrowed pointers into out). */
 int zpy_tensor_list(struct zpy_conn *conn, PyObject *seq, struct zc_tensor ***ret, size_t *ret_n);
 
+/* A Python Tensor over a C tensor just registered on conn (name: a str). */
+PyObject *zpy_tensor_wrap(struct zpy_conn *conn, struct zc_tensor *ct, PyObject *name,
+    const struct zc_tensor_desc *desc);
+/* "adamw" | "adam" | "adagrad" | "lion" to a zc_optim; -1 with ValueError set. */
+int zpy_optim(const char *s, enum zc_optim *ret);
+/* Connection methods of checkpoint.c. */
+PyObject *zpy_checkpoint_save(struct zpy_conn *self, PyObject *args, PyObject *kw);
+PyObject *zpy_register_checkpoint(struct zpy_conn *self, PyObject *args, PyObject *kw);
+
 /* Tensors that free the connection's C tensors: fail if any still has live slot views. */
 bool zpy_conn_views_gone(struct zpy_conn *conn, const char *what);
 /* After the C tensors went away with the connection or the job. */

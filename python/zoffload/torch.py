@@ -28,6 +28,9 @@ A process that dies keeps its state in the daemon for ``limits.detach_grace_s``.
 process of the same job and rank that builds the same optimizer over the same parameters
 gets it back: the parameters are overwritten with the daemon's, ``resumed_step`` says the
 step it resumes after, and a warning says so.  ``close()`` frees the state instead.
+
+``save_checkpoint(dir)`` / ``load_checkpoint(dir)`` save and restore through the daemon's
+streaming checkpoint, for models too big for ``state_dict()`` (see _checkpoint.py).
 """
 import errno
 import logging
@@ -84,10 +87,11 @@ def _raw(t):
 
 class _Entry:
     """One parameter's tensor in the daemon and no-copy views of its slots."""
-    __slots__ = ("zt", "grad", "param", "in_flight", "cuda_addrs", "grad_view_ok")
+    __slots__ = ("zt", "grad", "param", "in_flight", "cuda_addrs", "grad_view_ok", "gd")
 
     def __init__(self, zt, grad_dtype, param_dtype):
         self.zt = zt
+        self.gd = grad_dtype
         self.grad = torch.frombuffer(zt.grad, dtype=_TORCH_DTYPES[grad_dtype])
         with warnings.catch_warnings():
             # The param slot is read-only shared memory: the daemon writes it.
@@ -163,6 +167,16 @@ class _ZoffloadOptimizer(torch.optim.Optimizer):
                 if ex.errno != errno.EAGAIN or attempt == 199:
                     raise
                 time.sleep(0.05)
+        last = self._attach(p, zt, gd, pd)
+        if last:
+            self.resumed_step = max(self.resumed_step, last)
+        else:
+            self._init_state(p, zt)
+        if self.overlap:
+            self._hooks.append(p.register_hook(self._make_hook(p)))
+
+    def _attach(self, p, zt, gd, pd):
+        """Makes zt p's tensor; a zt with state (taken back, restored) sets p and its step."""
         e = _Entry(zt, gd, pd)
         # Not with overlap (AccumulateGrad would write a slot under a step), nor for a slot of
         # another dtype or device.
@@ -175,13 +189,9 @@ class _ZoffloadOptimizer(torch.optim.Optimizer):
             with torch.no_grad():
                 p.copy_(master.view(p.shape))
             self.state[p]["step"] = torch.tensor(float(last))
-            self.resumed_step = max(self.resumed_step, last)
-        else:
-            self._init_state(p, zt)
         if p.is_cuda:
             self._cuda_register(e)
-        if self.overlap:
-            self._hooks.append(p.register_hook(self._make_hook(p)))
+        return last
 
     def _init_state(self, p, zt):
         pass
@@ -395,19 +405,38 @@ class _ZoffloadOptimizer(torch.optim.Optimizer):
         for h in self._hooks:
             h.remove()
         self._hooks = []
-        cudart = None
         entries, self._entries = self._entries, {}
-        for p, e in entries.items():
-            if p.grad is not None and p.grad.data_ptr() == e.grad.data_ptr():
-                p.grad = p.grad.clone()     # the slot goes away with the tensor
-            if e.cuda_addrs:
-                cudart = cudart or torch.cuda.cudart()
-                for addr in e.cuda_addrs:
-                    cudart.cudaHostUnregister(addr)
-            e.grad = e.param = None
+        _drop_views(entries)
         for e in entries.values():
             e.zt.unregister()
         self._conn.close()
+
+    # The daemon's streaming checkpoint (see _checkpoint.py).
+    def save_checkpoint(self, dir, names=None, places=None):
+        """Saves this rank's state into dir: one safetensors file streamed by the daemon
+        from wherever the state lives, and a JSON file of the param groups."""
+        from . import _checkpoint
+        _checkpoint.save(self, dir, names, places)
+
+    def load_checkpoint(self, dir, names=None, places=None):
+        """Restores a fresh optimizer (no step taken) from dir; returns the step it resumes
+        after.  Params are set from the restored fp32 master."""
+        from . import _checkpoint
+        return _checkpoint.load(self, dir, names, places)
+
+
+def _drop_views(entries):
+    """Lets go of every view of the entries' slots, which go away with their tensors."""
+    cudart = None
+    for p, e in entries.items():
+        if p.grad is not None and p.grad.data_ptr() == e.grad.data_ptr():
+            p.grad = p.grad.clone()
+        if e.cuda_addrs:
+            cudart = cudart or torch.cuda.cudart()
+            for addr in e.cuda_addrs:
+                cudart.cudaHostUnregister(addr)
+            e.cuda_addrs = []
+        e.grad = e.param = None
 
 
 def _check(cond, what):
