@@ -210,3 +210,29 @@ def test_two_ranks_into_one(daemon, tmp_path):
     assert_same_sd(opt.state_dict(), ref.state_dict())
     opt.close()
     ref.close()
+
+
+def test_binding_errors(daemon, tmp_path):
+    """The extension's calls raise ZoffloadError with libzclient's message."""
+    from zoffload import _zclient
+    with _zclient.Connection(daemon.socket) as conn:
+        conn.job_open("ckpt-binding")
+        t = conn.register("t", torch.ones(8).numpy())
+        missing = str(tmp_path / "absent")
+        with pytest.raises(ZoffloadError) as ex:
+            conn.checkpoint_save(missing, [(t, None, 0, 0)], optim="adamw", step=0, lr=1e-3)
+        assert ex.value.errno == errno.ENOENT and missing in str(ex.value)
+        with pytest.raises(ZoffloadError) as ex:
+            conn.register_checkpoint(str(tmp_path), [("u", 8, "fp32", "fp32", None, 0, 0)],
+                                     optim="adamw")
+        assert str(tmp_path) in str(ex.value)
+        with pytest.raises(TypeError, match="entry 0: expected"):
+            conn.checkpoint_save(str(tmp_path), [t], optim="adamw", step=0, lr=1e-3)
+        conn.checkpoint_save(str(tmp_path), [(t, "g", 0, 0)], optim="adamw", step=0, lr=1e-3)
+        ts, hyper = conn.register_checkpoint(
+            str(tmp_path), [("u", 8, "fp32", "fp32", "g", 0, 0)], optim="adamw")
+        assert ts[0].name == "u" and hyper["optim"] == "adamw" and hyper["lr"] == 1e-3
+        with pytest.raises(ZoffloadError, match="saved by adamw, not lion"):
+            conn.register_checkpoint(str(tmp_path), [("v", 8, "fp32", "fp32", "g", 0, 0)],
+                                     optim="lion")
+        conn.job_close()
