@@ -236,3 +236,13 @@ def test_binding_errors(daemon, tmp_path):
             conn.register_checkpoint(str(tmp_path), [("v", 8, "fp32", "fp32", "g", 0, 0)],
                                      optim="lion")
         conn.job_close()
+
+
+def test_group_value_json_cannot_store(daemon, tmp_path):
+    p = torch.nn.Parameter(torch.ones(4))
+    opt = zt.AdamW([p], job="ckpt-json", socket=daemon.socket)
+    opt.param_groups[0]["note"] = object()
+    with pytest.raises(TypeError, match="a param group holds a value JSON cannot store"):
+        opt.save_checkpoint(tmp_path / "c")
+    assert not os.path.exists(tmp_path / "c" / "rank-00000-of-00001.safetensors")
+    opt.close()

@@ -88,14 +88,15 @@ def save(opt, dir, names, places):
                 if "step" in opt.state.get(p, {})), default=0)
     entries = [(opt._entries[p].zt, name, offset, gnumel) for p, name, offset, gnumel, _
                in items]
-    opt._conn.checkpoint_save(os.fspath(dir), entries, optim=opt._optim, step=step,
-                              **opt._group_args(opt.param_groups[0]))
     try:
         groups = [_hyper(g) for g in opt.param_groups]
         json.dumps(groups)
     except TypeError as ex:
+        # Before anything is written: no state file without its JSON file.
         raise TypeError(f"zoffload: save_checkpoint: a param group holds a value JSON cannot "
                         f"store ({ex})") from None
+    opt._conn.checkpoint_save(os.fspath(dir), entries, optim=opt._optim, step=step,
+                              **opt._group_args(opt.param_groups[0]))
     by_pos = {}
     for p, name, offset, gnumel, position in items:
         by_pos[position] = name
