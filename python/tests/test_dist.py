@@ -10,7 +10,9 @@ import sys
 
 import torch
 
+import zhelpers
 import zoffload
+import zoffload.torch
 
 WORKER = os.path.join(os.path.dirname(__file__), "worker.py")
 STEPS = 8
@@ -22,11 +24,11 @@ def free_port():
         return s.getsockname()[1]
 
 
-def run_zero(sockets, job, out):
+def run_zero(sockets, job, out, steps=STEPS, ckpt=()):
     port = free_port()
     world = len(sockets)
     procs = [subprocess.Popen([sys.executable, WORKER, "zero", str(rank), str(world), str(port),
-                               sockets[rank], job, str(STEPS), str(out)],
+                               sockets[rank], job, str(steps), str(out), *map(str, ckpt)],
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
              for rank in range(world)]
     outputs = [p.communicate(timeout=120)[0] for p in procs]
@@ -80,3 +82,24 @@ def test_zero_four_ranks_two_daemons(make_daemon, tmp_path):
     shard_a = job_seen(jobs[0], "zero4")["params"]
     shard_b = job_seen(jobs[2], "zero4")["params"]
     assert shard_a + shard_b == sum(p.numel() for p in got["params"])
+
+
+def test_zero_checkpoint_into_one_process(daemon, tmp_path):
+    """Two ZeroRedundancyOptimizer ranks save their shards under the model's names; one
+    process (world size 1) restores them and goes on, bit for bit as the single run."""
+    half = STEPS // 2
+    ckpt = tmp_path / "ckpt"
+    run_zero([daemon.socket] * 2, "zero-ckpt", tmp_path / "zc.pt", steps=half, ckpt=[ckpt])
+    assert sorted(f for f in os.listdir(ckpt) if not f.startswith(".")) == [
+        "rank-00000-of-00002.safetensors", "rank-00001-of-00002.safetensors",
+        "zoffload-torch-rank-00000-of-00002.json", "zoffload-torch-rank-00001-of-00002.json"]
+    m = zhelpers.model(seed=12)
+    opt = zoffload.torch.AdamW(m.parameters(), lr=1.0, job="zero-ckpt-one",
+                               socket=daemon.socket)
+    assert opt.load_checkpoint(ckpt, names={p: n for n, p in m.named_parameters()}) == half
+    assert opt.param_groups[0]["lr"] == 2e-3
+    zhelpers.train(m, opt, STEPS - half, first=half + 1)
+    want = single(daemon.socket, tmp_path)
+    for a, b in zip(m.parameters(), want):
+        assert torch.equal(a.detach(), b), "restored run differs from the single process"
+    opt.close()

@@ -2,8 +2,9 @@
 
 train SOCKET JOB STEPS OUT [KILL_AFTER]: AdamW on the small transformer for STEPS steps,
     saving the params to OUT; with KILL_AFTER, save after that step and SIGKILL itself.
-zero RANK WORLD PORT SOCKET JOB STEPS OUT: one rank of ZeroRedundancyOptimizer over gloo,
-    every rank on the same batches (no DDP needed for equal gradients); rank 0 saves.
+zero RANK WORLD PORT SOCKET JOB STEPS OUT [CKPT]: one rank of ZeroRedundancyOptimizer over
+    gloo, every rank on the same batches (no DDP needed for equal gradients); rank 0 saves;
+    with CKPT, every rank also saves its shard there (save_checkpoint, the model's names).
 """
 import os
 import signal
@@ -35,7 +36,7 @@ def train(socket, job, steps, out, kill_after=None):
     torch.save(params_of(m), out)
 
 
-def zero(rank, world, port, socket, job, steps, out):
+def zero(rank, world, port, socket, job, steps, out, ckpt=None):
     import torch.distributed as dist
     from torch.distributed.optim import ZeroRedundancyOptimizer
 
@@ -49,6 +50,8 @@ def zero(rank, world, port, socket, job, steps, out):
         opt.zero_grad()
         zhelpers.loss_of(m, step).backward()
         opt.step()
+    if ckpt is not None:
+        opt.optim.save_checkpoint(ckpt, names={p: n for n, p in m.named_parameters()})
     # torch's consolidated state: every rank's shard, read from its own daemon.
     opt.consolidate_state_dict(to=0)
     if rank == 0:
@@ -66,6 +69,7 @@ if __name__ == "__main__":
     if mode == "train":
         train(args[0], args[1], int(args[2]), args[3], int(args[4]) if len(args) > 4 else None)
     elif mode == "zero":
-        zero(int(args[0]), int(args[1]), int(args[2]), args[3], args[4], int(args[5]), args[6])
+        zero(int(args[0]), int(args[1]), int(args[2]), args[3], args[4], int(args[5]), args[6],
+             *args[7:])
     else:
         sys.exit(f"unknown mode {mode}")
