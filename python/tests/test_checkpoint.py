@@ -246,3 +246,38 @@ def test_group_value_json_cannot_store(daemon, tmp_path):
         opt.save_checkpoint(tmp_path / "c")
     assert not os.path.exists(tmp_path / "c" / "rank-00000-of-00001.safetensors")
     opt.close()
+
+
+def half_params(seed, dtype):
+    torch.manual_seed(seed)
+    return [torch.nn.Parameter(torch.randn(shape).to(dtype)) for shape in ((37, 5), (11,))]
+
+
+def half_train(params, opt, first, last):
+    for step in range(first, last + 1):
+        for p in params:
+            p.grad = grad_of(step, p.numel()).view(p.shape).to(p.dtype)
+        opt.step()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_params_resume(make_daemon, tmp_path, dtype):
+    """bf16/fp16 params: the restored params are the master's rounding, as the daemon's."""
+    a, b = make_daemon(), make_daemon()
+    ps = half_params(6, dtype)
+    opt = zt.AdamW(ps, lr=1e-3, job="ckpt-half", socket=a.socket)
+    half_train(ps, opt, 1, 4)
+    opt.save_checkpoint(tmp_path)
+    saved = [p.detach().clone() for p in ps]
+    half_train(ps, opt, 5, 8)
+    qs = half_params(7, dtype)
+    opt2 = zt.AdamW(qs, lr=1e-3, job="ckpt-half", socket=b.socket)
+    assert opt2.load_checkpoint(tmp_path) == 4
+    for p, q in zip(saved, qs):
+        assert torch.equal(p, q), "params not set from the restored master"
+    half_train(qs, opt2, 5, 8)
+    for p, q in zip(ps, qs):
+        assert q.dtype == dtype and torch.equal(p, q)
+    assert_same_sd(opt2.state_dict(), opt.state_dict())
+    opt.close()
+    opt2.close()
