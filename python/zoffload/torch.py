@@ -41,7 +41,7 @@ from itertools import chain
 
 import torch
 
-from . import _zclient
+from . import _checkpoint, _zclient
 from ._zclient import ZoffloadError
 
 __all__ = ["AdamW", "Adam", "Adagrad", "Lion", "ZoffloadError"]
@@ -415,13 +415,11 @@ class _ZoffloadOptimizer(torch.optim.Optimizer):
     def save_checkpoint(self, dir, names=None, places=None):
         """Saves this rank's state into dir: one safetensors file streamed by the daemon
         from wherever the state lives, and a JSON file of the param groups."""
-        from . import _checkpoint
         _checkpoint.save(self, dir, names, places)
 
     def load_checkpoint(self, dir, names=None, places=None):
         """Restores a fresh optimizer (no step taken) from dir; returns the step it resumes
         after.  Params are set from the restored fp32 master."""
-        from . import _checkpoint
         return _checkpoint.load(self, dir, names, places)
 
 
@@ -430,7 +428,7 @@ def _drop_views(entries):
     cudart = None
     for p, e in entries.items():
         if p.grad is not None and p.grad.data_ptr() == e.grad.data_ptr():
-            p.grad = p.grad.clone()
+            p.grad = p.grad.clone()     # the slot goes away with the tensor
         if e.cuda_addrs:
             cudart = cudart or torch.cuda.cudart()
             for addr in e.cuda_addrs:
