@@ -132,7 +132,8 @@ static int check_qtensor(enum zk_isa isa, const struct zk_qtensor *t, size_t beg
 int zk_qstep(enum zk_isa isa, const struct zk_hparams *hp, const struct zk_qtensor *t,
     size_t begin, size_t end)
 {
-	struct zk_consts c;
+	struct zk_qconsts qc;
+	double bc2 = 1;
 	int r;
 
 	r = zk_hparams_validate(hp);
@@ -143,11 +144,16 @@ int zk_qstep(enum zk_isa isa, const struct zk_hparams *hp, const struct zk_qtens
 		return r;
 	if (hp->optim != ZK_OPTIM_ADAMW && hp->optim != ZK_OPTIM_ADAM)
 		return -ENOTSUP;
-	r = zk_consts_init(hp, &c);
+	r = zk_consts_init(hp, &qc.c);
 	if (r < 0)
 		return r;
+	if (hp->bias_correction)
+		bc2 = 1.0 - pow(hp->beta2, (double)hp->step);
+	qc.inv_bc2_sqrt = (float)(1.0 / sqrt(bc2));
+	if (!isfinite(qc.inv_bc2_sqrt))
+		return -EINVAL;
 	if (begin < end)
-		qstep_fns[isa](&c, hp->optim, t, begin, end);
+		qstep_fns[isa](&qc, hp->optim, t, begin, end);
 	return 0;
 }
 
@@ -209,8 +215,8 @@ int zk_qstate_decode(const struct zk_qtensor *t, float *m, float *v)
 			m[i] = zk__bf16_to_f32(((const uint16_t *)t->m)[i]);
 			v[i] = zk__bf16_to_f32(((const uint16_t *)t->v)[i]);
 		} else {
-			float um = zk__q8_decode_mul(ZK_Q8_VMAX_M, t->m_scale[i / ZK_Q8_BLOCK]);
-			float ur = zk__q8_decode_mul(ZK_Q8_VMAX_V, t->v_scale[i / ZK_Q8_BLOCK]);
+			float um = zk__q8_decode_mul(ZK_Q8_RCP_VMAX_M, t->m_scale[i / ZK_Q8_BLOCK]);
+			float ur = zk__q8_decode_mul(ZK_Q8_RCP_VMAX_V, t->v_scale[i / ZK_Q8_BLOCK]);
 			float r = zk__q8_decode_r(((const uint8_t *)t->v)[i], ur);
 
 			m[i] = zk__q8_decode_m(((const uint8_t *)t->m)[i], um);
@@ -246,11 +252,13 @@ static inline void store_param(void *param, enum zk_dtype dt, size_t i, float p)
 /*
  * Element i of the AdamW/Adam step from decoded moments (mo, vo): the new
  * moments come back in *mi and *vi, and sqrt(*vi) (the stored quantity of
- * q8-moments) in *r.  Exactly zk_step_scalar's operations.
+ * q8-moments) in *r.  zk_step_scalar's operations, but for the multiply by
+ * 1/sqrt(bc2) (struct zk_qconsts).
  */
-static inline void adam_elem(const struct zk_consts *c, enum zk_optim optim,
+static inline void adam_elem(const struct zk_qconsts *qc, enum zk_optim optim,
     const struct zk_qtensor *t, size_t i, float mo, float vo, float *mi, float *vi, float *r)
 {
+	const struct zk_consts *c = &qc->c;
 	float g = load_grad(t->grad, t->grad_dtype, i) * c->inv_scale * c->clip;
 	float p = t->master[i], d;
 
@@ -264,13 +272,13 @@ static inline void adam_elem(const struct zk_consts *c, enum zk_optim optim,
 		*mi = g - (g - mo) * c->lerp_omw;
 	*vi = vo * c->beta2 + c->omb2 * g * g;
 	*r = sqrtf(*vi);
-	d = *r / c->bc2_sqrt + c->eps;
+	d = *r * qc->inv_bc2_sqrt + c->eps;
 	p = p + c->neg_step * *mi / d;
 	t->master[i] = p;
 	store_param(t->param, t->param_dtype, i, p);
 }
 
-void zk_qstep_scalar(const struct zk_consts *c, enum zk_optim optim, const struct zk_qtensor *t,
+void zk_qstep_scalar(const struct zk_qconsts *c, enum zk_optim optim, const struct zk_qtensor *t,
     size_t begin, size_t end)
 {
 	if (t->format == ZK_STATE_BF16) {
@@ -288,8 +296,8 @@ void zk_qstep_scalar(const struct zk_consts *c, enum zk_optim optim, const struc
 	for (size_t b = begin; b < end; b += ZK_Q8_BLOCK) {
 		uint8_t *m = (uint8_t *)t->m + b, *v = (uint8_t *)t->v + b;
 		size_t k = b / ZK_Q8_BLOCK, len = end - b < ZK_Q8_BLOCK ? end - b : ZK_Q8_BLOCK;
-		float um = zk__q8_decode_mul(ZK_Q8_VMAX_M, t->m_scale[k]);
-		float ur = zk__q8_decode_mul(ZK_Q8_VMAX_V, t->v_scale[k]);
+		float um = zk__q8_decode_mul(ZK_Q8_RCP_VMAX_M, t->m_scale[k]);
+		float ur = zk__q8_decode_mul(ZK_Q8_RCP_VMAX_V, t->v_scale[k]);
 		float bm[ZK_Q8_BLOCK], br[ZK_Q8_BLOCK], qm, qr;
 		uint32_t mm = 0, mr = 0;
 
@@ -299,7 +307,7 @@ void zk_qstep_scalar(const struct zk_consts *c, enum zk_optim optim, const struc
 			adam_elem(c, optim, t, b + j, zk__q8_decode_m(m[j], um), ro * ro, &bm[j], &vi,
 			    &br[j]);
 			mm = zk__absbits(bm[j]) > mm ? zk__absbits(bm[j]) : mm;
-			mr = zk__absbits(br[j]) > mr ? zk__absbits(br[j]) : mr;
+			mr = zk__f32_bits(br[j]) > mr ? zk__f32_bits(br[j]) : mr;
 		}
 		t->m_scale[k] = zk__bits_f32(mm);
 		t->v_scale[k] = zk__bits_f32(mr);

@@ -24,6 +24,9 @@ ZK_INLINE vi vi_and(vi a, vi b) { return _mm512_and_si512(a, b); }
 ZK_INLINE vi vi_or(vi a, vi b) { return _mm512_or_si512(a, b); }
 ZK_INLINE vi vi_minu(vi a, vi b) { return _mm512_min_epu32(a, b); }
 ZK_INLINE vi vi_maxs(vi a, vi b) { return _mm512_max_epi32(a, b); }
+ZK_INLINE vi vi_maxu(vi a, vi b) { return _mm512_max_epu32(a, b); }
+/* a | (b & c) in one vpternlogd */
+ZK_INLINE vi vi_or_and(vi a, vi b, vi c) { return _mm512_ternarylogic_epi32(a, b, c, 0xf8); }
 ZK_INLINE vi vi_zero(void) { return _mm512_setzero_si512(); }
 ZK_INLINE void vi_storeu(uint32_t *p, vi x) { _mm512_storeu_si512(p, x); }
 ZK_INLINE vi vi_loadu(const uint32_t *p) { return _mm512_loadu_si512(p); }
@@ -48,6 +51,8 @@ ZK_INLINE vi vi_and(vi a, vi b) { return _mm256_and_si256(a, b); }
 ZK_INLINE vi vi_or(vi a, vi b) { return _mm256_or_si256(a, b); }
 ZK_INLINE vi vi_minu(vi a, vi b) { return _mm256_min_epu32(a, b); }
 ZK_INLINE vi vi_maxs(vi a, vi b) { return _mm256_max_epi32(a, b); }
+ZK_INLINE vi vi_maxu(vi a, vi b) { return _mm256_max_epu32(a, b); }
+ZK_INLINE vi vi_or_and(vi a, vi b, vi c) { return _mm256_or_si256(a, _mm256_and_si256(b, c)); }
 ZK_INLINE vi vi_zero(void) { return _mm256_setzero_si256(); }
 ZK_INLINE void vi_storeu(uint32_t *p, vi x) { _mm256_storeu_si256((__m256i *)p, x); }
 ZK_INLINE vi vi_loadu(const uint32_t *p) { return _mm256_loadu_si256((const __m256i *)p); }
@@ -65,14 +70,16 @@ ZK_INLINE size_t dsize(int dt)
 }
 
 struct qconsts {
-	vf inv_scale, clip, decay, wd, lerp_w, lerp_omw, beta2, omb2, bc2_sqrt, eps, neg_step;
+	vf inv_scale, clip, decay, wd, lerp_w, lerp_omw, beta2, omb2, inv_bc2, eps, neg_step;
 	vf offset;
 	vi bias, absmask, m7f, sign80;
 	bool l2, lerp_small, bc2_one, scale_one, clip_one;
 };
 
-static void qconsts_init(const struct zk_consts *c, struct qconsts *k)
+static void qconsts_init(const struct zk_qconsts *qc, struct qconsts *k)
 {
+	const struct zk_consts *c = &qc->c;
+
 	k->inv_scale = vf_set1(c->inv_scale);
 	k->clip = vf_set1(c->clip);
 	k->decay = vf_set1(c->decay);
@@ -81,7 +88,7 @@ static void qconsts_init(const struct zk_consts *c, struct qconsts *k)
 	k->lerp_omw = vf_set1(c->lerp_omw);
 	k->beta2 = vf_set1(c->beta2);
 	k->omb2 = vf_set1(c->omb2);
-	k->bc2_sqrt = vf_set1(c->bc2_sqrt);
+	k->inv_bc2 = vf_set1(qc->inv_bc2_sqrt);
 	k->eps = vf_set1(c->eps);
 	k->neg_step = vf_set1(c->neg_step);
 	k->offset = vf_set1(ZK_Q8_OFFSET);
@@ -91,7 +98,7 @@ static void qconsts_init(const struct zk_consts *c, struct qconsts *k)
 	k->sign80 = vi_set1(0x80000000u);
 	k->l2 = c->l2;
 	k->lerp_small = c->lerp_small;
-	k->bc2_one = c->bc2_one;
+	k->bc2_one = qc->inv_bc2_sqrt == 1.0f;
 	k->scale_one = c->inv_scale == 1.0f;
 	k->clip_one = c->clip == 1.0f;
 }
@@ -147,7 +154,7 @@ ZK_INLINE void adam(const struct qconsts *k, int optim, int gdt, int pdt, bool n
 	*r = vf_sqrt(*vi_);
 	d = *r;
 	if (!k->bc2_one)
-		d = vf_div(d, k->bc2_sqrt);
+		d = vf_mul(d, k->inv_bc2);
 	d = vf_add(d, k->eps);
 	p = vf_add(p, vf_div(vf_mul(k->neg_step, *mi), d));
 	vf_store(master, p);
@@ -201,10 +208,11 @@ ZK_INLINE void bf16_run(const struct qconsts *k, int optim, int gdt, int pdt, bo
 
 ZK_INLINE vf dec_m(const struct qconsts *k, vi c, vf um)
 {
-	vf a = vf_sub(vf_cast(vi_add(vi_and(vi_slli(c, 20), k->m7f), k->bias)), k->offset);
+	/* The magnitude bits (20-26) and the bias (27-29) do not overlap: an or does the add. */
+	vf a = vf_sub(vf_cast(vi_or_and(k->bias, vi_slli(c, 20), k->m7f)), k->offset);
 
 	a = vf_mul(a, um);
-	return vf_cast(vi_or(vf_bits(a), vi_and(vi_slli(c, 24), k->sign80)));
+	return vf_cast(vi_or_and(vf_bits(a), vi_slli(c, 24), k->sign80));
 }
 
 ZK_INLINE vf dec_r(const struct qconsts *k, vi c, vf ur)
@@ -212,14 +220,12 @@ ZK_INLINE vf dec_r(const struct qconsts *k, vi c, vf ur)
 	return vf_mul(vf_sub(vf_cast(vi_add(vi_slli(c, 19), k->bias)), k->offset), ur);
 }
 
-/* zk__q8_code on a vector: round z's bits to nearest-even at bit sh, unbias, clamp. */
+/* zk__q8_code on a vector: round z's bits at bit sh and unbias in one add, clamp. */
 ZK_INLINE vi code(const struct qconsts *k, vf y, unsigned sh, uint32_t cmax)
 {
 	vi b = vf_bits(vf_add(y, k->offset));
-	vi t = vi_add(vi_add(b, vi_set1((1u << (sh - 1)) - 1)), vi_and(vi_srli(b, sh), vi_set1(1)));
 
-	t = vi_sub(vi_srli(t, sh), vi_set1(ZK_Q8_BIAS >> sh));
-	return vi_minu(t, vi_set1(cmax));
+	return vi_minu(vi_srli(vi_add(b, vi_set1((1u << (sh - 1)) - ZK_Q8_BIAS)), sh), vi_set1(cmax));
 }
 
 /* One vector of pass 1; new m and r go to the block buffers, their |bits| into the maxima. */
@@ -234,57 +240,92 @@ ZK_INLINE void q8_step(const struct qconsts *k, int optim, int gdt, int pdt, boo
 	vf_store(bm, mi);
 	vf_store(br, r);
 	*mx_m = vi_maxs(*mx_m, vi_and(vi_and(vf_bits(mi), k->absmask), lanes));
-	*mx_r = vi_maxs(*mx_r, vi_and(vi_and(vf_bits(r), k->absmask), lanes));
+	*mx_r = vi_maxu(*mx_r, vi_and(vf_bits(r), lanes));
 }
 
-static uint32_t hmax(vi x)
+ZK_INLINE uint32_t hmax(vi x)
 {
-	uint32_t l[ZK_W], mx = 0;
+#if ZK_VEC_BITS == 512
+	return _mm512_reduce_max_epu32(x);
+#else
+	__m128i h = _mm_max_epu32(_mm256_castsi256_si128(x), _mm256_extracti128_si256(x, 1));
 
-	vi_storeu(l, x);
-	for (unsigned j = 0; j < ZK_W; j++)
-		mx = l[j] > mx ? l[j] : mx;
-	return mx;
+	h = _mm_max_epu32(h, _mm_shuffle_epi32(h, 0x4e));
+	h = _mm_max_epu32(h, _mm_shuffle_epi32(h, 0xb1));
+	return (uint32_t)_mm_cvtsi128_si32(h);
+#endif
 }
 
-/* Pass 2 over nvec vectors of the buffers into m/v codes. */
+/* Pass 2 for one vector: new m and r from the buffers into codes. */
+ZK_INLINE void q8_encode1(const struct qconsts *k, const float *bm, const float *br,
+    uint8_t *m, uint8_t *v, vf qm, vf qr)
+{
+	vi x = vf_bits(vf_load(bm));
+	vi cm = code(k, vf_mul(vf_cast(vi_and(x, k->absmask)), qm), 20, 127);
+
+	vi_store_u8(m, vi_or_and(cm, vi_srli(x, 24), vi_set1(0x80)));
+	vi_store_u8(v, code(k, vf_mul(vf_load(br), qr), 19, 255));
+}
+
 ZK_INLINE void q8_encode(const struct qconsts *k, const float *bm, const float *br,
-    uint8_t *m, uint8_t *v, size_t nvec, float qm_, float qr_)
+    uint8_t *m, uint8_t *v, size_t nvec, vf qm, vf qr)
 {
-	vf qm = vf_set1(qm_), qr = vf_set1(qr_);
-
-	for (size_t j = 0; j < nvec * ZK_W; j += ZK_W) {
-		vi x = vf_bits(vf_load(bm + j));
-		vi sign = vi_and(vi_srli(x, 24), vi_set1(0x80));
-		vi cm = code(k, vf_mul(vf_cast(vi_and(x, k->absmask)), qm), 20, 127);
-
-		vi_store_u8(m + j, vi_or(cm, sign));
-		vi_store_u8(v + j, code(k, vf_mul(vf_load(br + j), qr), 19, 255));
-	}
+	for (size_t j = 0; j < nvec * ZK_W; j += ZK_W)
+		q8_encode1(k, bm + j, br + j, m + j, v + j, qm, qr);
 }
 
+/* A block whose new moments sit in a buffer, waiting for its codes. */
+struct pending {
+	const float *bm, *br;
+	uint8_t *m, *v;
+	vf qm, qr;
+	bool on;
+};
+
+/*
+ * Block by block: pass 1 (the step) of block i runs together with pass 2
+ * (the encode) of block i - 1, from the other half of a double buffer.  The
+ * encode needs the whole block's maxima, so it cannot join its own block's
+ * step; joined to the next one, its integer work fills the ports the
+ * step's divider leaves idle instead of running on its own.
+ */
 ZK_INLINE void q8_run(const struct qconsts *k, int optim, int gdt, int pdt, bool nt,
     const struct zk_qtensor *t, size_t b, size_t e)
 {
 	size_t gs = dsize(gdt), ps = dsize(pdt);
 	const char *g = t->grad;
 	char *param = t->param;
-	float bm[ZK_Q8_BLOCK], br[ZK_Q8_BLOCK];
+	float buf_m[2][ZK_Q8_BLOCK], buf_r[2][ZK_Q8_BLOCK];
+	struct pending pd = { .on = false };
 	vi all = vi_set1(0xffffffffu);
 
 	for (size_t blk = b; blk < e; blk += ZK_Q8_BLOCK) {
 		size_t kb = blk / ZK_Q8_BLOCK, len = e - blk < ZK_Q8_BLOCK ? e - blk : ZK_Q8_BLOCK;
 		uint8_t *m = (uint8_t *)t->m + blk, *v = (uint8_t *)t->v + blk;
-		vf um = vf_set1(zk__q8_decode_mul(ZK_Q8_VMAX_M, t->m_scale[kb]));
-		vf ur = vf_set1(zk__q8_decode_mul(ZK_Q8_VMAX_V, t->v_scale[kb]));
+		float *bm = buf_m[kb & 1], *br = buf_r[kb & 1];
+		vf um = vf_set1(zk__q8_decode_mul(ZK_Q8_RCP_VMAX_M, t->m_scale[kb]));
+		vf ur = vf_set1(zk__q8_decode_mul(ZK_Q8_RCP_VMAX_V, t->v_scale[kb]));
 		vi mx_m = vi_zero(), mx_r = vi_zero();
-		size_t j = 0, nvec = (len + ZK_W - 1) / ZK_W;
-		float qm, qr, sm, sr;
+		size_t j = 0;
+		float sm, sr;
 
-		for (; j + ZK_W <= len; j += ZK_W)
-			q8_step(k, optim, gdt, pdt, nt, t->master + blk + j, m + j, v + j,
-			    g + (blk + j) * gs, pdt != ZK_NO_PARAM ? param + (blk + j) * ps : NULL,
-			    um, ur, bm + j, br + j, &mx_m, &mx_r, all);
+#define ZK_Q8_STEP(J) q8_step(k, optim, gdt, pdt, nt, t->master + blk + (J), m + (J), v + (J), \
+	    g + (blk + (J)) * gs, pdt != ZK_NO_PARAM ? param + (blk + (J)) * ps : NULL, \
+	    um, ur, bm + (J), br + (J), &mx_m, &mx_r, all)
+		if (pd.on && len == ZK_Q8_BLOCK) {
+			/* The previous block is whole (only the last can be short): same count. */
+			for (; j < ZK_Q8_BLOCK; j += ZK_W) {
+				ZK_Q8_STEP(j);
+				q8_encode1(k, pd.bm + j, pd.br + j, pd.m + j, pd.v + j, pd.qm, pd.qr);
+			}
+		} else {
+			if (pd.on)
+				q8_encode(k, pd.bm, pd.br, pd.m, pd.v, ZK_Q8_BLOCK / ZK_W, pd.qm, pd.qr);
+			for (; j + ZK_W <= len; j += ZK_W)
+				ZK_Q8_STEP(j);
+		}
+#undef ZK_Q8_STEP
+		pd.on = false;
 		if (j < len) {
 			/* The tensor's last few elements: padded copies, the padding kept out of the maxima. */
 			float lmaster[ZK_W] = { 0 }, lg[ZK_W] = { 0 }, lp[ZK_W];
@@ -307,18 +348,20 @@ ZK_INLINE void q8_run(const struct qconsts *k, int optim, int gdt, int pdt, bool
 		sr = zk__bits_f32(hmax(mx_r));
 		t->m_scale[kb] = sm;
 		t->v_scale[kb] = sr;
-		qm = zk__q8_encode_mul(ZK_Q8_VMAX_M, sm);
-		qr = zk__q8_encode_mul(ZK_Q8_VMAX_V, sr);
-		if (len == ZK_Q8_BLOCK) {
-			q8_encode(k, bm, br, m, v, nvec, qm, qr);
-		} else {
+		pd = (struct pending){ .bm = bm, .br = br, .m = m, .v = v, .on = true,
+			.qm = vf_set1(zk__q8_encode_mul(ZK_Q8_VMAX_M, sm)),
+			.qr = vf_set1(zk__q8_encode_mul(ZK_Q8_VMAX_V, sr)) };
+		if (len < ZK_Q8_BLOCK) {
 			uint8_t cm[ZK_Q8_BLOCK], cv[ZK_Q8_BLOCK];
 
-			q8_encode(k, bm, br, cm, cv, nvec, qm, qr);
+			q8_encode(k, bm, br, cm, cv, (len + ZK_W - 1) / ZK_W, pd.qm, pd.qr);
 			memcpy(m, cm, len);
 			memcpy(v, cv, len);
+			pd.on = false;
 		}
 	}
+	if (pd.on)
+		q8_encode(k, pd.bm, pd.br, pd.m, pd.v, ZK_Q8_BLOCK / ZK_W, pd.qm, pd.qr);
 }
 
 /* Streaming stores when the range's param starts on a whole vector store (every later vector then does). */
@@ -327,9 +370,15 @@ static bool nt_ok(const void *param, size_t esize)
 	return esize && (uintptr_t)param % (ZK_W * esize) == 0;
 }
 
-ZK_INLINE void qrun(const struct qconsts *k, int optim, int gdt, int pdt,
+ZK_INLINE void qrun(const struct qconsts *kp, int optim, int gdt, int pdt,
     const struct zk_qtensor *t, size_t b, size_t e)
 {
+	/*
+	 * A copy whose address never leaves these inlined functions: vector types
+	 * may alias anything, so through kp every store would force the flags and
+	 * constants to be read again inside the loops.
+	 */
+	const struct qconsts kk = *kp, *k = &kk;
 	bool nt = pdt != ZK_NO_PARAM && nt_ok((char *)t->param + b * dsize(pdt), dsize(pdt));
 
 	if (t->format == ZK_STATE_BF16) {
@@ -355,7 +404,7 @@ ZK_INLINE void qrun(const struct qconsts *k, int optim, int gdt, int pdt,
 #define ZK_CASES(O) \
 	ZK_CASES_P(O, ZK_DTYPE_F32); ZK_CASES_P(O, ZK_DTYPE_BF16); ZK_CASES_P(O, ZK_DTYPE_F16)
 
-void ZK_FN(zk_qstep)(const struct zk_consts *c, enum zk_optim optim, const struct zk_qtensor *t,
+void ZK_FN(zk_qstep)(const struct zk_qconsts *c, enum zk_optim optim, const struct zk_qtensor *t,
     size_t b, size_t e)
 {
 	int sel = (int)t->grad_dtype * 4 + (t->param ? (int)t->param_dtype : ZK_NO_PARAM);

@@ -22,22 +22,26 @@
  *   m: byte = sign << 7 | c, c in 0..127 an "offset E4M3" magnitude:
  *        Fm(c) = float with bits (c << 20) + (112 << 23), i.e. 2^(e-15) (1 + f/8)
  *                for c = e << 3 | f; Fm(0) = 2^-15
- *        |m| = (Fm(c) - 2^-15) * (sm / VMAX_M),  VMAX_M = Fm(127) - 2^-15 = 1.875 - 2^-15
+ *        |m| = (Fm(c) - 2^-15) * (sm * RCP_M),  VMAX_M = Fm(127) - 2^-15 = 1.875 - 2^-15,
+ *                                              RCP_M = 1 / VMAX_M rounded to fp32
  *      sm = the block's max |m|.  16 binades at 3 mantissa bits, then a
  *      linear bottom (steps of 2^-18 sm/VMAX_M) down to an exact zero.
  *   v: byte = c in 0..255, an "offset E4M4" code of r = sqrt(v):
  *        Fv(c) = float with bits (c << 19) + (112 << 23);  Fv(0) = 2^-15
- *        r = (Fv(c) - 2^-15) * (sr / VMAX_V),  VMAX_V = Fv(255) - 2^-15 = 1.9375 - 2^-15
+ *        r = (Fv(c) - 2^-15) * (sr * RCP_V),  VMAX_V = Fv(255) - 2^-15 = 1.9375 - 2^-15,
+ *                                             RCP_V = 1 / VMAX_V rounded to fp32
  *        v = r * r
  *      sr = the block's max sqrt(v).  The step needs sqrt(v) anyway, and in
  *      the square-root domain 16 binades of r are 32 of v at 4 mantissa bits.
  *
+ *   All products above are fp32 operations in the order written.
  *   Encoding x (|m| or r) in a block of scale s: q = VMAX / s (0 when that is
  *   not finite: s = 0, inf, NaN or subnormal), y = |x| * q, z = y + 2^-15,
- *   then z's fp32 bits rounded to nearest-even at bit 20 (m) or 19 (v),
- *   less the 112 << 23 offset, clamped to 127 (m) / 255 (v).  Every step is one
- *   fp32 operation, so the code is the nearest one to y, found without a
- *   table or a search; decoding is a shift, an integer add and a subtract.
+ *   then z's fp32 bits rounded to nearest at bit 20 (m) or 19 (v), ties away
+ *   from zero (add 2^19 or 2^18 to the bits, truncate), less the 112 << 23
+ *   offset, clamped to 127 (m) / 255 (v).  Each is one fp32 or integer
+ *   operation, so the code is the nearest one to y, found without a table or
+ *   a search; decoding is a shift, an integer add and a subtract.
  *   All-zero bytes and scales decode to zero state.  A non-finite scale makes
  *   the whole block NaN (fp32 state would poison the element alone).
  *

@@ -21,20 +21,29 @@ static inline float zk__q8_encode_mul(float vmax, float s)
 	return q <= 0x1.fffffep127f ? q : 0.0f;
 }
 
-static inline float zk__q8_decode_mul(float vmax, float s)
+/* A multiply by the rounded reciprocal, not a division: it heads each block's dependency chain. */
+#define ZK_Q8_RCP_VMAX_M ((float)(1.0 / (1.875 - 0x1p-15)))
+#define ZK_Q8_RCP_VMAX_V ((float)(1.0 / (1.9375 - 0x1p-15)))
+
+static inline float zk__q8_decode_mul(float rcp_vmax, float s)
 {
-	return s / vmax;
+	return s * rcp_vmax;
 }
 
-/* Offset-float magnitude code of y >= 0 with `mant` mantissa bits, clamped to `cmax`. */
+/*
+ * Offset-float magnitude code of y >= 0 with `mant` mantissa bits, clamped to
+ * `cmax`: z = y + 2^-15 rounded to `mant` mantissa bits, ties away from zero
+ * (half an ulp added to the bits, then truncated; a carry moves to the next
+ * binade as it should), and the exponent bias taken off in the same add.
+ * z >= 2^-15, so the add cannot wrap for a number.
+ */
 static inline uint32_t zk__q8_code(float y, unsigned mant, uint32_t cmax)
 {
 	uint32_t b = zk__f32_bits(y + ZK_Q8_OFFSET);
 	unsigned sh = 23 - mant;
-	uint32_t t = (b + ((1u << (sh - 1)) - 1) + ((b >> sh) & 1u)) >> sh;
-	uint32_t c = t - (ZK_Q8_BIAS >> sh);
+	uint32_t c = (b + ((1u << (sh - 1)) - ZK_Q8_BIAS)) >> sh;
 
-	/* t >= the bias: z >= 2^-15.  NaN and y past VMAX land above cmax. */
+	/* NaN and y past VMAX land above cmax (a negative NaN at (2^31 - bias) >> sh or more). */
 	return c < cmax ? c : cmax;
 }
 
@@ -67,14 +76,31 @@ static inline float zk__q8_decode_r(uint8_t c, float u)
 	return zk__q8_value(c, 4) * u;
 }
 
-/* Order-independent max of |x| (NaN above inf), as integers: the same in every variant. */
+/*
+ * Order-independent max of |x| (NaN above inf), as integers: the same in
+ * every variant.  The step's sqrt(v) is never -0 (v is a sum of +0 or more),
+ * so its maximum is taken on the raw bits, one operation fewer.
+ */
 static inline uint32_t zk__absbits(float x)
 {
 	return zk__f32_bits(x) & 0x7fffffffu;
 }
 
+/*
+ * The fp32 step's constants plus 1/sqrt(1 - beta2^step), computed in double
+ * and rounded once: the compressed formats multiply by it where the fp32
+ * step divides by sqrt(bc2) as PyTorch does.  That leaves one division and
+ * one square root per element, which is what keeps these steps off the
+ * divider's limit; the 1-ulp difference is far below what the 8- and 16-bit
+ * moments round away.
+ */
+struct zk_qconsts {
+	struct zk_consts c;
+	float inv_bc2_sqrt;
+};
+
 /* Ranges were validated by zk_qstep; optim is AdamW or Adam. */
-typedef void zk_qstep_fn(const struct zk_consts *c, enum zk_optim optim,
+typedef void zk_qstep_fn(const struct zk_qconsts *qc, enum zk_optim optim,
     const struct zk_qtensor *t, size_t begin, size_t end);
 typedef void zk_qmemonly_fn(const struct zk_qtensor *t, size_t begin, size_t end);
 

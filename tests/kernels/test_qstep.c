@@ -32,7 +32,7 @@ static double vmax(unsigned mant)
 	return grid(mant, mant == 3 ? 127 : 255);
 }
 
-/* Nearest grid code to y >= 0 (ties: the even code). */
+/* Nearest grid code to y >= 0 (ties: the larger). */
 static unsigned nearest(unsigned mant, double y)
 {
 	unsigned top = mant == 3 ? 127 : 255, best = 0;
@@ -40,7 +40,7 @@ static unsigned nearest(unsigned mant, double y)
 	for (unsigned k = 1; k <= top; k++) {
 		double d = fabs(y - grid(mant, k)), db = fabs(y - grid(mant, best));
 
-		if (d < db || (d == db && !(k & 1)))
+		if (d <= db)
 			best = k;
 	}
 	return best;
@@ -404,15 +404,15 @@ Test(qcodec, zero_state_and_midpoints)
 	cr_assert_eq(zk_qstate_decode(&t, dm, dv), 0);
 	for (int i = 0; i < 4; i++)
 		cr_assert(dm[i] == 0 && dv[i] == 0);
-	/* Exact midpoints between two codes go to the even one; just above, to the upper one. */
+	/* Exact midpoints between two codes go to the larger; just below, to the smaller. */
 	m[0] = (float)vmax(3);
 	m[1] = (float)((grid(3, 40) + grid(3, 41)) / 2);
 	m[2] = (float)((grid(3, 41) + grid(3, 42)) / 2);
-	m[3] = nextafterf(m[1], 1);
+	m[3] = nextafterf(m[1], 0);
 	cr_assert_eq(zk_qstate_encode(&t, m, v), 0);
-	cr_assert_eq(cm[1], 40);
+	cr_assert_eq(cm[1], 41);
 	cr_assert_eq(cm[2], 42);
-	cr_assert_eq(cm[3], 41);
+	cr_assert_eq(cm[3], 40);
 }
 
 Test(qapi, errors_names_sizes)
