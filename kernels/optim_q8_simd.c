@@ -132,51 +132,62 @@ ZK_INLINE void store_param(void *p, int dt, vf x, bool nt)
 	}
 }
 
-/* The fp32 AdamW/Adam step of one vector from decoded moments; master and param written. */
-ZK_INLINE void adam(const struct qconsts *k, int optim, int gdt, int pdt, bool nt,
-    float *master, const void *grad, void *param, vf mo, vf vo, vf *mi, vf *vi_, vf *r)
+/* New m and sqrt(v) (and v, for bf16-moments) of one vector. */
+struct moments {
+	vf mi, vi, r;
+};
+
+/*
+ * The fp32 AdamW/Adam step of one vector from decoded moments; master and
+ * param written.  `common` (a constant in each specialized loop) is the
+ * usual case: no loss scale, no clipping, 1 - beta1 < 0.5.  It keeps three
+ * constants out of the loop, which then fits its registers.
+ */
+ZK_INLINE struct moments adam(const struct qconsts *k, bool common, int optim, int gdt,
+    int pdt, bool nt, float *master, const void *grad, void *param, vf mo, vf vo)
 {
 	vf g = load_grad(grad, gdt), p = vf_load(master), d;
+	struct moments o;
 
-	if (!k->scale_one)
+	if (!common && !k->scale_one)
 		g = vf_mul(g, k->inv_scale);
-	if (!k->clip_one)
+	if (!common && !k->clip_one)
 		g = vf_mul(g, k->clip);
 	if (optim == ZK_OPTIM_ADAMW)
 		p = vf_mul(p, k->decay);
 	else if (k->l2)
 		g = vf_add(g, vf_mul(k->wd, p));
-	if (k->lerp_small)
-		*mi = vf_add(mo, vf_mul(k->lerp_w, vf_sub(g, mo)));
+	if (common || k->lerp_small)
+		o.mi = vf_add(mo, vf_mul(k->lerp_w, vf_sub(g, mo)));
 	else
-		*mi = vf_sub(g, vf_mul(vf_sub(g, mo), k->lerp_omw));
-	*vi_ = vf_add(vf_mul(vo, k->beta2), vf_mul(vf_mul(k->omb2, g), g));
-	*r = vf_sqrt(*vi_);
-	d = *r;
+		o.mi = vf_sub(g, vf_mul(vf_sub(g, mo), k->lerp_omw));
+	o.vi = vf_add(vf_mul(vo, k->beta2), vf_mul(vf_mul(k->omb2, g), g));
+	o.r = vf_sqrt(o.vi);
+	d = o.r;
 	if (!k->bc2_one)
 		d = vf_mul(d, k->inv_bc2);
 	d = vf_add(d, k->eps);
-	p = vf_add(p, vf_div(vf_mul(k->neg_step, *mi), d));
+	p = vf_add(p, vf_div(vf_mul(k->neg_step, o.mi), d));
 	vf_store(master, p);
 	store_param(param, pdt, p, nt);
+	return o;
 }
 
 /* ---- bf16-moments ---- */
 
-ZK_INLINE void bf16_body(const struct qconsts *k, int optim, int gdt, int pdt, bool nt,
-    float *master, uint16_t *m, uint16_t *v, const void *grad, void *param)
+ZK_INLINE void bf16_body(const struct qconsts *k, bool common, int optim, int gdt, int pdt,
+    bool nt, float *master, uint16_t *m, uint16_t *v, const void *grad, void *param)
 {
-	vf mi, vi_, r;
+	struct moments o = adam(k, common, optim, gdt, pdt, nt, master, grad, param,
+	    vf_from_bf16(vh_load(m)), vf_from_bf16(vh_load(v)));
 
-	adam(k, optim, gdt, pdt, nt, master, grad, param, vf_from_bf16(vh_load(m)),
-	    vf_from_bf16(vh_load(v)), &mi, &vi_, &r);
-	vh_store(m, vf_to_bf16(mi));
-	vh_store(v, vf_to_bf16(vi_));
+	vh_store(m, vf_to_bf16(o.mi));
+	vh_store(v, vf_to_bf16(o.vi));
 }
 
 /* Whole vectors from b on; the last few elements on zero-padded copies, like optim_simd.c. */
-ZK_INLINE void bf16_run(const struct qconsts *k, int optim, int gdt, int pdt, bool nt,
-    const struct zk_qtensor *t, size_t b, size_t e)
+ZK_INLINE void bf16_run(const struct qconsts *k, bool common, int optim, int gdt, int pdt,
+    bool nt, const struct zk_qtensor *t, size_t b, size_t e)
 {
 	size_t gs = dsize(gdt), ps = dsize(pdt), i = b;
 	uint16_t *m = t->m, *v = t->v;
@@ -184,7 +195,7 @@ ZK_INLINE void bf16_run(const struct qconsts *k, int optim, int gdt, int pdt, bo
 	char *param = t->param;
 
 	for (; i + ZK_W <= e; i += ZK_W)
-		bf16_body(k, optim, gdt, pdt, nt, t->master + i, m + i, v + i, g + i * gs,
+		bf16_body(k, common, optim, gdt, pdt, nt, t->master + i, m + i, v + i, g + i * gs,
 		    pdt != ZK_NO_PARAM ? param + i * ps : NULL);
 	if (i < e) {
 		float lmaster[ZK_W] = { 0 }, lg[ZK_W] = { 0 }, lp[ZK_W];
@@ -195,7 +206,7 @@ ZK_INLINE void bf16_run(const struct qconsts *k, int optim, int gdt, int pdt, bo
 		memcpy(lm, m + i, cnt * 2);
 		memcpy(lv, v + i, cnt * 2);
 		memcpy(lg, g + i * gs, cnt * gs);
-		bf16_body(k, optim, gdt, pdt, false, lmaster, lm, lv, lg, lp);
+		bf16_body(k, common, optim, gdt, pdt, false, lmaster, lm, lv, lg, lp);
 		memcpy(t->master + i, lmaster, cnt * 4);
 		memcpy(m + i, lm, cnt * 2);
 		memcpy(v + i, lv, cnt * 2);
@@ -228,19 +239,15 @@ ZK_INLINE vi code(const struct qconsts *k, vf y, unsigned sh, uint32_t cmax)
 	return vi_minu(vi_srli(vi_add(b, vi_set1((1u << (sh - 1)) - ZK_Q8_BIAS)), sh), vi_set1(cmax));
 }
 
-/* One vector of pass 1; new m and r go to the block buffers, their |bits| into the maxima. */
-ZK_INLINE void q8_step(const struct qconsts *k, int optim, int gdt, int pdt, bool nt,
-    float *master, const uint8_t *m, const uint8_t *v, const void *grad, void *param,
-    vf um, vf ur, float *bm, float *br, vi *mx_m, vi *mx_r, vi lanes)
+/* One vector of pass 1: decode, step; the caller keeps the new m and r and their maxima. */
+ZK_INLINE struct moments q8_step(const struct qconsts *k, bool common, int optim, int gdt,
+    int pdt, bool nt, float *master, const uint8_t *m, const uint8_t *v, const void *grad,
+    void *param, vf um, vf ur)
 {
-	vf ro = dec_r(k, vi_load_u8(v), ur), mi, vi_, r;
+	vf ro = dec_r(k, vi_load_u8(v), ur);
 
-	adam(k, optim, gdt, pdt, nt, master, grad, param, dec_m(k, vi_load_u8(m), um),
-	    vf_mul(ro, ro), &mi, &vi_, &r);
-	vf_store(bm, mi);
-	vf_store(br, r);
-	*mx_m = vi_maxs(*mx_m, vi_and(vi_and(vf_bits(mi), k->absmask), lanes));
-	*mx_r = vi_maxu(*mx_r, vi_and(vf_bits(r), lanes));
+	return adam(k, common, optim, gdt, pdt, nt, master, grad, param,
+	    dec_m(k, vi_load_u8(m), um), vf_mul(ro, ro));
 }
 
 ZK_INLINE uint32_t hmax(vi x)
@@ -274,72 +281,59 @@ ZK_INLINE void q8_encode(const struct qconsts *k, const float *bm, const float *
 		q8_encode1(k, bm + j, br + j, m + j, v + j, qm, qr);
 }
 
-/* A block whose new moments sit in a buffer, waiting for its codes. */
-struct pending {
-	const float *bm, *br;
-	uint8_t *m, *v;
-	vf qm, qr;
-	bool on;
-};
-
 /*
- * Block by block: pass 1 (the step) of block i runs together with pass 2
- * (the encode) of block i - 1, from the other half of a double buffer.  The
- * encode needs the whole block's maxima, so it cannot join its own block's
- * step; joined to the next one, its integer work fills the ports the
- * step's divider leaves idle instead of running on its own.
+ * Block by block: pass 1 steps the block, keeping its new m and sqrt(v) in
+ * L1 buffers and their maxima in registers; pass 2 encodes them with the
+ * block's new scales.
  */
-ZK_INLINE void q8_run(const struct qconsts *k, int optim, int gdt, int pdt, bool nt,
-    const struct zk_qtensor *t, size_t b, size_t e)
+ZK_INLINE void q8_run(const struct qconsts *k, bool common, int optim, int gdt, int pdt,
+    bool nt, const struct zk_qtensor *t, size_t b, size_t e)
 {
 	size_t gs = dsize(gdt), ps = dsize(pdt);
 	const char *g = t->grad;
 	char *param = t->param;
-	float buf_m[2][ZK_Q8_BLOCK], buf_r[2][ZK_Q8_BLOCK];
-	struct pending pd = { .on = false };
-	vi all = vi_set1(0xffffffffu);
+	float bm[ZK_Q8_BLOCK], br[ZK_Q8_BLOCK];
 
 	for (size_t blk = b; blk < e; blk += ZK_Q8_BLOCK) {
 		size_t kb = blk / ZK_Q8_BLOCK, len = e - blk < ZK_Q8_BLOCK ? e - blk : ZK_Q8_BLOCK;
 		uint8_t *m = (uint8_t *)t->m + blk, *v = (uint8_t *)t->v + blk;
-		float *bm = buf_m[kb & 1], *br = buf_r[kb & 1];
 		vf um = vf_set1(zk__q8_decode_mul(ZK_Q8_RCP_VMAX_M, t->m_scale[kb]));
 		vf ur = vf_set1(zk__q8_decode_mul(ZK_Q8_RCP_VMAX_V, t->v_scale[kb]));
 		vi mx_m = vi_zero(), mx_r = vi_zero();
 		size_t j = 0;
 		float sm, sr;
+		vf qm, qr;
 
-#define ZK_Q8_STEP(J) q8_step(k, optim, gdt, pdt, nt, t->master + blk + (J), m + (J), v + (J), \
-	    g + (blk + (J)) * gs, pdt != ZK_NO_PARAM ? param + (blk + (J)) * ps : NULL, \
-	    um, ur, bm + (J), br + (J), &mx_m, &mx_r, all)
-		if (pd.on && len == ZK_Q8_BLOCK) {
-			/* The previous block is whole (only the last can be short): same count. */
-			for (; j < ZK_Q8_BLOCK; j += ZK_W) {
-				ZK_Q8_STEP(j);
-				q8_encode1(k, pd.bm + j, pd.br + j, pd.m + j, pd.v + j, pd.qm, pd.qr);
-			}
-		} else {
-			if (pd.on)
-				q8_encode(k, pd.bm, pd.br, pd.m, pd.v, ZK_Q8_BLOCK / ZK_W, pd.qm, pd.qr);
-			for (; j + ZK_W <= len; j += ZK_W)
-				ZK_Q8_STEP(j);
+		for (; j + ZK_W <= len; j += ZK_W) {
+			struct moments o = q8_step(k, common, optim, gdt, pdt, nt, t->master + blk + j,
+			    m + j, v + j, g + (blk + j) * gs,
+			    pdt != ZK_NO_PARAM ? param + (blk + j) * ps : NULL, um, ur);
+
+			vf_store(bm + j, o.mi);
+			vf_store(br + j, o.r);
+			mx_m = vi_maxs(mx_m, vi_and(vf_bits(o.mi), k->absmask));
+			mx_r = vi_maxu(mx_r, vf_bits(o.r));
 		}
-#undef ZK_Q8_STEP
-		pd.on = false;
 		if (j < len) {
 			/* The tensor's last few elements: padded copies, the padding kept out of the maxima. */
 			float lmaster[ZK_W] = { 0 }, lg[ZK_W] = { 0 }, lp[ZK_W];
 			uint8_t lm[ZK_W] = { 0 }, lv[ZK_W] = { 0 };
 			uint32_t mask[ZK_W] = { 0 };
 			size_t cnt = len - j;
+			struct moments o;
+			vi lanes;
 
 			memset(mask, 0xff, cnt * sizeof(uint32_t));
+			lanes = vi_loadu(mask);
 			memcpy(lmaster, t->master + blk + j, cnt * 4);
 			memcpy(lm, m + j, cnt);
 			memcpy(lv, v + j, cnt);
 			memcpy(lg, g + (blk + j) * gs, cnt * gs);
-			q8_step(k, optim, gdt, pdt, false, lmaster, lm, lv, lg, lp, um, ur, bm + j,
-			    br + j, &mx_m, &mx_r, vi_loadu(mask));
+			o = q8_step(k, common, optim, gdt, pdt, false, lmaster, lm, lv, lg, lp, um, ur);
+			vf_store(bm + j, o.mi);
+			vf_store(br + j, o.r);
+			mx_m = vi_maxs(mx_m, vi_and(vi_and(vf_bits(o.mi), k->absmask), lanes));
+			mx_r = vi_maxu(mx_r, vi_and(vf_bits(o.r), lanes));
 			memcpy(t->master + blk + j, lmaster, cnt * 4);
 			if (pdt != ZK_NO_PARAM)
 				memcpy(param + (blk + j) * ps, lp, cnt * ps);
@@ -348,20 +342,18 @@ ZK_INLINE void q8_run(const struct qconsts *k, int optim, int gdt, int pdt, bool
 		sr = zk__bits_f32(hmax(mx_r));
 		t->m_scale[kb] = sm;
 		t->v_scale[kb] = sr;
-		pd = (struct pending){ .bm = bm, .br = br, .m = m, .v = v, .on = true,
-			.qm = vf_set1(zk__q8_encode_mul(ZK_Q8_VMAX_M, sm)),
-			.qr = vf_set1(zk__q8_encode_mul(ZK_Q8_VMAX_V, sr)) };
-		if (len < ZK_Q8_BLOCK) {
+		qm = vf_set1(zk__q8_encode_mul(ZK_Q8_VMAX_M, sm));
+		qr = vf_set1(zk__q8_encode_mul(ZK_Q8_VMAX_V, sr));
+		if (len == ZK_Q8_BLOCK) {
+			q8_encode(k, bm, br, m, v, ZK_Q8_BLOCK / ZK_W, qm, qr);
+		} else {
 			uint8_t cm[ZK_Q8_BLOCK], cv[ZK_Q8_BLOCK];
 
-			q8_encode(k, bm, br, cm, cv, (len + ZK_W - 1) / ZK_W, pd.qm, pd.qr);
+			q8_encode(k, bm, br, cm, cv, (len + ZK_W - 1) / ZK_W, qm, qr);
 			memcpy(m, cm, len);
 			memcpy(v, cv, len);
-			pd.on = false;
 		}
 	}
-	if (pd.on)
-		q8_encode(k, pd.bm, pd.br, pd.m, pd.v, ZK_Q8_BLOCK / ZK_W, pd.qm, pd.qr);
 }
 
 /* Streaming stores when the range's param starts on a whole vector store (every later vector then does). */
@@ -381,23 +373,44 @@ ZK_INLINE void qrun(const struct qconsts *kp, int optim, int gdt, int pdt,
 	const struct qconsts kk = *kp, *k = &kk;
 	bool nt = pdt != ZK_NO_PARAM && nt_ok((char *)t->param + b * dsize(pdt), dsize(pdt));
 
-	if (t->format == ZK_STATE_BF16) {
-		if (nt)
-			bf16_run(k, optim, gdt, pdt, true, t, b, e);
-		else
-			bf16_run(k, optim, gdt, pdt, false, t, b, e);
-	} else {
-		if (nt)
-			q8_run(k, optim, gdt, pdt, true, t, b, e);
-		else
-			q8_run(k, optim, gdt, pdt, false, t, b, e);
-	}
+	bool common = k->scale_one && k->clip_one && k->lerp_small;
+
+#define ZK_RUN(FN) do { \
+		if (common && nt) FN(k, true, optim, gdt, pdt, true, t, b, e); \
+		else if (common) FN(k, true, optim, gdt, pdt, false, t, b, e); \
+		else if (nt) FN(k, false, optim, gdt, pdt, true, t, b, e); \
+		else FN(k, false, optim, gdt, pdt, false, t, b, e); \
+	} while (0)
+	if (t->format == ZK_STATE_BF16)
+		ZK_RUN(bf16_run);
+	else
+		ZK_RUN(q8_run);
+#undef ZK_RUN
 	/* Streaming stores are weakly ordered: fence before the pool reports completion. */
 	if (nt)
 		_mm_sfence();
 }
 
-#define ZK_CASE(O, G, P) case (G) * 4 + (P): qrun(&k, O, G, P, t, b, e); break
+/*
+ * One function per (optimizer, grad dtype, param dtype): each loop gets a
+ * register allocation of its own (as one function, they spilled the block
+ * maxima to the stack).
+ */
+#define ZK_DEF(O, G, P) \
+	static __attribute__((noinline)) void run_##O##_##G##_##P(const struct qconsts *k, \
+	    const struct zk_qtensor *t, size_t b, size_t e) \
+	{ \
+		qrun(k, O, G, P, t, b, e); \
+	}
+#define ZK_DEFS_P(O, G) \
+	ZK_DEF(O, G, ZK_DTYPE_F32) ZK_DEF(O, G, ZK_DTYPE_BF16) \
+	ZK_DEF(O, G, ZK_DTYPE_F16) ZK_DEF(O, G, ZK_NO_PARAM)
+#define ZK_DEFS(O) \
+	ZK_DEFS_P(O, ZK_DTYPE_F32) ZK_DEFS_P(O, ZK_DTYPE_BF16) ZK_DEFS_P(O, ZK_DTYPE_F16)
+ZK_DEFS(ZK_OPTIM_ADAMW)
+ZK_DEFS(ZK_OPTIM_ADAM)
+
+#define ZK_CASE(O, G, P) case (G) * 4 + (P): run_##O##_##G##_##P(&k, t, b, e); break
 #define ZK_CASES_P(O, G) \
 	ZK_CASE(O, G, ZK_DTYPE_F32); ZK_CASE(O, G, ZK_DTYPE_BF16); \
 	ZK_CASE(O, G, ZK_DTYPE_F16); ZK_CASE(O, G, ZK_NO_PARAM)
