@@ -19,16 +19,13 @@ ZK_INLINE vi vi_load_u8(const uint8_t *p) { return _mm512_cvtepu8_epi32(_mm_load
 ZK_INLINE void vi_store_u8(uint8_t *p, vi x) { _mm_storeu_si128((__m128i *)p, _mm512_cvtepi32_epi8(x)); }
 ZK_INLINE vi vi_set1(uint32_t x) { return _mm512_set1_epi32((int)x); }
 ZK_INLINE vi vi_add(vi a, vi b) { return _mm512_add_epi32(a, b); }
-ZK_INLINE vi vi_sub(vi a, vi b) { return _mm512_sub_epi32(a, b); }
 ZK_INLINE vi vi_and(vi a, vi b) { return _mm512_and_si512(a, b); }
-ZK_INLINE vi vi_or(vi a, vi b) { return _mm512_or_si512(a, b); }
 ZK_INLINE vi vi_minu(vi a, vi b) { return _mm512_min_epu32(a, b); }
 ZK_INLINE vi vi_maxs(vi a, vi b) { return _mm512_max_epi32(a, b); }
 ZK_INLINE vi vi_maxu(vi a, vi b) { return _mm512_max_epu32(a, b); }
 /* a | (b & c) in one vpternlogd */
 ZK_INLINE vi vi_or_and(vi a, vi b, vi c) { return _mm512_ternarylogic_epi32(a, b, c, 0xf8); }
 ZK_INLINE vi vi_zero(void) { return _mm512_setzero_si512(); }
-ZK_INLINE void vi_storeu(uint32_t *p, vi x) { _mm512_storeu_si512(p, x); }
 ZK_INLINE vi vi_loadu(const uint32_t *p) { return _mm512_loadu_si512(p); }
 ZK_INLINE vf vf_cast(vi x) { return _mm512_castsi512_ps(x); }
 #define vi_srli(x, n) _mm512_srli_epi32((x), (n))
@@ -46,15 +43,12 @@ ZK_INLINE void vi_store_u8(uint8_t *p, vi x)
 }
 ZK_INLINE vi vi_set1(uint32_t x) { return _mm256_set1_epi32((int)x); }
 ZK_INLINE vi vi_add(vi a, vi b) { return _mm256_add_epi32(a, b); }
-ZK_INLINE vi vi_sub(vi a, vi b) { return _mm256_sub_epi32(a, b); }
 ZK_INLINE vi vi_and(vi a, vi b) { return _mm256_and_si256(a, b); }
-ZK_INLINE vi vi_or(vi a, vi b) { return _mm256_or_si256(a, b); }
 ZK_INLINE vi vi_minu(vi a, vi b) { return _mm256_min_epu32(a, b); }
 ZK_INLINE vi vi_maxs(vi a, vi b) { return _mm256_max_epi32(a, b); }
 ZK_INLINE vi vi_maxu(vi a, vi b) { return _mm256_max_epu32(a, b); }
 ZK_INLINE vi vi_or_and(vi a, vi b, vi c) { return _mm256_or_si256(a, _mm256_and_si256(b, c)); }
 ZK_INLINE vi vi_zero(void) { return _mm256_setzero_si256(); }
-ZK_INLINE void vi_storeu(uint32_t *p, vi x) { _mm256_storeu_si256((__m256i *)p, x); }
 ZK_INLINE vi vi_loadu(const uint32_t *p) { return _mm256_loadu_si256((const __m256i *)p); }
 ZK_INLINE vf vf_cast(vi x) { return _mm256_castsi256_ps(x); }
 #define vi_srli(x, n) _mm256_srli_epi32((x), (n))
