@@ -51,8 +51,11 @@
  *   step and the encode.  Slices and chunks of a tensor must start on a block
  *   boundary (4 Mi-element engine units and the pool's slices do).
  *
- * The step is the fp32 step (zk_step_scalar) on the decoded moments; the
- * parameter update uses the new moments before they are rounded for storage.
+ * The step is the fp32 step (zk_step_scalar) on the decoded moments, except
+ * that it multiplies by 1/sqrt(1 - beta2^step) (rounded once from double)
+ * where PyTorch divides by its square root: one division fewer per element.
+ * The parameter update uses the new moments before they are rounded for
+ * storage (as bitsandbytes' 8-bit optimizers do).
  * SIMD variants give the scalar reference's bits.  AdamW and Adam only.
  */
 enum zk_state_format {
