@@ -10,6 +10,7 @@
 #include "bench_common.h"
 #include "optim.h"
 #include "pool.h"
+#include "quant.h"
 
 struct mix {
 	enum zk_optim optim;
@@ -45,6 +46,8 @@ struct opts {
 	bool json;
 	int isa;		/* -1: every ISA the CPU has */
 	unsigned threads;	/* 0: 1 and 2 */
+	bool fp32_only;		/* skip the compressed-state formats */
+	bool formats_only;	/* only the formats (and the fp32 step beside them) */
 };
 
 static bool first_json = true;
@@ -148,6 +151,100 @@ static void triad_slice(void *arg, unsigned idx, unsigned nthreads)
 		t->a[i] = t->b[i] + 3.0 * t->c[i];
 }
 
+/*
+ * Compressed state (quant.h) on the headline mix, AdamW with bf16 grad and
+ * param: each format's step beside the fp32 step and beside its own
+ * memory-only probe, all interleaved per rep so drift hits them alike.
+ * `<format>/speedup` is that format's step over the fp32 step of the same run.
+ */
+static int bench_formats(const struct opts *o, struct arrays *a, struct zk_pool *pool,
+    unsigned threads)
+{
+	static const enum zk_state_format fmts[] = { ZK_STATE_BF16, ZK_STATE_Q8 };
+	size_t n = a->n, nb = zk_state_blocks(ZK_STATE_Q8, n);
+	size_t len = 6 * n + 2 * nb * sizeof(float) + 4 * 4096;
+	char *p = mmap(NULL, len, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+	struct zk_qtensor qt[2];
+	char name[128];
+	int r = 0;
+
+	if (p == MAP_FAILED)
+		return -errno;
+	madvise(p, len, MADV_HUGEPAGE);
+	fill_grad(a, ZK_DTYPE_BF16);
+	for (int f = 0; f < 2; f++) {
+		size_t ms = zk_state_moment_bytes(fmts[f], 1);
+		/* Offsets a page and a line apart, as arrays_new does, against aliasing. */
+		char *base = p + (f ? 4 * n + 2 * (4096 + 64) : 0);
+
+		qt[f] = (struct zk_qtensor){ .format = fmts[f], .master = a->master, .m = base,
+			.v = base + ms * n + 4096 + 64, .grad = a->grad, .grad_dtype = ZK_DTYPE_BF16,
+			.param = a->param, .param_dtype = ZK_DTYPE_BF16, .n = n };
+		if (fmts[f] == ZK_STATE_Q8) {
+			qt[f].m_scale = (float *)(void *)(p + 6 * n + 3 * 4096);
+			qt[f].v_scale = qt[f].m_scale + nb;
+		}
+		r = zk_qstate_encode(&qt[f], a->m, a->v);
+		if (r < 0)
+			goto out;
+	}
+	for (int isa = ZK_ISA_COUNT - 1; isa > ZK_ISA_SCALAR; isa--) {
+		struct zk_tensor t = { a->master, a->m, a->v, a->grad, ZK_DTYPE_BF16, a->param,
+			ZK_DTYPE_BF16, n };
+		struct zk_hparams h = {
+			.optim = ZK_OPTIM_ADAMW, .lr = 1e-4, .beta1 = 0.9, .beta2 = 0.999,
+			.eps = 1e-8, .weight_decay = 0.01, .step = 1, .bias_correction = true,
+			.grad_scale = 1, .clip_coef = 1,
+		};
+		double b32 = 1e30, m32 = 1e30, bq[2] = { 1e30, 1e30 }, mq[2] = { 1e30, 1e30 };
+
+		if (!zk_isa_supported((enum zk_isa)isa) || (o->isa >= 0 && isa != o->isa))
+			continue;
+		for (int rep = 0; rep < o->reps; rep++) {
+			double t0 = bench_now();
+
+			r = zk_pool_memonly(pool, (enum zk_isa)isa, &t, 1);
+			double t1 = bench_now();
+			if (r == 0)
+				r = zk_pool_step(pool, (enum zk_isa)isa, &h, &t, 1);
+			double t2 = bench_now();
+			if (r < 0)
+				goto out;
+			m32 = t1 - t0 < m32 ? t1 - t0 : m32;
+			b32 = t2 - t1 < b32 ? t2 - t1 : b32;
+			for (int f = 0; f < 2; f++) {
+				t0 = bench_now();
+				r = zk_pool_qmemonly(pool, (enum zk_isa)isa, &qt[f], 1);
+				t1 = bench_now();
+				if (r == 0)
+					r = zk_pool_qstep(pool, (enum zk_isa)isa, &h, &qt[f], 1);
+				t2 = bench_now();
+				if (r < 0)
+					goto out;
+				mq[f] = t1 - t0 < mq[f] ? t1 - t0 : mq[f];
+				bq[f] = t2 - t1 < bq[f] ? t2 - t1 : bq[f];
+			}
+			h.step++;
+		}
+		snprintf(name, sizeof(name), "fp32/adamw/%s/g=bf16/p=bf16/t=%u/n=%zuM",
+		    zk_isa_name((enum zk_isa)isa), threads, n >> 20);
+		report(o, name, (double)n / b32, "params/s", (double)n / m32);
+		for (int f = 0; f < 2; f++) {
+			const char *fn = zk_state_format_name(fmts[f]);
+
+			snprintf(name, sizeof(name), "%s/adamw/%s/g=bf16/p=bf16/t=%u/n=%zuM", fn,
+			    zk_isa_name((enum zk_isa)isa), threads, n >> 20);
+			report(o, name, (double)n / bq[f], "params/s", (double)n / mq[f]);
+			snprintf(name, sizeof(name), "%s/speedup/%s/t=%u/n=%zuM", fn,
+			    zk_isa_name((enum zk_isa)isa), threads, n >> 20);
+			report(o, name, (double)n / bq[f], "params/s", (double)n / b32);
+		}
+	}
+out:
+	munmap(p, len);
+	return r;
+}
+
 static int bench_size(const struct opts *o, size_t n)
 {
 	struct arrays a;
@@ -179,7 +276,7 @@ static int bench_size(const struct opts *o, size_t n)
 		snprintf(name, sizeof(name), "triad/t=%u/n=%zuM", threads, n >> 20);
 		report(o, name, 24.0 * (double)tr.n / best / 1e9, "GB/s", 0);
 
-		for (size_t mi = 0; mi < sizeof(mixes) / sizeof(mixes[0]); mi++) {
+		for (size_t mi = 0; mi < sizeof(mixes) / sizeof(mixes[0]) && !o->formats_only; mi++) {
 			const struct mix *mx = &mixes[mi];
 
 			fill_grad(&a, mx->grad);
@@ -230,6 +327,13 @@ static int bench_size(const struct opts *o, size_t n)
 				report(o, name, (double)n / bs, "params/s", (double)n / bm);
 			}
 		}
+		if (!o->fp32_only) {
+			r = bench_formats(o, &a, pool, threads);
+			if (r < 0) {
+				zk_pool_free(pool);
+				goto out;
+			}
+		}
 		zk_pool_free(pool);
 	}
 out:
@@ -276,12 +380,16 @@ int main(int argc, char **argv)
 			o.isa = (int)isa;
 		} else if (!strcmp(argv[i], "--threads") && i + 1 < argc) {
 			o.threads = (unsigned)atoi(argv[++i]);
+		} else if (!strcmp(argv[i], "--formats")) {
+			o.formats_only = true;
+		} else if (!strcmp(argv[i], "--no-formats")) {
+			o.fp32_only = true;
 		} else if (!strcmp(argv[i], "--reps") && i + 1 < argc) {
 			o.reps = atoi(argv[++i]);
 			if (o.reps < 1)
 				o.reps = 1;
 		} else {
-			fprintf(stderr, "usage: %s [--size N[K|M]]... [--isa NAME] [--threads 1|2] [--reps N] [--json]\n", argv[0]);
+			fprintf(stderr, "usage: %s [--size N[K|M]]... [--isa NAME] [--threads 1|2] [--reps N] [--formats|--no-formats] [--json]\n", argv[0]);
 			return 2;
 		}
 	}

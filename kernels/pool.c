@@ -11,6 +11,7 @@
 #include <string.h>
 
 #include "pool.h"
+#include "quant.h"
 
 /*
  * Slice boundaries fall on multiples of 32 elements inside each tensor: a
@@ -34,6 +35,8 @@ enum job {
 	JOB_MEMONLY,
 	JOB_GRAD,
 	JOB_FN,
+	JOB_QSTEP,		/* compressed state: qtensors, slices on block boundaries */
+	JOB_QMEMONLY,
 };
 
 struct worker {
@@ -59,6 +62,7 @@ struct zk_pool {
 	enum zk_isa isa;
 	const struct zk_hparams *hp;
 	const struct zk_tensor *tensors;
+	const struct zk_qtensor *qtensors;	/* JOB_QSTEP, JOB_QMEMONLY (ntensors of them) */
 	size_t ntensors;
 	size_t total;			/* elements over all tensors */
 	size_t nchunks;			/* JOB_GRAD */
@@ -124,6 +128,45 @@ static void run_chunks(struct zk_pool *p, unsigned idx)
 	}
 }
 
+/*
+ * The compressed-state job: run_elements over qtensors, slice boundaries on
+ * ZK_Q8_BLOCK (a multiple of ZK_SLICE_ALIGN), since a block's scale belongs
+ * to one thread.  Bit-identical for every thread count like the fp32 step.
+ */
+static void qlocate(const struct zk_pool *p, size_t x, size_t *tidx, size_t *off)
+{
+	size_t k = 0;
+
+	while (k < p->ntensors && x >= p->qtensors[k].n) {
+		x -= p->qtensors[k].n;
+		k++;
+	}
+	*tidx = k;
+	*off = x - x % ZK_Q8_BLOCK;
+}
+
+static void run_qelements(struct zk_pool *p, unsigned idx)
+{
+	size_t lo = p->total * idx / p->nthreads, hi = p->total * (idx + 1) / p->nthreads;
+	size_t ka, oa, kb, ob;
+
+	qlocate(p, lo, &ka, &oa);
+	qlocate(p, hi, &kb, &ob);
+	for (size_t k = ka; k <= kb && k < p->ntensors; k++) {
+		const struct zk_qtensor *t = &p->qtensors[k];
+		size_t b = k == ka ? oa : 0, e = k == kb ? ob : t->n;
+
+		if (idx == p->nthreads - 1 && k == kb)
+			e = t->n;
+		if (b >= e)
+			continue;
+		if (p->job == JOB_QSTEP)
+			zk_qstep(p->isa, p->hp, t, b, e);
+		else
+			zk_qstep_memonly(p->isa, t, b, e);
+	}
+}
+
 static void run_slice(struct zk_pool *p, unsigned idx)
 {
 	switch (p->job) {
@@ -136,6 +179,10 @@ static void run_slice(struct zk_pool *p, unsigned idx)
 		break;
 	case JOB_FN:
 		p->fn(p->fn_arg, idx, p->nthreads);
+		break;
+	case JOB_QSTEP:
+	case JOB_QMEMONLY:
+		run_qelements(p, idx);
 		break;
 	}
 }
@@ -372,6 +419,67 @@ int zk_pool_run(struct zk_pool *pool, void (*fn)(void *arg, unsigned idx, unsign
 	pool->job = JOB_FN;
 	pool->fn = fn;
 	pool->fn_arg = arg;
+	dispatch(pool);
+	return 0;
+}
+
+static int set_qtensors(struct zk_pool *p, enum zk_isa isa, const struct zk_qtensor *tensors,
+    size_t ntensors)
+{
+	if (!tensors && ntensors)
+		return -EINVAL;
+	p->isa = isa;
+	p->qtensors = tensors;
+	p->ntensors = ntensors;
+	p->total = 0;
+	for (size_t k = 0; k < ntensors; k++)
+		p->total += tensors[k].n;
+	return 0;
+}
+
+int zk_pool_qstep(struct zk_pool *pool, enum zk_isa isa, const struct zk_hparams *hp,
+    const struct zk_qtensor *tensors, size_t ntensors)
+{
+	int r;
+
+	if (!pool || !hp || (!tensors && ntensors))
+		return -EINVAL;
+	for (size_t k = 0; k < ntensors; k++) {
+		r = zk_qstep(isa, hp, &tensors[k], 0, 0);
+		if (r < 0)
+			return r;
+	}
+	r = zk_hparams_validate(hp);
+	if (r < 0)
+		return r;
+	/* zk_qstep on an empty range does not look at the optimizer. */
+	if (hp->optim != ZK_OPTIM_ADAMW && hp->optim != ZK_OPTIM_ADAM)
+		return -ENOTSUP;
+	r = set_qtensors(pool, isa, tensors, ntensors);
+	if (r < 0)
+		return r;
+	pool->job = JOB_QSTEP;
+	pool->hp = hp;
+	dispatch(pool);
+	return 0;
+}
+
+int zk_pool_qmemonly(struct zk_pool *pool, enum zk_isa isa, const struct zk_qtensor *tensors,
+    size_t ntensors)
+{
+	int r;
+
+	if (!pool || (!tensors && ntensors))
+		return -EINVAL;
+	for (size_t k = 0; k < ntensors; k++) {
+		r = zk_qstep_memonly(isa, &tensors[k], 0, 0);
+		if (r < 0)
+			return r;
+	}
+	r = set_qtensors(pool, isa, tensors, ntensors);
+	if (r < 0)
+		return r;
+	pool->job = JOB_QMEMONLY;
 	dispatch(pool);
 	return 0;
 }

@@ -41,4 +41,14 @@ int zk_pool_memonly(struct zk_pool *pool, enum zk_isa isa, const struct zk_tenso
 int zk_pool_run(struct zk_pool *pool, void (*fn)(void *arg, unsigned idx, unsigned nthreads),
     void *arg);
 
+/*
+ * Compressed state (quant.h): as zk_pool_step and zk_pool_memonly, slices on
+ * ZK_Q8_BLOCK boundaries.  -ENOTSUP for an optimizer other than AdamW/Adam.
+ */
+struct zk_qtensor;
+int zk_pool_qstep(struct zk_pool *pool, enum zk_isa isa, const struct zk_hparams *hp,
+    const struct zk_qtensor *tensors, size_t ntensors);
+int zk_pool_qmemonly(struct zk_pool *pool, enum zk_isa isa, const struct zk_qtensor *tensors,
+    size_t ntensors);
+
 #endif

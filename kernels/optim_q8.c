@@ -1,0 +1,349 @@
+/* Compressed-state front end (names, sizes, checks, dispatch) and its scalar reference step. */
+#include <errno.h>
+#include <math.h>
+#include <string.h>
+#include <strings.h>
+
+#include "quant_impl.h"
+
+/*
+ * Built with -ffp-contract=off like optim_scalar.c: the reference is the
+ * fp32 step's operations in the fp32 step's order, with the moments decoded
+ * before and encoded after, and optim_q8_simd.c repeats it bit for bit.
+ */
+
+static const char *const format_names[ZK_STATE_COUNT] = {
+	[ZK_STATE_FP32] = "fp32",
+	[ZK_STATE_BF16] = "bf16-moments",
+	[ZK_STATE_Q8] = "q8-moments",
+};
+
+static zk_qstep_fn *const qstep_fns[ZK_ISA_COUNT] = {
+	zk_qstep_scalar, zk_qstep_avx2, zk_qstep_avx512,
+};
+
+static zk_qmemonly_fn *const qmemonly_fns[ZK_ISA_COUNT] = {
+	zk_qmemonly_scalar, zk_qmemonly_avx2, zk_qmemonly_avx512,
+};
+
+const char *zk_state_format_name(enum zk_state_format f)
+{
+	return (unsigned)f < ZK_STATE_COUNT ? format_names[f] : "unknown";
+}
+
+int zk_state_format_parse(const char *name, enum zk_state_format *ret)
+{
+	if (!name)
+		return -EINVAL;
+	for (unsigned i = 0; i < ZK_STATE_COUNT; i++) {
+		if (!strcasecmp(name, format_names[i])) {
+			*ret = (enum zk_state_format)i;
+			return 0;
+		}
+	}
+	if (!strcasecmp(name, "bf16")) {
+		*ret = ZK_STATE_BF16;
+		return 0;
+	}
+	if (!strcasecmp(name, "q8")) {
+		*ret = ZK_STATE_Q8;
+		return 0;
+	}
+	return -EINVAL;
+}
+
+size_t zk_state_moment_bytes(enum zk_state_format f, size_t n)
+{
+	switch (f) {
+	case ZK_STATE_FP32:
+		return 4 * n;
+	case ZK_STATE_BF16:
+		return 2 * n;
+	case ZK_STATE_Q8:
+		return n;
+	case ZK_STATE_COUNT:
+		break;
+	}
+	return 0;
+}
+
+size_t zk_state_blocks(enum zk_state_format f, size_t n)
+{
+	return f == ZK_STATE_Q8 ? (n + ZK_Q8_BLOCK - 1) / ZK_Q8_BLOCK : 0;
+}
+
+size_t zk_state_bytes(enum zk_state_format f, size_t n)
+{
+	return 4 * n + 2 * zk_state_moment_bytes(f, n) + 2 * sizeof(float) * zk_state_blocks(f, n);
+}
+
+static bool format_ok(enum zk_state_format f)
+{
+	return f == ZK_STATE_BF16 || f == ZK_STATE_Q8;
+}
+
+int zk_qtensor_slice(const struct zk_qtensor *t, size_t off, size_t len, struct zk_qtensor *ret)
+{
+	size_t ms;
+
+	if (!t || !ret || !format_ok(t->format) || off > t->n || len > t->n - off)
+		return -EINVAL;
+	if (t->format == ZK_STATE_Q8 && off % ZK_Q8_BLOCK)
+		return -EINVAL;
+	ms = zk_state_moment_bytes(t->format, 1);
+	*ret = *t;
+	ret->n = len;
+	ret->master = t->master ? t->master + off : NULL;
+	ret->m = t->m ? (char *)t->m + off * ms : NULL;
+	ret->v = t->v ? (char *)t->v + off * ms : NULL;
+	if (t->format == ZK_STATE_Q8) {
+		ret->m_scale = t->m_scale ? t->m_scale + off / ZK_Q8_BLOCK : NULL;
+		ret->v_scale = t->v_scale ? t->v_scale + off / ZK_Q8_BLOCK : NULL;
+	}
+	ret->grad = t->grad ? (const char *)t->grad + off * zk_dtype_size(t->grad_dtype) : NULL;
+	if (t->param)
+		ret->param = (char *)t->param + off * zk_dtype_size(t->param_dtype);
+	return 0;
+}
+
+static int check_qtensor(enum zk_isa isa, const struct zk_qtensor *t, size_t begin, size_t end)
+{
+	if ((unsigned)isa >= ZK_ISA_COUNT || !t || !format_ok(t->format))
+		return -EINVAL;
+	if (!t->master || !t->grad || !t->m || !t->v)
+		return -EINVAL;
+	if (t->format == ZK_STATE_Q8 && (!t->m_scale || !t->v_scale))
+		return -EINVAL;
+	if ((unsigned)t->grad_dtype >= ZK_DTYPE_COUNT)
+		return -EINVAL;
+	if (t->param && (unsigned)t->param_dtype >= ZK_DTYPE_COUNT)
+		return -EINVAL;
+	if (begin > end || end > t->n)
+		return -EINVAL;
+	/* A block's scale covers all of it: a range must own its blocks whole. */
+	if (t->format == ZK_STATE_Q8 &&
+	    (begin % ZK_Q8_BLOCK || (end % ZK_Q8_BLOCK && end != t->n)))
+		return -EINVAL;
+	if (!zk_isa_supported(isa))
+		return -ENOTSUP;
+	return 0;
+}
+
+int zk_qstep(enum zk_isa isa, const struct zk_hparams *hp, const struct zk_qtensor *t,
+    size_t begin, size_t end)
+{
+	struct zk_qconsts qc;
+	double bc2 = 1;
+	int r;
+
+	r = zk_hparams_validate(hp);
+	if (r < 0)
+		return r;
+	r = check_qtensor(isa, t, begin, end);
+	if (r < 0)
+		return r;
+	if (hp->optim != ZK_OPTIM_ADAMW && hp->optim != ZK_OPTIM_ADAM)
+		return -ENOTSUP;
+	r = zk_consts_init(hp, &qc.c);
+	if (r < 0)
+		return r;
+	if (hp->bias_correction)
+		bc2 = 1.0 - pow(hp->beta2, (double)hp->step);
+	qc.inv_bc2_sqrt = (float)(1.0 / sqrt(bc2));
+	if (!isfinite(qc.inv_bc2_sqrt))
+		return -EINVAL;
+	if (begin < end)
+		qstep_fns[isa](&qc, hp->optim, t, begin, end);
+	return 0;
+}
+
+int zk_qstep_memonly(enum zk_isa isa, const struct zk_qtensor *t, size_t begin, size_t end)
+{
+	int r = check_qtensor(isa, t, begin, end);
+
+	if (r < 0)
+		return r;
+	if (begin < end)
+		qmemonly_fns[isa](t, begin, end);
+	return 0;
+}
+
+int zk_qstate_encode(const struct zk_qtensor *t, const float *m, const float *v)
+{
+	if (!t || !format_ok(t->format) || !t->m || !t->v || !m || !v)
+		return -EINVAL;
+	if (t->format == ZK_STATE_BF16) {
+		for (size_t i = 0; i < t->n; i++) {
+			((uint16_t *)t->m)[i] = zk__f32_to_bf16(m[i]);
+			((uint16_t *)t->v)[i] = zk__f32_to_bf16(v[i]);
+		}
+		return 0;
+	}
+	if (!t->m_scale || !t->v_scale)
+		return -EINVAL;
+	for (size_t b = 0; b < t->n; b += ZK_Q8_BLOCK) {
+		size_t len = t->n - b < ZK_Q8_BLOCK ? t->n - b : ZK_Q8_BLOCK;
+		uint32_t mm = 0, mr = 0;
+		float qm, qr;
+
+		for (size_t j = b; j < b + len; j++) {
+			uint32_t a = zk__absbits(m[j]), r = zk__absbits(sqrtf(v[j]));
+
+			mm = a > mm ? a : mm;
+			mr = r > mr ? r : mr;
+		}
+		t->m_scale[b / ZK_Q8_BLOCK] = zk__bits_f32(mm);
+		t->v_scale[b / ZK_Q8_BLOCK] = zk__bits_f32(mr);
+		qm = zk__q8_encode_mul(ZK_Q8_VMAX_M, zk__bits_f32(mm));
+		qr = zk__q8_encode_mul(ZK_Q8_VMAX_V, zk__bits_f32(mr));
+		for (size_t j = b; j < b + len; j++) {
+			((uint8_t *)t->m)[j] = zk__q8_encode_m(m[j], qm);
+			((uint8_t *)t->v)[j] = zk__q8_encode_r(sqrtf(v[j]), qr);
+		}
+	}
+	return 0;
+}
+
+int zk_qstate_decode(const struct zk_qtensor *t, float *m, float *v)
+{
+	if (!t || !format_ok(t->format) || !t->m || !t->v || !m || !v)
+		return -EINVAL;
+	if (t->format == ZK_STATE_Q8 && (!t->m_scale || !t->v_scale))
+		return -EINVAL;
+	for (size_t i = 0; i < t->n; i++) {
+		if (t->format == ZK_STATE_BF16) {
+			m[i] = zk__bf16_to_f32(((const uint16_t *)t->m)[i]);
+			v[i] = zk__bf16_to_f32(((const uint16_t *)t->v)[i]);
+		} else {
+			float um = zk__q8_decode_mul(ZK_Q8_RCP_VMAX_M, t->m_scale[i / ZK_Q8_BLOCK]);
+			float ur = zk__q8_decode_mul(ZK_Q8_RCP_VMAX_V, t->v_scale[i / ZK_Q8_BLOCK]);
+			float r = zk__q8_decode_r(((const uint8_t *)t->v)[i], ur);
+
+			m[i] = zk__q8_decode_m(((const uint8_t *)t->m)[i], um);
+			v[i] = r * r;
+		}
+	}
+	return 0;
+}
+
+/* ---- scalar reference ---- */
+
+static inline float load_grad(const void *grad, enum zk_dtype dt, size_t i)
+{
+	if (dt == ZK_DTYPE_BF16)
+		return zk__bf16_to_f32(((const uint16_t *)grad)[i]);
+	if (dt == ZK_DTYPE_F16)
+		return zk__f16_to_f32(((const uint16_t *)grad)[i]);
+	return ((const float *)grad)[i];
+}
+
+static inline void store_param(void *param, enum zk_dtype dt, size_t i, float p)
+{
+	if (!param)
+		return;
+	if (dt == ZK_DTYPE_BF16)
+		((uint16_t *)param)[i] = zk__f32_to_bf16(p);
+	else if (dt == ZK_DTYPE_F16)
+		((uint16_t *)param)[i] = zk__f32_to_f16(p);
+	else
+		((float *)param)[i] = p;
+}
+
+/*
+ * Element i of the AdamW/Adam step from decoded moments (mo, vo): the new
+ * moments come back in *mi and *vi, and sqrt(*vi) (the stored quantity of
+ * q8-moments) in *r.  zk_step_scalar's operations, but for the multiply by
+ * 1/sqrt(bc2) (struct zk_qconsts).
+ */
+static inline void adam_elem(const struct zk_qconsts *qc, enum zk_optim optim,
+    const struct zk_qtensor *t, size_t i, float mo, float vo, float *mi, float *vi, float *r)
+{
+	const struct zk_consts *c = &qc->c;
+	float g = load_grad(t->grad, t->grad_dtype, i) * c->inv_scale * c->clip;
+	float p = t->master[i], d;
+
+	if (optim == ZK_OPTIM_ADAMW)
+		p = p * c->decay;
+	else if (c->l2)
+		g = g + c->wd * p;
+	if (c->lerp_small)
+		*mi = mo + c->lerp_w * (g - mo);
+	else
+		*mi = g - (g - mo) * c->lerp_omw;
+	*vi = vo * c->beta2 + c->omb2 * g * g;
+	*r = sqrtf(*vi);
+	d = *r * qc->inv_bc2_sqrt + c->eps;
+	p = p + c->neg_step * *mi / d;
+	t->master[i] = p;
+	store_param(t->param, t->param_dtype, i, p);
+}
+
+void zk_qstep_scalar(const struct zk_qconsts *c, enum zk_optim optim, const struct zk_qtensor *t,
+    size_t begin, size_t end)
+{
+	if (t->format == ZK_STATE_BF16) {
+		uint16_t *m = t->m, *v = t->v;
+
+		for (size_t i = begin; i < end; i++) {
+			float mi, vi, r;
+
+			adam_elem(c, optim, t, i, zk__bf16_to_f32(m[i]), zk__bf16_to_f32(v[i]), &mi, &vi, &r);
+			m[i] = zk__f32_to_bf16(mi);
+			v[i] = zk__f32_to_bf16(vi);
+		}
+		return;
+	}
+	for (size_t b = begin; b < end; b += ZK_Q8_BLOCK) {
+		uint8_t *m = (uint8_t *)t->m + b, *v = (uint8_t *)t->v + b;
+		size_t k = b / ZK_Q8_BLOCK, len = end - b < ZK_Q8_BLOCK ? end - b : ZK_Q8_BLOCK;
+		float um = zk__q8_decode_mul(ZK_Q8_RCP_VMAX_M, t->m_scale[k]);
+		float ur = zk__q8_decode_mul(ZK_Q8_RCP_VMAX_V, t->v_scale[k]);
+		float bm[ZK_Q8_BLOCK], br[ZK_Q8_BLOCK], qm, qr;
+		uint32_t mm = 0, mr = 0;
+
+		for (size_t j = 0; j < len; j++) {
+			float ro = zk__q8_decode_r(v[j], ur), vi;
+
+			adam_elem(c, optim, t, b + j, zk__q8_decode_m(m[j], um), ro * ro, &bm[j], &vi,
+			    &br[j]);
+			mm = zk__absbits(bm[j]) > mm ? zk__absbits(bm[j]) : mm;
+			mr = zk__f32_bits(br[j]) > mr ? zk__f32_bits(br[j]) : mr;
+		}
+		t->m_scale[k] = zk__bits_f32(mm);
+		t->v_scale[k] = zk__bits_f32(mr);
+		qm = zk__q8_encode_mul(ZK_Q8_VMAX_M, zk__bits_f32(mm));
+		qr = zk__q8_encode_mul(ZK_Q8_VMAX_V, zk__bits_f32(mr));
+		for (size_t j = 0; j < len; j++) {
+			m[j] = zk__q8_encode_m(bm[j], qm);
+			v[j] = zk__q8_encode_r(br[j], qr);
+		}
+	}
+}
+
+void zk_qmemonly_scalar(const struct zk_qtensor *t, size_t begin, size_t end)
+{
+	size_t ms = zk_state_moment_bytes(t->format, 1);
+	struct zk_tensor ft = {
+		.master = t->master, .grad = t->grad, .grad_dtype = t->grad_dtype,
+		.param = t->param, .param_dtype = t->param_dtype, .n = t->n,
+	};
+	unsigned char *m = t->m, *v = t->v;
+
+	zk_memonly_scalar(&ft, begin, end);
+	for (size_t i = begin * ms; i < end * ms; i++) {
+		unsigned char x = m[i], y = v[i];
+
+		__asm__ volatile("" : "+r"(x), "+r"(y));
+		m[i] = x;
+		v[i] = y;
+	}
+	if (t->format == ZK_STATE_Q8) {
+		for (size_t k = begin / ZK_Q8_BLOCK; k < (end + ZK_Q8_BLOCK - 1) / ZK_Q8_BLOCK; k++) {
+			float x = t->m_scale[k], y = t->v_scale[k];
+
+			__asm__ volatile("" : "+x"(x), "+x"(y));
+			t->m_scale[k] = x;
+			t->v_scale[k] = y;
+		}
+	}
+}

@@ -1,0 +1,130 @@
+/* Compressed optimizer state: bf16 and 8-bit moments with an fp32 master, and the fused step over them. */
+#ifndef ZK_QUANT_H
+#define ZK_QUANT_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "optim.h"
+
+/*
+ * State formats.  FP32 is struct zk_tensor and zk_step (optim.h), the
+ * reference; the others keep master in fp32 and shrink m and v:
+ *
+ * ZK_STATE_BF16 ("bf16-moments"): m[i], v[i] are bf16 (uint16_t), written
+ *   with round-to-nearest-even (zk_f32_to_bf16).  20 B/param moved per step
+ *   with bf16 grad and param (fp32 state: 28).
+ *
+ * ZK_STATE_Q8 ("q8-moments"): blocks of ZK_Q8_BLOCK elements; per block two
+ *   fp32 scales, per element one byte of m and one of v.  16.06 B/param
+ *   moved per step with bf16 grad and param.
+ *
+ *   m: byte = sign << 7 | c, c in 0..127 an "offset E4M3" magnitude:
+ *        Fm(c) = float with bits (c << 20) + (112 << 23), i.e. 2^(e-15) (1 + f/8)
+ *                for c = e << 3 | f; Fm(0) = 2^-15
+ *        |m| = (Fm(c) - 2^-15) * (sm * RCP_M),  VMAX_M = Fm(127) - 2^-15 = 1.875 - 2^-15,
+ *                                              RCP_M = 1 / VMAX_M rounded to fp32
+ *      sm = the block's max |m|.  16 binades at 3 mantissa bits, then a
+ *      linear bottom (steps of 2^-18 sm/VMAX_M) down to an exact zero.
+ *   v: byte = c in 0..255, an "offset E4M4" code of r = sqrt(v):
+ *        Fv(c) = float with bits (c << 19) + (112 << 23);  Fv(0) = 2^-15
+ *        r = (Fv(c) - 2^-15) * (sr * RCP_V),  VMAX_V = Fv(255) - 2^-15 = 1.9375 - 2^-15,
+ *                                             RCP_V = 1 / VMAX_V rounded to fp32
+ *        v = r * r
+ *      sr = the block's max sqrt(v).  The step needs sqrt(v) anyway, and in
+ *      the square-root domain 16 binades of r are 32 of v at 4 mantissa bits.
+ *
+ *   All products above are fp32 operations in the order written.
+ *   Encoding x (|m| or r) in a block of scale s: q = VMAX / s (0 when that is
+ *   not finite: s = 0, inf, NaN or subnormal), y = |x| * q, z = y + 2^-15,
+ *   then z's fp32 bits rounded to nearest at bit 20 (m) or 19 (v), ties away
+ *   from zero (add 2^19 or 2^18 to the bits, truncate), less the 112 << 23
+ *   offset, clamped to 127 (m) / 255 (v).  Each is one fp32 or integer
+ *   operation, so the code is the nearest one to y, found without a table or
+ *   a search; decoding is a shift, an integer add and a subtract.
+ *   All-zero bytes and scales decode to zero state.  A non-finite scale makes
+ *   the whole block NaN (fp32 state would poison the element alone).
+ *
+ *   Why 256-element blocks: one outlier costs resolution only in its own 256
+ *   elements (Dettmers et al. use 2048 on a GPU), the two fp32 scales add
+ *   0.03 B/param, and the block's new m and r (2 KiB) stay in L1 between the
+ *   step and the encode.  Slices and chunks of a tensor must start on a block
+ *   boundary (4 Mi-element engine units and the pool's slices do).
+ *
+ * The step is the fp32 step (zk_step_scalar) on the decoded moments, except
+ * that it multiplies by 1/sqrt(1 - beta2^step) (rounded once from double)
+ * where PyTorch divides by its square root: one division fewer per element.
+ * The parameter update uses the new moments before they are rounded for
+ * storage (as bitsandbytes' 8-bit optimizers do).
+ * SIMD variants give the scalar reference's bits.  AdamW and Adam only.
+ */
+enum zk_state_format {
+	ZK_STATE_FP32 = 0,	/* "fp32": struct zk_tensor / zk_step */
+	ZK_STATE_BF16 = 1,	/* "bf16-moments" */
+	ZK_STATE_Q8 = 2,	/* "q8-moments" */
+	ZK_STATE_COUNT
+};
+
+#define ZK_Q8_BLOCK 256
+
+/*
+ * One tensor (or a block-aligned piece of one) in a compressed format.
+ * m/v: uint16_t[n] (BF16) or uint8_t[n] (Q8).  m_scale/v_scale: Q8 only,
+ * float[zk_state_blocks(Q8, n)], block j covering elements [256j, 256j + 256);
+ * NULL for BF16.  Other fields as in struct zk_tensor.
+ */
+struct zk_qtensor {
+	enum zk_state_format format;
+	float *master;
+	void *m;
+	void *v;
+	float *m_scale;
+	float *v_scale;
+	const void *grad;
+	enum zk_dtype grad_dtype;
+	void *param;
+	enum zk_dtype param_dtype;
+	size_t n;
+};
+
+const char *zk_state_format_name(enum zk_state_format f);
+/* "fp32", "bf16-moments", "q8-moments" (also "bf16", "q8"). */
+int zk_state_format_parse(const char *name, enum zk_state_format *ret);
+
+/* Bytes of one moment array (m or v) of n elements: 4n, 2n or n. */
+size_t zk_state_moment_bytes(enum zk_state_format f, size_t n);
+/* Scales per moment array: ceil(n / ZK_Q8_BLOCK) for Q8, else 0. */
+size_t zk_state_blocks(enum zk_state_format f, size_t n);
+/* Optimizer state bytes per element set, all of master, m, v and scales. */
+size_t zk_state_bytes(enum zk_state_format f, size_t n);
+
+/*
+ * Elements [off, off + len) of t as a tensor of its own (what the engine
+ * does to a view for a pinned slice, an NVMe chunk or a pool slice).
+ * -EINVAL unless off is a multiple of ZK_Q8_BLOCK (Q8) and the range fits.
+ */
+int zk_qtensor_slice(const struct zk_qtensor *t, size_t off, size_t len,
+    struct zk_qtensor *ret);
+
+/*
+ * Fused dequantize -> step -> requantize over [begin, end) of t.  For Q8,
+ * begin must be a multiple of ZK_Q8_BLOCK and end a multiple of it or t->n.
+ * Any such split gives the same bits.  -EINVAL on bad arguments or a
+ * misaligned range, -ENOTSUP for an optimizer other than AdamW/Adam or an
+ * ISA the CPU lacks.
+ */
+int zk_qstep(enum zk_isa isa, const struct zk_hparams *hp, const struct zk_qtensor *t,
+    size_t begin, size_t end);
+
+/* The bytes zk_qstep moves over [begin, end), without the arithmetic (benchmarks). */
+int zk_qstep_memonly(enum zk_isa isa, const struct zk_qtensor *t, size_t begin, size_t end);
+
+/*
+ * Conversions between fp32 moments and t's format over the whole of t
+ * (checkpoint conversion, initial state from a client's fp32 arrays, tests).
+ * Scalar; encode writes m, v and the scales, decode reads them.
+ */
+int zk_qstate_encode(const struct zk_qtensor *t, const float *m, const float *v);
+int zk_qstate_decode(const struct zk_qtensor *t, float *m, float *v);
+
+#endif

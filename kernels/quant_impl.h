@@ -1,0 +1,110 @@
+/* Internal to kernels/: the scalar 8-bit codecs (quant.h has the definition) and the per-ISA entry points. */
+#ifndef ZK_QUANT_IMPL_H
+#define ZK_QUANT_IMPL_H
+
+#include <stdint.h>
+
+#include "optim_impl.h"
+#include "quant.h"
+
+#define ZK_Q8_OFFSET 0x1p-15f			/* Fm(0) = Fv(0) */
+#define ZK_Q8_BIAS (112u << 23)			/* exponent rebias 127 - 15 */
+#define ZK_Q8_VMAX_M (1.875f - 0x1p-15f)	/* Fm(127) - 2^-15 */
+#define ZK_Q8_VMAX_V (1.9375f - 0x1p-15f)	/* Fv(255) - 2^-15 */
+
+/* Block multipliers, computed the same way by every variant. */
+static inline float zk__q8_encode_mul(float vmax, float s)
+{
+	float q = vmax / s;
+
+	/* s = 0, inf, NaN, or so small the quotient overflows: encode zeros. */
+	return q <= 0x1.fffffep127f ? q : 0.0f;
+}
+
+/* A multiply by the rounded reciprocal, not a division: it heads each block's dependency chain. */
+#define ZK_Q8_RCP_VMAX_M ((float)(1.0 / (1.875 - 0x1p-15)))
+#define ZK_Q8_RCP_VMAX_V ((float)(1.0 / (1.9375 - 0x1p-15)))
+
+static inline float zk__q8_decode_mul(float rcp_vmax, float s)
+{
+	return s * rcp_vmax;
+}
+
+/*
+ * Offset-float magnitude code of y >= 0 with `mant` mantissa bits, clamped to
+ * `cmax`: z = y + 2^-15 rounded to `mant` mantissa bits, ties away from zero
+ * (half an ulp added to the bits, then truncated; a carry moves to the next
+ * binade as it should), and the exponent bias taken off in the same add.
+ * z >= 2^-15, so the add cannot wrap for a number.
+ */
+static inline uint32_t zk__q8_code(float y, unsigned mant, uint32_t cmax)
+{
+	uint32_t b = zk__f32_bits(y + ZK_Q8_OFFSET);
+	unsigned sh = 23 - mant;
+	uint32_t c = (b + ((1u << (sh - 1)) - ZK_Q8_BIAS)) >> sh;
+
+	/* NaN and y past VMAX land above cmax (a negative NaN at (2^31 - bias) >> sh or more). */
+	return c < cmax ? c : cmax;
+}
+
+static inline float zk__q8_value(uint32_t c, unsigned mant)
+{
+	return zk__bits_f32((c << (23 - mant)) + ZK_Q8_BIAS) - ZK_Q8_OFFSET;
+}
+
+static inline uint8_t zk__q8_encode_m(float x, float q)
+{
+	uint32_t sign = (zk__f32_bits(x) >> 24) & 0x80u;
+
+	return (uint8_t)(sign | zk__q8_code(zk__bits_f32(zk__f32_bits(x) & 0x7fffffffu) * q, 3, 127));
+}
+
+static inline float zk__q8_decode_m(uint8_t c, float u)
+{
+	float a = zk__q8_value(c & 0x7fu, 3) * u;
+
+	return zk__bits_f32(zk__f32_bits(a) | ((uint32_t)(c & 0x80u) << 24));
+}
+
+static inline uint8_t zk__q8_encode_r(float r, float q)
+{
+	return (uint8_t)zk__q8_code(r * q, 4, 255);
+}
+
+static inline float zk__q8_decode_r(uint8_t c, float u)
+{
+	return zk__q8_value(c, 4) * u;
+}
+
+/*
+ * Order-independent max of |x| (NaN above inf), as integers: the same in
+ * every variant.  The step's sqrt(v) is never -0 (v is a sum of +0 or more),
+ * so its maximum is taken on the raw bits, one operation fewer.
+ */
+static inline uint32_t zk__absbits(float x)
+{
+	return zk__f32_bits(x) & 0x7fffffffu;
+}
+
+/*
+ * The fp32 step's constants plus 1/sqrt(1 - beta2^step), computed in double
+ * and rounded once: the compressed formats multiply by it where the fp32
+ * step divides by sqrt(bc2) as PyTorch does.  That leaves one division and
+ * one square root per element, which is what keeps these steps off the
+ * divider's limit; the 1-ulp difference is far below what the 8- and 16-bit
+ * moments round away.
+ */
+struct zk_qconsts {
+	struct zk_consts c;
+	float inv_bc2_sqrt;
+};
+
+/* Ranges were validated by zk_qstep; optim is AdamW or Adam. */
+typedef void zk_qstep_fn(const struct zk_qconsts *qc, enum zk_optim optim,
+    const struct zk_qtensor *t, size_t begin, size_t end);
+typedef void zk_qmemonly_fn(const struct zk_qtensor *t, size_t begin, size_t end);
+
+zk_qstep_fn zk_qstep_scalar, zk_qstep_avx2, zk_qstep_avx512;
+zk_qmemonly_fn zk_qmemonly_scalar, zk_qmemonly_avx2, zk_qmemonly_avx512;
+
+#endif
