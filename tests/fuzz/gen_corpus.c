@@ -44,6 +44,16 @@ fill(struct zp_msg *m)
 		for (uint32_t i = 0; i < m->u.handles.count; i++)
 			m->u.handles.handles[i] = 2 * i + 1;
 		break;
+	case ZP_GRAD_PASS:
+		m->u.grad_pass.grad_scale = 1024;
+		m->u.grad_pass.count = 2;
+		m->u.grad_pass.handles[0] = 3;
+		m->u.grad_pass.handles[1] = 5;
+		break;
+	case ZP_GRAD_PARTIAL:
+		m->u.grad_partial = (struct zp_grad_partial){ .sumsq = 12.5, .nonfinite = 0,
+			.elements = 1u << 20 };
+		break;
 	case ZP_PARAM_READY:
 		m->u.param_ready.handle = 7;
 		m->u.param_ready.error = -EIO;
