@@ -360,8 +360,8 @@ save_advance(struct zd_daemon *d, struct zd_session *s, struct zd_ckpt_write *w)
 
 /*
  * A restore with nothing in flight: the piece read from the file (pending, in
- * buf[cur]) goes to the engine, and the next is read into the other buffer meanwhile;
- * or, all stored, the answer.
+ * buf[cur]) goes to the engine, and the next is read into the other buffer meanwhile
+ * (cur then names that one); or, all stored, the answer.
  */
 static void
 restore_advance(struct zd_daemon *d, struct zd_session *s, struct zd_ckpt_write *w)
@@ -369,20 +369,20 @@ restore_advance(struct zd_daemon *d, struct zd_session *s, struct zd_ckpt_write 
 	int wr;
 
 	for (;;) {
-		if (w->pending_n == 0) {
+		float *ready = w->buf[w->cur];
+		uint64_t off = w->pending_off, n = w->pending_n;
+
+		if (n == 0) {
 			w->last_step = ze_tensor_last_step(w->et);
 			reply_done(s, w);
 			ckpt_end(d, w);
 			return;
 		}
-		wr = ze_tensor_write_all(w->et, w->offset + w->pending_off, w->pending_n,
-		    w->buf[w->cur], w->lane, engine_id(w));
-		if (wr < 0) {
-			fail(d, s, w, ze_errno(wr), "tensor '%s': %s", w->name, ze_strerror(wr));
-			return;
-		}
-		w->in_engine = wr == 0;
 		w->pending_n = 0;
+		/*
+		 * The next read goes to a thread first: state in memory is stored right here,
+		 * on the loop, and the disk reads meanwhile.
+		 */
 		if (w->issued < w->count) {
 			w->cur ^= 1;
 			w->io_write = false;
@@ -392,6 +392,12 @@ restore_advance(struct zd_daemon *d, struct zd_session *s, struct zd_ckpt_write 
 			w->issued += w->io_n;
 			submit(d, w);
 		}
+		wr = ze_tensor_write_all(w->et, w->offset + off, n, ready, w->lane, engine_id(w));
+		if (wr < 0) {
+			fail(d, s, w, ze_errno(wr), "tensor '%s': %s", w->name, ze_strerror(wr));
+			return;
+		}
+		w->in_engine = wr == 0;
 		if (w->in_engine || w->in_io)
 			return;
 	}
