@@ -6,7 +6,9 @@
  */
 #include <cjson/cJSON.h>
 #include <errno.h>
+#include <event2/event.h>
 #include <fcntl.h>
+#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -14,6 +16,7 @@
 #include <unistd.h>
 
 #include "checkpoint.h"
+#include "checkpoint_io.h"
 #include "crc32c.h"
 #include "daemon.h"
 #include "engine.h"
@@ -31,30 +34,50 @@
 #define PIECE (4u << 20)
 
 /*
- * One CKPT_WRITE or CKPT_READ.  Owned by the daemon's list while a piece is in the
- * engine, else by the handler on the stack; fd and bufs are this struct's.  et is used
- * only from the handler and from an io_done that names the tensor (so it is alive).
+ * File I/O threads: one transfer has one piece on a thread at a time, so more threads
+ * serve more ranks' transfers at once.
+ */
+#define CKPT_IO_THREADS 2
+
+/*
+ * One CKPT_WRITE or CKPT_READ, on the daemon's list from its start to its end.  Two
+ * things may be in flight for it at once: a piece in the engine (in_engine) and a piece
+ * in the file (in_io, on an I/O thread); it ends when both are back.
+ *
+ * Ownership while in_io: the I/O thread has job, fd, crc, the io_* fields and the
+ * buffer io_buf (or, for a save of state in memory, the tensor's arrays, which `held`
+ * keeps busy so that no step changes them and no free takes them); the loop does not
+ * touch them, and has everything else.  The engine has the buffer it was given while
+ * in_engine, the other one of the two.  fd and bufs are this struct's.  et is the
+ * tensor while it lives: zd_ckpt_tensor_gone clears it.
  */
 struct zd_ckpt_write {
+	struct zd_ckpt_job job;
 	struct zd_ckpt_write *next;
 	uint32_t lane;
 	uint64_t id;			/* the request's */
 	int fd;
 	struct ze_tensor *et;
+	struct ze_tensor *held;		/* a save from memory: busy until w ends */
 	bool restore;
-	bool failed;			/* answered with an error; a piece is still in the engine */
+	bool dead;			/* answered (an error) or its client gone: ends when idle */
+	bool in_engine, in_io;
 	uint64_t offset;		/* in the tensor */
 	uint64_t count;
 	uint64_t file_offset[ZP_STATE_COUNT];	/* of element offset, per state */
 	uint32_t crc[ZP_STATE_COUNT];
 	float *buf[2];			/* master, m, v of one piece each */
 	uint64_t buf_elements;		/* per array in each */
-	unsigned cur;			/* buf[cur]: the piece being read (or just read) */
-	uint64_t piece_off;		/* that piece, from offset */
-	uint64_t piece_n;
-	uint64_t issued;		/* save: elements asked of the engine; restore: read from the file */
-	bool have_next;			/* restore: buf[cur ^ 1] holds the piece after this one */
-	uint64_t next_off, next_n;
+	unsigned cur;			/* save: buf[cur] is the engine's; restore: the I/O's */
+	uint64_t issued;		/* save: elements asked of the engine; restore: of the file */
+	uint64_t pending_off, pending_n;	/* save: read, to write; restore: read, to store */
+	/* The piece on the I/O thread: elements [io_off, io_off + io_n) of the range. */
+	bool io_write;
+	const float *io_src[ZP_STATE_COUNT];	/* a save's three arrays */
+	float *io_buf;				/* a restore's buffer */
+	uint64_t io_off, io_n;
+	int io_result;
+	char io_err[ZP_ERRMSG_MAX + 1];
 	uint64_t last_step;
 	char name[ZP_NAME_MAX + 1];
 };
@@ -98,7 +121,23 @@ ckpt_free(struct zd_ckpt_write *w)
 	close(w->fd);
 	piece_buf_free(w->buf[0], w->buf_elements);
 	piece_buf_free(w->buf[1], w->buf_elements);
+	if (w->held != NULL)
+		ze_tensor_release(w->held);
 	free(w);
+}
+
+/* Off the list and freed: w is idle (nothing in the engine or on a thread). */
+static void
+ckpt_end(struct zd_daemon *d, struct zd_ckpt_write *w)
+{
+	struct zd_ckpt_write **pp;
+
+	for (pp = &d->ckpt_writes; *pp != w; pp = &(*pp)->next)
+		;
+	*pp = w->next;
+	ckpt_free(w);
+	if (d->ckpt_io != NULL)
+		zd_maybe_finish(d);
 }
 
 /* The engine's id for w's transfers: not a request id (bit 63), unique while w lives. */
@@ -160,6 +199,107 @@ reply_done(struct zd_session *s, struct zd_ckpt_write *w)
 	(void)zd_session_send(s, &m, NULL, 0);
 }
 
+/* An error answer; w ends once nothing of it is in flight. */
+static void
+fail(struct zd_daemon *d, struct zd_session *s, struct zd_ckpt_write *w, int code,
+    const char *fmt, ...) __attribute__((format(printf, 5, 6)));
+
+static void
+fail(struct zd_daemon *d, struct zd_session *s, struct zd_ckpt_write *w, int code,
+    const char *fmt, ...)
+{
+	char msg[ZP_ERRMSG_MAX + 1];
+	va_list ap;
+
+	va_start(ap, fmt);
+	vsnprintf(msg, sizeof(msg), fmt, ap);
+	va_end(ap);
+	if (!w->dead)
+		zd_session_error(s, w->id, code, "%s", msg);
+	w->dead = true;
+	if (!w->in_engine && !w->in_io)
+		ckpt_end(d, w);
+}
+
+/* --- On an I/O thread: one piece of w's file, the fields its struct comment gives it. */
+
+static void
+io_write_piece(struct zd_ckpt_write *w)
+{
+	for (unsigned i = 0; i < ZP_STATE_COUNT; i++) {
+		uint64_t at = w->file_offset[i] + w->io_off * sizeof(float);
+		int r = write_all(w->fd, w->io_src[i], w->io_n * sizeof(float), at);
+
+		if (r < 0) {
+			snprintf(w->io_err, sizeof(w->io_err), "tensor '%s': writing the checkpoint "
+			    "file failed at byte %llu: %s", w->name, (unsigned long long)at,
+			    strerror(-r));
+			w->io_result = r;
+			return;
+		}
+		w->crc[i] = zp_crc32c(w->crc[i], w->io_src[i], w->io_n * sizeof(float));
+	}
+}
+
+/*
+ * Three arrays read in turn are three interleaved streams, which the kernel's readahead
+ * does not follow: ask for the piece from element `from` of each, so that the disk reads
+ * it while the one before goes into the tiers.
+ */
+static void
+prefetch(const struct zd_ckpt_write *w, uint64_t from)
+{
+	uint64_t n = w->count - from < PIECE ? w->count - from : PIECE;
+
+	for (unsigned i = 0; i < ZP_STATE_COUNT && n > 0; i++)
+		(void)posix_fadvise(w->fd, (off_t)(w->file_offset[i] + from * sizeof(float)),
+		    (off_t)(n * sizeof(float)), POSIX_FADV_WILLNEED);
+}
+
+static void
+io_read_piece(struct zd_ckpt_write *w)
+{
+	if (w->io_off == 0)
+		prefetch(w, 0);
+	for (unsigned i = 0; i < ZP_STATE_COUNT; i++) {
+		uint64_t at = w->file_offset[i] + w->io_off * sizeof(float);
+		float *a = w->io_buf + i * w->io_n;
+		int r = read_all(w->fd, a, w->io_n * sizeof(float), at);
+
+		if (r < 0) {
+			snprintf(w->io_err, sizeof(w->io_err), "tensor '%s': reading the checkpoint "
+			    "file at byte %llu: %s", w->name, (unsigned long long)at, r == -ENODATA ?
+			    "the file ends there (truncated)" : strerror(-r));
+			w->io_result = r == -ENODATA ? -EBADMSG : r;
+			return;
+		}
+		w->crc[i] = zp_crc32c(w->crc[i], a, w->io_n * sizeof(float));
+	}
+	prefetch(w, w->io_off + w->io_n);
+}
+
+static void
+io_run(struct zd_ckpt_job *job)
+{
+	struct zd_ckpt_write *w = (struct zd_ckpt_write *)job;
+
+	w->io_result = 0;
+	if (w->io_write)
+		io_write_piece(w);
+	else
+		io_read_piece(w);
+}
+
+/* --- On the loop. */
+
+static void
+submit(struct zd_daemon *d, struct zd_ckpt_write *w)
+{
+	w->job.run = io_run;
+	w->in_io = true;
+	zd_ckpt_io_submit(d->ckpt_io, &w->job);
+}
+
 /*
  * Asks the engine for the next piece into buf[cur]: 1 there now, 0 queued, < 0 refused.
  * State in memory is written to the file from where it is: nothing to ask.
@@ -168,125 +308,210 @@ static int
 issue(struct zd_ckpt_write *w)
 {
 	uint64_t n = w->count - w->issued < PIECE ? w->count - w->issued : PIECE;
+	int r;
 
-	w->piece_off = w->issued;
-	w->piece_n = n;
+	w->pending_off = w->issued;
+	w->pending_n = n;
 	w->issued += n;
-	if (ze_tensor_memory_state(w->et, ZE_STATE_MASTER) != NULL)
+	if (w->held != NULL)
 		return 1;
-	return ze_tensor_read_all(w->et, w->offset + w->piece_off, n, w->buf[w->cur], w->lane,
+	r = ze_tensor_read_all(w->et, w->offset + w->pending_off, n, w->buf[w->cur], w->lane,
 	    engine_id(w));
-}
-
-/* Elements [off, off + n) of the range: from the tensor in memory, or from buf. */
-static int
-write_piece(struct zd_daemon *d, struct zd_ckpt_write *w, const float *buf, uint64_t off,
-    uint64_t n, char *err, size_t errlen)
-{
-	for (unsigned i = 0; i < ZP_STATE_COUNT; i++) {
-		const float *mem = ze_tensor_memory_state(w->et, (enum ze_state)i);
-		const float *a = mem != NULL ? mem + w->offset + off : buf + i * n;
-		uint64_t at = w->file_offset[i] + off * sizeof(float);
-		int r = write_all(w->fd, a, n * sizeof(float), at);
-
-		if (r < 0) {
-			snprintf(err, errlen, "tensor '%s': writing the checkpoint file failed at "
-			    "byte %llu: %s", w->name, (unsigned long long)at, strerror(-r));
-			return r;
-		}
-		w->crc[i] = zp_crc32c(w->crc[i], a, n * sizeof(float));
-	}
-	d->ckpt_bytes += 3 * n * sizeof(float);
-	return 0;
+	w->in_engine = r == 0;
+	return r;
 }
 
 /*
- * A save's piece is in buf[cur]: ask for the next one into the other buffer first (on
- * NVMe it is read while this one is written), then write this one.  Ends w (answered,
- * freed) or leaves it on the list waiting for the engine.
+ * A save with nothing in flight: the piece read (pending) goes to an I/O thread, and
+ * the next is asked of the engine into the other buffer meanwhile; or, all written, the
+ * answer.
  */
 static void
 save_advance(struct zd_daemon *d, struct zd_session *s, struct zd_ckpt_write *w)
 {
-	char err[ZP_ERRMSG_MAX + 1];
+	const float *mem = NULL;
 	int r;
 
-	for (;;) {
-		const float *ready = w->buf[w->cur];
-		uint64_t off = w->piece_off, n = w->piece_n;
-		int next = 0;
+	if (w->pending_n == 0) {
+		reply_done(s, w);
+		ckpt_end(d, w);
+		return;
+	}
+	w->last_step = ze_tensor_last_step(w->et);
+	w->io_write = true;
+	w->io_off = w->pending_off;
+	w->io_n = w->pending_n;
+	for (unsigned i = 0; i < ZP_STATE_COUNT; i++) {
+		mem = ze_tensor_memory_state(w->et, (enum ze_state)i);
+		w->io_src[i] = mem != NULL ? mem + w->offset + w->io_off :
+		    w->buf[w->cur] + i * w->io_n;
+	}
+	w->pending_n = 0;
+	if (w->issued < w->count) {
+		w->cur ^= 1;
+		r = issue(w);
+		if (r < 0) {
+			fail(d, s, w, ze_errno(r), "tensor '%s': %s", w->name, ze_strerror(r));
+			return;
+		}
+	}
+	submit(d, w);
+}
 
-		w->last_step = ze_tensor_last_step(w->et);
+/*
+ * A restore with nothing in flight: the piece read from the file (pending, in
+ * buf[cur]) goes to the engine, and the next is read into the other buffer meanwhile
+ * (cur then names that one); or, all stored, the answer.
+ */
+static void
+restore_advance(struct zd_daemon *d, struct zd_session *s, struct zd_ckpt_write *w)
+{
+	int wr;
+
+	for (;;) {
+		float *ready = w->buf[w->cur];
+		uint64_t off = w->pending_off, n = w->pending_n;
+
+		if (n == 0) {
+			w->last_step = ze_tensor_last_step(w->et);
+			reply_done(s, w);
+			ckpt_end(d, w);
+			return;
+		}
+		w->pending_n = 0;
+		/*
+		 * The next read goes to a thread first: state in memory is stored right here,
+		 * on the loop, and the disk reads meanwhile.
+		 */
 		if (w->issued < w->count) {
 			w->cur ^= 1;
-			next = issue(w);
-			if (next < 0) {
-				zd_session_error(s, w->id, ze_errno(next), "tensor '%s': %s", w->name,
-				    ze_strerror(next));
-				ckpt_free(w);
-				return;
-			}
+			w->io_write = false;
+			w->io_buf = w->buf[w->cur];
+			w->io_off = w->issued;
+			w->io_n = w->count - w->issued < PIECE ? w->count - w->issued : PIECE;
+			w->issued += w->io_n;
+			submit(d, w);
 		}
-		r = write_piece(d, w, ready, off, n, err, sizeof(err));
-		if (r < 0) {
-			zd_session_error(s, w->id, r, "%s", err);
-			if (w->piece_off != off && next == 0) {
-				/* The next piece is in the engine: w goes when it comes back. */
-				w->failed = true;
-				w->next = d->ckpt_writes;
-				d->ckpt_writes = w;
-			} else {
-				ckpt_free(w);
-			}
+		wr = ze_tensor_write_all(w->et, w->offset + off, n, ready, w->lane, engine_id(w));
+		if (wr < 0) {
+			fail(d, s, w, ze_errno(wr), "tensor '%s': %s", w->name, ze_strerror(wr));
 			return;
 		}
-		if (w->piece_off == off) {
-			/* Nothing more was asked for: that was the last piece. */
-			reply_done(s, w);
-			ckpt_free(w);
+		w->in_engine = wr == 0;
+		if (w->in_engine || w->in_io)
 			return;
-		}
-		if (next == 0) {
-			w->next = d->ckpt_writes;
-			d->ckpt_writes = w;
-			return;
-		}
 	}
 }
 
-static void restore_advance(struct zd_daemon *d, struct zd_session *s, struct zd_ckpt_write *w);
-
-bool
-zd_ckpt_io_done(struct zd_daemon *d, uint32_t lane, uint64_t id, void *user, int result)
+/* Something of w came back: on to the next piece once both are in, or its end. */
+static void
+progress(struct zd_daemon *d, struct zd_ckpt_write *w)
 {
-	struct zd_ckpt_write **pp, *w;
-	struct zd_tensor *t = user;
 	struct zd_session *s;
 
-	for (pp = &d->ckpt_writes; (w = *pp) != NULL; pp = &w->next)
-		if (w->lane == lane && engine_id(w) == id)
-			break;
-	if (w == NULL)
-		return false;
-	*pp = w->next;
-	s = zd_session_by_id(d, lane);
+	if (w->in_engine || w->in_io)
+		return;
+	s = d->ckpt_io != NULL ? zd_session_by_id(d, w->lane) : NULL;
 	/* The client went away, or its tensor did, or it was answered: the file is of no use. */
-	if (s == NULL || t == NULL || t->session != s || w->failed) {
-		ckpt_free(w);
-		return true;
-	}
-	if (result < 0) {
-		zd_session_error(s, w->id, ze_errno(result), "tensor '%s': %s its state failed: %s",
-		    w->name, w->restore ? "restoring" : "reading for the checkpoint",
-		    ze_strerror(result));
-		ckpt_free(w);
-		return true;
+	if (s == NULL || w->et == NULL || w->dead) {
+		ckpt_end(d, w);
+		return;
 	}
 	if (w->restore)
 		restore_advance(d, s, w);
 	else
 		save_advance(d, s, w);
+}
+
+bool
+zd_ckpt_io_done(struct zd_daemon *d, uint32_t lane, uint64_t id, void *user, int result)
+{
+	struct zd_ckpt_write *w;
+	struct zd_session *s;
+
+	for (w = d->ckpt_writes; w != NULL; w = w->next)
+		if (w->in_engine && w->lane == lane && engine_id(w) == id)
+			break;
+	if (w == NULL)
+		return false;
+	w->in_engine = false;
+	s = zd_session_by_id(d, lane);
+	if (result < 0 && s != NULL && w->et != NULL && user != NULL)
+		fail(d, s, w, ze_errno(result), "tensor '%s': %s its state failed: %s", w->name,
+		    w->restore ? "restoring" : "reading for the checkpoint", ze_strerror(result));
+	else
+		progress(d, w);
 	return true;
+}
+
+/* The I/O threads' eventfd: the pieces they finished. */
+static void
+io_cb(evutil_socket_t fd, short what, void *arg)
+{
+	struct zd_daemon *d = arg;
+	struct zd_ckpt_job *job;
+
+	while ((job = zd_ckpt_io_take(d->ckpt_io)) != NULL) {
+		struct zd_ckpt_write *w = (struct zd_ckpt_write *)job;
+		struct zd_session *s = zd_session_by_id(d, w->lane);
+
+		w->in_io = false;
+		if (w->io_result == 0 && w->io_write)
+			d->ckpt_bytes += 3 * w->io_n * sizeof(float);
+		else if (w->io_result == 0)
+			d->ckpt_bytes_read += 3 * w->io_n * sizeof(float);
+		if (w->io_result < 0 && s != NULL)
+			fail(d, s, w, w->io_result, "%s", w->io_err);
+		else if (w->io_result == 0 && !w->io_write && !w->dead)
+			w->pending_off = w->io_off, w->pending_n = w->io_n, progress(d, w);
+		else
+			progress(d, w);
+	}
+}
+
+void
+zd_ckpt_tensor_gone(struct zd_daemon *d, struct ze_tensor *et)
+{
+	for (struct zd_ckpt_write *w = d->ckpt_writes; w != NULL; w = w->next)
+		if (w->et == et)
+			w->et = NULL;
+}
+
+int
+zd_ckpt_start(struct zd_daemon *d)
+{
+	int r = zd_ckpt_io_new(CKPT_IO_THREADS, getenv("ZOFFLOADD_TEST_CKPT_GATE"), &d->ckpt_io);
+
+	if (r < 0)
+		return r;
+	d->ev_ckpt = event_new(d->base, zd_ckpt_io_fd(d->ckpt_io), EV_READ | EV_PERSIST, io_cb, d);
+	if (d->ev_ckpt == NULL || event_add(d->ev_ckpt, NULL) != 0)
+		return -ENOMEM;
+	return 0;
+}
+
+void
+zd_ckpt_stop(struct zd_daemon *d)
+{
+	struct zd_ckpt_write *w, *next;
+	struct zd_ckpt_job *job;
+
+	if (d->ckpt_io == NULL)
+		return;
+	zd_ckpt_io_stop(d->ckpt_io);
+	while ((job = zd_ckpt_io_take(d->ckpt_io)) != NULL)
+		((struct zd_ckpt_write *)job)->in_io = false;
+	/* Those with a piece in the engine end when it comes back (no session is left). */
+	for (w = d->ckpt_writes; w != NULL; w = next) {
+		next = w->next;
+		if (!w->in_engine)
+			ckpt_end(d, w);
+	}
+	if (d->ev_ckpt != NULL)
+		event_free(d->ev_ckpt);
+	d->ev_ckpt = NULL;
+	zd_ckpt_io_free(d->ckpt_io);
+	d->ckpt_io = NULL;
 }
 
 /*
@@ -320,101 +545,6 @@ check_fd(int fd, bool write, char *err, size_t errlen)
 	return 0;
 }
 
-/*
- * Three arrays read in turn are three interleaved streams, which the kernel's readahead
- * does not follow: ask for the piece from element `from` of each, so that the disk reads
- * it while the one before goes into the tiers.
- */
-static void
-prefetch(const struct zd_ckpt_write *w, uint64_t from)
-{
-	uint64_t n = w->count - from < PIECE ? w->count - from : PIECE;
-
-	for (unsigned i = 0; i < ZP_STATE_COUNT && n > 0; i++)
-		(void)posix_fadvise(w->fd, (off_t)(w->file_offset[i] + from * sizeof(float)),
-		    (off_t)(n * sizeof(float)), POSIX_FADV_WILLNEED);
-}
-
-/* A restore's next piece from the file into buf[cur ^ 1], checksummed. */
-static int
-restore_read(struct zd_daemon *d, struct zd_ckpt_write *w, char *err, size_t errlen)
-{
-	uint64_t n = w->count - w->issued < PIECE ? w->count - w->issued : PIECE;
-	float *buf = w->buf[w->cur ^ 1];
-
-	if (w->issued == 0)
-		prefetch(w, 0);
-
-	for (unsigned i = 0; i < ZP_STATE_COUNT; i++) {
-		uint64_t at = w->file_offset[i] + w->issued * sizeof(float);
-		float *a = buf + i * n;
-		int r = read_all(w->fd, a, n * sizeof(float), at);
-
-		if (r < 0) {
-			snprintf(err, errlen, "tensor '%s': reading the checkpoint file at byte %llu: "
-			    "%s", w->name, (unsigned long long)at, r == -ENODATA ?
-			    "the file ends there (truncated)" : strerror(-r));
-			return r == -ENODATA ? -EBADMSG : r;
-		}
-		w->crc[i] = zp_crc32c(w->crc[i], a, n * sizeof(float));
-	}
-	d->ckpt_bytes_read += 3 * n * sizeof(float);
-	w->next_off = w->issued;
-	w->next_n = n;
-	w->issued += n;
-	w->have_next = true;
-	prefetch(w, w->issued);
-	return 0;
-}
-
-/*
- * A restore's next piece was read: hand it to the engine, and read the one after from
- * the file while the engine writes.  Ends w or leaves it on the list.
- */
-static void
-restore_advance(struct zd_daemon *d, struct zd_session *s, struct zd_ckpt_write *w)
-{
-	char err[ZP_ERRMSG_MAX + 1];
-	int r, wr;
-
-	for (;;) {
-		if (!w->have_next) {
-			w->last_step = ze_tensor_last_step(w->et);
-			reply_done(s, w);
-			ckpt_free(w);
-			return;
-		}
-		w->cur ^= 1;
-		w->have_next = false;
-		w->piece_off = w->next_off;
-		w->piece_n = w->next_n;
-		wr = ze_tensor_write_all(w->et, w->offset + w->piece_off, w->piece_n, w->buf[w->cur],
-		    w->lane, engine_id(w));
-		if (wr < 0) {
-			zd_session_error(s, w->id, ze_errno(wr), "tensor '%s': %s", w->name,
-			    ze_strerror(wr));
-			ckpt_free(w);
-			return;
-		}
-		r = w->issued < w->count ? restore_read(d, w, err, sizeof(err)) : 0;
-		if (r < 0) {
-			zd_session_error(s, w->id, r, "%s", err);
-			if (wr == 0) {
-				w->failed = true;
-				w->next = d->ckpt_writes;
-				d->ckpt_writes = w;
-			} else {
-				ckpt_free(w);
-			}
-			return;
-		}
-		if (wr == 0) {
-			w->next = d->ckpt_writes;
-			d->ckpt_writes = w;
-			return;
-		}
-	}
-}
 
 /* Validates the request; a new w, or NULL after answering why not. */
 static struct zd_ckpt_write *
@@ -477,6 +607,16 @@ ckpt_new(struct zd_session *s, const struct zp_msg *msg, int fd)
 	w->id = id;
 	w->fd = fd;
 	w->et = t->et;
+	/* A save from memory: no step may change the arrays, nor a free take them, meanwhile. */
+	if (!restore && piece == 0) {
+		r = ze_tensor_hold(t->et);
+		if (r < 0) {
+			free(w);
+			zd_session_error(s, id, r, "tensor '%s': in a step or transfer", t->name);
+			return NULL;
+		}
+		w->held = t->et;
+	}
 	w->restore = restore;
 	w->offset = req->offset;
 	w->count = req->count;
@@ -489,7 +629,7 @@ ckpt_new(struct zd_session *s, const struct zp_msg *msg, int fd)
 void
 zd_handle_request_fd(struct zd_session *s, const struct zp_msg *msg, int fd)
 {
-	char err[ZP_ERRMSG_MAX + 1];
+	struct zd_daemon *d = s->daemon;
 	struct zd_ckpt_write *w;
 	int r;
 
@@ -504,28 +644,23 @@ zd_handle_request_fd(struct zd_session *s, const struct zp_msg *msg, int fd)
 		close(fd);
 		return;
 	}
+	w->next = d->ckpt_writes;
+	d->ckpt_writes = w;
 	if (w->restore) {
-		/* The first piece into buf[0] (cur ^ 1 with cur 1): restore_advance takes it on. */
-		w->cur = 1;
-		r = restore_read(s->daemon, w, err, sizeof(err));
-		if (r < 0) {
-			zd_session_error(s, w->id, r, "%s", err);
-			ckpt_free(w);
-		} else {
-			restore_advance(s->daemon, s, w);
-		}
+		/* The first piece into buf[0]: restore_advance takes it on when it is in. */
+		w->io_write = false;
+		w->io_buf = w->buf[0];
+		w->io_off = 0;
+		w->io_n = w->count < PIECE ? w->count : PIECE;
+		w->issued = w->io_n;
+		submit(d, w);
 		return;
 	}
 	r = issue(w);
-	if (r < 0) {
-		zd_session_error(s, w->id, ze_errno(r), "tensor '%s': %s", w->name, ze_strerror(r));
-		ckpt_free(w);
-	} else if (r == 0) {
-		w->next = s->daemon->ckpt_writes;
-		s->daemon->ckpt_writes = w;
-	} else {
-		save_advance(s->daemon, s, w);
-	}
+	if (r < 0)
+		fail(d, s, w, ze_errno(r), "tensor '%s': %s", w->name, ze_strerror(r));
+	else
+		progress(d, w);
 }
 
 void

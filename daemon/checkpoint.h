@@ -10,11 +10,18 @@
 struct cJSON;
 struct zd_daemon;
 struct zd_session;
+struct ze_tensor;
 
 /* A request that came with a descriptor (CKPT_WRITE, CKPT_READ); the handler owns it. */
 void zd_handle_request_fd(struct zd_session *s, const struct zp_msg *msg, int fd);
 /* An engine io_done that belongs to a checkpoint transfer: handled, true. */
 bool zd_ckpt_io_done(struct zd_daemon *d, uint32_t lane, uint64_t id, void *user, int result);
+/* The I/O threads and their event on the loop; 0 or -errno. */
+int zd_ckpt_start(struct zd_daemon *d);
+/* Joins the I/O threads and ends the transfers they had; before the engine goes. */
+void zd_ckpt_stop(struct zd_daemon *d);
+/* A tensor is freed: transfers of it end when what they have in flight comes back. */
+void zd_ckpt_tensor_gone(struct zd_daemon *d, struct ze_tensor *et);
 /* "checkpoint" in the stats: bytes saved and restored, transfers in flight. */
 void zd_ckpt_stats_json(struct cJSON *root, const struct zd_daemon *d);
 

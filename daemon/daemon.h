@@ -28,6 +28,7 @@ struct zd_swap_sample {
 	int bad;			/* as last logged: 0, or why the path takes no new state */
 };
 
+struct zd_ckpt_io;
 struct zd_ckpt_write;
 
 /*
@@ -67,7 +68,9 @@ struct zd_daemon {
 	bool draining;
 	uint64_t started_ns;
 	struct zd_step_stats steps;
-	struct zd_ckpt_write *ckpt_writes;	/* checkpoint.c: transfers waiting for the engine */
+	struct zd_ckpt_write *ckpt_writes;	/* checkpoint.c: transfers in flight */
+	struct zd_ckpt_io *ckpt_io;		/* their file I/O threads */
+	struct event *ev_ckpt;			/* those threads' eventfd */
 	uint64_t ckpt_bytes;			/* written into checkpoint files */
 	uint64_t ckpt_bytes_read;		/* read from them (restores) */
 };

@@ -4,6 +4,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "checkpoint.h"
 #include "daemon.h"
 #include "engine.h"
 #include "job.h"
@@ -386,6 +387,7 @@ tensor_free(struct zd_daemon *d, struct zd_tensor *t)
 		t->job->params -= ze_tensor_numel(t->et);
 		d->tensors_total--;
 		d->params_total -= ze_tensor_numel(t->et);
+		zd_ckpt_tensor_gone(d, t->et);
 		/* The engine refunds its charge, now or when the work it is in ends. */
 		ze_tensor_free(t->et);
 	}

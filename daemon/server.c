@@ -16,6 +16,7 @@
 #include <unistd.h>
 
 #include "arena.h"
+#include "checkpoint.h"
 #include "daemon.h"
 #include "engine.h"
 #include "job.h"
@@ -230,7 +231,7 @@ accept_cb(evutil_socket_t lfd, short what, void *arg)
 void
 zd_maybe_finish(struct zd_daemon *d)
 {
-	if (d->draining && ze_engine_in_flight(d->engine) == 0)
+	if (d->draining && ze_engine_in_flight(d->engine) == 0 && d->ckpt_writes == NULL)
 		event_base_loopbreak(d->base);
 }
 
@@ -524,6 +525,9 @@ start_engine(struct zd_daemon *d)
 		    event_add(d->ev_swap, NULL) != 0)
 			return -ENOMEM;
 	}
+	r = zd_ckpt_start(d);
+	if (r < 0)
+		return r;
 	report_pinning(d);
 	return 0;
 }
@@ -692,6 +696,8 @@ out:
 	/* Detached ranks' state goes with the daemon. */
 	zd_job_expire_detached(d, true);
 	zd_metrics_free(metrics);
+	/* Checkpoint file I/O first: a save from memory holds its tensor's arrays. */
+	zd_ckpt_stop(d);
 	/* Work still queued finishes first (none is left after a drain); then the tiers go. */
 	ze_engine_free(d->engine);
 	d->engine = NULL;

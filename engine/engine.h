@@ -170,6 +170,12 @@ void *ze_tensor_grad_slot(const struct ze_tensor *t);
 void *ze_tensor_param_slot(const struct ze_tensor *t);
 /* In a step or a transfer: no other work and no reattach may start. */
 bool ze_tensor_busy(const struct ze_tensor *t);
+/*
+ * Busy for a caller that reads its state in memory from another thread (a checkpoint):
+ * no step, transfer or free takes it until ze_tensor_release.  -EBUSY if it is busy.
+ */
+int ze_tensor_hold(struct ze_tensor *t);
+void ze_tensor_release(struct ze_tensor *t);
 bool ze_tensor_on_nvme(const struct ze_tensor *t);
 /* Every element of master was written since it was placed. */
 bool ze_tensor_initialized(const struct ze_tensor *t);

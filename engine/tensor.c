@@ -304,6 +304,21 @@ int ze_tensor_param_fd(const struct ze_tensor *t) { return t->param_slot.fd; }
 void *ze_tensor_grad_slot(const struct ze_tensor *t) { return t->grad_slot.map; }
 void *ze_tensor_param_slot(const struct ze_tensor *t) { return t->param_slot.map; }
 bool ze_tensor_busy(const struct ze_tensor *t) { return t->busy; }
+
+int
+ze_tensor_hold(struct ze_tensor *t)
+{
+	if (t->busy)
+		return -EBUSY;
+	t->busy = true;
+	return 0;
+}
+
+void
+ze_tensor_release(struct ze_tensor *t)
+{
+	ze_tensor_unbusy(t);
+}
 bool ze_tensor_on_nvme(const struct ze_tensor *t) { return t->on_nvme; }
 bool ze_tensor_initialized(const struct ze_tensor *t) { return t->init_missing == 0; }
 uint64_t ze_tensor_last_step(const struct ze_tensor *t) { return t->last_step; }
