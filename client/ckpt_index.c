@@ -13,6 +13,7 @@
 
 #include "ckpt_index.h"
 #include "crc32c.h"
+#include "fileio.h"
 
 const char *const zck_state_names[ZCK_STATES] = { "master", "exp_avg", "exp_avg_sq" };
 const char *const zck_optim_names[4] = { "adamw", "adam", "adagrad", "lion" };
@@ -31,27 +32,6 @@ fail(char *err, size_t errlen, int code, const char *fmt, ...)
 	vsnprintf(err, errlen, fmt, ap);
 	va_end(ap);
 	return code;
-}
-
-static int
-read_full(int fd, void *buf, size_t len, uint64_t off)
-{
-	char *p = buf;
-
-	while (len > 0) {
-		ssize_t n = pread(fd, p, len, (off_t)off);
-
-		if (n < 0 && errno == EINTR)
-			continue;
-		if (n < 0)
-			return -errno;
-		if (n == 0)
-			return -ENODATA;
-		p += n;
-		len -= (size_t)n;
-		off += (uint64_t)n;
-	}
-	return 0;
 }
 
 /* A metadata string as an unsigned number; false when absent or not one. */
@@ -180,7 +160,7 @@ parse_file(struct zck_file *f, char *err, size_t errlen)
 	if (fstat(f->fd, &st) < 0)
 		return fail(err, errlen, -errno, "%s: %s", f->path, strerror(errno));
 	f->size = (uint64_t)st.st_size;
-	r = read_full(f->fd, lenbuf, 8, 0);
+	r = zp_pread_full(f->fd, lenbuf, 8, 0);
 	for (int i = 0; i < 8; i++)
 		hlen |= (uint64_t)lenbuf[i] << (8 * i);
 	if (r < 0 || hlen == 0 || hlen > ZCK_HEADER_MAX || 8 + hlen > f->size)
@@ -190,7 +170,7 @@ parse_file(struct zck_file *f, char *err, size_t errlen)
 	text = malloc(hlen);
 	if (text == NULL)
 		return fail(err, errlen, -ENOMEM, "out of memory");
-	r = read_full(f->fd, text, hlen, 8);
+	r = zp_pread_full(f->fd, text, hlen, 8);
 	if (r == 0)
 		hdr = cJSON_ParseWithLength(text, hlen);
 	free(text);
@@ -377,7 +357,7 @@ zck_read_array(const struct zck_file *f, const struct zck_entry *e, unsigned sta
 	while (done < e->numel) {
 		uint64_t n = e->numel - done < block ? e->numel - done : block;
 
-		r = read_full(f->fd, buf, n * 4, e->begin[state] + done * 4);
+		r = zp_pread_full(f->fd, buf, n * 4, e->begin[state] + done * 4);
 		if (r < 0) {
 			r = fail(err, errlen, r == -ENODATA ? -EBADMSG : r, "%s: tensor '%s/%s': %s",
 			    f->path, e->name, zck_state_names[state], r == -ENODATA ?
@@ -416,7 +396,7 @@ zck_crc_range(const struct zck_file *f, const struct zck_entry *e, unsigned stat
 	while (from < to) {
 		uint64_t n = to - from < block ? to - from : block;
 
-		r = read_full(f->fd, buf, n * 4, e->begin[state] + from * 4);
+		r = zp_pread_full(f->fd, buf, n * 4, e->begin[state] + from * 4);
 		if (r < 0) {
 			r = fail(err, errlen, r == -ENODATA ? -EBADMSG : r, "%s: tensor '%s/%s': %s",
 			    f->path, e->name, zck_state_names[state], r == -ENODATA ?

@@ -20,6 +20,7 @@
 #include "crc32c.h"
 #include "daemon.h"
 #include "engine.h"
+#include "fileio.h"
 #include "job.h"
 #include "log.h"
 #include "requests.h"
@@ -147,48 +148,6 @@ engine_id(const struct zd_ckpt_write *w)
 	return (uint64_t)(uintptr_t)w | (1ull << 63);
 }
 
-static int
-write_all(int fd, const void *buf, size_t len, uint64_t offset)
-{
-	const char *p = buf;
-
-	while (len > 0) {
-		ssize_t n = pwrite(fd, p, len, (off_t)offset);
-
-		if (n < 0 && errno == EINTR)
-			continue;
-		if (n < 0)
-			return -errno;
-		if (n == 0)
-			return -EIO;
-		p += n;
-		len -= (size_t)n;
-		offset += (uint64_t)n;
-	}
-	return 0;
-}
-
-static int
-read_all(int fd, void *buf, size_t len, uint64_t offset)
-{
-	char *p = buf;
-
-	while (len > 0) {
-		ssize_t n = pread(fd, p, len, (off_t)offset);
-
-		if (n < 0 && errno == EINTR)
-			continue;
-		if (n < 0)
-			return -errno;
-		if (n == 0)
-			return -ENODATA;
-		p += n;
-		len -= (size_t)n;
-		offset += (uint64_t)n;
-	}
-	return 0;
-}
-
 static void
 reply_done(struct zd_session *s, struct zd_ckpt_write *w)
 {
@@ -228,7 +187,7 @@ io_write_piece(struct zd_ckpt_write *w)
 {
 	for (unsigned i = 0; i < ZP_STATE_COUNT; i++) {
 		uint64_t at = w->file_offset[i] + w->io_off * sizeof(float);
-		int r = write_all(w->fd, w->io_src[i], w->io_n * sizeof(float), at);
+		int r = zp_pwrite_full(w->fd, w->io_src[i], w->io_n * sizeof(float), at);
 
 		if (r < 0) {
 			snprintf(w->io_err, sizeof(w->io_err), "tensor '%s': writing the checkpoint "
@@ -264,7 +223,7 @@ io_read_piece(struct zd_ckpt_write *w)
 	for (unsigned i = 0; i < ZP_STATE_COUNT; i++) {
 		uint64_t at = w->file_offset[i] + w->io_off * sizeof(float);
 		float *a = w->io_buf + i * w->io_n;
-		int r = read_all(w->fd, a, w->io_n * sizeof(float), at);
+		int r = zp_pread_full(w->fd, a, w->io_n * sizeof(float), at);
 
 		if (r < 0) {
 			snprintf(w->io_err, sizeof(w->io_err), "tensor '%s': reading the checkpoint "
