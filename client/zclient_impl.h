@@ -1,24 +1,112 @@
-/* Internal to libzclient: what its other files (checkpoints) need from the connection. */
+/* Internal to libzclient: what its files share of the connection and its tensors. */
 #ifndef ZCLIENT_IMPL_H
 #define ZCLIENT_IMPL_H
 
 #include <stdbool.h>
+#include <stddef.h>
 #include <stdint.h>
 
 #include "proto.h"
 #include "zclient.h"
 
+/* Names start with zci_, not zc_: the version script exports zc_* only. */
+
+/* A registered tensor: its two mapped slots and what the client knows of its step and params. */
+struct zc_tensor {
+	struct zc_conn *conn;
+	uint32_t handle;
+	char name[ZP_NAME_MAX + 1];
+	uint64_t numel;
+	void *grad;
+	size_t grad_bytes;
+	void *param;
+	size_t param_bytes;
+	bool pending;
+	uint64_t pending_set;		/* request id of the set it waits on, while pending */
+	uint64_t last_step;
+	struct zc_step_result result;
+	bool param_offload;
+	enum { PARAM_RESIDENT, PARAM_RELEASED, PARAM_FETCHING } param_state;
+	int param_error;
+	bool param_waited;		/* counted in `waited` by a wait that has not ended */
+	zc_release_fn *release;		/* see zc_tensor_set_release_hook */
+	void *release_arg;
+	/*
+	 * Non-NULL while a driver has the param slot pinned (see
+	 * zc_tensor_set_param_pin).  Invariant: no PARAM_RELEASE names this
+	 * tensor while it is set, since the daemon's hole punch would leave
+	 * the driver with stale pages.
+	 */
+	zc_unpin_fn *unpin;
+	void *unpin_arg;
+};
+
 /*
- * Names start with zci_, not zc_: the version script exports zc_* only.
+ * The socket is non-blocking: every wait is a poll() bounded by a deadline,
+ * so that each blocking call can have a timeout (zc_set_timeout, the
+ * *_timeout waits) and the descriptor can be polled by the caller.
+ */
+struct zc_conn {
+	int fd;
+	int timeout_ms;			/* per request and reply; < 0: none */
+	/*
+	 * Non-zero: a request of this type got no answer in time and may still
+	 * be carried out; what the daemon holds for this connection is unknown,
+	 * so no more requests go out.  Waits for steps and params still work.
+	 */
+	uint16_t broken_by;
+	uint64_t next_id;
+	char err[ZP_ERRMSG_MAX + 128];
+	uint8_t *buf;
+	struct zp_msg *msg;
+	bool job_open;
+	uint32_t rank;
+	uint32_t world_size;
+	uint64_t job_last_step;
+	uint32_t session_id;
+	struct zc_tensor **tensors;	/* by handle - 1 */
+	uint32_t tensor_cap;
+	void *xfer;
+	size_t xfer_bytes;
+	struct pending_set *sets;	/* submitted steps not done yet (zclient_step.c) */
+	struct zc_step_result last;
+	struct zc_param_stats param_stats;
+};
+
+/* zclient.c: the connection. */
+
+/* Deadlines are CLOCK_MONOTONIC nanoseconds; these two are special. */
+#define ZCI_NO_WAIT		0		/* take what has arrived, never block */
+#define ZCI_NO_DEADLINE	UINT64_MAX
+
+uint64_t zci_now_ns(void);
+/* timeout_ms < 0: none, 0: no waiting. */
+uint64_t zci_deadline_after(int timeout_ms);
+int zci_seterr(struct zc_conn *c, int code, const char *fmt, ...)
+    __attribute__((format(printf, 3, 4)));
+/* Sends m with a new request id (and sendfd unless -1), applying the events that arrived first. */
+int zci_send_msg(struct zc_conn *c, struct zp_msg *m, uint64_t deadline, int sendfd);
+/* Applies whatever events have already arrived, without blocking. */
+int zci_drain(struct zc_conn *c);
+/* Request and reply; the reply is in c->msg, its descriptors in fds. */
+int zci_rpc(struct zc_conn *c, struct zp_msg *req, uint16_t reply_type, int *fds);
+/*
  * zci_rpc_fd sends req with sendfd (-1: none), waits for reply_type; the
  * reply stays valid until the next request on the connection.
  */
 int zci_rpc_fd(struct zc_conn *c, struct zp_msg *req, uint16_t reply_type, int sendfd,
     const struct zp_msg **reply);
-int zci_seterr(struct zc_conn *c, int code, const char *fmt, ...)
-    __attribute__((format(printf, 3, 4)));
+/* Applies events until done(arg) or the deadline (-ETIMEDOUT, with no message set). */
+int zci_wait_until(struct zc_conn *c, bool (*done)(void *), void *arg, uint64_t deadline);
 /* False when no job is open. */
 bool zci_job_rank(const struct zc_conn *c, uint32_t *rank, uint32_t *world_size);
+
+/* zclient_tensor.c: tensors. */
+
+/* NULL for a handle no tensor of this connection has. */
+struct zc_tensor *zci_tensor_by_handle(struct zc_conn *c, uint32_t handle);
+/* Runs the release hook, unmaps the slots and frees t; the daemon is not told. */
+void zci_tensor_unmap(struct zc_tensor *t);
 /* zc_tensor_register, where init NULL means the caller writes master itself next. */
 int zci_tensor_register(struct zc_conn *c, const struct zc_tensor_desc *desc, const float *init,
     struct zc_tensor **ret);
@@ -26,5 +114,13 @@ const char *zci_tensor_name(const struct zc_tensor *t);
 uint32_t zci_tensor_handle(const struct zc_tensor *t);
 bool zci_tensor_pending(const struct zc_tensor *t);
 struct zc_conn *zci_tensor_conn(const struct zc_tensor *t);
+
+/* zclient_step.c: the sets of tensors in submitted steps. */
+
+/* Applies a STEP_DONE: c->last, and the end of its set's tensors still pending. */
+void zci_sets_finish(struct zc_conn *c, const struct zp_step_done *done, uint64_t request_id);
+/* True while the step of that request id is not done. */
+bool zci_sets_pending(const struct zc_conn *c, uint64_t request_id);
+void zci_sets_free(struct zc_conn *c);
 
 #endif
