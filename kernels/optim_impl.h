@@ -66,4 +66,32 @@ static inline double zk_fold_lanes(double *acc)
 	return acc[0];
 }
 
+/* Element i of a gradient or parameter array in its dtype, for the scalar bodies. */
+static inline float zk_load_grad(const void *grad, enum zk_dtype dt, size_t i)
+{
+	switch (dt) {
+	case ZK_DTYPE_BF16:
+		return zk__bf16_to_f32(((const uint16_t *)grad)[i]);
+	case ZK_DTYPE_F16:
+		return zk__f16_to_f32(((const uint16_t *)grad)[i]);
+	default:
+		return ((const float *)grad)[i];
+	}
+}
+
+static inline void zk_store_param(void *param, enum zk_dtype dt, size_t i, float p)
+{
+	switch (dt) {
+	case ZK_DTYPE_BF16:
+		((uint16_t *)param)[i] = zk__f32_to_bf16(p);
+		break;
+	case ZK_DTYPE_F16:
+		((uint16_t *)param)[i] = zk__f32_to_f16(p);
+		break;
+	default:
+		((float *)param)[i] = p;
+		break;
+	}
+}
+
 #endif

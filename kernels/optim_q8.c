@@ -228,27 +228,6 @@ int zk_qstate_decode(const struct zk_qtensor *t, float *m, float *v)
 
 /* ---- scalar reference ---- */
 
-static inline float load_grad(const void *grad, enum zk_dtype dt, size_t i)
-{
-	if (dt == ZK_DTYPE_BF16)
-		return zk__bf16_to_f32(((const uint16_t *)grad)[i]);
-	if (dt == ZK_DTYPE_F16)
-		return zk__f16_to_f32(((const uint16_t *)grad)[i]);
-	return ((const float *)grad)[i];
-}
-
-static inline void store_param(void *param, enum zk_dtype dt, size_t i, float p)
-{
-	if (!param)
-		return;
-	if (dt == ZK_DTYPE_BF16)
-		((uint16_t *)param)[i] = zk__f32_to_bf16(p);
-	else if (dt == ZK_DTYPE_F16)
-		((uint16_t *)param)[i] = zk__f32_to_f16(p);
-	else
-		((float *)param)[i] = p;
-}
-
 /*
  * Element i of the AdamW/Adam step from decoded moments (mo, vo): the new
  * moments come back in *mi and *vi, and sqrt(*vi) (the stored quantity of
@@ -259,7 +238,7 @@ static inline void adam_elem(const struct zk_qconsts *qc, enum zk_optim optim,
     const struct zk_qtensor *t, size_t i, float mo, float vo, float *mi, float *vi, float *r)
 {
 	const struct zk_consts *c = &qc->c;
-	float g = load_grad(t->grad, t->grad_dtype, i) * c->inv_scale * c->clip;
+	float g = zk_load_grad(t->grad, t->grad_dtype, i) * c->inv_scale * c->clip;
 	float p = t->master[i], d;
 
 	if (optim == ZK_OPTIM_ADAMW)
@@ -275,7 +254,8 @@ static inline void adam_elem(const struct zk_qconsts *qc, enum zk_optim optim,
 	d = *r * qc->inv_bc2_sqrt + c->eps;
 	p = p + c->neg_step * *mi / d;
 	t->master[i] = p;
-	store_param(t->param, t->param_dtype, i, p);
+	if (t->param != NULL)
+		zk_store_param(t->param, t->param_dtype, i, p);
 }
 
 void zk_qstep_scalar(const struct zk_qconsts *c, enum zk_optim optim, const struct zk_qtensor *t,

@@ -97,35 +97,6 @@ static void qconsts_init(const struct zk_qconsts *qc, struct qconsts *k)
 	k->clip_one = c->clip == 1.0f;
 }
 
-ZK_INLINE vf load_grad(const void *g, int dt)
-{
-	if (dt == ZK_DTYPE_BF16)
-		return vf_from_bf16(vh_load(g));
-	if (dt == ZK_DTYPE_F16)
-		return vf_from_f16(vh_load(g));
-	return vf_load(g);
-}
-
-ZK_INLINE void store_param(void *p, int dt, vf x, bool nt)
-{
-	if (dt == ZK_DTYPE_BF16) {
-		if (nt)
-			vh_stream(p, vf_to_bf16(x));
-		else
-			vh_store(p, vf_to_bf16(x));
-	} else if (dt == ZK_DTYPE_F16) {
-		if (nt)
-			vh_stream(p, vf_to_f16(x));
-		else
-			vh_store(p, vf_to_f16(x));
-	} else if (dt == ZK_DTYPE_F32) {
-		if (nt)
-			vf_stream(p, x);
-		else
-			vf_store(p, x);
-	}
-}
-
 /* New m and sqrt(v) (and v, for bf16-moments) of one vector. */
 struct moments {
 	vf mi, vi, r;

@@ -10,33 +10,6 @@
  * exactly these operations in this order, so they agree bit for bit.
  */
 
-static inline float load_grad(const void *grad, enum zk_dtype dt, size_t i)
-{
-	switch (dt) {
-	case ZK_DTYPE_BF16:
-		return zk__bf16_to_f32(((const uint16_t *)grad)[i]);
-	case ZK_DTYPE_F16:
-		return zk__f16_to_f32(((const uint16_t *)grad)[i]);
-	default:
-		return ((const float *)grad)[i];
-	}
-}
-
-static inline void store_param(void *param, enum zk_dtype dt, size_t i, float p)
-{
-	switch (dt) {
-	case ZK_DTYPE_BF16:
-		((uint16_t *)param)[i] = zk__f32_to_bf16(p);
-		break;
-	case ZK_DTYPE_F16:
-		((uint16_t *)param)[i] = zk__f32_to_f16(p);
-		break;
-	default:
-		((float *)param)[i] = p;
-		break;
-	}
-}
-
 /* torch.lerp: self + w*(end-self) for |w| < 0.5, else end - (end-self)*(1-w). */
 static inline float lerp(const struct zk_consts *c, float self, float end)
 {
@@ -51,7 +24,7 @@ void zk_step_scalar(const struct zk_consts *c, enum zk_optim optim, const struct
 	float *master = t->master, *m = t->m, *v = t->v;
 
 	for (size_t i = begin; i < end; i++) {
-		float g = load_grad(t->grad, t->grad_dtype, i) * c->inv_scale * c->clip;
+		float g = zk_load_grad(t->grad, t->grad_dtype, i) * c->inv_scale * c->clip;
 		float p = master[i], mi, vi, d, u;
 
 		switch (optim) {
@@ -88,7 +61,7 @@ void zk_step_scalar(const struct zk_consts *c, enum zk_optim optim, const struct
 		}
 		master[i] = p;
 		if (t->param)
-			store_param(t->param, t->param_dtype, i, p);
+			zk_store_param(t->param, t->param_dtype, i, p);
 	}
 }
 
@@ -99,7 +72,7 @@ void zk_grad_scalar(const void *grad, enum zk_dtype dtype, float inv_scale, size
 	uint64_t bad = 0;
 
 	for (size_t i = begin; i < end; i++) {
-		float g = load_grad(grad, dtype, i) * inv_scale;
+		float g = zk_load_grad(grad, dtype, i) * inv_scale;
 
 		bad += (zk__f32_bits(g) & 0x7f800000u) == 0x7f800000u;
 		acc[(i - begin) % ZK_GRAD_LANES] += (double)g * (double)g;

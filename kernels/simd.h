@@ -3,6 +3,7 @@
 #define ZK_SIMD_H
 
 #include <immintrin.h>
+#include <stdbool.h>
 #include <stdint.h>
 
 #define ZK_INLINE static inline __attribute__((always_inline))
@@ -157,6 +158,39 @@ ZK_INLINE vd vd_from_hi(vf x) { return _mm256_cvtps_pd(_mm256_extractf128_ps(x, 
 #else
 #error "ZK_VEC_BITS must be 256 or 512"
 #endif
+
+/*
+ * Gradients and parameters in the tensor's dtype (enum zk_dtype, from optim.h, which every
+ * includer has): widened on load, rounded on store (nt: streaming store past the cache).
+ */
+ZK_INLINE vf load_grad(const void *g, int dt)
+{
+	if (dt == ZK_DTYPE_BF16)
+		return vf_from_bf16(vh_load(g));
+	if (dt == ZK_DTYPE_F16)
+		return vf_from_f16(vh_load(g));
+	return vf_load(g);
+}
+
+ZK_INLINE void store_param(void *p, int dt, vf x, bool nt)
+{
+	if (dt == ZK_DTYPE_BF16) {
+		if (nt)
+			vh_stream(p, vf_to_bf16(x));
+		else
+			vh_store(p, vf_to_bf16(x));
+	} else if (dt == ZK_DTYPE_F16) {
+		if (nt)
+			vh_stream(p, vf_to_f16(x));
+		else
+			vh_store(p, vf_to_f16(x));
+	} else if (dt == ZK_DTYPE_F32) {
+		if (nt)
+			vf_stream(p, x);
+		else
+			vf_store(p, x);
+	}
+}
 
 /* Hides a value from the optimizer: the memory-only kernel must not fold its load/store pairs. */
 #define ZK_OPAQUE_V(x) __asm__ volatile("" : "+x"(x))
