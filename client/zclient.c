@@ -345,14 +345,6 @@ zci_seterr(struct zc_conn *c, int code, const char *fmt, ...)
 	return code;
 }
 
-bool
-zci_job_rank(const struct zc_conn *c, uint32_t *rank, uint32_t *world_size)
-{
-	*rank = c->rank;
-	*world_size = c->world_size;
-	return c->job_open;
-}
-
 int
 zc_connect(const char *socket_path, struct zc_conn **ret)
 {

@@ -145,7 +145,7 @@ save_tensor(struct zc_conn *c, struct zc_tensor *t, struct save_tensor *st, int 
 		int r;
 
 		m.u.ckpt_write = (struct zp_ckpt_write){
-			.handle = zci_tensor_handle(t), .offset = done, .count = n,
+			.handle = t->handle, .offset = done, .count = n,
 		};
 		for (unsigned k = 0; k < ZCK_STATES; k++) {
 			m.u.ckpt_write.file_offset[k] = data_start + st->begin[k] + 4 * done;
@@ -177,17 +177,17 @@ check_entries(struct zc_conn *c, const struct zc_checkpoint_entry *es, size_t n,
 	for (size_t i = 0; i < n; i++) {
 		struct zc_tensor *t = es[i].tensor;
 
-		if (t == NULL || zci_tensor_conn(t) != c)
+		if (t == NULL || t->conn != c)
 			return zci_seterr(c, -EINVAL, "checkpoint entry %zu: not a tensor of this "
 			    "connection", i);
 		for (size_t j = 0; j < i; j++)
 			if (es[j].tensor == t)
 				return zci_seterr(c, -EINVAL, "checkpoint: tensor '%s' is listed twice",
-				    zci_tensor_name(t));
-		if (zci_tensor_pending(t))
+				    t->name);
+		if (t->pending)
 			return zci_seterr(c, -EBUSY, "checkpoint: tensor '%s' is in a step; wait for "
-			    "it first", zci_tensor_name(t));
-		ts[i].name = zci_tensor_name(t);
+			    "it first", t->name);
+		ts[i].name = t->name;
 		ts[i].numel = zc_tensor_numel(t);
 		ts[i].global_name = es[i].global_name != NULL ? es[i].global_name : ts[i].name;
 		ts[i].global_offset = es[i].global_offset;
@@ -211,12 +211,12 @@ zc_checkpoint_save(struct zc_conn *c, const char *dir, const struct zc_checkpoin
 	char *path = NULL, *tmp = NULL, *hp = NULL, *head = NULL;
 	struct save_tensor *ts = NULL;
 	uint64_t data = 0, reserved;
-	uint32_t rank, world;
+	uint32_t rank = c->rank, world = c->world_size;
 	int fd = -1, dfd = -1, r;
 	size_t hlen;
 	uint8_t *hbuf = NULL;
 
-	if (!zci_job_rank(c, &rank, &world))
+	if (!c->job_open)
 		return zci_seterr(c, -ENOTCONN, "checkpoint: open a job first");
 	if (dir == NULL || n == 0 || es == NULL || last == NULL || (unsigned)last->optim > ZC_LION)
 		return zci_seterr(c, -EINVAL, "checkpoint: a directory, at least one tensor and "

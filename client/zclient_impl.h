@@ -98,8 +98,6 @@ int zci_rpc_fd(struct zc_conn *c, struct zp_msg *req, uint16_t reply_type, int s
     const struct zp_msg **reply);
 /* Applies events until done(arg) or the deadline (-ETIMEDOUT, with no message set). */
 int zci_wait_until(struct zc_conn *c, bool (*done)(void *), void *arg, uint64_t deadline);
-/* False when no job is open. */
-bool zci_job_rank(const struct zc_conn *c, uint32_t *rank, uint32_t *world_size);
 
 /* zclient_tensor.c: tensors. */
 
@@ -110,10 +108,6 @@ void zci_tensor_unmap(struct zc_tensor *t);
 /* zc_tensor_register, where init NULL means the caller writes master itself next. */
 int zci_tensor_register(struct zc_conn *c, const struct zc_tensor_desc *desc, const float *init,
     struct zc_tensor **ret);
-const char *zci_tensor_name(const struct zc_tensor *t);
-uint32_t zci_tensor_handle(const struct zc_tensor *t);
-bool zci_tensor_pending(const struct zc_tensor *t);
-struct zc_conn *zci_tensor_conn(const struct zc_tensor *t);
 
 /* zclient_step.c: the sets of tensors in submitted steps. */
 

@@ -140,7 +140,7 @@ restore_piece(struct zc_conn *c, struct zc_tensor *t, const struct piece *p, uin
 		struct zp_msg m = { .hdr = { .type = ZP_CKPT_READ } };
 		const struct zp_msg *reply;
 
-		m.u.ckpt_write = (struct zp_ckpt_write){ .handle = zci_tensor_handle(t),
+		m.u.ckpt_write = (struct zp_ckpt_write){ .handle = t->handle,
 			.offset = e->global_offset + x - lo, .count = n };
 		for (unsigned k = 0; k < ZCK_STATES; k++) {
 			m.u.ckpt_write.file_offset[k] = e->begin[k] + 4 * x;

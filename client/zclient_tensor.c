@@ -365,27 +365,3 @@ zc_tensor_set_step(struct zc_tensor *t, uint64_t step)
 	t->last_step = step;
 	return 0;
 }
-
-const char *
-zci_tensor_name(const struct zc_tensor *t)
-{
-	return t->name;
-}
-
-uint32_t
-zci_tensor_handle(const struct zc_tensor *t)
-{
-	return t->handle;
-}
-
-bool
-zci_tensor_pending(const struct zc_tensor *t)
-{
-	return t->pending;
-}
-
-struct zc_conn *
-zci_tensor_conn(const struct zc_tensor *t)
-{
-	return t->conn;
-}
