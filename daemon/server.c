@@ -655,6 +655,18 @@ zd_server_run(struct zd_daemon *d)
 	r = start_engine(d);
 	if (r < 0)
 		goto out;
+	/*
+	 * Signals are caught before the socket answers: whoever sees it answer may
+	 * send SIGTERM at once, which must drain and exit 0, not kill the daemon
+	 * with the socket left behind (cli::start_stop caught this under ASan).
+	 */
+	for (size_t i = 0; i < sizeof(sigs) / sizeof(sigs[0]); i++) {
+		d->ev_signals[i] = evsignal_new(d->base, sigs[i], signal_cb, d);
+		if (d->ev_signals[i] == NULL || event_add(d->ev_signals[i], NULL) != 0) {
+			r = -ENOMEM;
+			goto out;
+		}
+	}
 	r = open_listener(d);
 	if (r < 0)
 		goto out;
@@ -664,13 +676,6 @@ zd_server_run(struct zd_daemon *d)
 	if (d->ev_listen == NULL || event_add(d->ev_listen, NULL)) {
 		r = -ENOMEM;
 		goto out;
-	}
-	for (size_t i = 0; i < sizeof(sigs) / sizeof(sigs[0]); i++) {
-		d->ev_signals[i] = evsignal_new(d->base, sigs[i], signal_cb, d);
-		if (d->ev_signals[i] == NULL || event_add(d->ev_signals[i], NULL) != 0) {
-			r = -ENOMEM;
-			goto out;
-		}
 	}
 	r = zd_metrics_start(d, d->base, &metrics);
 	if (r < 0)
