@@ -126,7 +126,7 @@ recv_one(struct zc_conn *c, int *fds, unsigned *nfds, uint64_t deadline)
 			return zci_seterr(c, r, "wait for zoffloadd: %s", strerror(-r));
 	}
 	if (n == 0 || n == -ECONNRESET)
-		return zci_seterr(c, -ECONNRESET, "zoffloadd closed the connection");
+		return zci_lost(c, "zoffloadd closed the connection");
 	if (n < 0)
 		return zci_seterr(c, (int)n, "receive from zoffloadd: %s", strerror((int)-n));
 	if (zp_decode(c->buf, (size_t)n, m, why, sizeof(why)) != ZP_S_OK) {
@@ -173,6 +173,12 @@ recv_one(struct zc_conn *c, int *fds, unsigned *nfds, uint64_t deadline)
 		return 0;
 	}
 	case ZP_ERROR:
+		/*
+		 * A daemon shutting down refuses new work: with reconnects on, its
+		 * successor gets it (the steps stay pending, the request is sent again).
+		 */
+		if (m->u.error.code == -ESHUTDOWN && c->reconnect_ms != 0)
+			return zci_lost(c, "zoffloadd is shutting down");
 		/* A refused step: its STEP_DONE follows; keep the reason. */
 		if (zci_sets_pending(c, m->hdr.request_id)) {
 			zci_seterr(c, m->u.error.code, "%s", m->u.error.message);
@@ -219,7 +225,7 @@ reads_only(uint16_t type)
 }
 
 int
-zci_send_msg(struct zc_conn *c, struct zp_msg *m, uint64_t deadline, int sendfd)
+zci_send_once(struct zc_conn *c, struct zp_msg *m, uint64_t deadline, int sendfd)
 {
 	int r;
 
@@ -246,6 +252,14 @@ zci_send_msg(struct zc_conn *c, struct zp_msg *m, uint64_t deadline, int sendfd)
 
 		if (why < 0)
 			return why;
+		/* Gone, but with nothing to read yet (the reading side was cut). */
+		if (c->reconnect_ms != 0) {
+			char text[128];
+
+			snprintf(text, sizeof(text), "send %s to zoffloadd: %s",
+			    zp_type_name(m->hdr.type), strerror(-r));
+			return zci_lost(c, text);
+		}
 	}
 	if (r < 0)
 		return zci_seterr(c, r, "send %s to zoffloadd: %s", zp_type_name(m->hdr.type),
@@ -253,20 +267,35 @@ zci_send_msg(struct zc_conn *c, struct zp_msg *m, uint64_t deadline, int sendfd)
 	return 0;
 }
 
+/* Sends m, reconnecting (and sending it again, its handles rewritten) when the connection goes. */
+int
+zci_send_msg(struct zc_conn *c, struct zp_msg *m, uint64_t deadline, int sendfd)
+{
+	int r;
+
+	for (;;) {
+		r = zci_ready(c, m, ZCI_NO_DEADLINE);
+		if (r < 0)
+			return r;
+		r = zci_send_once(c, m, deadline, sendfd);
+		if (r >= 0 || !c->lost)
+			return r;
+	}
+}
+
 /*
  * Request (with sendfd unless -1) and reply of type reply_type or alt_type; the reply is in
  * c->msg, its descriptors in fds.
  */
 static int
-rpc_full(struct zc_conn *c, struct zp_msg *req, uint16_t reply_type, uint16_t alt_type,
-    int *fds, int sendfd)
+rpc_once(struct zc_conn *c, struct zp_msg *req, uint16_t reply_type, uint16_t alt_type,
+    int *fds, int sendfd, uint64_t deadline)
 {
-	uint64_t deadline = zci_deadline_after(c->timeout_ms);
 	int tmpfds[ZP_MAX_FDS];
 	unsigned nfds;
 	int r;
 
-	r = zci_send_msg(c, req, deadline, sendfd);
+	r = zci_send_once(c, req, deadline, sendfd);
 	if (r < 0)
 		return r;
 	for (;;) {
@@ -306,6 +335,35 @@ rpc_full(struct zc_conn *c, struct zp_msg *req, uint16_t reply_type, uint16_t al
 				close(tmpfds[i]);
 		return 0;
 	}
+}
+
+/*
+ * rpc_once, again on a new connection when this one goes before the reply:
+ * every request is one the reattached daemon may take a second time (see
+ * zclient_reconnect.c for those that free something).
+ */
+static int
+rpc_full(struct zc_conn *c, struct zp_msg *req, uint16_t reply_type, uint16_t alt_type,
+    int *fds, int sendfd)
+{
+	int r;
+
+	for (;;) {
+		r = zci_ready(c, req, ZCI_NO_DEADLINE);
+		if (r < 0)
+			return r;
+		r = rpc_once(c, req, reply_type, alt_type, fds, sendfd,
+		    zci_deadline_after(c->timeout_ms));
+		if (r >= 0 || !c->lost)
+			return r;
+	}
+}
+
+int
+zci_rpc_once(struct zc_conn *c, struct zp_msg *req, uint16_t reply_type, int *fds,
+    uint64_t deadline)
+{
+	return rpc_once(c, req, reply_type, reply_type, fds, -1, deadline);
 }
 
 /* Request and reply of type reply_type or alt_type; the reply is in c->msg, its descriptors in fds. */
@@ -376,12 +434,15 @@ zc_connect_timeout(const char *socket_path, int timeout_ms, struct zc_conn **ret
 	struct zp_msg hello = { .hdr = { .type = ZP_HELLO } };
 	struct zc_conn *c;
 	const char *path = socket_path;
-	int r;
+	int reconnect_ms, r;
 
 	if (path == NULL)
 		path = getenv("ZOFFLOAD_SOCKET");
 	if (path == NULL || path[0] == '\0')
 		path = ZOFFLOAD_DEFAULT_SOCKET;
+	r = zci_reconnect_default(&reconnect_ms);
+	if (r < 0)
+		return r;
 	if (strlen(path) >= sizeof(sa.sun_path))
 		return zcl_connect_fail(-ENAMETOOLONG, "socket path of %zu bytes, at most %zu: %s",
 		    strlen(path), sizeof(sa.sun_path) - 1, path);
@@ -392,6 +453,9 @@ zc_connect_timeout(const char *socket_path, int timeout_ms, struct zc_conn **ret
 	if (c == NULL)
 		return zcl_connect_fail(-ENOMEM, "no memory for a connection");
 	c->timeout_ms = timeout_ms < 0 ? -1 : timeout_ms;
+	/* No reconnect during HELLO: a connect that fails says so. */
+	c->reconnect_ms = 0;
+	memcpy(c->path, path, strlen(path) + 1);
 	c->buf = malloc(ZP_MAX_MESSAGE);
 	c->msg = malloc(sizeof(*c->msg));
 	if (c->buf == NULL || c->msg == NULL) {
@@ -421,6 +485,7 @@ zc_connect_timeout(const char *socket_path, int timeout_ms, struct zc_conn **ret
 		goto fail;
 	}
 	c->session_id = c->msg->u.hello_ok.session_id;
+	c->reconnect_ms = reconnect_ms;
 	zcl_connect_ok();
 	*ret = c;
 	return 0;
@@ -478,6 +543,8 @@ zc_job_open_opts(struct zc_conn *c, const char *job_name, uint32_t rank, uint32_
 	r = zci_rpc(c, &m, ZP_JOB_OK, NULL);
 	if (r == 0) {
 		c->job_open = true;
+		snprintf(c->job_name, sizeof(c->job_name), "%s", job_name);
+		c->job_opts = opts != NULL ? *opts : (struct zc_job_options){ 0 };
 		c->rank = rank;
 		c->world_size = world_size;
 		c->job_last_step = c->msg->u.job_ok.last_step;
@@ -529,8 +596,18 @@ zci_wait_until(struct zc_conn *c, bool (*done)(void *), void *arg, uint64_t dead
 	unsigned nfds;
 	int r;
 
+	if (c->dead != 0)
+		return zci_seterr(c, c->dead, "%s", c->dead_msg);
 	while (!done(arg)) {
+		/* A reconnect resubmits what this waits for; done() may then be true. */
+		r = zci_ready(c, NULL, deadline);
+		if (r < 0)
+			return r;
+		if (done(arg))
+			break;
 		r = recv_one(c, fds, &nfds, deadline);
+		if (r < 0 && c->lost)
+			continue;
 		if (r < 0)
 			return r;
 		for (unsigned i = 0; i < nfds; i++)

@@ -89,6 +89,59 @@ ZC_API int zc_set_timeout(struct zc_conn *conn, int timeout_ms);
 ZC_API int zc_conn_fd(const struct zc_conn *conn);
 
 /*
+ * Reconnects.  When the connection goes away (zoffloadd restarted or
+ * crashed, the socket was cut: EOF, ECONNRESET, EPIPE, or "zoffloadd is
+ * shutting down"), the next call, or the one under way, connects again to
+ * the same socket path, retrying with backoff for the reconnect timeout;
+ * reopens the job (same name, rank, world size, options); registers every
+ * tensor again with the same descriptor, which must come back as taken back
+ * (TENSOR_OK resumed, see zc_tensor_register) with its state; keeps the slot
+ * mappings when the daemon hands back the same files, or else maps the new
+ * files at the same addresses (the grads already written are copied across),
+ * so pointers from zc_tensor_grad_slot/param_slot stay valid; and sends
+ * again what had no answer: the request under way, the steps submitted and
+ * not done, the parameter fetches.  A step the daemon had already applied
+ * (the tensor's last step says so) is not submitted again: it ends as
+ * applied, with grad_norm NaN as its result was lost.  The caller sees a
+ * delay, and a count in zc_conn_stats.
+ *
+ * - timeout_ms: how long to keep trying, from when the connection was found
+ *   gone; -1 without bound; 0: no reconnects, a call that finds the
+ *   connection gone fails with -ECONNRESET ("zoffloadd closed the
+ *   connection"), the behaviour before reconnects.  The default comes from
+ *   $ZOFFLOAD_RECONNECT_MS at connect (the same meaning; zc_connect fails
+ *   with -EINVAL when it is not an integer >= -1), else 60000.
+ * - When the timeout passes, the call fails with -ECONNRESET and a message
+ *   naming the socket and the last reason it could not connect.
+ * - When the daemon answers but no longer has the job's state (a tensor
+ *   comes back new: it restarted without keeping it), nothing is
+ *   re-initialized: the call fails with -ESTALE, "zoffloadd lost the state of
+ *   job ...".
+ * - Either way the connection is then dead: every later call fails the same
+ *   way; the caller disconnects.
+ * - A wait with a timeout (zc_wait_*_timeout, zc_param_wait_timeout) stops
+ *   trying to connect at its own timeout (-ETIMEDOUT, nothing lost: a later
+ *   call goes on from there); every other call rides the reconnect through.
+ * - zc_conn_fd keeps its number across a reconnect (the new socket takes the
+ *   old one's place), so poll() goes on; an epoll set must add it again.
+ *   While the connection is gone it polls readable (hung up): a wait with
+ *   timeout 0 then reconnects.
+ * - A slot whose mapping was replaced (other files) has new pages: a driver
+ *   registration (cudaHostRegister) of the old ones is stale.  The daemon
+ *   hands back the same files when it keeps the state, so this is rare.
+ */
+ZC_API int zc_set_reconnect(struct zc_conn *conn, int timeout_ms);
+
+struct zc_conn_stats {
+	uint64_t reconnects;		/* times the connection came back */
+	uint64_t reconnect_ns;		/* time from finding it gone to reattached, summed */
+	uint64_t steps_resubmitted;	/* sets submitted again after a reconnect */
+	uint64_t steps_completed_away;	/* sets the daemon finished while the connection was gone */
+	uint64_t slots_remapped;	/* slots that came back in other files, mapped in place */
+};
+ZC_API void zc_conn_stats(const struct zc_conn *conn, struct zc_conn_stats *ret);
+
+/*
  * One job per connection: the ranks of one training run share a name.  Names
  * are per uid: "NAME" is the caller's own job (no other uid can take or join
  * it), "UID:NAME" another uid's, which only root may join.  A

@@ -17,6 +17,19 @@ struct zc_tensor {
 	uint32_t handle;
 	char name[ZP_NAME_MAX + 1];
 	uint64_t numel;
+	enum zc_dtype grad_dtype;	/* the descriptor, for a reattach (zclient_reconnect.c) */
+	enum zc_dtype param_dtype;
+	/*
+	 * The slots' files (st_dev, st_ino): a reattach that hands back the same
+	 * files keeps the mappings; other files are mapped over them in place.
+	 */
+	uint64_t grad_dev, grad_ino, param_dev, param_ino;
+	/*
+	 * True until the daemon holds every initial value (the init write, or a
+	 * restore, is under way): only such a tensor may come back new from a
+	 * reattach.  Any other that does means the daemon lost its state.
+	 */
+	bool fresh;
 	void *grad;
 	size_t grad_bytes;
 	void *param;
@@ -47,7 +60,29 @@ struct zc_tensor {
  * *_timeout waits) and the descriptor can be polled by the caller.
  */
 struct zc_conn {
+	/*
+	 * The socket.  Its number never changes: a reconnect puts the new
+	 * socket in its place (dup3), so a caller polling zc_conn_fd goes on.
+	 */
 	int fd;
+	char path[108];			/* what zc_connect connected to, for a reconnect */
+	/* Reconnects (zclient_reconnect.c): 0 off, < 0 without bound, else ms to keep trying. */
+	int reconnect_ms;
+	/*
+	 * The connection went away (EOF, ECONNRESET, EPIPE, a daemon shutting
+	 * down) and reconnects are on: the socket is shut, and the next call
+	 * reconnects first.  lost_ns: when it was found gone.
+	 */
+	bool lost;
+	uint64_t lost_ns;
+	unsigned losses;		/* times found gone: a reattach step compares it */
+	/*
+	 * Non-zero: a reconnect failed for good (timed out, the daemon lost the
+	 * job's state); every call returns this with dead_msg.
+	 */
+	int dead;
+	char dead_msg[ZP_ERRMSG_MAX + 128];
+	struct zc_conn_stats conn_stats;
 	int timeout_ms;			/* per request and reply; < 0: none */
 	/*
 	 * Non-zero: a request of this type got no answer in time and may still
@@ -60,6 +95,8 @@ struct zc_conn {
 	uint8_t *buf;
 	struct zp_msg *msg;
 	bool job_open;
+	char job_name[ZP_NAME_MAX + 1];	/* the open job's, for a reattach */
+	struct zc_job_options job_opts;
 	uint32_t rank;
 	uint32_t world_size;
 	uint64_t job_last_step;
@@ -99,6 +136,42 @@ int zci_rpc_fd(struct zc_conn *c, struct zp_msg *req, uint16_t reply_type, int s
 /* Applies events until done(arg) or the deadline (-ETIMEDOUT, with no message set). */
 int zci_wait_until(struct zc_conn *c, bool (*done)(void *), void *arg, uint64_t deadline);
 
+/*
+ * One request and its reply, with no reconnect: the reply is in c->msg, its
+ * descriptors in fds (NULL: closed).  Used by the reconnect itself.
+ */
+int zci_rpc_once(struct zc_conn *c, struct zp_msg *req, uint16_t reply_type, int *fds,
+    uint64_t deadline);
+/* Sends m once, with no reconnect. */
+int zci_send_once(struct zc_conn *c, struct zp_msg *m, uint64_t deadline, int sendfd);
+
+/* zclient_reconnect.c: the connection going away and coming back. */
+
+/*
+ * The connection is gone (why: what found it so).  With reconnects off,
+ * returns -ECONNRESET with why (the old behaviour); else marks it lost,
+ * shuts the socket so the daemon lets go of the session, and returns
+ * -ECONNRESET for the caller to reconnect.
+ */
+int zci_lost(struct zc_conn *c, const char *why);
+/*
+ * Before a call goes to the daemon: the error of a dead connection, or, on a
+ * lost one, the reconnect (zci_reconnect) first.  0 when connected.
+ */
+int zci_ready(struct zc_conn *c, struct zp_msg *inflight, uint64_t deadline);
+/*
+ * Connects again, reattaches the job and tensors, remaps their slots,
+ * resubmits the steps and fetches in flight, and rewrites the handles in
+ * inflight (a request not yet answered, to be sent again; NULL: none).
+ * Connecting gives up at deadline (-ETIMEDOUT, still lost: a later call goes
+ * on) or at the reconnect timeout (dead).  0 once reattached.
+ */
+int zci_reconnect(struct zc_conn *c, struct zp_msg *inflight, uint64_t deadline);
+/* st_dev and st_ino of the file behind fd (0 when fstat fails). */
+void zci_file_id(int fd, uint64_t *dev, uint64_t *ino);
+/* $ZOFFLOAD_RECONNECT_MS or the default; -EINVAL (connect message set) when malformed. */
+int zci_reconnect_default(int *ret_ms);
+
 /* zclient_tensor.c: tensors. */
 
 /* NULL for a handle no tensor of this connection has. */
@@ -116,5 +189,13 @@ void zci_sets_finish(struct zc_conn *c, const struct zp_step_done *done, uint64_
 /* True while the step of that request id is not done. */
 bool zci_sets_pending(const struct zc_conn *c, uint64_t request_id);
 void zci_sets_free(struct zc_conn *c);
+/*
+ * After a reattach: each set's tensors that the daemon already stepped (their
+ * last_step) end as applied, the rest are submitted again (new request ids).
+ * 0, -ECONNRESET when the connection went again, or a failure for good.
+ */
+int zci_sets_resubmit(struct zc_conn *c, uint64_t deadline);
+/* The sets' handles, of the tensors in old (by old handle), to their new ones. */
+void zci_sets_rehandle(struct zc_conn *c, struct zc_tensor *const *old, uint32_t cap);
 
 #endif

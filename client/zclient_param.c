@@ -45,19 +45,20 @@ prefetch(struct zc_conn *c, struct zc_tensor *const *tensors, size_t n, uint64_t
 	for (size_t i = 0; i < n; i++) {
 		if (tensors[i]->param_state != PARAM_RELEASED)
 			continue;
-		tensors[i]->param_state = PARAM_FETCHING;
 		m->u.handles.handles[m->u.handles.count++] = tensors[i]->handle;
 	}
 	r = m->u.handles.count > 0 ? zci_send_msg(c, m, deadline, -1) : 0;
 	/*
-	 * Not sent: no READY will come, and a tensor left fetching would have
-	 * zc_param_wait wait for it forever.
+	 * Fetching once sent, not before: a tensor left fetching with no request
+	 * sent would have zc_param_wait wait for it forever, and a reconnect
+	 * during the send asks for those being fetched itself (then this goes
+	 * again).  No READY can come before: the send only drains before it.
 	 */
-	for (uint32_t i = 0; r < 0 && i < m->u.handles.count; i++) {
+	for (uint32_t i = 0; r == 0 && i < m->u.handles.count; i++) {
 		struct zc_tensor *t = zci_tensor_by_handle(c, m->u.handles.handles[i]);
 
-		if (t != NULL && t->param_state == PARAM_FETCHING)
-			t->param_state = PARAM_RELEASED;
+		if (t != NULL && t->param_state == PARAM_RELEASED)
+			t->param_state = PARAM_FETCHING;
 	}
 	free(m);
 	return r;
@@ -91,7 +92,8 @@ zc_param_wait_timeout(struct zc_tensor *t, int timeout_ms)
 	/* A READY already in the socket means the params are there: ready, no waiting. */
 	if (t->param_state == PARAM_FETCHING) {
 		r = zci_drain(c);
-		if (r < 0)
+		/* Gone: the wait below reconnects (and asks again). */
+		if (r < 0 && !c->lost)
 			return r;
 	}
 	if (t->param_state == PARAM_RESIDENT) {

@@ -208,6 +208,8 @@ zc_tensor_register_checkpoint(struct zc_conn *c, const struct zc_tensor_desc *de
 		zci_seterr(c, r, "%s", saved);
 		goto out;
 	}
+	/* Every element is in: from now on a reattach must find the state kept. */
+	t->fresh = false;
 	*ret = t;
 out:
 	free(ps);

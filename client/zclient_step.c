@@ -2,6 +2,7 @@
 #include <errno.h>
 #include <math.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include "zclient.h"
 #include "zclient_impl.h"
@@ -11,9 +12,33 @@ struct pending_set {
 	struct pending_set *next;
 	uint64_t request_id;
 	uint64_t step;
+	struct zc_step_params params;	/* to submit it again after a reconnect */
 	uint32_t count;
 	uint32_t *handles;
 };
+
+/* A STEP_SUBMIT of p, without its handles. */
+static void
+fill_submit(struct zp_msg *m, const struct zc_step_params *p, size_t ntensors)
+{
+	m->hdr.type = ZP_STEP_SUBMIT;
+	m->u.step_submit = (struct zp_step_submit){
+		.step = p->step,
+		.optim = (uint8_t)p->optim,
+		.flags = (uint8_t)((p->no_bias_correction ? ZP_STEP_NO_BIAS_CORRECTION : 0) |
+		    (p->check_finite ? ZP_STEP_CHECK_FINITE : 0) |
+		    (p->clip_coef > 0 ? ZP_STEP_CLIP_COEF : 0)),
+		.lr = p->lr,
+		.beta1 = p->beta1,
+		.beta2 = p->beta2,
+		.eps = p->eps,
+		.weight_decay = p->weight_decay,
+		.lr_decay = p->lr_decay,
+		.grad_scale = p->grad_scale > 0 ? p->grad_scale : 1.0,
+		.max_grad_norm = p->clip_coef > 0 ? p->clip_coef : p->max_grad_norm,
+		.count = (uint32_t)ntensors,
+	};
+}
 
 void
 zci_sets_finish(struct zc_conn *c, const struct zp_step_done *done, uint64_t request_id)
@@ -71,6 +96,122 @@ zci_sets_free(struct zc_conn *c)
 	}
 }
 
+void
+zci_sets_rehandle(struct zc_conn *c, struct zc_tensor *const *old, uint32_t cap)
+{
+	for (struct pending_set *s = c->sets; s != NULL; s = s->next) {
+		for (uint32_t i = 0; i < s->count; i++) {
+			uint32_t h = s->handles[i];
+
+			/* 0: a tensor gone since (unregistered after its own TENSOR_DONE). */
+			s->handles[i] = h > 0 && h <= cap && old[h - 1] != NULL ? old[h - 1]->handle : 0;
+		}
+	}
+}
+
+/* Ends a tensor's step as the daemon did it while the connection was gone. */
+static void
+end_applied(struct zc_tensor *t, uint64_t step)
+{
+	t->pending = false;
+	t->result = (struct zc_step_result){ .step = step, .status = ZC_STEP_APPLIED,
+		.grad_norm = NAN };
+	t->param_state = PARAM_RESIDENT;
+}
+
+/*
+ * One set after a reattach.  The daemon refuses a step at or below a
+ * tensor's last step for the whole set (-EALREADY), so those tensors are
+ * done and left out; the rest go again.  A set's global norm clip
+ * (max_grad_norm without clip_coef) covers all of it: applied to part, the
+ * rest cannot go alone.
+ */
+static int
+resubmit_set(struct zc_conn *c, struct pending_set *set, uint64_t deadline)
+{
+	struct zp_msg *m;
+	uint32_t left = 0;
+	bool some_done = false;
+	const char *done_name = NULL;
+	int r;
+
+	m = calloc(1, sizeof(*m));
+	if (m == NULL)
+		return zci_seterr(c, -ENOMEM, "out of memory");
+	fill_submit(m, &set->params, 0);
+	for (uint32_t i = 0; i < set->count; i++) {
+		struct zc_tensor *t = zci_tensor_by_handle(c, set->handles[i]);
+
+		if (t == NULL || !t->pending || t->pending_set != set->request_id) {
+			some_done = some_done || (t != NULL && t->result.step == set->step &&
+			    t->result.status == ZC_STEP_APPLIED);
+			continue;
+		}
+		if (t->last_step >= set->step) {
+			end_applied(t, set->step);
+			some_done = true;
+			done_name = t->name;
+			continue;
+		}
+		m->u.step_submit.handles[left++] = t->handle;
+	}
+	if (left > 0 && some_done && set->params.max_grad_norm > 0 && !(set->params.clip_coef > 0)) {
+		free(m);
+		return zci_seterr(c, -EIO, "step %llu was applied to part of its set (tensor '%s') "
+		    "before the connection to zoffloadd went; its clipping norm covers the whole "
+		    "set, so the rest cannot be submitted alone", (unsigned long long)set->step,
+		    done_name != NULL ? done_name : "?");
+	}
+	if (left == 0) {
+		free(m);
+		c->conn_stats.steps_completed_away++;
+		return 1;
+	}
+	m->u.step_submit.count = left;
+	r = zci_send_once(c, m, deadline, -1);
+	if (r == 0) {
+		memcpy(set->handles, m->u.step_submit.handles, left * sizeof(*set->handles));
+		set->count = left;
+		for (uint32_t i = 0; i < left; i++)
+			zci_tensor_by_handle(c, set->handles[i])->pending_set = m->hdr.request_id;
+		set->request_id = m->hdr.request_id;
+		c->conn_stats.steps_resubmitted++;
+	}
+	free(m);
+	return r;
+}
+
+int
+zci_sets_resubmit(struct zc_conn *c, uint64_t deadline)
+{
+	struct pending_set *order[64], **list = order, *s;
+	size_t n = 0, i;
+	int r = 0;
+
+	for (s = c->sets; s != NULL; s = s->next)
+		n++;
+	if (n > sizeof(order) / sizeof(order[0]) && (list = calloc(n, sizeof(*list))) == NULL)
+		return zci_seterr(c, -ENOMEM, "out of memory");
+	/* The list is newest first: submit again in the order they were submitted. */
+	i = n;
+	for (s = c->sets; s != NULL; s = s->next)
+		list[--i] = s;
+	for (i = 0; i < n && r >= 0; i++) {
+		r = resubmit_set(c, list[i], deadline);
+		if (r == 1) {
+			struct zp_step_done done = { .step = list[i]->step, .status = ZP_STEP_APPLIED,
+				.grad_norm = NAN };
+
+			/* All of it was applied: it ends here, its STEP_DONE lost with the connection. */
+			zci_sets_finish(c, &done, list[i]->request_id);
+			r = 0;
+		}
+	}
+	if (list != order)
+		free(list);
+	return r;
+}
+
 int
 zc_grad_pass(struct zc_conn *c, struct zc_tensor *const *tensors, size_t ntensors,
     double grad_scale, struct zc_grad_partial *ret)
@@ -116,6 +257,7 @@ zc_clip_coef(double max_norm, double total_sumsq)
 	return coef < 1.0 ? coef : 1.0;
 }
 
+
 int
 zc_step_submit(struct zc_conn *c, const struct zc_step_params *p,
     struct zc_tensor *const *tensors, size_t ntensors)
@@ -146,29 +288,14 @@ zc_step_submit(struct zc_conn *c, const struct zc_step_params *p,
 		free(set);
 		return zci_seterr(c, -ENOMEM, "out of memory");
 	}
-	m->hdr.type = ZP_STEP_SUBMIT;
-	m->u.step_submit = (struct zp_step_submit){
-		.step = p->step,
-		.optim = (uint8_t)p->optim,
-		.flags = (uint8_t)((p->no_bias_correction ? ZP_STEP_NO_BIAS_CORRECTION : 0) |
-		    (p->check_finite ? ZP_STEP_CHECK_FINITE : 0) |
-		    (p->clip_coef > 0 ? ZP_STEP_CLIP_COEF : 0)),
-		.lr = p->lr,
-		.beta1 = p->beta1,
-		.beta2 = p->beta2,
-		.eps = p->eps,
-		.weight_decay = p->weight_decay,
-		.lr_decay = p->lr_decay,
-		.grad_scale = p->grad_scale > 0 ? p->grad_scale : 1.0,
-		.max_grad_norm = p->clip_coef > 0 ? p->clip_coef : p->max_grad_norm,
-		.count = (uint32_t)ntensors,
-	};
+	fill_submit(m, p, ntensors);
 	for (size_t i = 0; i < ntensors; i++) {
 		m->u.step_submit.handles[i] = tensors[i]->handle;
 		set->handles[i] = tensors[i]->handle;
 	}
 	set->count = (uint32_t)ntensors;
 	set->step = p->step;
+	set->params = *p;
 	r = zci_send_msg(c, m, zci_deadline_after(c->timeout_ms), -1);
 	if (r < 0) {
 		free(set->handles);
@@ -176,6 +303,9 @@ zc_step_submit(struct zc_conn *c, const struct zc_step_params *p,
 		free(m);
 		return r;
 	}
+	/* A reconnect during the send gave the tensors new handles: the message has them. */
+	for (size_t i = 0; i < ntensors; i++)
+		set->handles[i] = m->u.step_submit.handles[i];
 	set->request_id = m->hdr.request_id;
 	set->next = c->sets;
 	c->sets = set;
@@ -186,6 +316,7 @@ zc_step_submit(struct zc_conn *c, const struct zc_step_params *p,
 	free(m);
 	return 0;
 }
+
 
 static bool
 tensor_idle(void *arg)

@@ -197,7 +197,11 @@ zci_tensor_register(struct zc_conn *c, const struct zc_tensor_desc *desc, const 
 	t->param_bytes = c->msg->u.tensor_ok.param_bytes;
 	t->last_step = c->msg->u.tensor_ok.last_step;
 	t->param_offload = desc->param_offload;
+	t->grad_dtype = desc->grad_dtype;
+	t->param_dtype = desc->param_dtype;
 	resumed = c->msg->u.tensor_ok.resumed != 0;
+	/* Until every initial value is in, a reattach may find it new (zclient_reconnect.c). */
+	t->fresh = !resumed;
 	/* Handle 0 would index tensors[-1]; a handle in use would take another tensor's place. */
 	if (t->handle == 0 || zci_tensor_by_handle(c, t->handle) != NULL) {
 		r = zci_seterr(c, -EBADMSG, "zoffloadd gave '%s' handle %u, %s", desc->name, t->handle,
@@ -226,6 +230,8 @@ zci_tensor_register(struct zc_conn *c, const struct zc_tensor_desc *desc, const 
 			munmap(t->param, t->param_bytes);
 		goto fail_tensor;
 	}
+	zci_file_id(fds[0], &t->grad_dev, &t->grad_ino);
+	zci_file_id(fds[1], &t->param_dev, &t->param_ino);
 	close(fds[0]);
 	close(fds[1]);
 	r = add_tensor(c, t);
@@ -243,6 +249,9 @@ zci_tensor_register(struct zc_conn *c, const struct zc_tensor_desc *desc, const 
 		c->tensors[t->handle - 1] = NULL;
 		goto fail_mapped;
 	}
+	/* A restore (init NULL) says when it is done: zc_tensor_register_checkpoint. */
+	if (init != NULL)
+		t->fresh = false;
 	*ret = t;
 	return 0;
 fail_mapped:

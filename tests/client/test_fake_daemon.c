@@ -255,6 +255,8 @@ fake_connect(const struct fake *f)
 	int r = zc_connect(path, &c);
 
 	cr_assert_eq(r, 0, "connect to the fake daemon: %d", r);
+	/* The fake serves one connection: what its answers do, not reconnects, is tested here. */
+	cr_assert_eq(zc_set_reconnect(c, 0), 0);
 	cr_assert_eq(zc_job_open(c, "fake", 0, 1), 0, "%s", zc_errmsg(c));
 	return c;
 }

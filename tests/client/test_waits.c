@@ -65,6 +65,8 @@ Test(waits, failed_prefetch_is_not_left_fetching)
 	snprintf(path, sizeof(path), "%s/relay.sock", daemon_.dir);
 	relay_start(&relay_, path, daemon_.socket);
 	cr_assert_eq(zc_connect(path, &c), 0, "connect through the relay");
+	/* Fail rather than reconnect: the relay takes one client at a time, this one stays. */
+	cr_assert_eq(zc_set_reconnect(c, 0), 0);
 	cr_assert_eq(zc_job_open(c, "cut", 0, 1), 0, "%s", zc_errmsg(c));
 	t = register_offloaded(c, "w");
 	cr_assert_eq(zc_param_release(c, &t, 1), 0, "%s", zc_errmsg(c));
