@@ -75,7 +75,11 @@ zci_reconnect_default(int *ret_ms)
 int
 zci_lost(struct zc_conn *c, const char *why)
 {
-	if (c->reconnect_ms == 0)
+	/*
+	 * Off, or a request that timed out may yet be carried out (broken_by):
+	 * what the daemon holds is unknown, and a reattach would not make it known.
+	 */
+	if (c->reconnect_ms == 0 || (!c->lost && c->broken_by != 0))
 		return zci_seterr(c, -ECONNRESET, "%s", why);
 	if (!c->lost) {
 		c->lost = true;

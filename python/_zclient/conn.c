@@ -1,21 +1,49 @@
 /* zoffload._zclient.Connection: a connection to zoffloadd, its job, steps and control calls. */
 #include <errno.h>
+#include <limits.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "zpy.h"
 
+/* A reconnect timeout: an int, -1 (no bound) or more; 0 turns reconnects off. */
+static int
+parse_reconnect(PyObject *o, int *ret)
+{
+	long v;
+
+	if (!PyLong_Check(o) || PyBool_Check(o)) {
+		PyErr_Format(PyExc_TypeError, "reconnect_ms must be an int (milliseconds, -1 for no "
+		    "bound, 0 for none), not %s", Py_TYPE(o)->tp_name);
+		return -1;
+	}
+	v = PyLong_AsLong(o);
+	if (v == -1 && PyErr_Occurred())
+		return -1;
+	if (v < -1 || v > INT_MAX) {
+		PyErr_Format(PyExc_ValueError, "reconnect_ms must be -1 (no bound), 0 (none) or up "
+		    "to %d milliseconds, not %ld", INT_MAX, v);
+		return -1;
+	}
+	*ret = (int)v;
+	return 0;
+}
+
 static PyObject *
 conn_new(PyTypeObject *type, PyObject *args, PyObject *kw)
 {
-	static char *kwlist[] = { "socket", NULL };
+	static char *kwlist[] = { "socket", "reconnect_ms", NULL };
 	const char *path = NULL;
+	PyObject *reconnect = Py_None;
 	char msg[ZPY_ERRLEN];
 	struct zpy_conn *self;
 	struct zc_conn *c = NULL;
-	int r;
+	int reconnect_ms = 0, r;
 
-	if (!PyArg_ParseTupleAndKeywords(args, kw, "|z:Connection", kwlist, &path))
+	if (!PyArg_ParseTupleAndKeywords(args, kw, "|z$O:Connection", kwlist, &path, &reconnect))
+		return NULL;
+	/* None: the library's default ($ZOFFLOAD_RECONNECT_MS, else 60 s). */
+	if (reconnect != Py_None && parse_reconnect(reconnect, &reconnect_ms) < 0)
 		return NULL;
 	/* The message is the calling thread's: read it before another connect can run here. */
 	Py_BEGIN_ALLOW_THREADS
@@ -26,6 +54,8 @@ conn_new(PyTypeObject *type, PyObject *args, PyObject *kw)
 	Py_END_ALLOW_THREADS
 	if (r < 0)
 		return zpy_raise(type, r, msg);
+	if (reconnect != Py_None)
+		(void)zc_set_reconnect(c, reconnect_ms);
 	self = (struct zpy_conn *)type->tp_alloc(type, 0);
 	if (self == NULL) {
 		zc_disconnect(c);
@@ -383,6 +413,32 @@ conn_param_stats(struct zpy_conn *self, PyObject *unused)
 }
 
 static PyObject *
+conn_set_reconnect(struct zpy_conn *self, PyObject *arg)
+{
+	int ms;
+
+	if (!zpy_conn_ready(self) || parse_reconnect(arg, &ms) < 0)
+		return NULL;
+	(void)zc_set_reconnect(self->c, ms);
+	Py_RETURN_NONE;
+}
+
+static PyObject *
+conn_conn_stats(struct zpy_conn *self, PyObject *unused)
+{
+	struct zc_conn_stats cs;
+
+	if (!zpy_conn_ready(self))
+		return NULL;
+	zc_conn_stats(self->c, &cs);
+	return Py_BuildValue("{s:K,s:K,s:K,s:K,s:K}", "reconnects",
+	    (unsigned long long)cs.reconnects, "reconnect_ns", (unsigned long long)cs.reconnect_ns,
+	    "steps_resubmitted", (unsigned long long)cs.steps_resubmitted, "steps_completed_away",
+	    (unsigned long long)cs.steps_completed_away, "slots_remapped",
+	    (unsigned long long)cs.slots_remapped);
+}
+
+static PyObject *
 conn_json(struct zpy_conn *self, int (*fn)(struct zc_conn *, char **))
 {
 	char err[ZPY_ERRLEN], *text = NULL;
@@ -455,6 +511,12 @@ static PyMethodDef conn_methods[] = {
 	  "param_release(tensors): hand the param slots' memory back; params stay on the tiers." },
 	{ "param_stats", (PyCFunction)conn_param_stats, METH_NOARGS,
 	  "param_stats() -> dict(ready, waited, wait_ns)" },
+	{ "set_reconnect", (PyCFunction)conn_set_reconnect, METH_O,
+	  "set_reconnect(timeout_ms): how long to keep reconnecting when the connection goes "
+	  "(zc_set_reconnect): -1 no bound, 0 none (calls fail with ECONNRESET)." },
+	{ "conn_stats", (PyCFunction)conn_conn_stats, METH_NOARGS,
+	  "conn_stats() -> dict(reconnects, reconnect_ns, steps_resubmitted, "
+	  "steps_completed_away, slots_remapped)" },
 	{ "stats", (PyCFunction)conn_stats, METH_NOARGS, "stats() -> str: the daemon's stats JSON" },
 	{ "jobs", (PyCFunction)conn_jobs, METH_NOARGS, "jobs() -> str: the daemon's jobs JSON" },
 	{ "ping", (PyCFunction)conn_ping, METH_NOARGS, "ping() -> int: round trip in ns" },
@@ -486,8 +548,11 @@ static PyType_Slot conn_slots[] = {
 	{ Py_tp_dealloc, conn_dealloc },
 	{ Py_tp_methods, conn_methods },
 	{ Py_tp_getset, conn_getset },
-	{ Py_tp_doc, "Connection(socket=None): a connection to zoffloadd (socket None: "
-	    "$ZOFFLOAD_SOCKET, else the built-in default)." },
+	{ Py_tp_doc, "Connection(socket=None, *, reconnect_ms=None): a connection to zoffloadd "
+	    "(socket None: $ZOFFLOAD_SOCKET, else the built-in default).  When the connection "
+	    "goes, calls reconnect and reattach for reconnect_ms (None: $ZOFFLOAD_RECONNECT_MS, "
+	    "else 60000; -1 no bound; 0 none: they fail with ECONNRESET); conn_stats() counts "
+	    "the reconnects." },
 	{ 0, NULL },
 };
 

@@ -108,14 +108,28 @@ def test_job_from_environment(daemon, monkeypatch):
 
 
 def test_daemon_dies_mid_training(make_daemon):
+    # reconnect_ms=0: fail at once, as before reconnects.
     d = make_daemon()
     m = zhelpers.model(seed=30)
-    opt = zt.AdamW(m.parameters(), job="dies", socket=d.socket)
+    opt = zt.AdamW(m.parameters(), job="dies", socket=d.socket, reconnect_ms=0)
     zhelpers.train(m, opt, 2)
     d.proc.kill()
     d.proc.wait()
     with pytest.raises(zoffload.ZoffloadError, match="closed the connection|Broken pipe"):
         zhelpers.train(m, opt, 1, first=3)
+
+
+def test_daemon_does_not_come_back(make_daemon):
+    d = make_daemon()
+    m = zhelpers.model(seed=31)
+    opt = zt.AdamW(m.parameters(), job="gone", socket=d.socket, reconnect_ms=300)
+    zhelpers.train(m, opt, 2)
+    d.proc.kill()
+    d.proc.wait()
+    with pytest.raises(zoffload.ZoffloadError,
+                       match="did not come back within the reconnect timeout of 300 ms") as info:
+        zhelpers.train(m, opt, 1, first=3)
+    assert info.value.errno == errno.ECONNRESET
 
 
 def test_slot_views_keep_the_memory_mapped(daemon):

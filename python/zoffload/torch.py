@@ -10,6 +10,11 @@ plus zoffload's own (keyword only):
 - ``job``: the job's name, shared by the ranks of one training run.  Default
   ``$ZOFFLOAD_JOB``, else ``torchrun-$TORCHELASTIC_RUN_ID`` under torchrun.
 - ``socket``: the daemon's socket (default ``$ZOFFLOAD_SOCKET``, else the built-in one).
+- ``reconnect_ms``: when the connection to the daemon goes (it restarted, crashed), how long
+  to keep reconnecting and reattaching the job, in milliseconds; ``step()`` meanwhile only
+  takes longer.  Default ``$ZOFFLOAD_RECONNECT_MS``, else 60000; ``-1`` no bound; ``0``
+  fails at once with ``ECONNRESET``.  A daemon that comes back without the job's state is
+  an error (``ESTALE``), never a silent new start.  ``conn_stats()`` counts reconnects.
 - ``policy``: where the job's state lives: ``"cpu"``, ``"nvme"``, ``"auto"`` (default: the
   daemon's ``memory.policy``); ``pinned_budget``: the job's pinned bytes before ``auto``
   spills to NVMe.
@@ -107,7 +112,7 @@ class _ZoffloadOptimizer(torch.optim.Optimizer):
 
     def __init__(self, params, defaults, *, job=None, socket=None, policy=None,
                  pinned_budget=0, grad_dtype=None, overlap=False, rank=None,
-                 world_size=None):
+                 world_size=None, reconnect_ms=None):
         if rank is None or world_size is None:
             dist = torch.distributed
             initialized = dist.is_available() and dist.is_initialized()
@@ -123,7 +128,7 @@ class _ZoffloadOptimizer(torch.optim.Optimizer):
         self._group_index = {}
         self._hooks = []
         self._next_index = 0
-        self._conn = _zclient.Connection(socket)
+        self._conn = _zclient.Connection(socket, reconnect_ms=reconnect_ms)
         self._conn.job_open(self.job, rank, world_size, policy=policy,
                             pinned_budget=pinned_budget)
         try:
@@ -396,6 +401,11 @@ class _ZoffloadOptimizer(torch.optim.Optimizer):
     def jobs(self):
         """The daemon's jobs (zoffctl jobs --json), as a str of JSON."""
         return self._conn.jobs()
+
+    def conn_stats(self):
+        """This process's reconnects to the daemon: dict(reconnects, reconnect_ns,
+        steps_resubmitted, steps_completed_away, slots_remapped)."""
+        return self._conn.conn_stats()
 
     def close(self):
         """Frees the state in the daemon (a process that just exits keeps it for a restart)."""
