@@ -6,6 +6,7 @@ import os
 import select
 import socket
 import threading
+import time
 
 import pytest
 
@@ -68,7 +69,13 @@ class Relay:
                     break
 
     def cut(self):
+        """Cuts the connection now (the relay must have a client) and waits until it is cut."""
+        before = self.cuts
         os.write(self.wake_w, b"c")
+        deadline = time.monotonic() + 10
+        while self.cuts == before:
+            assert time.monotonic() < deadline, "the relay did not cut within 10 s"
+            time.sleep(0.001)
 
     def stop(self):
         os.write(self.wake_w, b"x")
