@@ -421,16 +421,13 @@ rehandle_request(struct zp_msg *inflight, struct zc_tensor *const *old, uint32_t
 static int
 reattach_tensors(struct zc_conn *c, struct zp_msg *inflight, uint64_t deadline)
 {
-	uint32_t cap = c->tensor_cap, *handles;
-	struct zc_tensor **table, **old = c->tensors;
+	uint32_t cap = c->tensor_cap, new_cap = 0, *handles;
+	struct zc_tensor **table = NULL, **old = c->tensors;
 	int r = 0;
 
-	table = calloc(cap > 0 ? cap : 1, sizeof(*table));
 	handles = calloc(cap > 0 ? cap : 1, sizeof(*handles));
-	if (table == NULL || handles == NULL) {
-		r = zci_seterr(c, -ENOMEM, "out of memory");
-		goto out;
-	}
+	if (handles == NULL)
+		return zci_seterr(c, -ENOMEM, "out of memory");
 	for (uint32_t i = 0; i < cap; i++) {
 		struct zc_tensor *t = old[i];
 
@@ -440,13 +437,27 @@ reattach_tensors(struct zc_conn *c, struct zp_msg *inflight, uint64_t deadline)
 		    &handles[i]);
 		if (r < 0)
 			goto out;
-		/* A new session numbers its tensors from 1: never past the old count. */
-		if (handles[i] == 0 || handles[i] > cap || table[handles[i] - 1] != NULL) {
+		if (handles[i] == 0 || handles[i] > (1u << 24)) {
 			r = zci_seterr(c, -EBADMSG, "zoffloadd gave '%s' handle %u on reattach",
 			    t->name, handles[i]);
 			goto out;
 		}
-		table[handles[i] - 1] = t;
+		new_cap = handles[i] > new_cap ? handles[i] : new_cap;
+	}
+	table = calloc(new_cap > 0 ? new_cap : 1, sizeof(*table));
+	if (table == NULL) {
+		r = zci_seterr(c, -ENOMEM, "out of memory");
+		goto out;
+	}
+	for (uint32_t i = 0; i < cap; i++) {
+		if (old[i] == NULL)
+			continue;
+		if (table[handles[i] - 1] != NULL) {
+			r = zci_seterr(c, -EBADMSG, "zoffloadd gave '%s' and '%s' the same handle %u "
+			    "on reattach", table[handles[i] - 1]->name, old[i]->name, handles[i]);
+			goto out;
+		}
+		table[handles[i] - 1] = old[i];
 	}
 	for (uint32_t i = 0; i < cap; i++)
 		if (old[i] != NULL)
@@ -454,6 +465,7 @@ reattach_tensors(struct zc_conn *c, struct zp_msg *inflight, uint64_t deadline)
 	rehandle_request(inflight, old, cap);
 	zci_sets_rehandle(c, old, cap);
 	c->tensors = table;
+	c->tensor_cap = new_cap;
 	table = old;
 out:
 	free(table);
