@@ -501,8 +501,8 @@ zci_reconnect(struct zc_conn *c, struct zp_msg *inflight, uint64_t deadline)
 {
 	uint64_t rc_deadline = c->reconnect_ms < 0 ? ZCI_NO_DEADLINE :
 	    c->lost_ns + (uint64_t)c->reconnect_ms * 1000000u;
+	unsigned backoff = BACKOFF_FIRST_US, losses;
 	bool attaching = false;
-	unsigned losses;
 	int r;
 
 	for (;;) {
@@ -523,9 +523,14 @@ zci_reconnect(struct zc_conn *c, struct zp_msg *inflight, uint64_t deadline)
 			r = refetch(c, rc_deadline);
 		if (r == 0)
 			break;
-		/* Gone again (the daemon went down once more, or is shutting down): connect again. */
-		if (c->losses != losses && c->dead == 0)
+		/*
+		 * Gone again (the daemon went down once more, or is shutting down and
+		 * refuses the job): connect again, after a pause, to its successor.
+		 */
+		if (c->losses != losses && c->dead == 0) {
+			pause_before_retry(&backoff, rc_deadline);
 			continue;
+		}
 		if (r == -ETIMEDOUT)
 			return give_up(c, -ECONNRESET, "reconnected to zoffloadd at %s, but it did not "
 			    "reattach job '%s' rank %u within the reconnect timeout of %d ms: %s",

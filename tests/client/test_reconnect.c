@@ -526,3 +526,31 @@ Test(reconnect, wait_timeout_during_reconnect)
 	cr_assert_eq(r, -ESTALE, "wait gave %d (%s)", r, zc_errmsg(c));
 	zc_disconnect(c);
 }
+
+/*
+ * Requests that free state, carried out before the connection went: their
+ * tensors may come back new (that is no lost state), and the request goes
+ * again to free them on the new session.  Nothing is left in the daemon.
+ */
+Test(reconnect, freeing_requests_carried_out_before_the_cut)
+{
+	struct zc_conn *c = connect_relay(), *probe;
+	struct zc_tensor *t[NT];
+	struct zc_conn_stats cs;
+
+	cr_assert_eq(zc_job_open(c, "frees", 0, 1), 0, "%s", zc_errmsg(c));
+	register_all(c, t);
+	relay_cut_at(&relay_, ZP_TENSOR_UNREGISTER, true, true);
+	cr_assert_eq(zc_tensor_unregister(t[1]), 0, "%s", zc_errmsg(c));
+	relay_cut_at(&relay_, ZP_JOB_CLOSE, true, true);
+	cr_assert_eq(zc_job_close(c), 0, "%s", zc_errmsg(c));
+	zc_conn_stats(c, &cs);
+	cr_assert_eq(cs.reconnects, 2);
+	probe = itd_connect(&daemon_);
+	cr_assert_eq(itd_stat(probe, "tensors"), 0, "tensors left in the daemon");
+	zc_disconnect(probe);
+	/* The connection goes on: a job again. */
+	cr_assert_eq(zc_job_open(c, "frees", 0, 1), 0, "%s", zc_errmsg(c));
+	register_all(c, t);
+	zc_disconnect(c);
+}
