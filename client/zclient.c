@@ -190,7 +190,7 @@ recv_one(struct zc_conn *c, int *fds, unsigned *nfds, uint64_t deadline)
 		 * next.  Skipping it as a stray reply would leave only "closed".
 		 */
 		if (m->hdr.request_id == 0)
-			return zci_seterr(c, m->u.error.code < 0 ? m->u.error.code : -EIO, "%s",
+			return zci_closed_by_daemon(c, m->u.error.code < 0 ? m->u.error.code : -EIO,
 			    m->u.error.message);
 		return 1;
 	default:

@@ -155,6 +155,12 @@ int zci_send_once(struct zc_conn *c, struct zp_msg *m, uint64_t deadline, int se
  */
 int zci_lost(struct zc_conn *c, const char *why);
 /*
+ * The daemon said why it closes the connection (its job was dropped, a
+ * limit): that is no connection going away by accident, so with reconnects
+ * on it is dead from now on with that reason.  Returns code.
+ */
+int zci_closed_by_daemon(struct zc_conn *c, int code, const char *why);
+/*
  * Before a call goes to the daemon: the error of a dead connection, or, on a
  * lost one, the reconnect (zci_reconnect) first.  0 when connected.
  */

@@ -92,6 +92,17 @@ zci_lost(struct zc_conn *c, const char *why)
 }
 
 int
+zci_closed_by_daemon(struct zc_conn *c, int code, const char *why)
+{
+	if (c->reconnect_ms != 0 && c->dead == 0 && !c->lost) {
+		c->dead = code;
+		snprintf(c->dead_msg, sizeof(c->dead_msg), "%s", why);
+		c->lost = false;
+	}
+	return zci_seterr(c, code, "%s", why);
+}
+
+int
 zci_ready(struct zc_conn *c, struct zp_msg *inflight, uint64_t deadline)
 {
 	if (c->dead != 0)

@@ -554,3 +554,30 @@ Test(reconnect, freeing_requests_carried_out_before_the_cut)
 	register_all(c, t);
 	zc_disconnect(c);
 }
+
+/*
+ * A connection the daemon closes on purpose, saying why (its job was
+ * dropped), is not one to come back to: every later call says why.
+ */
+Test(reconnect, dropped_job_is_not_reconnected)
+{
+	struct zc_conn *c = itd_connect(&daemon_), *other = itd_connect(&daemon_);
+	struct zc_conn_stats cs;
+	struct zc_tensor *t[NT];
+	int r;
+
+	cr_assert_eq(zc_job_open(c, "dropped", 0, 1), 0, "%s", zc_errmsg(c));
+	register_all(c, t);
+	cr_assert_eq(zc_job_drop(other, "dropped"), 0, "%s", zc_errmsg(other));
+	for (int i = 0; i < 3; i++) {
+		r = zc_ping(c, NULL);
+		cr_assert_eq(r, -ECONNABORTED, "call %d after the drop gave %d (%s)", i, r,
+		    zc_errmsg(c));
+		cr_assert(strstr(zc_errmsg(c), "job 'dropped' was dropped") != NULL, "%s",
+		    zc_errmsg(c));
+	}
+	zc_conn_stats(c, &cs);
+	cr_assert_eq(cs.reconnects, 0);
+	zc_disconnect(other);
+	zc_disconnect(c);
+}
