@@ -127,8 +127,10 @@ ZC_API int zc_conn_fd(const struct zc_conn *conn);
  *   While the connection is gone it polls readable (hung up): a wait with
  *   timeout 0 then reconnects.
  * - A slot whose mapping was replaced (other files) has new pages: a driver
- *   registration (cudaHostRegister) of the old ones is stale.  The daemon
- *   hands back the same files when it keeps the state, so this is rare.
+ *   that registered the old ones (libzclient_cuda) lets go of them first
+ *   (zc_tensor_set_param_pin's unpin, then the release hook, which is then
+ *   cleared), so its copies go on through pageable memory.  The daemon hands
+ *   back the same files when it keeps the state, so this is rare.
  */
 ZC_API int zc_set_reconnect(struct zc_conn *conn, int timeout_ms);
 

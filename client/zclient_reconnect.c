@@ -260,6 +260,40 @@ remap_slot(struct zc_conn *c, void *addr, size_t bytes, int prot, int fd, uint64
 	return 0;
 }
 
+/*
+ * Slots coming back in other files are mapped over the old pages; a driver
+ * that registered those pages (libzclient_cuda: cudaHostRegister) would go on
+ * copying through them, not the new files.  So it lets go first, as before an
+ * unmap: the param pin's unpin, the release hook; copies then go through
+ * pageable memory, correct if slower.
+ */
+static int
+let_go_of_driver(struct zc_conn *c, struct zc_tensor *t, const int *fds)
+{
+	uint64_t gdev, gino, pdev, pino;
+	int r;
+
+	zci_file_id(fds[0], &gdev, &gino);
+	zci_file_id(fds[1], &pdev, &pino);
+	if (gdev == t->grad_dev && gino == t->grad_ino && pdev == t->param_dev &&
+	    pino == t->param_ino)
+		return 0;
+	if (t->unpin != NULL) {
+		r = t->unpin(t, t->unpin_arg);
+		if (r < 0)
+			return zci_seterr(c, r, "tensor '%s' came back in other slot files and its "
+			    "param slot cannot be unpinned: %s", t->name, strerror(-r));
+		t->unpin = NULL;
+		t->unpin_arg = NULL;
+	}
+	if (t->release != NULL) {
+		t->release(t, t->release_arg);
+		t->release = NULL;
+		t->release_arg = NULL;
+	}
+	return 0;
+}
+
 /* Registers t again; *ret_handle gets its handle on this session. */
 static int
 reattach_tensor(struct zc_conn *c, struct zc_tensor *t, bool may_be_new, uint64_t deadline,
@@ -311,6 +345,9 @@ reattach_tensor(struct zc_conn *c, struct zc_tensor *t, bool may_be_new, uint64_
 	t->last_step = ok->last_step;
 	if (ok->resumed)
 		t->fresh = false;
+	r = let_go_of_driver(c, t, fds);
+	if (r < 0)
+		goto out;
 	r = remap_slot(c, t->grad, t->grad_bytes, PROT_READ | PROT_WRITE, fds[0], &t->grad_dev,
 	    &t->grad_ino, true);
 	if (r == 0)

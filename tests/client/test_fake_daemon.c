@@ -688,6 +688,26 @@ serve_two_lives(int lfd, bool shutting_down)
  * good), the grads written before are carried over, the params are the new
  * file's.
  */
+/* A driver's registration of the slots, counted: it must let go before the pages change. */
+static unsigned released, unpinned;
+
+static void
+count_release(struct zc_tensor *t, void *arg)
+{
+	(void)t;
+	(void)arg;
+	released++;
+}
+
+static int
+count_unpin(struct zc_tensor *t, void *arg)
+{
+	(void)t;
+	(void)arg;
+	unpinned++;
+	return 0;
+}
+
 static void
 reattach_in_other_files(bool shutting_down)
 {
@@ -727,6 +747,9 @@ reattach_in_other_files(bool shutting_down)
 	param = zc_tensor_param_slot(t, NULL);
 	for (int i = 0; i < REMAP_N; i++)
 		grad[i] = (float)i;
+	released = unpinned = 0;
+	zc_tensor_set_release_hook(t, count_release, NULL);
+	zc_tensor_set_param_pin(t, count_unpin, NULL);
 	/* The fake hangs up on this request; its second life answers it. */
 	cr_assert_eq(zc_tensor_set_step(t, 6), 0, "%s", zc_errmsg(c));
 	zc_conn_stats(c, &cs);
@@ -735,6 +758,10 @@ reattach_in_other_files(bool shutting_down)
 	cr_assert_eq(zc_tensor_grad_slot(t, NULL), grad, "the grad slot moved");
 	cr_assert_eq(zc_tensor_param_slot(t, NULL), param, "the param slot moved");
 	cr_assert_eq(zc_tensor_last_step(t), 6);
+	/* The driver let go of the old pages, once, and holds none now. */
+	cr_assert_eq(released, 1);
+	cr_assert_eq(unpinned, 1);
+	cr_assert(!zc_tensor_param_pinned(t));
 	for (int i = 0; i < REMAP_N; i++) {
 		cr_assert_eq(grad[i], (float)i, "grad %d was not carried over", i);
 		cr_assert_eq(param[i], 7.0f, "param %d is not the new file's", i);
@@ -742,6 +769,7 @@ reattach_in_other_files(bool shutting_down)
 	/* The transfer window is the new session's too. */
 	cr_assert_eq(zc_tensor_read(t, ZC_STATE_MASTER, 0, 4, out), 0, "%s", zc_errmsg(c));
 	zc_disconnect(c);
+	cr_assert_eq(released, 1, "the release hook ran again at the unmap");
 	fake_finish();
 }
 
