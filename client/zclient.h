@@ -110,6 +110,18 @@ enum zc_policy {
 struct zc_job_options {
 	enum zc_policy policy;
 	uint64_t pinned_budget;	/* bytes of pinned state for the job; 0: the daemon's default */
+	/*
+	 * How the job's optimizer state is kept, decided by its first rank (a
+	 * later rank naming another is refused): NULL or "" for the daemon's
+	 * memory.state_format; "fp32"; "bf16-moments" (m and v in bf16) or
+	 * "q8-moments" (m and v in 8 bits per 256-element block), both with an
+	 * fp32 master, stepping AdamW and Adam only, in about 20 or 16 bytes
+	 * moved per parameter where fp32 moves 28.  zc_tensor_read/write of
+	 * exp_avg and exp_avg_sq stay fp32: a write is quantized.  An unknown
+	 * name is refused with the list.  Since ZCLIENT_0.2 (zc_job_open_opts
+	 * of ZCLIENT_0.1 takes the struct without it).
+	 */
+	const char *state_format;
 };
 
 ZC_API int zc_job_open_opts(struct zc_conn *conn, const char *job_name, uint32_t rank,

@@ -120,9 +120,12 @@ struct zp_header {
 struct zp_hello { char client_name[ZP_NAME_MAX + 1]; };
 /* JOB_DROP: str job_name (a job of this uid, or any for root) */
 struct zp_job_drop { char job_name[ZP_NAME_MAX + 1]; };
+/* Longest optimizer state format name ("q8-moments"); the daemon knows the list. */
+#define ZP_FORMAT_MAX 31
 /*
  * JOB_OPEN: str job_name, u32 rank, u32 world_size (rank < world_size <= 65536),
- * u8 policy (enum zp_policy), u64 pinned_budget (0: the daemon's default)
+ * u8 policy (enum zp_policy), u64 pinned_budget (0: the daemon's default),
+ * str state_format (0..ZP_FORMAT_MAX bytes; empty: the daemon's memory.state_format)
  */
 struct zp_job_open {
 	char job_name[ZP_NAME_MAX + 1];
@@ -130,6 +133,7 @@ struct zp_job_open {
 	uint32_t world_size;
 	uint8_t policy;
 	uint64_t pinned_budget;
+	char state_format[ZP_FORMAT_MAX + 1];
 };
 /* TENSOR_REGISTER flags */
 #define ZP_TENSOR_PARAM_OFFLOAD		(1u << 0)	/* params live on the tiers; slot staged on request */

@@ -1,0 +1,218 @@
+/*
+ * Compressed optimizer state through a real zoffloadd: a job's state_format
+ * steps on either tier exactly as the kernel run directly on the same data,
+ * shows in the stats with the bytes it saves, and bad names and optimizers
+ * without a compressed kernel are refused by name.
+ */
+#include <cjson/cJSON.h>
+#include <criterion/criterion.h>
+#include <errno.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "itd.h"
+#include "quant.h"
+
+/* Several 4096-element NVMe chunks and a tail that is not a whole q8 block. */
+#define N (3 * 4096 + 333)
+#define STEPS 3
+
+static struct itd daemon_;
+static char swapdir[64];
+
+static void
+setup(void)
+{
+	char config[512];
+
+	snprintf(swapdir, sizeof(swapdir), "/tmp/zoff-formats-XXXXXX");
+	cr_assert_not_null(mkdtemp(swapdir));
+	snprintf(config, sizeof(config), "{ \"compute\": { \"worker_threads\": 2 }, "
+	    "\"memory\": { \"state_format\": \"bf16-moments\" }, "
+	    "\"swap\": { \"paths\": [ { \"path\": \"%s\", \"capacity\": \"64M\" } ], "
+	    "\"chunk_elements\": 4096 } }\n", swapdir);
+	itd_start(&daemon_, config);
+}
+
+static void
+teardown(void)
+{
+	itd_cleanup(&daemon_);
+	rmdir(swapdir);
+}
+
+TestSuite(formats, .init = setup, .fini = teardown, .timeout = 60);
+
+static struct zc_conn *
+open_job(const char *name, enum zc_policy policy, const char *format)
+{
+	struct zc_conn *c = itd_connect(&daemon_);
+	struct zc_job_options o = { .policy = policy, .state_format = format };
+
+	cr_assert_eq(zc_job_open_opts(c, name, 0, 1, &o), 0, "%s", zc_errmsg(c));
+	return c;
+}
+
+static void
+fill(float *x, size_t n, uint64_t seed, float scale)
+{
+	struct itd_rng r = { seed };
+
+	for (size_t i = 0; i < n; i++)
+		x[i] = scale * (float)(itd_uniform(&r) - 0.5);
+}
+
+static struct zc_step_params
+params(enum zc_optim o, uint64_t s)
+{
+	return (struct zc_step_params){ .optim = o, .step = s, .lr = 1e-2, .beta1 = 0.9,
+		.beta2 = 0.999, .eps = 1e-8, .weight_decay = 0.01 };
+}
+
+/* The tensor steps as zk_qstep on the same initial state and gradients, bit for bit. */
+static void
+same_as_kernel(enum zc_policy policy, const char *format, enum zk_state_format f)
+{
+	static float init[N], g[N], m[N], v[N], got[N];
+	static uint8_t qm[2 * N], qv[2 * N];
+	static float ms[N / 256 + 1], vs[N / 256 + 1], master[N];
+	static uint16_t param[N];
+	struct zc_tensor_desc desc = { .name = "w", .numel = N, .grad_dtype = ZC_F32,
+		.param_dtype = ZC_BF16 };
+	struct zk_qtensor q = { .format = f, .master = master, .m = qm, .v = qv, .m_scale = ms,
+		.v_scale = vs, .grad = g, .grad_dtype = ZK_DTYPE_F32, .param = param,
+		.param_dtype = ZK_DTYPE_BF16, .n = N };
+	struct zc_conn *c = open_job(format, policy, format);
+	struct zc_step_result res;
+	struct zc_tensor *t;
+
+	fill(init, N, 1, 2.0f);
+	memset(m, 0, sizeof(m));
+	memset(v, 0, sizeof(v));
+	memcpy(master, init, sizeof(init));
+	cr_assert_eq(zk_qstate_encode(&q, m, v), 0);
+	cr_assert_eq(zc_tensor_register(c, &desc, init, &t), 0, "%s", zc_errmsg(c));
+	for (uint64_t s = 1; s <= STEPS; s++) {
+		struct zc_step_params sp = params(ZC_ADAMW, s);
+		struct zk_hparams hp = { .optim = ZK_OPTIM_ADAMW, .lr = sp.lr, .beta1 = sp.beta1,
+			.beta2 = sp.beta2, .eps = sp.eps, .weight_decay = sp.weight_decay, .step = s,
+			.bias_correction = true, .grad_scale = 1.0, .clip_coef = 1.0 };
+
+		fill(g, N, 10 + s, 0.1f);
+		memcpy(zc_tensor_grad_slot(t, NULL), g, sizeof(g));
+		cr_assert_eq(zc_step_submit(c, &sp, &t, 1), 0, "%s", zc_errmsg(c));
+		cr_assert_eq(zc_wait_all(c, &res), 0, "%s", zc_errmsg(c));
+		cr_assert_eq(res.status, ZC_STEP_APPLIED, "%d", res.error);
+		cr_assert_eq(zk_qstep(ZK_ISA_SCALAR, &hp, &q, 0, N), 0);
+	}
+	cr_assert_eq(zc_tensor_read(t, ZC_STATE_MASTER, 0, N, got), 0, "%s", zc_errmsg(c));
+	cr_assert_eq(memcmp(got, master, sizeof(got)), 0, "%s: master differs from the kernel's",
+	    format);
+	cr_assert_eq(memcmp(zc_tensor_param_slot(t, NULL), param, sizeof(param)), 0);
+	cr_assert_eq(zk_qstate_decode(&q, m, v), 0);
+	cr_assert_eq(zc_tensor_read(t, ZC_STATE_EXP_AVG_SQ, 0, N, got), 0, "%s", zc_errmsg(c));
+	cr_assert_eq(memcmp(got, v, sizeof(got)), 0, "%s: exp_avg_sq differs", format);
+	/* The stats name the format and what it saves against fp32's 12 bytes a parameter. */
+	cr_assert_eq(itd_stat(c, "jobs.0.state_bytes"), (double)zk_state_bytes(f, N));
+	cr_assert_eq(itd_stat(c, "jobs.0.state_bytes_saved"),
+	    (double)(12 * N - zk_state_bytes(f, N)));
+	zc_disconnect(c);
+}
+
+Test(formats, q8_on_nvme_steps_as_the_kernel)
+{
+	same_as_kernel(ZC_POLICY_NVME, "q8-moments", ZK_STATE_Q8);
+}
+
+Test(formats, q8_pinned_steps_as_the_kernel)
+{
+	same_as_kernel(ZC_POLICY_CPU, "q8-moments", ZK_STATE_Q8);
+}
+
+Test(formats, bf16_on_nvme_steps_as_the_kernel)
+{
+	same_as_kernel(ZC_POLICY_NVME, "bf16-moments", ZK_STATE_BF16);
+}
+
+/* No state_format: memory.state_format of the configuration (bf16-moments here). */
+Test(formats, default_from_the_configuration_and_stats)
+{
+	struct zc_conn *c = open_job("plain", ZC_POLICY_CPU, NULL);
+	struct zc_tensor_desc desc = { .name = "w", .numel = 1000, .grad_dtype = ZC_F32,
+		.param_dtype = ZC_F32 };
+	static float init[1000];
+	struct zc_tensor *t;
+	cJSON *j, *job;
+	char *text, cmd[256];
+	static char out[16384];
+	size_t len;
+	FILE *p;
+
+	cr_assert_eq(zc_tensor_register(c, &desc, init, &t), 0, "%s", zc_errmsg(c));
+	cr_assert_eq(zc_stats_json(c, &text), 0, "%s", zc_errmsg(c));
+	j = cJSON_Parse(text);
+	cr_assert_not_null(j);
+	job = cJSON_GetArrayItem(cJSON_GetObjectItem(j, "jobs"), 0);
+	cr_assert_str_eq(cJSON_GetStringValue(cJSON_GetObjectItem(job, "state_format")),
+	    "bf16-moments");
+	cJSON_Delete(j);
+	free(text);
+	cr_assert_not_null(getenv("ZOFFCTL"), "$ZOFFCTL is not set");
+	snprintf(cmd, sizeof(cmd), "'%s' --socket '%s' stats", getenv("ZOFFCTL"), daemon_.socket);
+	p = popen(cmd, "r");
+	cr_assert_not_null(p);
+	len = fread(out, 1, sizeof(out) - 1, p);
+	out[len] = '\0';
+	cr_assert_eq(pclose(p), 0, "%s", out);
+	cr_assert(strstr(out, "STATE") && strstr(out, "bf16-moments"), "%s", out);
+	zc_disconnect(c);
+}
+
+Test(formats, bad_name_and_mismatch_are_refused)
+{
+	struct zc_conn *c = itd_connect(&daemon_), *c2;
+	struct zc_job_options o = { .state_format = "int4" };
+
+	cr_assert_eq(zc_job_open_opts(c, "bad", 0, 1, &o), -EINVAL);
+	cr_assert(strstr(zc_errmsg(c), "int4") && strstr(zc_errmsg(c), "q8-moments") &&
+	    strstr(zc_errmsg(c), "fp32"), "%s", zc_errmsg(c));
+	/* The first rank decides; a second naming another format is refused. */
+	o = (struct zc_job_options){ .state_format = "q8" };
+	cr_assert_eq(zc_job_open_opts(c, "two", 0, 2, &o), 0, "%s", zc_errmsg(c));
+	c2 = itd_connect(&daemon_);
+	o.state_format = "fp32";
+	cr_assert_eq(zc_job_open_opts(c2, "two", 1, 2, &o), -EINVAL);
+	cr_assert(strstr(zc_errmsg(c2), "q8-moments") && strstr(zc_errmsg(c2), "fp32"), "%s",
+	    zc_errmsg(c2));
+	o.state_format = NULL;
+	cr_assert_eq(zc_job_open_opts(c2, "two", 1, 2, &o), 0, "%s", zc_errmsg(c2));
+	zc_disconnect(c2);
+	zc_disconnect(c);
+}
+
+Test(formats, optimizer_without_a_kernel_is_refused)
+{
+	struct zc_conn *c = open_job("lion", ZC_POLICY_CPU, "q8-moments");
+	struct zc_tensor_desc desc = { .name = "w", .numel = 1000, .grad_dtype = ZC_F32,
+		.param_dtype = ZC_F32 };
+	struct zc_step_params sp = params(ZC_LION, 1);
+	static float init[1000];
+	struct zc_step_result res;
+	struct zc_tensor *t;
+	int r;
+
+	cr_assert_eq(zc_tensor_register(c, &desc, init, &t), 0, "%s", zc_errmsg(c));
+	r = zc_step_submit(c, &sp, &t, 1);
+	if (r == 0)
+		r = zc_wait_all(c, &res);
+	cr_assert_lt(r, 0, "a lion step on q8-moments state was accepted");
+	cr_assert(strstr(zc_errmsg(c), "lion") && strstr(zc_errmsg(c), "q8-moments"), "%s",
+	    zc_errmsg(c));
+	sp = params(ZC_ADAM, 1);
+	cr_assert_eq(zc_step_submit(c, &sp, &t, 1), 0, "%s", zc_errmsg(c));
+	cr_assert_eq(zc_wait_all(c, &res), 0, "%s", zc_errmsg(c));
+	cr_assert_eq(res.status, ZC_STEP_APPLIED);
+	zc_disconnect(c);
+}
