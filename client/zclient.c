@@ -479,6 +479,8 @@ job_open(struct zc_conn *c, const char *job_name, uint32_t rank, uint32_t world_
 		c->rank = rank;
 		c->world_size = world_size;
 		c->job_last_step = c->msg->u.job_ok.last_step;
+		snprintf(c->state_format, sizeof(c->state_format), "%s",
+		    c->msg->u.job_ok.state_format);
 	}
 	return r;
 }
@@ -524,6 +526,12 @@ zci_job_open_opts_v02(struct zc_conn *c, const char *job_name, uint32_t rank,
 		return job_open(c, job_name, rank, world_size, ZC_POLICY_DEFAULT, 0, NULL);
 	return job_open(c, job_name, rank, world_size, opts->policy, opts->pinned_budget,
 	    opts->state_format);
+}
+
+const char *
+zc_job_state_format(const struct zc_conn *c)
+{
+	return c->job_open ? c->state_format : "";
 }
 
 uint64_t

@@ -63,6 +63,7 @@ struct zc_conn {
 	uint32_t rank;
 	uint32_t world_size;
 	uint64_t job_last_step;
+	char state_format[ZP_FORMAT_MAX + 1];	/* the open job's, as the daemon names it */
 	uint32_t session_id;
 	struct zc_tensor **tensors;	/* by handle - 1 */
 	uint32_t tensor_cap;

@@ -366,6 +366,7 @@ encode_payload(const struct zp_msg *m, struct wbuf *w)
 	case ZP_JOB_OK:
 		put_u64(w, m->u.job_ok.job_id);
 		put_u64(w, m->u.job_ok.last_step);
+		put_str(w, m->u.job_ok.state_format);
 		break;
 	case ZP_TENSOR_OK:
 		put_u32(w, m->u.tensor_ok.handle);
@@ -566,6 +567,7 @@ decode_payload(struct rbuf *r, struct zp_msg *m)
 	case ZP_JOB_OK:
 		m->u.job_ok.job_id = get_u64(r, "job_id");
 		m->u.job_ok.last_step = get_u64(r, "last_step");
+		get_str(r, m->u.job_ok.state_format, ZP_FORMAT_MAX, 0, "state_format");
 		break;
 	case ZP_TENSOR_OK:
 		m->u.tensor_ok.handle = get_u32(r, "handle");

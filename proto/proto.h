@@ -211,8 +211,8 @@ struct zp_ckpt_done { uint32_t crc[ZP_STATE_COUNT]; uint64_t last_step; };
 struct zp_error { int32_t code; char message[ZP_ERRMSG_MAX + 1]; };
 /* HELLO_OK: u32 session_id, u32 uid the daemon sees, str daemon_version */
 struct zp_hello_ok { uint32_t session_id; uint32_t uid; char daemon_version[ZP_NAME_MAX + 1]; };
-/* JOB_OK: u64 job_id, u64 last_step (0 for a new job) */
-struct zp_job_ok { uint64_t job_id; uint64_t last_step; };
+/* JOB_OK: u64 job_id, u64 last_step (0 for a new job), str state_format (the job's) */
+struct zp_job_ok { uint64_t job_id; uint64_t last_step; char state_format[ZP_FORMAT_MAX + 1]; };
 /*
  * TENSOR_OK: u32 handle, u64 grad_bytes, u64 param_bytes, u8 resumed, u64 last_step;
  * fds: grad slot, param slot.  resumed: the tensor was kept from a rank that died and

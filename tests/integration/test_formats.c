@@ -7,6 +7,7 @@
 #include <cjson/cJSON.h>
 #include <criterion/criterion.h>
 #include <errno.h>
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -215,4 +216,64 @@ Test(formats, optimizer_without_a_kernel_is_refused)
 	cr_assert_eq(zc_wait_all(c, &res), 0, "%s", zc_errmsg(c));
 	cr_assert_eq(res.status, ZC_STEP_APPLIED);
 	zc_disconnect(c);
+}
+
+/*
+ * A checkpoint says each tensor's format; a restore into a job of the same format takes
+ * it, one of another format is refused by name unless asked to convert.
+ */
+Test(formats, checkpoint_keeps_the_format_and_refuses_a_mismatch)
+{
+	enum { M = 5000 };
+	static float init[M], g[M], m[M], got[M];
+	struct zc_tensor_desc desc = { .name = "w", .numel = M, .grad_dtype = ZC_F32,
+		.param_dtype = ZC_F32 };
+	struct zc_step_params sp = params(ZC_ADAMW, 1);
+	struct zc_checkpoint_entry entry;
+	struct zc_conn *c = open_job("save", ZC_POLICY_NVME, "q8-moments"), *c2, *c3;
+	struct zc_checkpoint *ck;
+	struct zc_tensor *t, *t2;
+	char dir[] = "/tmp/zoff-formats-ckpt-XXXXXX", cmd[128];
+
+	cr_assert_str_eq(zc_job_state_format(c), "q8-moments");
+	cr_assert_not_null(mkdtemp(dir));
+	fill(init, M, 5, 1.0f);
+	fill(g, M, 6, 0.1f);
+	cr_assert_eq(zc_tensor_register(c, &desc, init, &t), 0, "%s", zc_errmsg(c));
+	memcpy(zc_tensor_grad_slot(t, NULL), g, sizeof(g));
+	cr_assert_eq(zc_step_submit(c, &sp, &t, 1), 0, "%s", zc_errmsg(c));
+	cr_assert_eq(zc_wait_all(c, NULL), 0, "%s", zc_errmsg(c));
+	cr_assert_eq(zc_tensor_read(t, ZC_STATE_EXP_AVG, 0, M, m), 0, "%s", zc_errmsg(c));
+	entry = (struct zc_checkpoint_entry){ .tensor = t };
+	cr_assert_eq(zc_checkpoint_save(c, dir, &entry, 1, &sp), 0, "%s", zc_errmsg(c));
+
+	/* The same format: the moments come back as they were saved (re-encoded). */
+	c2 = open_job("same", ZC_POLICY_CPU, "q8-moments");
+	cr_assert_eq(zc_checkpoint_open(c2, dir, &ck), 0, "%s", zc_errmsg(c2));
+	cr_assert_eq(zc_tensor_register_checkpoint(c2, &desc, ck, NULL, ZC_ADAMW, &t2), 0, "%s",
+	    zc_errmsg(c2));
+	cr_assert_eq(zc_tensor_read(t2, ZC_STATE_EXP_AVG, 0, M, got), 0, "%s", zc_errmsg(c2));
+	for (size_t i = 0; i < M; i++)
+		cr_assert(fabsf(got[i] - m[i]) <= 1e-6f * 0.01f + 1e-6f * fabsf(m[i]),
+		    "m[%zu] %g, saved %g", i, got[i], m[i]);
+	zc_checkpoint_close(ck);
+
+	/* Another format: refused, naming the file, the tensor and both formats. */
+	c3 = open_job("other", ZC_POLICY_CPU, "fp32");
+	cr_assert_eq(zc_checkpoint_open(c3, dir, &ck), 0, "%s", zc_errmsg(c3));
+	cr_assert_eq(zc_tensor_register_checkpoint(c3, &desc, ck, NULL, ZC_ADAMW, &t2), -EBADMSG);
+	cr_assert(strstr(zc_errmsg(c3), "rank-00000-of-00001") && strstr(zc_errmsg(c3), "'w'") &&
+	    strstr(zc_errmsg(c3), "q8-moments") && strstr(zc_errmsg(c3), "fp32"), "%s",
+	    zc_errmsg(c3));
+	zc_checkpoint_allow_convert(ck, true);
+	cr_assert_eq(zc_tensor_register_checkpoint(c3, &desc, ck, NULL, ZC_ADAMW, &t2), 0, "%s",
+	    zc_errmsg(c3));
+	cr_assert_eq(zc_tensor_read(t2, ZC_STATE_EXP_AVG, 0, M, got), 0, "%s", zc_errmsg(c3));
+	cr_assert_eq(memcmp(got, m, sizeof(got)), 0, "fp32 took the saved moments changed");
+	zc_checkpoint_close(ck);
+	zc_disconnect(c3);
+	zc_disconnect(c2);
+	zc_disconnect(c);
+	snprintf(cmd, sizeof(cmd), "rm -rf '%s'", dir);
+	cr_assert_eq(system(cmd), 0);
 }

@@ -427,8 +427,10 @@ Test(codec, round_trip_hello_ok)
 
 Test(codec, round_trip_job_ok)
 {
-	in.u.job_ok = (struct zp_job_ok){ .job_id = 0x8000000000000001ull, .last_step = 41 };
+	in.u.job_ok = (struct zp_job_ok){ .job_id = 0x8000000000000001ull, .last_step = 41,
+		.state_format = "q8-moments" };
 	round_trip(ZP_JOB_OK, 13);
+	cr_assert_str_eq(out.u.job_ok.state_format, "q8-moments");
 	cr_assert_eq(out.u.job_ok.job_id, 0x8000000000000001ull);
 	cr_assert_eq(out.u.job_ok.last_step, 41);
 }
