@@ -384,6 +384,59 @@ moment_writes(bool nvme)
 Test(formats, pinned_moment_writes_are_quantized) { moment_writes(false); }
 Test(formats, nvme_moment_writes_are_quantized) { moment_writes(true); }
 
+/*
+ * The checkpoint's whole-state transfers: write_all encodes m and v as the one-array
+ * writes do, read_all decodes the three as the one-array reads do.
+ */
+static int
+all_io(struct rig *g, struct ze_tensor *t, bool write, uint64_t off, uint64_t n, float *buf)
+{
+	unsigned before = g->seen.io_done;
+	int r = write ? ze_tensor_write_all(t, off, n, buf, 1, 9) :
+	    ze_tensor_read_all(t, off, n, buf, 1, 9);
+
+	if (r != 0)
+		return r < 0 ? r : 0;
+	wait_for(g, &g->seen.io_done, before + 1);
+	return g->seen.io_result;
+}
+
+static void
+whole_state(bool nvme, enum zk_state_format f)
+{
+	static float in[3 * N], out[3 * N], one[N];
+	struct ze_tensor *a, *b;
+	struct rig g;
+
+	rig_start(&g, nvme);
+	a = make(&g, N, nvme ? ZE_POLICY_NVME : ZE_POLICY_CPU, f, NULL);
+	b = make(&g, N, nvme ? ZE_POLICY_NVME : ZE_POLICY_CPU, f, NULL);
+	fill(in, 3 * N, 21, 0.1f);
+	for (size_t i = 2 * N; i < 3 * N; i++)
+		in[i] = in[i] * in[i];
+	/* a: the three arrays at once; b: one by one. */
+	cr_assert_eq(all_io(&g, a, true, 0, N, in), 0);
+	for (int w = 0; w < 3; w++)
+		cr_assert_eq(xfer(&g, b, true, (enum ze_state)w, 0, N, in + (size_t)w * N), 0);
+	cr_assert(ze_tensor_initialized(a));
+	cr_assert_eq(memcmp(ze_tensor_param_slot(a), ze_tensor_param_slot(b), N * 2), 0);
+	/* A range inside blocks and across a chunk: read back as the single reads give it. */
+	cr_assert_eq(all_io(&g, a, false, CHUNK - 100, 2000, out), 0);
+	for (int w = 0; w < 3; w++) {
+		cr_assert_eq(xfer(&g, b, false, (enum ze_state)w, CHUNK - 100, 2000, one), 0);
+		cr_assert_eq(memcmp(out + (size_t)w * 2000, one, 2000 * sizeof(float)), 0,
+		    "array %d differs", w);
+	}
+	cr_assert_eq(memcmp(out, in + CHUNK - 100, 2000 * sizeof(float)), 0, "master changed");
+	ze_tensor_free(a);
+	ze_tensor_free(b);
+	rig_stop(&g);
+}
+
+Test(formats, pinned_q8_whole_state) { whole_state(false, ZK_STATE_Q8); }
+Test(formats, nvme_q8_whole_state) { whole_state(true, ZK_STATE_Q8); }
+Test(formats, nvme_bf16_whole_state) { whole_state(true, ZK_STATE_BF16); }
+
 Test(formats, unknown_format_is_refused)
 {
 	struct ze_tensor *t;
