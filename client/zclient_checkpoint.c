@@ -307,11 +307,6 @@ out:
 	return r;
 }
 
-struct zc_checkpoint {
-	struct zc_conn *conn;
-	struct zck_index *ix;
-};
-
 int
 zc_checkpoint_open(struct zc_conn *c, const char *dir, struct zc_checkpoint **ret)
 {

@@ -118,4 +118,12 @@ void zci_sets_finish(struct zc_conn *c, const struct zp_step_done *done, uint64_
 bool zci_sets_pending(const struct zc_conn *c, uint64_t request_id);
 void zci_sets_free(struct zc_conn *c);
 
+/* An open checkpoint directory (zclient_checkpoint.c opens it, zclient_restore.c reads it). */
+struct zck_index;
+struct zc_checkpoint {
+	struct zc_conn *conn;
+	struct zck_index *ix;
+	bool convert;		/* zc_checkpoint_allow_convert */
+};
+
 #endif

@@ -10,12 +10,6 @@
 #include "zclient_impl.h"
 
 /* Opaque in zclient.h; the same layout as in zclient_checkpoint.c. */
-struct zc_checkpoint {
-	struct zc_conn *conn;
-	struct zck_index *ix;
-	bool convert;		/* zc_checkpoint_allow_convert */
-};
-
 struct piece {
 	const struct zck_file *f;
 	const struct zck_entry *e;
