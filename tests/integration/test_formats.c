@@ -233,7 +233,9 @@ Test(formats, checkpoint_keeps_the_format_and_refuses_a_mismatch)
 	struct zc_conn *c = open_job("save", ZC_POLICY_NVME, "q8-moments"), *c2, *c3;
 	struct zc_checkpoint *ck;
 	struct zc_tensor *t, *t2;
-	char dir[] = "/tmp/zoff-formats-ckpt-XXXXXX", cmd[128];
+	char dir[] = "/tmp/zoff-formats-ckpt-XXXXXX", cmd[256], out[4096];
+	size_t len;
+	FILE *pipe;
 
 	cr_assert_str_eq(zc_job_state_format(c), "q8-moments");
 	cr_assert_not_null(mkdtemp(dir));
@@ -246,6 +248,14 @@ Test(formats, checkpoint_keeps_the_format_and_refuses_a_mismatch)
 	cr_assert_eq(zc_tensor_read(t, ZC_STATE_EXP_AVG, 0, M, m), 0, "%s", zc_errmsg(c));
 	entry = (struct zc_checkpoint_entry){ .tensor = t };
 	cr_assert_eq(zc_checkpoint_save(c, dir, &entry, 1, &sp), 0, "%s", zc_errmsg(c));
+	/* zoffctl checkpoint inspect says the format. */
+	snprintf(cmd, sizeof(cmd), "'%s' checkpoint inspect '%s'", getenv("ZOFFCTL"), dir);
+	pipe = popen(cmd, "r");
+	cr_assert_not_null(pipe);
+	len = fread(out, 1, sizeof(out) - 1, pipe);
+	out[len] = '\0';
+	cr_assert_eq(pclose(pipe), 0, "%s", out);
+	cr_assert(strstr(out, "step 1  q8-moments state"), "%s", out);
 
 	/* The same format: the moments come back as they were saved (re-encoded). */
 	c2 = open_job("same", ZC_POLICY_CPU, "q8-moments");
