@@ -39,6 +39,7 @@ struct opts {
 	 * places it, the default run.
 	 */
 	const char *formats;
+	bool pinned_tier;		/* --pinned-tier: --formats with every tensor pinned instead */
 };
 
 /* What the daemon run measured. */
@@ -94,7 +95,7 @@ usage(void)
 	    "usage: bench_step [--daemon PATH] [--dir DIR] [--pinned-budget SIZE] [--state SIZE]\n"
 	    "                  [--tensors N] [--steps N] [--threads N] [--staging N]\n"
 	    "                  [--chunk-elements N] [--queue-depth N] [--block-size SIZE] [--json]\n"
-	    "                  [--formats fp32,bf16-moments,q8-moments]\n");
+	    "                  [--formats fp32,bf16-moments,q8-moments [--pinned-tier]]\n");
 }
 
 static int
@@ -114,6 +115,7 @@ parse(int argc, char **argv, struct opts *o)
 		{ "block-size", required_argument, NULL, 'B' },
 		{ "json", no_argument, NULL, 'j' },
 		{ "formats", required_argument, NULL, 'f' },
+		{ "pinned-tier", no_argument, NULL, 'P' },
 		{ NULL, 0, NULL, 0 },
 	};
 	int ch;
@@ -133,6 +135,7 @@ parse(int argc, char **argv, struct opts *o)
 		case 'B': o->block_size = parse_size(optarg); break;
 		case 'j': o->json = true; break;
 		case 'f': o->formats = optarg; break;
+		case 'P': o->pinned_tier = true; break;
 		default: return -1;
 		}
 	}
@@ -181,7 +184,9 @@ daemon_start(struct bench_daemon *dp, const struct opts *o)
 	    "  \"memory\": { \"pinned_budget\": %" PRIu64 ", \"policy\": \"auto\" },\n"
 	    "  \"swap\": { \"paths\": [ { \"path\": \"%s\", \"capacity\": %" PRIu64 " } ],\n"
 	    "    \"chunk_elements\": %" PRIu64 ", \"staging_buffers\": %u, \"queue_depth\": %u,\n"
-	    "    \"block_size\": %" PRIu64 " } }\n", o->threads, o->pinned_budget, dp->dir,
+	    "    \"block_size\": %" PRIu64 " } }\n", o->threads,
+	    /* --pinned-tier: room for all of it, with the arrays' padding. */
+	    o->pinned_tier ? 2 * o->state_bytes + (64u << 20) : o->pinned_budget, dp->dir,
 	    2 * o->state_bytes + (64u << 20), o->chunk_elements, o->staging, o->queue_depth,
 	    o->block_size);
 	fclose(f);
@@ -223,8 +228,9 @@ fill_grads(struct zc_tensor *t, uint64_t n, unsigned k)
 static void
 run_daemon(const struct opts *o, enum zk_state_format format, struct step_run *res)
 {
-	struct zc_job_options jo = { .policy = o->formats != NULL ? ZC_POLICY_NVME :
-		ZC_POLICY_DEFAULT, .state_format = zk_state_format_name(format) };
+	struct zc_job_options jo = { .policy = o->pinned_tier ? ZC_POLICY_CPU :
+		o->formats != NULL ? ZC_POLICY_NVME : ZC_POLICY_DEFAULT,
+		.state_format = zk_state_format_name(format) };
 	struct zc_step_params sp = { .optim = ZC_ADAMW, .lr = 1e-4, .beta1 = 0.9,
 		.beta2 = 0.999, .eps = 1e-8, .weight_decay = 0.01 };
 	struct zc_tensor **t = calloc(o->tensors, sizeof(*t));
@@ -535,17 +541,23 @@ run_formats(const struct opts *o, enum zk_isa isa)
 	for (unsigned i = 0; i < n; i++) {
 		memset(&runs[i], 0, sizeof(runs[i]));
 		run_daemon(o, fs[i], &runs[i]);
-		if (runs[i].nvme_state_bytes <= 0)
+		if (!o->pinned_tier && runs[i].nvme_state_bytes <= 0)
 			die("%s: no state went to NVMe", zk_state_format_name(fs[i]));
 	}
 	/* The engine's bandwidth once, over fp32 state's bytes (the most). */
-	engine_bandwidth(o, (uint64_t)runs[0].nvme_state_bytes, &bw_read, &bw_write);
+	if (o->pinned_tier)
+		bw_read = bw_write = 0;
+	else
+		engine_bandwidth(o, (uint64_t)runs[0].nvme_state_bytes, &bw_read, &bw_write);
 	for (unsigned i = 0; i < n; i++)
 		compute_s[i] = fs[i] == ZK_STATE_FP32 ? compute_bound(o, isa) :
 		    qcompute_bound(o, isa, fs[i]);
 	fp32_tput = params / runs[0].best_s;
 	if (o->json)
 		printf("[");
+	else if (o->pinned_tier)
+		printf("AdamW step, every tensor pinned, bf16 grads and params: %u tensors, %.1fM "
+		    "params, %u threads, %s\n", o->tensors, params / 1e6, o->threads, runs[0].isa);
 	else
 		printf("AdamW step, every tensor on NVMe, bf16 grads and params: %u tensors, %.1fM "
 		    "params, chunks of %" PRIu64 " elements, %u staging buffers, %u threads, %s; "
@@ -555,16 +567,24 @@ run_formats(const struct opts *o, enum zk_isa isa)
 	for (unsigned i = 0; i < n; i++) {
 		const char *name = zk_state_format_name(fs[i]);
 		double bytes = runs[i].nvme_state_bytes, tput = params / runs[i].best_s;
-		double io_s = bytes / bw_read + bytes / bw_write;
+		double io_s = o->pinned_tier ? 0 : bytes / bw_read + bytes / bw_write;
 		char fname[64];
 
 		if (o->json) {
 			snprintf(fname, sizeof(fname), "%s/speedup", name);
 			bench_json_figure(fig++, fname, tput / 1e6, "Mparams/s", fp32_tput / 1e6, 3);
 			snprintf(fname, sizeof(fname), "%s/step_vs_io_bound", name);
-			bench_json_figure(fig++, fname, runs[i].best_s, "s", io_s, 4);
+			if (!o->pinned_tier)
+				bench_json_figure(fig++, fname, runs[i].best_s, "s", io_s, 4);
 			snprintf(fname, sizeof(fname), "%s/step_vs_compute_bound", name);
 			bench_json_figure(fig++, fname, runs[i].best_s, "s", compute_s[i], 4);
+			continue;
+		}
+		if (o->pinned_tier) {
+			printf("  %-13s %5.2f B/param pinned  step %6.3f s (mean %.3f)  %6.1f Mparams/s"
+			    "  speedup %.2fx  compute bound %.3f s (step/bound %.2f)\n", name,
+			    zk_state_bytes(fs[i], 1000000) / 1e6, runs[i].best_s, runs[i].mean_s,
+			    tput / 1e6, tput / fp32_tput, compute_s[i], runs[i].best_s / compute_s[i]);
 			continue;
 		}
 		printf("  %-13s %5.2f B/param on NVMe  step %6.3f s (mean %.3f)  %6.1f Mparams/s  "
