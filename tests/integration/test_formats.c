@@ -11,6 +11,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <signal.h>
 #include <unistd.h>
 
 #include "itd.h"
@@ -286,4 +287,41 @@ Test(formats, checkpoint_keeps_the_format_and_refuses_a_mismatch)
 	zc_disconnect(c);
 	snprintf(cmd, sizeof(cmd), "rm -rf '%s'", dir);
 	cr_assert_eq(system(cmd), 0);
+}
+
+/* memory.state_format reloads on SIGHUP, for jobs opened afterwards; a job open keeps its own. */
+Test(formats, default_reloads_for_new_jobs)
+{
+	struct zc_conn *before = open_job("before", ZC_POLICY_CPU, NULL), *after = NULL;
+	char config[512];
+	FILE *f;
+	bool ok = false;
+
+	cr_assert_str_eq(zc_job_state_format(before), "bf16-moments");
+	snprintf(config, sizeof(config), "{ \"compute\": { \"worker_threads\": 2 }, "
+	    "\"memory\": { \"state_format\": \"q8-moments\" }, "
+	    "\"swap\": { \"paths\": [ { \"path\": \"%s\", \"capacity\": \"64M\" } ], "
+	    "\"chunk_elements\": 4096 } }\n", swapdir);
+	f = fopen(daemon_.config, "w");
+	cr_assert_not_null(f);
+	fputs(config, f);
+	cr_assert_eq(fclose(f), 0);
+	cr_assert_eq(kill(daemon_.pid, SIGHUP), 0);
+	/* The reload lands between requests: a job opened once it has says so. */
+	for (int i = 0; i < 200 && !ok; i++) {
+		char name[32];
+		struct zc_job_options o = { .policy = ZC_POLICY_CPU };
+
+		snprintf(name, sizeof(name), "after%d", i);
+		after = itd_connect(&daemon_);
+		cr_assert_eq(zc_job_open_opts(after, name, 0, 1, &o), 0, "%s", zc_errmsg(after));
+		ok = strcmp(zc_job_state_format(after), "q8-moments") == 0;
+		zc_disconnect(after);
+		if (!ok)
+			usleep(20000);
+	}
+	cr_assert(ok, "a job opened after SIGHUP is not q8-moments\n%s", itd_log_text(&daemon_));
+	cr_assert(strstr(itd_log_text(&daemon_), "memory.state_format"), "%s",
+	    itd_log_text(&daemon_));
+	zc_disconnect(before);
 }
