@@ -325,3 +325,29 @@ Test(formats, default_reloads_for_new_jobs)
 	    itd_log_text(&daemon_));
 	zc_disconnect(before);
 }
+
+/*
+ * A program built against ZCLIENT_0.1 passes the struct without state_format and binds
+ * zc_job_open_opts@ZCLIENT_0.1: that reads only its two fields (the job gets the daemon's
+ * default), whatever lies past them.
+ */
+struct job_options_v01 {
+	enum zc_policy policy;
+	uint64_t pinned_budget;
+};
+int zc_job_open_opts_v01(struct zc_conn *conn, const char *job_name, uint32_t rank,
+    uint32_t world_size, const struct job_options_v01 *options);
+__asm__(".symver zc_job_open_opts_v01, zc_job_open_opts@ZCLIENT_0.1");
+
+Test(formats, zclient_0_1_job_options)
+{
+	/* Past the 0.1 struct: what a newer library must not read as a format name. */
+	struct { struct job_options_v01 o; uint64_t junk; } old = {
+		{ .policy = ZC_POLICY_CPU, .pinned_budget = 1u << 20 }, 0x4141414141414141ull };
+	struct zc_conn *c = itd_connect(&daemon_);
+
+	cr_assert_eq(zc_job_open_opts_v01(c, "old", 0, 1, &old.o), 0, "%s", zc_errmsg(c));
+	cr_assert_str_eq(zc_job_state_format(c), "bf16-moments");
+	cr_assert_eq(itd_stat(c, "jobs.0.pinned_bytes"), 0);
+	zc_disconnect(c);
+}
