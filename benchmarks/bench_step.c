@@ -14,6 +14,7 @@
 #include "bench_daemon.h"
 #include "optim.h"
 #include "pool.h"
+#include "quant.h"
 #include "swap.h"
 #include "zclient.h"
 
@@ -32,13 +33,20 @@ struct opts {
 	unsigned queue_depth;
 	uint64_t block_size;
 	bool json;
+	/*
+	 * --formats: state formats to step one after the other, every tensor on NVMe
+	 * (policy nvme), fp32 first as the reference; NULL: fp32 as the job's policy auto
+	 * places it, the default run.
+	 */
+	const char *formats;
+	bool pinned_tier;		/* --pinned-tier: --formats with every tensor pinned instead */
 };
 
 /* What the daemon run measured. */
 struct step_run {
 	double best_s;
 	double mean_s;
-	double nvme_state_bytes;	/* 12 bytes per param of the tensors placed on NVMe */
+	double nvme_state_bytes;	/* zk_state_bytes of the tensors placed on NVMe (fp32: 12/param) */
 	double nvme_placed_bytes;	/* their swap space, chunk rounding included */
 	double pinned_state_bytes;
 	double read_per_step;		/* pipeline counters over the timed steps */
@@ -86,7 +94,8 @@ usage(void)
 	fprintf(stderr,
 	    "usage: bench_step [--daemon PATH] [--dir DIR] [--pinned-budget SIZE] [--state SIZE]\n"
 	    "                  [--tensors N] [--steps N] [--threads N] [--staging N]\n"
-	    "                  [--chunk-elements N] [--queue-depth N] [--block-size SIZE] [--json]\n");
+	    "                  [--chunk-elements N] [--queue-depth N] [--block-size SIZE] [--json]\n"
+	    "                  [--formats fp32,bf16-moments,q8-moments [--pinned-tier]]\n");
 }
 
 static int
@@ -105,6 +114,8 @@ parse(int argc, char **argv, struct opts *o)
 		{ "queue-depth", required_argument, NULL, 'q' },
 		{ "block-size", required_argument, NULL, 'B' },
 		{ "json", no_argument, NULL, 'j' },
+		{ "formats", required_argument, NULL, 'f' },
+		{ "pinned-tier", no_argument, NULL, 'P' },
 		{ NULL, 0, NULL, 0 },
 	};
 	int ch;
@@ -123,6 +134,8 @@ parse(int argc, char **argv, struct opts *o)
 		case 'q': o->queue_depth = (unsigned)strtoul(optarg, NULL, 0); break;
 		case 'B': o->block_size = parse_size(optarg); break;
 		case 'j': o->json = true; break;
+		case 'f': o->formats = optarg; break;
+		case 'P': o->pinned_tier = true; break;
 		default: return -1;
 		}
 	}
@@ -171,7 +184,9 @@ daemon_start(struct bench_daemon *dp, const struct opts *o)
 	    "  \"memory\": { \"pinned_budget\": %" PRIu64 ", \"policy\": \"auto\" },\n"
 	    "  \"swap\": { \"paths\": [ { \"path\": \"%s\", \"capacity\": %" PRIu64 " } ],\n"
 	    "    \"chunk_elements\": %" PRIu64 ", \"staging_buffers\": %u, \"queue_depth\": %u,\n"
-	    "    \"block_size\": %" PRIu64 " } }\n", o->threads, o->pinned_budget, dp->dir,
+	    "    \"block_size\": %" PRIu64 " } }\n", o->threads,
+	    /* --pinned-tier: room for all of it, with the arrays' padding. */
+	    o->pinned_tier ? 2 * o->state_bytes + (64u << 20) : o->pinned_budget, dp->dir,
 	    2 * o->state_bytes + (64u << 20), o->chunk_elements, o->staging, o->queue_depth,
 	    o->block_size);
 	fclose(f);
@@ -211,8 +226,11 @@ fill_grads(struct zc_tensor *t, uint64_t n, unsigned k)
 }
 
 static void
-run_daemon(const struct opts *o, struct step_run *res)
+run_daemon(const struct opts *o, enum zk_state_format format, struct step_run *res)
 {
+	struct zc_job_options jo = { .policy = o->pinned_tier ? ZC_POLICY_CPU :
+		o->formats != NULL ? ZC_POLICY_NVME : ZC_POLICY_DEFAULT,
+		.state_format = zk_state_format_name(format) };
 	struct zc_step_params sp = { .optim = ZC_ADAMW, .lr = 1e-4, .beta1 = 0.9,
 		.beta2 = 0.999, .eps = 1e-8, .weight_decay = 0.01 };
 	struct zc_tensor **t = calloc(o->tensors, sizeof(*t));
@@ -226,7 +244,7 @@ run_daemon(const struct opts *o, struct step_run *res)
 	if (t == NULL || init == NULL)
 		die("out of memory");
 	daemon_start(&dp, o);
-	if (zc_connect(dp.socket, &c) < 0 || zc_job_open(c, "bench_step", 0, 1) < 0)
+	if (zc_connect(dp.socket, &c) < 0 || zc_job_open_opts(c, "bench_step", 0, 1, &jo) < 0)
 		die("job: %s", zc_errmsg(c));
 	for (unsigned k = 0; k < o->tensors; k++) {
 		char name[32];
@@ -242,7 +260,7 @@ run_daemon(const struct opts *o, struct step_run *res)
 		/* Its placement: did the job's NVMe bytes grow? */
 		if (stat_number(c, "jobs.0.nvme_bytes") > res->nvme_placed_bytes) {
 			res->nvme_placed_bytes = stat_number(c, "jobs.0.nvme_bytes");
-			res->nvme_state_bytes += 12.0 * (double)desc.numel;
+			res->nvme_state_bytes += (double)zk_state_bytes(format, desc.numel);
 		}
 	}
 	free(init);
@@ -426,6 +444,160 @@ compute_bound(const struct opts *o, enum zk_isa isa)
 	return best;
 }
 
+/*
+ * zk_pool_qstep over the same tensors in memory in a compressed format (compute_bound's
+ * counterpart): seconds, best of the timed passes after one warm-up.
+ */
+static double
+qcompute_bound(const struct opts *o, enum zk_isa isa, enum zk_state_format f)
+{
+	struct zk_hparams hp = { .optim = ZK_OPTIM_ADAMW, .lr = 1e-4, .beta1 = 0.9, .beta2 = 0.999,
+		.eps = 1e-8, .weight_decay = 0.01, .bias_correction = true, .grad_scale = 1.0,
+		.clip_coef = 1.0 };
+	struct zk_qtensor *ts = calloc(o->tensors, sizeof(*ts));
+	struct zk_pool *pool;
+	double best = 1e30;
+	int r;
+
+	if (ts == NULL)
+		die("out of memory");
+	r = zk_pool_new(o->threads, NULL, 0, &pool);
+	if (r < 0)
+		die("pool: %s", strerror(-r));
+	for (unsigned k = 0; k < o->tensors; k++) {
+		uint64_t n = tensor_numel(o, k);
+		size_t mb = zk_state_moment_bytes(f, n), nb = zk_state_blocks(f, n) + 1;
+		/* calloc: zero moments and scales decode to zero state, a fresh tensor's. */
+		float *master = calloc(n, sizeof(float));
+		float *sc = f == ZK_STATE_Q8 ? calloc(2 * nb, sizeof(float)) : NULL;
+		void *m = calloc(mb + 64, 1), *v = calloc(mb + 64, 1);
+		uint16_t *grad = calloc(n, 2), *param = calloc(n, 2);
+
+		if (master == NULL || (f == ZK_STATE_Q8 && sc == NULL) || m == NULL || v == NULL ||
+		    grad == NULL || param == NULL)
+			die("out of memory for the compute bound");
+		ts[k] = (struct zk_qtensor){ .format = f, .master = master, .m = m, .v = v,
+			.m_scale = sc, .v_scale = sc != NULL ? sc + nb : NULL, .grad = grad, .grad_dtype = ZK_DTYPE_BF16, .param = param,
+			.param_dtype = ZK_DTYPE_BF16, .n = n };
+		for (uint64_t i = 0; i < n; i++) {
+			master[i] = (float)((int)(i % 2001) - 1000) * 1e-3f;
+			grad[i] = zk_f32_to_bf16((float)((int)(i % 977) - 488) * 1e-5f);
+		}
+	}
+	for (unsigned i = 0; i <= o->steps; i++) {
+		double t0 = bench_now(), dt;
+
+		hp.step = i + 1;
+		r = zk_pool_qstep(pool, isa, &hp, ts, o->tensors);
+		if (r < 0)
+			die("zk_pool_qstep: %s", strerror(-r));
+		dt = bench_now() - t0;
+		if (i > 0 && dt < best)
+			best = dt;
+	}
+	for (unsigned k = 0; k < o->tensors; k++) {
+		free(ts[k].master);
+		free(ts[k].m);
+		free(ts[k].v);
+		free(ts[k].m_scale);	/* both scale arrays, one allocation */
+		free((void *)ts[k].grad);
+		free(ts[k].param);
+	}
+	free(ts);
+	zk_pool_free(pool);
+	return best;
+}
+
+/*
+ * --formats: each format's step with every tensor on NVMe, one daemon run after another,
+ * against fp32 state's in the same run (<format>/speedup: throughput, limit fp32's, ratio
+ * the speedup) and against the I/O bound of its own byte count (<format>/step_vs_io_bound:
+ * the compressed state read once and written once at the engine's bandwidth).
+ */
+static int
+run_formats(const struct opts *o, enum zk_isa isa)
+{
+	enum zk_state_format fs[ZK_STATE_COUNT] = { ZK_STATE_FP32 };
+	struct step_run runs[ZK_STATE_COUNT];
+	double compute_s[ZK_STATE_COUNT];
+	double bw_read, bw_write, params = (double)(o->state_bytes / 12), fp32_tput;
+	char *list = strdup(o->formats), *save = NULL;
+	unsigned n = 1, fig = 0;
+
+	if (list == NULL)
+		die("out of memory");
+	for (char *tok = strtok_r(list, ",", &save); tok != NULL; tok = strtok_r(NULL, ",", &save)) {
+		enum zk_state_format f;
+
+		if (zk_state_format_parse(tok, &f) < 0)
+			die("--formats: unknown state format '%s' (fp32, bf16-moments, q8-moments)", tok);
+		for (unsigned i = 0; i < n && f != ZK_STATE_FP32; i++)
+			if (fs[i] == f)
+				f = ZK_STATE_FP32;
+		if (f != ZK_STATE_FP32)
+			fs[n++] = f;
+	}
+	free(list);
+	for (unsigned i = 0; i < n; i++) {
+		memset(&runs[i], 0, sizeof(runs[i]));
+		run_daemon(o, fs[i], &runs[i]);
+		if (!o->pinned_tier && runs[i].nvme_state_bytes <= 0)
+			die("%s: no state went to NVMe", zk_state_format_name(fs[i]));
+	}
+	/* The engine's bandwidth once, over fp32 state's bytes (the most). */
+	if (o->pinned_tier)
+		bw_read = bw_write = 0;
+	else
+		engine_bandwidth(o, (uint64_t)runs[0].nvme_state_bytes, &bw_read, &bw_write);
+	for (unsigned i = 0; i < n; i++)
+		compute_s[i] = fs[i] == ZK_STATE_FP32 ? compute_bound(o, isa) :
+		    qcompute_bound(o, isa, fs[i]);
+	fp32_tput = params / runs[0].best_s;
+	if (o->json)
+		printf("[");
+	else if (o->pinned_tier)
+		printf("AdamW step, every tensor pinned, bf16 grads and params: %u tensors, %.1fM "
+		    "params, %u threads, %s\n", o->tensors, params / 1e6, o->threads, runs[0].isa);
+	else
+		printf("AdamW step, every tensor on NVMe, bf16 grads and params: %u tensors, %.1fM "
+		    "params, chunks of %" PRIu64 " elements, %u staging buffers, %u threads, %s; "
+		    "engine alone: read %.0f MiB/s, write %.0f MiB/s\n", o->tensors, params / 1e6,
+		    o->chunk_elements, o->staging, o->threads, runs[0].isa, bw_read / MiB,
+		    bw_write / MiB);
+	for (unsigned i = 0; i < n; i++) {
+		const char *name = zk_state_format_name(fs[i]);
+		double bytes = runs[i].nvme_state_bytes, tput = params / runs[i].best_s;
+		double io_s = o->pinned_tier ? 0 : bytes / bw_read + bytes / bw_write;
+		char fname[64];
+
+		if (o->json) {
+			snprintf(fname, sizeof(fname), "%s/speedup", name);
+			bench_json_figure(fig++, fname, tput / 1e6, "Mparams/s", fp32_tput / 1e6, 3);
+			snprintf(fname, sizeof(fname), "%s/step_vs_io_bound", name);
+			if (!o->pinned_tier)
+				bench_json_figure(fig++, fname, runs[i].best_s, "s", io_s, 4);
+			snprintf(fname, sizeof(fname), "%s/step_vs_compute_bound", name);
+			bench_json_figure(fig++, fname, runs[i].best_s, "s", compute_s[i], 4);
+			continue;
+		}
+		if (o->pinned_tier) {
+			printf("  %-13s %5.2f B/param pinned  step %6.3f s (mean %.3f)  %6.1f Mparams/s"
+			    "  speedup %.2fx  compute bound %.3f s (step/bound %.2f)\n", name,
+			    zk_state_bytes(fs[i], 1000000) / 1e6, runs[i].best_s, runs[i].mean_s,
+			    tput / 1e6, tput / fp32_tput, compute_s[i], runs[i].best_s / compute_s[i]);
+			continue;
+		}
+		printf("  %-13s %5.2f B/param on NVMe  step %6.3f s (mean %.3f)  %6.1f Mparams/s  "
+		    "speedup %.2fx  I/O bound %.3f s (step/bound %.2f)  compute bound %.3f s  read "
+		    "%.0f MiB, wrote %.0f MiB per step\n", name, bytes / params, runs[i].best_s,
+		    runs[i].mean_s, tput / 1e6, tput / fp32_tput, io_s, runs[i].best_s / io_s,
+		    compute_s[i], runs[i].read_per_step / MiB, runs[i].written_per_step / MiB);
+	}
+	if (o->json)
+		printf("\n]\n");
+	return 0;
+}
+
 int
 main(int argc, char **argv)
 {
@@ -461,9 +633,11 @@ main(int argc, char **argv)
 	r = zk_isa_select(NULL, &isa);
 	if (r < 0)
 		die("ISA: %s", strerror(-r));
+	if (o.formats != NULL)
+		return run_formats(&o, isa);
 
 	/* One at a time, so none of the three disturbs another's measurement. */
-	run_daemon(&o, &run);
+	run_daemon(&o, ZK_STATE_FP32, &run);
 	if (run.nvme_state_bytes <= 0)
 		die("no state went to NVMe: raise --state or lower --pinned-budget");
 	engine_bandwidth(&o, (uint64_t)run.nvme_state_bytes, &bw_read, &bw_write);

@@ -93,6 +93,12 @@ parse_entry(struct zck_file *f, const cJSON *hdr, const cJSON *meta, const char 
 	META_NUM(global_numel, "global_numel")
 	META_NUM(step, "step")
 #undef META_NUM
+	snprintf(key, sizeof(key), "%s/state_format", name);
+	s = meta_str(meta, key);
+	if (s != NULL && (s[0] == '\0' || strlen(s) >= sizeof(e->state_format)))
+		return fail(err, errlen, -EBADMSG, "%s: tensor '%s': metadata '%s' is not a state "
+		    "format", f->path, name, key);
+	snprintf(e->state_format, sizeof(e->state_format), "%s", s != NULL ? s : "fp32");
 	for (unsigned st = 0; st < ZCK_STATES; st++) {
 		const cJSON *t, *dtype, *shape, *offs;
 		uint64_t a, b, crc;

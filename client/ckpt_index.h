@@ -7,7 +7,11 @@
  * arrays NAME/master, NAME/exp_avg, NAME/exp_avg_sq, fp32, back to back.  The header's
  * __metadata__ (strings only, as safetensors wants) holds format, optimizer,
  * hyperparameters (JSON text), rank, world_size and, per tensor, NAME/global_name,
- * NAME/global_offset, NAME/global_numel, NAME/step and NAME/STATE/crc32c (8 hex digits).
+ * NAME/global_offset, NAME/global_numel, NAME/step, NAME/STATE/crc32c (8 hex digits)
+ * and NAME/state_format: how the daemon kept the tensor's state ("fp32",
+ * "bf16-moments", "q8-moments"; absent in files of before formats: fp32).  The arrays
+ * are fp32 whatever the format: a compressed format's moments as it decoded them,
+ * which a restore into the same format encodes back.
  */
 #ifndef ZCK_INDEX_H
 #define ZCK_INDEX_H
@@ -30,6 +34,7 @@ struct zck_entry {
 	uint64_t global_numel;
 	uint64_t numel;
 	uint64_t step;
+	char state_format[32];		/* "fp32" when the file does not say */
 	uint64_t begin[ZCK_STATES];	/* byte offsets in the file */
 	uint32_t crc[ZCK_STATES];
 	const char *bad;		/* NULL, or why this tensor cannot be used (dtype, shape) */

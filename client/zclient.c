@@ -514,25 +514,23 @@ zc_disconnect(struct zc_conn *c)
 	free(c);
 }
 
-int
-zc_job_open(struct zc_conn *c, const char *job_name, uint32_t rank, uint32_t world_size)
-{
-	return zc_job_open_opts(c, job_name, rank, world_size, NULL);
-}
-
-int
-zc_job_open_opts(struct zc_conn *c, const char *job_name, uint32_t rank, uint32_t world_size,
-    const struct zc_job_options *opts)
+static int
+job_open(struct zc_conn *c, const char *job_name, uint32_t rank, uint32_t world_size,
+    enum zc_policy policy, uint64_t pinned_budget, const char *state_format)
 {
 	struct zp_msg m = { .hdr = { .type = ZP_JOB_OPEN } };
 	int r;
 
-	if (opts != NULL && (unsigned)opts->policy > ZC_POLICY_AUTO)
-		return zci_seterr(c, -EINVAL, "unknown policy %d", (int)opts->policy);
-	if (opts != NULL) {
-		m.u.job_open.policy = (uint8_t)opts->policy;
-		m.u.job_open.pinned_budget = opts->pinned_budget;
-	}
+	if ((unsigned)policy > ZC_POLICY_AUTO)
+		return zci_seterr(c, -EINVAL, "unknown policy %d", (int)policy);
+	m.u.job_open.policy = (uint8_t)policy;
+	m.u.job_open.pinned_budget = pinned_budget;
+	if (state_format != NULL && strlen(state_format) > ZP_FORMAT_MAX)
+		return zci_seterr(c, -EINVAL, "unknown state format '%.*s...'", ZP_FORMAT_MAX,
+		    state_format);
+	if (state_format != NULL)
+		snprintf(m.u.job_open.state_format, sizeof(m.u.job_open.state_format), "%s",
+		    state_format);
 	if (job_name == NULL || strlen(job_name) == 0 || strlen(job_name) > ZP_NAME_MAX)
 		return zci_seterr(c, -EINVAL, "job name must be 1 to %d bytes", ZP_NAME_MAX);
 	snprintf(m.u.job_open.job_name, sizeof(m.u.job_open.job_name), "%s", job_name);
@@ -544,12 +542,65 @@ zc_job_open_opts(struct zc_conn *c, const char *job_name, uint32_t rank, uint32_
 	if (r == 0) {
 		c->job_open = true;
 		snprintf(c->job_name, sizeof(c->job_name), "%s", job_name);
-		c->job_opts = opts != NULL ? *opts : (struct zc_job_options){ 0 };
+		/* What a reconnect asks for again; the format is the one the daemon chose. */
+		c->job_opts = (struct zc_job_options){ .policy = policy,
+		    .pinned_budget = pinned_budget };
 		c->rank = rank;
 		c->world_size = world_size;
 		c->job_last_step = c->msg->u.job_ok.last_step;
+		snprintf(c->state_format, sizeof(c->state_format), "%s",
+		    c->msg->u.job_ok.state_format);
 	}
 	return r;
+}
+
+int
+zc_job_open(struct zc_conn *c, const char *job_name, uint32_t rank, uint32_t world_size)
+{
+	return job_open(c, job_name, rank, world_size, ZC_POLICY_DEFAULT, 0, NULL);
+}
+
+/*
+ * zc_job_open_opts grew state_format in ZCLIENT_0.2.  Programs linked
+ * against 0.1 pass the struct without it and get zc_job_open_opts@ZCLIENT_0.1,
+ * which reads the two fields they have; new ones bind the default version.
+ * The definitions have internal names (local in zclient.map) and are exported
+ * only through these aliases.
+ */
+struct zc_job_options_v01 {
+	enum zc_policy policy;
+	uint64_t pinned_budget;
+};
+
+ZC_API int zci_job_open_opts_v01(struct zc_conn *c, const char *job_name, uint32_t rank,
+    uint32_t world_size, const struct zc_job_options_v01 *opts);
+ZC_API int zci_job_open_opts_v02(struct zc_conn *c, const char *job_name, uint32_t rank,
+    uint32_t world_size, const struct zc_job_options *opts);
+__asm__(".symver zci_job_open_opts_v01, zc_job_open_opts@ZCLIENT_0.1");
+__asm__(".symver zci_job_open_opts_v02, zc_job_open_opts@@ZCLIENT_0.2");
+
+int
+zci_job_open_opts_v01(struct zc_conn *c, const char *job_name, uint32_t rank,
+    uint32_t world_size, const struct zc_job_options_v01 *opts)
+{
+	return job_open(c, job_name, rank, world_size, opts != NULL ? opts->policy :
+	    ZC_POLICY_DEFAULT, opts != NULL ? opts->pinned_budget : 0, NULL);
+}
+
+int
+zci_job_open_opts_v02(struct zc_conn *c, const char *job_name, uint32_t rank,
+    uint32_t world_size, const struct zc_job_options *opts)
+{
+	if (opts == NULL)
+		return job_open(c, job_name, rank, world_size, ZC_POLICY_DEFAULT, 0, NULL);
+	return job_open(c, job_name, rank, world_size, opts->policy, opts->pinned_budget,
+	    opts->state_format);
+}
+
+const char *
+zc_job_state_format(const struct zc_conn *c)
+{
+	return c->job_open ? c->state_format : "";
 }
 
 uint64_t

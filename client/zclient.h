@@ -165,10 +165,24 @@ enum zc_policy {
 struct zc_job_options {
 	enum zc_policy policy;
 	uint64_t pinned_budget;	/* bytes of pinned state for the job; 0: the daemon's default */
+	/*
+	 * How the job's optimizer state is kept, decided by its first rank (a
+	 * later rank naming another is refused): NULL or "" for the daemon's
+	 * memory.state_format; "fp32"; "bf16-moments" (m and v in bf16) or
+	 * "q8-moments" (m and v in 8 bits per 256-element block), both with an
+	 * fp32 master, stepping AdamW and Adam only, in about 20 or 16 bytes
+	 * moved per parameter where fp32 moves 28.  zc_tensor_read/write of
+	 * exp_avg and exp_avg_sq stay fp32: a write is quantized.  An unknown
+	 * name is refused with the list.  Since ZCLIENT_0.2 (zc_job_open_opts
+	 * of ZCLIENT_0.1 takes the struct without it).
+	 */
+	const char *state_format;
 };
 
 ZC_API int zc_job_open_opts(struct zc_conn *conn, const char *job_name, uint32_t rank,
     uint32_t world_size, const struct zc_job_options *options);
+/* The open job's state format as the daemon keeps it ("fp32", "q8-moments", ...); "" with no job. */
+ZC_API const char *zc_job_state_format(const struct zc_conn *conn);
 /* Highest step any rank of the open job has completed (0 for a new job). */
 ZC_API uint64_t zc_job_last_step(const struct zc_conn *conn);
 /*
@@ -360,8 +374,8 @@ ZC_API int zc_jobs_json(struct zc_conn *conn, char **ret_json);
  * Checkpoints: a rank's optimizer state saved into a directory, one safetensors file per
  * rank (rank-RRRRR-of-WWWWW.safetensors: NAME/master, NAME/exp_avg, NAME/exp_avg_sq, F32,
  * and in the header's __metadata__ the optimizer, the last hyperparameters, rank, world
- * size, and per tensor its step, its place in its logical parameter and a CRC-32C per
- * array).  Any rank layout can be restored into any other.
+ * size, and per tensor its step, its state format, its place in its logical parameter and
+ * a CRC-32C per array).  Any rank layout can be restored into any other.
  *
  * Each entry names a registered tensor and where it sits in its logical parameter:
  * global_name (NULL: the tensor's own name), global_offset and global_numel (0: the
@@ -413,6 +427,15 @@ struct zc_checkpoint_place {
 ZC_API int zc_tensor_register_checkpoint(struct zc_conn *conn, const struct zc_tensor_desc *desc,
     struct zc_checkpoint *ckpt, const struct zc_checkpoint_place *place, enum zc_optim optim,
     struct zc_tensor **ret);
+/*
+ * State formats (zc_job_options.state_format): each tensor's is in the file's metadata
+ * (NAME/state_format; the arrays are fp32 whatever it is, the moments as the format
+ * decoded them).  zc_tensor_register_checkpoint refuses a tensor saved in another format
+ * than the job's (-EBADMSG naming the file, the tensor and both formats) unless allowed
+ * here: then the saved moments are encoded into the job's format (quantized to 8 or 16
+ * bits, or widened to fp32 as they are).
+ */
+ZC_API void zc_checkpoint_allow_convert(struct zc_checkpoint *ckpt, bool allow);
 
 /* Conversions for clients that fill bf16/fp16 grad slots on the CPU. */
 ZC_API uint16_t zc_f32_to_bf16(float f);

@@ -52,6 +52,7 @@ struct save_tensor {
 	uint64_t begin[ZCK_STATES];	/* from the start of the data */
 	uint32_t crc[ZCK_STATES];
 	uint64_t step;			/* the daemon's answer */
+	const char *state_format;	/* the job's: every tensor of a job has its format */
 };
 
 static void
@@ -92,6 +93,8 @@ header_json(const struct save_tensor *ts, size_t n, const char *optim, const cha
 		add_meta_u64(meta, t->name, "global_offset", t->global_offset);
 		add_meta_u64(meta, t->name, "global_numel", t->global_numel);
 		add_meta_u64(meta, t->name, "step", final ? t->step : UINT64_MAX);
+		snprintf(key, sizeof(key), "%s/state_format", t->name);
+		cJSON_AddStringToObject(meta, key, t->state_format);
 		for (unsigned st = 0; st < ZCK_STATES; st++) {
 			cJSON *a = cJSON_CreateObject();
 			double offs[2] = { (double)t->begin[st], (double)(t->begin[st] + 4 * t->numel) };
@@ -188,6 +191,7 @@ check_entries(struct zc_conn *c, const struct zc_checkpoint_entry *es, size_t n,
 			return zci_seterr(c, -EBUSY, "checkpoint: tensor '%s' is in a step; wait for "
 			    "it first", t->name);
 		ts[i].name = t->name;
+		ts[i].state_format = c->state_format[0] != '\0' ? c->state_format : "fp32";
 		ts[i].numel = zc_tensor_numel(t);
 		ts[i].global_name = es[i].global_name != NULL ? es[i].global_name : ts[i].name;
 		ts[i].global_offset = es[i].global_offset;
@@ -302,11 +306,6 @@ out:
 	free(ts);
 	return r;
 }
-
-struct zc_checkpoint {
-	struct zc_conn *conn;
-	struct zck_index *ix;
-};
 
 int
 zc_checkpoint_open(struct zc_conn *c, const char *dir, struct zc_checkpoint **ret)

@@ -100,6 +100,7 @@ struct zc_conn {
 	uint32_t rank;
 	uint32_t world_size;
 	uint64_t job_last_step;
+	char state_format[ZP_FORMAT_MAX + 1];	/* the open job's, as the daemon names it */
 	uint32_t session_id;
 	struct zc_tensor **tensors;	/* by handle - 1 */
 	uint32_t tensor_cap;
@@ -203,5 +204,13 @@ void zci_sets_free(struct zc_conn *c);
 int zci_sets_resubmit(struct zc_conn *c, uint64_t deadline);
 /* The sets' handles, of the tensors in old (by old handle), to their new ones. */
 void zci_sets_rehandle(struct zc_conn *c, struct zc_tensor *const *old, uint32_t cap);
+
+/* An open checkpoint directory (zclient_checkpoint.c opens it, zclient_restore.c reads it). */
+struct zck_index;
+struct zc_checkpoint {
+	struct zc_conn *conn;
+	struct zck_index *ix;
+	bool convert;		/* zc_checkpoint_allow_convert */
+};
 
 #endif

@@ -197,6 +197,8 @@ open_job(struct zc_conn *c, uint64_t deadline)
 	m.u.job_open.world_size = c->world_size;
 	m.u.job_open.policy = (uint8_t)c->job_opts.policy;
 	m.u.job_open.pinned_budget = c->job_opts.pinned_budget;
+	snprintf(m.u.job_open.state_format, sizeof(m.u.job_open.state_format), "%s",
+	    c->state_format);
 	/* The daemon may not have seen the old session go yet: that rank is still attached. */
 	while ((r = zci_rpc_once(c, &m, ZP_JOB_OK, NULL, deadline)) == -EADDRINUSE &&
 	    zci_now_ns() < deadline)

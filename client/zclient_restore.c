@@ -10,11 +10,6 @@
 #include "zclient_impl.h"
 
 /* Opaque in zclient.h; the same layout as in zclient_checkpoint.c. */
-struct zc_checkpoint {
-	struct zc_conn *conn;
-	struct zck_index *ix;
-};
-
 struct piece {
 	const struct zck_file *f;
 	const struct zck_entry *e;
@@ -166,6 +161,30 @@ restore_piece(struct zc_conn *c, struct zc_tensor *t, const struct piece *p, uin
 	return 0;
 }
 
+/*
+ * State saved in one format goes into a job of another only when the caller asked:
+ * the moments would be re-encoded (quantized, or widened with the error they carry).
+ */
+static int
+check_formats(struct zc_conn *c, const struct zc_checkpoint *ck, const struct piece *ps,
+    size_t n)
+{
+	const char *want = c->state_format[0] != '\0' ? c->state_format : "fp32";
+
+	for (size_t i = 0; i < n && !ck->convert; i++)
+		if (strcmp(ps[i].e->state_format, want) != 0)
+			return zci_seterr(c, -EBADMSG, "%s: tensor '%s' was saved as %s state, and this "
+			    "job keeps %s (zc_checkpoint_allow_convert converts it)", ps[i].f->path,
+			    ps[i].e->name, ps[i].e->state_format, want);
+	return 0;
+}
+
+void
+zc_checkpoint_allow_convert(struct zc_checkpoint *ck, bool allow)
+{
+	ck->convert = allow;
+}
+
 int
 zc_tensor_register_checkpoint(struct zc_conn *c, const struct zc_tensor_desc *desc,
     struct zc_checkpoint *ck, const struct zc_checkpoint_place *place, enum zc_optim optim,
@@ -193,6 +212,9 @@ zc_tensor_register_checkpoint(struct zc_conn *c, const struct zc_tensor_desc *de
 	    &step);
 	if (r < 0)
 		return r;
+	r = check_formats(c, ck, ps, n);
+	if (r < 0)
+		goto out;
 	/* No initial values: the pieces below write every element (find_pieces checked). */
 	r = zci_tensor_register(c, desc, NULL, &t);
 	if (r < 0)

@@ -113,12 +113,12 @@ static void
 print_jobs_table(const cJSON *jobs, int max_rows)
 {
 	const cJSON *j;
-	char a[32], b[32], c[32];
+	char a[32], b[32], c[32], d[32];
 	int rows = 0, n = cJSON_GetArraySize(jobs);
 
-	printf("%-20s %4s %6s %7s %8s %7s %10s %10s %10s %8s %7s %6s %9s\n", "JOB", "ID", "UID",
-	    "RANKS", "DETACHED", "TENSORS", "PARAMS", "PINNED", "NVME", "APPLIED", "SKIPPED",
-	    "FAILED", "LAST STEP");
+	printf("%-20s %4s %6s %7s %8s %7s %10s %10s %10s %8s %7s %6s %9s  %-12s %s\n", "JOB", "ID",
+	    "UID", "RANKS", "DETACHED", "TENSORS", "PARAMS", "PINNED", "NVME", "APPLIED", "SKIPPED",
+	    "FAILED", "LAST STEP", "STATE", "SAVED VS FP32");
 	if (cJSON_GetArraySize(jobs) == 0) {
 		printf("(no jobs)\n");
 		return;
@@ -129,11 +129,13 @@ print_jobs_table(const cJSON *jobs, int max_rows)
 			break;
 		}
 		printf("%-20s %4.0f %6.0f %3.0f/%-3.0f %8.0f %7.0f %10s %10s %10s %8.0f %7.0f %6.0f "
-		    "%9.0f\n", str(j, "name"), num(j, "id"), num(j, "uid"), num(j, "ranks_attached"),
-		    num(j, "world_size"), num(j, "ranks_detached"), num(j, "tensors"),
-		    count(num(j, "params"), a, sizeof(a)), bytes(num(j, "pinned_bytes"), b, sizeof(b)),
+		    "%9.0f  %-12s %s\n", str(j, "name"), num(j, "id"), num(j, "uid"),
+		    num(j, "ranks_attached"), num(j, "world_size"), num(j, "ranks_detached"),
+		    num(j, "tensors"), count(num(j, "params"), a, sizeof(a)),
+		    bytes(num(j, "pinned_bytes"), b, sizeof(b)),
 		    bytes(num(j, "nvme_bytes"), c, sizeof(c)), num(j, "steps_applied"),
-		    num(j, "steps_skipped"), num(j, "steps_failed"), num(j, "last_step"));
+		    num(j, "steps_skipped"), num(j, "steps_failed"), num(j, "last_step"),
+		    str(j, "state_format"), bytes(num(j, "state_bytes_saved"), d, sizeof(d)));
 	}
 }
 

@@ -84,8 +84,9 @@ report_params(const struct zck_index *ix)
 				at = e->global_offset + e->numel;
 			}
 		}
-		printf("  %-40s %12" PRIu64 " elements  step %" PRIu64 "%s%s\n", p.name, p.numel,
-		    p.step, p.covered == p.numel ? "" : "  INCOMPLETE: elements missing",
+		printf("  %-40s %12" PRIu64 " elements  step %" PRIu64 "  %s state%s%s\n", p.name,
+		    p.numel, p.step, es[i]->state_format,
+		    p.covered == p.numel ? "" : "  INCOMPLETE: elements missing",
 		    p.mixed_steps ? "  MIXED STEPS" : "");
 		if (p.covered != p.numel || p.mixed_steps)
 			bad = 1;

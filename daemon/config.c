@@ -12,6 +12,7 @@
 #include "config.h"
 #include "build_config.h"
 #include "metrics.h"
+#include "quant.h"
 
 struct parse_ctx {
 	const char *source;
@@ -388,12 +389,29 @@ parse_socket(struct parse_ctx *ctx, const cJSON *s, struct zd_config *cfg)
 	}
 }
 
+void
+zd_state_format_list(char *buf, size_t len)
+{
+	size_t off = 0;
+
+	buf[0] = '\0';
+	for (unsigned i = 0; i < ZK_STATE_COUNT && off < len; i++) {
+		int n = snprintf(buf + off, len - off, "%s\"%s\"", i > 0 ? ", " : "",
+		    zk_state_format_name((enum zk_state_format)i));
+
+		if (n < 0)
+			break;
+		off += (size_t)n;
+	}
+}
+
 static void
 parse_memory(struct parse_ctx *ctx, const cJSON *s, struct zd_config *cfg)
 {
 	static const char *const keys[] = { "pinned_budget", "numa_node", "require_pinned",
-		"hugepages", "shm_budget", "xfer_window", "policy", "job_pinned_budget", NULL };
-	const cJSON *policy;
+		"hugepages", "shm_budget", "xfer_window", "policy", "job_pinned_budget",
+		"state_format", NULL };
+	const cJSON *policy, *format;
 	long node = cfg->numa_node;
 
 	check_keys(ctx, s, "memory", keys);
@@ -415,6 +433,19 @@ parse_memory(struct parse_ctx *ctx, const cJSON *s, struct zd_config *cfg)
 			cfg->policy = 3;
 		else
 			bad_value(ctx, "memory", policy, "one of \"cpu\", \"nvme\", \"auto\"");
+	}
+	format = cJSON_GetObjectItemCaseSensitive(s, "state_format");
+	if (format != NULL && ctx->status == 0) {
+		enum zk_state_format f;
+		char list[128], expected[160];
+
+		if (cJSON_IsString(format) && zk_state_format_parse(format->valuestring, &f) == 0) {
+			cfg->state_format = (uint8_t)f;
+		} else {
+			zd_state_format_list(list, sizeof(list));
+			snprintf(expected, sizeof(expected), "one of %s", list);
+			bad_value(ctx, "memory", format, expected);
+		}
 	}
 	if (ctx->status == 0 && cfg->xfer_window > (256ull << 20))
 		perr(ctx, "memory.xfer_window: %llu bytes exceeds the 256 MiB protocol limit",

@@ -3,6 +3,7 @@
 #define ZD_CONFIG_H
 
 #include <stdbool.h>
+#include <stddef.h>
 #include <stdint.h>
 #include <sys/types.h>
 
@@ -31,6 +32,7 @@ struct zd_config {
 	uint64_t xfer_window;
 	uint8_t policy;			/* enum zp_policy: where jobs' state goes by default */
 	uint64_t job_pinned_budget;	/* 0: no per-job cap */
+	uint8_t state_format;		/* enum zk_state_format: jobs' optimizer state by default */
 
 	unsigned worker_threads;	/* 0: one per online CPU */
 	int cpus[ZD_MAX_CPUS];
@@ -85,5 +87,8 @@ void zd_config_clear(struct zd_config *cfg);
 int zd_parse_size(const char *text, uint64_t *ret);
 /* The same for counts ("4M" elements): no B/iB spelling. */
 int zd_parse_count(const char *text, uint64_t *ret);
+
+/* "\"fp32\", \"bf16-moments\", \"q8-moments\"": the state formats, for messages. */
+void zd_state_format_list(char *buf, size_t len);
 
 #endif

@@ -79,6 +79,16 @@ zd_job_attach(struct zd_session *s, const struct zp_job_open *req, char *err, si
 		return -ENOENT;
 	}
 	if (job != NULL) {
+		enum zk_state_format f;
+
+		/* A rank asking for another format would step a job in two: refuse it. */
+		if (req->state_format[0] != '\0' &&
+		    (zk_state_format_parse(req->state_format, &f) < 0 || f != job->state_format)) {
+			snprintf(err, errlen, "job '%s' keeps its optimizer state as %s, not '%s'", name,
+			    zk_state_format_name((enum zk_state_format)job->state_format),
+			    req->state_format);
+			return -EINVAL;
+		}
 		if (job->world_size != world_size) {
 			snprintf(err, errlen, "job '%s' has world size %u, not %u", name,
 			    job->world_size, world_size);
@@ -92,6 +102,18 @@ zd_job_attach(struct zd_session *s, const struct zp_job_open *req, char *err, si
 			}
 		}
 	} else {
+		enum zk_state_format format = (enum zk_state_format)d->cfg.state_format;
+
+		/* The first rank decides how the job's state is kept, as it does where. */
+		if (req->state_format[0] != '\0' &&
+		    zk_state_format_parse(req->state_format, &format) < 0) {
+			char list[128];
+
+			zd_state_format_list(list, sizeof(list));
+			snprintf(err, errlen, "job '%s': unknown state format '%s' (one of %s)", name,
+			    req->state_format, list);
+			return -EINVAL;
+		}
 		job = calloc(1, sizeof(*job));
 		if (job == NULL) {
 			snprintf(err, errlen, "out of memory");
@@ -108,6 +130,7 @@ zd_job_attach(struct zd_session *s, const struct zp_job_open *req, char *err, si
 		TAILQ_INIT(&job->rank_groups);
 		/* The first rank decides where the job's state goes. */
 		job->policy = req->policy != ZP_POLICY_DEFAULT ? req->policy : d->cfg.policy;
+		job->state_format = (uint8_t)format;
 		if (ze_account_new(&(struct ze_account_limits){
 			.pinned_budget = req->pinned_budget > 0 ? req->pinned_budget :
 			    d->cfg.job_pinned_budget,
@@ -121,8 +144,9 @@ zd_job_attach(struct zd_session *s, const struct zp_job_open *req, char *err, si
 		}
 		TAILQ_INSERT_TAIL(&d->jobs, job, entry);
 		d->njobs++;
-		log_info("job '%s' (id %llu) opened by uid %u, world size %u", name,
-		    (unsigned long long)job->id, (unsigned)s->uid, world_size);
+		log_info("job '%s' (id %llu) opened by uid %u, world size %u, state %s", name,
+		    (unsigned long long)job->id, (unsigned)s->uid, world_size,
+		    zk_state_format_name(format));
 	}
 	job->refs++;
 	job->ranks_attached++;
@@ -385,6 +409,7 @@ tensor_free(struct zd_daemon *d, struct zd_tensor *t)
 	if (t->et != NULL) {
 		t->job->tensors--;
 		t->job->params -= ze_tensor_numel(t->et);
+		t->job->state_bytes -= ze_tensor_state_bytes(t->et);
 		d->tensors_total--;
 		d->params_total -= ze_tensor_numel(t->et);
 		zd_ckpt_tensor_gone(d, t->et);
@@ -552,6 +577,7 @@ zd_tensor_create(struct zd_session *s, const struct zp_tensor_register *req,
 		.param_dtype = (enum zk_dtype)req->param_dtype,
 		.param_offload = (req->flags & ZP_TENSOR_PARAM_OFFLOAD) != 0,
 		.policy = engine_policy(s->job->policy),
+		.state_format = (enum zk_state_format)s->job->state_format,
 	}, s->job->account, u->account, t, &t->et, err, errlen);
 	if (r < 0) {
 		zd_uid_refund(d, u, 2, t->shm_bytes, 1);
@@ -560,6 +586,7 @@ zd_tensor_create(struct zd_session *s, const struct zp_tensor_register *req,
 	}
 	s->job->tensors++;
 	s->job->params += req->numel;
+	s->job->state_bytes += ze_tensor_state_bytes(t->et);
 	d->tensors_total++;
 	d->params_total += req->numel;
 	r = add_handle(s, t);

@@ -60,12 +60,14 @@ struct zd_job {
 	unsigned ranks_attached;
 	uint64_t tensors;
 	uint64_t params;
+	uint64_t state_bytes;		/* zk_state_bytes of its tensors, in its state_format */
 	uint64_t steps_applied;
 	uint64_t steps_skipped;
 	uint64_t steps_failed;
 	uint64_t last_step;
 	bool dropping;			/* zoffctl drop: nothing is kept for a reattach */
 	uint8_t policy;			/* enum zp_policy */
+	uint8_t state_format;		/* enum zk_state_format of its tensors */
 	struct ze_account *account;
 	TAILQ_HEAD(, zd_tensor) detached;	/* oldest first */
 	unsigned ndetached;

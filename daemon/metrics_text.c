@@ -179,6 +179,8 @@ static const struct family job_families[] = {
 	  { { "tensors_detached", NULL } } },
 	{ "zoffload_job_state_bytes", "gauge", "Optimizer-state bytes of the job per tier.", 0,
 	  "tier", { { "pinned_bytes", "pinned" }, { "nvme_bytes", "nvme" } } },
+	{ "zoffload_job_state_saved_bytes", "gauge", "Optimizer-state bytes the job's state "
+	  "format saves against fp32 state.", 0, NULL, { { "state_bytes_saved", NULL } } },
 	{ "zoffload_job_tensors", "gauge", "Tensors of the job.", 0, NULL,
 	  { { "tensors", NULL } } },
 	{ "zoffload_job_params", "gauge", "Parameters (elements) of the job.", 0, NULL,
@@ -383,11 +385,13 @@ put_jobs(FILE *f, const cJSON *stats, unsigned max_jobs)
 		goto out;
 	fprintf(f, "zoffload_jobs{set=\"all\"} %zu\nzoffload_jobs{set=\"other\"} %zu\n", njobs,
 	    njobs - nkept);
-	fputs("# HELP zoffload_job_info Jobs with their own labels, with their tier policy.\n"
+	fputs("# HELP zoffload_job_info Jobs with their own labels, with their tier policy and "
+	    "state format.\n"
 	    "# TYPE zoffload_job_info gauge\n", f);
 	for (size_t i = 0; i < nkept; i++) {
 		const cJSON *name = cJSON_GetObjectItemCaseSensitive(kept[i], "name");
 		const cJSON *policy = cJSON_GetObjectItemCaseSensitive(kept[i], "policy");
+		const cJSON *format = cJSON_GetObjectItemCaseSensitive(kept[i], "state_format");
 		char uid[24];
 		bool first = true;
 
@@ -396,6 +400,8 @@ put_jobs(FILE *f, const cJSON *stats, unsigned max_jobs)
 		put_label(f, "job", cJSON_IsString(name) ? name->valuestring : "", &first);
 		put_label(f, "uid", uid, &first);
 		put_label(f, "policy", cJSON_IsString(policy) ? policy->valuestring : "", &first);
+		put_label(f, "state_format", cJSON_IsString(format) ? format->valuestring : "",
+		    &first);
 		fputs("} 1\n", f);
 	}
 	for (size_t k = 0; k < sizeof(job_families) / sizeof(job_families[0]); k++) {

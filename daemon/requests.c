@@ -116,6 +116,8 @@ handle_job_open(struct zd_session *s, const struct zp_msg *msg)
 	}
 	m.u.job_ok.job_id = s->job->id;
 	m.u.job_ok.last_step = s->job->last_step;
+	snprintf(m.u.job_ok.state_format, sizeof(m.u.job_ok.state_format), "%s",
+	    zk_state_format_name((enum zk_state_format)s->job->state_format));
 	(void)zd_session_send(s, &m, NULL, 0);
 }
 

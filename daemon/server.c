@@ -333,6 +333,7 @@ reload(struct zd_daemon *d)
 	LIVE("memory.xfer_window", xfer_window);
 	LIVE("memory.policy", policy);
 	LIVE("memory.job_pinned_budget", job_pinned_budget);
+	LIVE("memory.state_format", state_format);
 	RESTART("compute.worker_threads", workers != c->worker_threads);
 	RESTART("compute.cpus", fresh.ncpus != c->ncpus ||
 	    memcmp(fresh.cpus, c->cpus, fresh.ncpus * sizeof(fresh.cpus[0])) != 0);

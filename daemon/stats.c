@@ -416,6 +416,12 @@ job_json(const struct zd_job *job)
 	cJSON_AddNumberToObject(j, "nvme_bytes", (double)nvme);
 	cJSON_AddNumberToObject(j, "tensors", (double)job->tensors);
 	cJSON_AddNumberToObject(j, "params", (double)job->params);
+	/* What the format keeps per step, and what it saves against fp32's 12 bytes a parameter. */
+	cJSON_AddStringToObject(j, "state_format",
+	    zk_state_format_name((enum zk_state_format)job->state_format));
+	cJSON_AddNumberToObject(j, "state_bytes", (double)job->state_bytes);
+	cJSON_AddNumberToObject(j, "state_bytes_saved",
+	    (double)(job->params * ZE_STATE_BYTES_PER_ELEMENT - job->state_bytes));
 	cJSON_AddNumberToObject(j, "steps_applied", (double)job->steps_applied);
 	cJSON_AddNumberToObject(j, "steps_skipped", (double)job->steps_skipped);
 	cJSON_AddNumberToObject(j, "steps_failed", (double)job->steps_failed);

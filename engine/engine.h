@@ -7,6 +7,7 @@
 #include <stdint.h>
 
 #include "optim.h"
+#include "quant.h"
 
 /*
  * Everything here runs on one thread (the caller's loop): submissions,
@@ -24,7 +25,7 @@ struct zs_engine;
 /* Elements per pinned slice: one stepper task, the unit of fairness and of exactly-once. */
 #define ZE_QUANTUM_ELEMENTS (4u << 20)
 #define ZE_NAME_MAX 127
-/* Optimizer state per element: master, m and v in fp32, on either tier. */
+/* Optimizer state per element in the fp32 format: master, m and v, on either tier. */
 #define ZE_STATE_BYTES_PER_ELEMENT (3 * sizeof(float))
 
 enum ze_policy { ZE_POLICY_CPU, ZE_POLICY_NVME, ZE_POLICY_AUTO };
@@ -146,6 +147,12 @@ struct ze_tensor_desc {
 	enum zk_dtype param_dtype;
 	bool param_offload;		/* params live on the tiers; the slot is staged on request */
 	enum ze_policy policy;
+	/*
+	 * How master, m and v are stored on the tiers (quant.h); 0 is fp32.
+	 * Compressed formats step with AdamW and Adam only (ze_step_submit
+	 * refuses others); their state moves and is charged compressed.
+	 */
+	enum zk_state_format state_format;
 };
 
 /*
@@ -163,6 +170,9 @@ uint64_t ze_tensor_numel(const struct ze_tensor *t);
 enum zk_dtype ze_tensor_grad_dtype(const struct ze_tensor *t);
 enum zk_dtype ze_tensor_param_dtype(const struct ze_tensor *t);
 bool ze_tensor_param_offload(const struct ze_tensor *t);
+enum zk_state_format ze_tensor_state_format(const struct ze_tensor *t);
+/* Bytes of master, m, v and scales (zk_state_bytes), what the format keeps per step. */
+uint64_t ze_tensor_state_bytes(const struct ze_tensor *t);
 /* The memfds of the grad and param slots (page-rounded), for the client to map. */
 int ze_tensor_grad_fd(const struct ze_tensor *t);
 int ze_tensor_param_fd(const struct ze_tensor *t);
@@ -188,19 +198,24 @@ int ze_tensor_set_step(struct ze_tensor *t, uint64_t step);
 
 /*
  * Copies elements [offset, offset + count) of one state array from or to buf
- * (which must stay until the result).  1: done now; 0: queued, io_done
- * reports; < 0: refused.  Writing master also writes the param slot.
+ * (which must stay until the result), always as fp32: a compressed format's
+ * moments are decoded on a read and encoded on a write, so a write of m or v
+ * is quantized (and re-encodes the rest of the 256-element blocks it
+ * touches).  1: done now; 0: queued, io_done reports; < 0: refused.
+ * Writing master also writes the param slot.
  */
 int ze_tensor_io(struct ze_tensor *t, bool write, enum ze_state which, uint64_t offset,
     uint64_t count, void *buf, uint32_t lane, uint64_t id);
 /*
  * A state array of a tensor in memory (pinned or not), for writing it out as it is
- * while the tensor is not busy (no step can change it meanwhile); NULL on NVMe.
+ * while the tensor is not busy (no step can change it meanwhile); NULL on NVMe and
+ * for any array of a compressed format (read those with ze_tensor_read_all).
  */
 const float *ze_tensor_memory_state(const struct ze_tensor *t, enum ze_state which);
 /*
  * Reads elements [offset, offset + count) of master, m and v at once into buf (3 * count
- * floats: master's, then m's, then v's), from one pass over the state (a checkpoint).
+ * floats: master's, then m's, then v's, decoded from a compressed format), from one pass
+ * over the state (a checkpoint).
  * As ze_tensor_io: 1 done now, 0 queued (io_done reports ZE_IO_READ), < 0 refused.
  */
 int ze_tensor_read_all(struct ze_tensor *t, uint64_t offset, uint64_t count, float *buf,

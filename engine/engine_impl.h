@@ -48,13 +48,20 @@ struct ze_tensor {
 	enum zk_dtype grad_dtype;
 	enum zk_dtype param_dtype;
 	struct ze_charge charge;
-	/* pinned: master, m, v (and the param store) in one arena allocation */
+	/*
+	 * pinned: master, m, v, the scales (and the param store) in one arena
+	 * allocation, laid out by ze_layout_of for the format; m and v are
+	 * float[] for fp32, uint16_t[] for bf16-moments, uint8_t[] for q8-moments.
+	 */
+	enum zk_state_format format;
 	void *state;
 	size_t state_bytes;		/* pinned allocation, or the extent's bytes on NVMe */
 	bool state_pinned;
 	float *master;
-	float *m;
-	float *v;
+	void *m;
+	void *v;
+	float *m_scale;			/* q8-moments only, else NULL */
+	float *v_scale;
 	struct ze_shm grad_slot;
 	struct ze_shm param_slot;
 	bool param_offload;
@@ -151,6 +158,33 @@ struct ze_engine {
 	struct ze_stats stats;
 };
 
+/* Byte offsets of a state's arrays in one region of `elements` elements each (state.c). */
+struct ze_layout {
+	size_t master;
+	size_t m;
+	size_t v;
+	size_t m_scale;
+	size_t v_scale;
+	size_t bytes;
+};
+
+/* state.c */
+/* pad: pinned (arrays apart by page + 4160 bytes); else an NVMe chunk (packed, 4 KiB rounded). */
+void ze_layout_of(enum zk_state_format f, size_t elements, bool pad, struct ze_layout *ret);
+void ze_state_view(enum zk_state_format f, void *base, const struct ze_layout *l, size_t n,
+    struct zk_qtensor *ret);
+/* The whole tensor in memory (pinned), with its grad and param slots. */
+void ze_tensor_state_view(const struct ze_tensor *t, struct zk_qtensor *ret);
+/*
+ * Elements [from, from + count) of q's arrays picked by mask (1 master, 2 m,
+ * 4 v) from or to fp32 buffers bufs[0..2]: copies for fp32, decode or
+ * decode-patch-encode of the covering blocks for the compressed formats.
+ */
+int ze_state_rw(const struct zk_qtensor *q, bool write, unsigned mask, size_t from,
+    size_t count, float *const bufs[3]);
+/* The format has a step kernel for optim. */
+bool ze_format_supports(enum zk_state_format f, enum zk_optim optim);
+
 /* tensor.c */
 void ze_tensor_unbusy(struct ze_tensor *t);
 /* The param slot mirrors master: elements [offset, offset + count) from src. */
@@ -158,7 +192,6 @@ void ze_tensor_write_param(struct ze_tensor *t, uint64_t offset, uint64_t count,
     const float *src);
 /* Master elements [offset, offset + count) hold initial values now. */
 void ze_tensor_mark_init(struct ze_tensor *t, uint64_t offset, uint64_t count);
-float *ze_tensor_state_array(struct ze_tensor *t, enum ze_state which);
 uint64_t ze_unit_len(const struct ze_tensor *t, uint64_t unit);
 
 /* nvme.c */

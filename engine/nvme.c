@@ -10,7 +10,10 @@
 /*
  * On NVMe a tensor is a run of chunks; chunk c holds elements
  * [c*C, (c+1)*C) as master, m, v back to back, each C*4 bytes (C a
- * multiple of 1024, so every array and chunk is 4 KiB aligned).  One chunk
+ * multiple of 1024, so every array and chunk is 4 KiB aligned).  A
+ * compressed format packs its smaller m and v and then the scales the same
+ * way (ze_layout_of), the chunk rounded up to 4 KiB: C is a multiple of the
+ * 256-element q8 block, so a chunk owns its blocks whole and steps alone.  One chunk
  * is one sequential read and one sequential write.  The last chunk holds
  * only the rest, each array rounded up to 1024 elements: moving a whole
  * chunk there cost a 4M-element chunk's worth of padding per tensor and
@@ -71,7 +74,10 @@ struct chunk_io {
 static uint64_t
 chunk_bytes(const struct ze_tensor *t)
 {
-	return 3 * t->chunk_elements * sizeof(float);
+	struct ze_layout l;
+
+	ze_layout_of(t->format, t->chunk_elements, false, &l);
+	return l.bytes;
 }
 
 static uint64_t
@@ -99,7 +105,20 @@ chunk_stride(const struct ze_tensor *t, uint64_t c)
 static uint64_t
 chunk_io_bytes(const struct ze_tensor *t, uint64_t c)
 {
-	return 3 * chunk_stride(t, c) * sizeof(float);
+	struct ze_layout l;
+
+	ze_layout_of(t->format, chunk_stride(t, c), false, &l);
+	return l.bytes;
+}
+
+/* Chunk c's state in the staging buffer it was read into. */
+static void
+chunk_view(const struct ze_tensor *t, uint64_t c, void *buf, struct zk_qtensor *ret)
+{
+	struct ze_layout l;
+
+	ze_layout_of(t->format, chunk_stride(t, c), false, &l);
+	ze_state_view(t->format, buf, &l, chunk_len(t, c), ret);
 }
 
 int
@@ -327,6 +346,38 @@ write_back(struct ze_engine *e, struct chunk_io *io)
 		work_chunk_finished(e, io, r);
 }
 
+static bool covers_chunk(const struct nvme_work *w, uint64_t c);
+
+/* xfer_chunk for a compressed format: decode, or patch and encode, the range in the chunk. */
+static void
+xfer_chunk_coded(struct ze_engine *e, struct chunk_io *io, uint64_t from, uint64_t to)
+{
+	struct nvme_work *w = io->work;
+	struct ze_tensor *t = w->tensor;
+	uint64_t first = io->chunk * t->chunk_elements;
+	bool all = w->kind == WORK_READ_ALL || w->kind == WORK_WRITE_ALL;
+	bool write = w->kind == WORK_WRITE || w->kind == WORK_WRITE_ALL;
+	float *bufs[3] = { NULL, NULL, NULL };
+	struct zk_qtensor q;
+	int r;
+
+	for (unsigned k = 0; k < 3; k++)
+		if (all || k == (unsigned)w->state)
+			bufs[k] = (float *)w->buf + (all ? k * w->count : 0) + (from - w->offset);
+	/* A chunk written whole was not read: no stale bytes of the buffer's last use stay. */
+	if (w->kind == WORK_WRITE_ALL && covers_chunk(w, io->chunk))
+		memset(io->staging->buf, 0, chunk_io_bytes(t, io->chunk));
+	chunk_view(t, io->chunk, io->staging->buf, &q);
+	r = ze_state_rw(&q, write, all ? 7u : 1u << w->state, from - first, to - from, bufs);
+	if (r < 0 || !write) {
+		work_chunk_finished(e, io, r);
+		return;
+	}
+	if (all || w->state == ZE_STATE_MASTER)
+		ze_tensor_write_param(t, from, to - from, q.master + (from - first));
+	write_back(e, io);
+}
+
 /* A state transfer: copy the part of this chunk the request covers. */
 static void
 xfer_chunk(struct ze_engine *e, struct chunk_io *io)
@@ -344,6 +395,10 @@ xfer_chunk(struct ze_engine *e, struct chunk_io *io)
 		return;
 	}
 	window = (float *)w->buf + (from - w->offset);
+	if (t->format != ZK_STATE_FP32) {
+		xfer_chunk_coded(e, io, from, to);
+		return;
+	}
 	if (w->kind == WORK_READ_ALL) {
 		/* master, m, v: each to its own third of the buffer */
 		for (unsigned s = 0; s < 3; s++)
@@ -411,6 +466,26 @@ read_done(int result, void *arg)
 	buf = io->staging->buf;
 	off = io->chunk * t->chunk_elements;
 	n = chunk_len(t, io->chunk);
+	if (t->format != ZK_STATE_FP32) {
+		io->task = (struct ze_task){
+			.kind = ZE_TASK_STEP,
+			.lane = b->lane,
+			.batch = b,
+			.index = w->index,
+			.unit = io->chunk,
+			.staging = io->staging,
+			.io_start_ns = io->start_ns,
+		};
+		chunk_view(t, io->chunk, buf, &io->task.qview);
+		io->task.qview.grad = (const char *)t->grad_slot.map +
+		    off * zk_dtype_size(t->grad_dtype);
+		io->task.qview.grad_dtype = t->grad_dtype;
+		io->task.qview.param = (char *)t->param_slot.map + off * zk_dtype_size(t->param_dtype);
+		io->task.qview.param_dtype = t->param_dtype;
+		ze_step_post(e, &io->task);
+		pump(e);
+		return;
+	}
 	io->task = (struct ze_task){
 		.kind = ZE_TASK_STEP,
 		.lane = b->lane,

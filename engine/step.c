@@ -58,10 +58,30 @@ ze_clip_coef(double max_norm, double sumsq)
 	return coef < 1.0 ? coef : 1.0;
 }
 
+/* "adamw, adam": the optimizers with a kernel for format f. */
+static void
+optims_of(enum zk_state_format f, char *buf, size_t len)
+{
+	size_t off = 0;
+
+	buf[0] = '\0';
+	for (unsigned o = 0; o < ZK_OPTIM_COUNT && off < len; o++) {
+		int n;
+
+		if (!ze_format_supports(f, (enum zk_optim)o))
+			continue;
+		n = snprintf(buf + off, len - off, "%s%s", off > 0 ? ", " : "",
+		    zk_optim_name((enum zk_optim)o));
+		if (n < 0)
+			break;
+		off += (size_t)n;
+	}
+}
+
 /* Marks the set busy and fills the views; err says why a tensor cannot take part. */
 static int
-batch_take(struct ze_batch *b, uint64_t step, struct ze_tensor *const *ts, size_t n,
-    bool stepping, char *err, size_t errlen)
+batch_take(struct ze_batch *b, uint64_t step, enum zk_optim hp_optim,
+    struct ze_tensor *const *ts, size_t n, bool stepping, char *err, size_t errlen)
 {
 	for (size_t i = 0; i < n; i++) {
 		struct ze_tensor *t = ts[i];
@@ -85,13 +105,24 @@ batch_take(struct ze_batch *b, uint64_t step, struct ze_tensor *const *ts, size_
 			    (unsigned long long)t->partial_step);
 			return -EINPROGRESS;
 		}
+		if (stepping && !ze_format_supports(t->format, hp_optim)) {
+			char can[64];
+
+			optims_of(t->format, can, sizeof(can));
+			snprintf(err, errlen, "step %llu: tensor '%s' keeps its state as %s, which the "
+			    "%s optimizer cannot step (%s can); use state format fp32",
+			    (unsigned long long)step, t->name, zk_state_format_name(t->format),
+			    zk_optim_name(hp_optim), can);
+			return -ENOTSUP;
+		}
 		t->busy = true;
 		b->tensors[i] = t;
 		b->count = i + 1;
+		/* The gradient pass reads grads only; a compressed state steps through qview. */
 		b->views[i] = (struct zk_tensor){
 			.master = t->master,
-			.m = t->m,
-			.v = t->v,
+			.m = t->format == ZK_STATE_FP32 ? t->m : NULL,
+			.v = t->format == ZK_STATE_FP32 ? t->v : NULL,
 			.grad = t->grad_slot.map,
 			.grad_dtype = t->grad_dtype,
 			.param = t->param_slot.map,
@@ -142,7 +173,7 @@ ze_grad_pass(struct ze_engine *e, uint32_t lane, uint64_t id, double grad_scale,
 		snprintf(err, errlen, "out of memory");
 		return -ENOMEM;
 	}
-	r = batch_take(b, 0, ts, n, false, err, errlen);
+	r = batch_take(b, 0, ZK_OPTIM_ADAMW, ts, n, false, err, errlen);
 	if (r < 0) {
 		batch_free(b);
 		return r;
@@ -181,7 +212,7 @@ ze_step_submit(struct ze_engine *e, const struct ze_step *s, char *err, size_t e
 		snprintf(err, errlen, "out of memory");
 		return -ENOMEM;
 	}
-	r = batch_take(b, s->hp.step, s->tensors, s->count, true, err, errlen);
+	r = batch_take(b, s->hp.step, s->hp.optim, s->tensors, s->count, true, err, errlen);
 	if (r < 0) {
 		batch_free(b);
 		return r;
@@ -235,10 +266,10 @@ tensor_done(struct ze_engine *e, struct ze_batch *b, size_t i, enum ze_step_stat
 		t->param_dirty = true;
 		if (t->on_nvme) {
 			e->stats.nvme_steps++;
-			e->stats.nvme_step_bytes += t->numel * ZE_STATE_BYTES_PER_ELEMENT;
+			e->stats.nvme_step_bytes += zk_state_bytes(t->format, t->numel);
 		} else {
 			e->stats.pinned_steps++;
-			e->stats.pinned_step_bytes += t->numel * ZE_STATE_BYTES_PER_ELEMENT;
+			e->stats.pinned_step_bytes += zk_state_bytes(t->format, t->numel);
 		}
 	}
 	if (status == ZE_STEP_SKIPPED_NONFINITE)
@@ -343,6 +374,7 @@ batch_run(struct ze_engine *e, struct ze_batch *b)
 	for (size_t i = 0; i < count; i++) {
 		struct ze_tensor *t = b->tensors[i];
 		const struct zk_tensor *v = &b->views[i];
+		struct zk_qtensor q;
 		size_t needed = 0;
 
 		if (t->on_nvme) {
@@ -361,6 +393,7 @@ batch_run(struct ze_engine *e, struct ze_batch *b)
 			continue;
 		}
 		b->pending[i] = needed;
+		ze_tensor_state_view(t, &q);
 		for (uint64_t k = 0; k < t->nunits; k++) {
 			size_t off = k * ZE_QUANTUM_ELEMENTS;
 			struct ze_task *task;
@@ -377,13 +410,19 @@ batch_run(struct ze_engine *e, struct ze_batch *b)
 			task->batch = b;
 			task->index = i;
 			task->unit = k;
-			task->view = *v;
-			task->view.master += off;
-			task->view.m += off;
-			task->view.v += off;
-			task->view.grad = (const char *)v->grad + off * zk_dtype_size(v->grad_dtype);
-			task->view.param = (char *)v->param + off * zk_dtype_size(v->param_dtype);
-			task->view.n = ze_unit_len(t, k);
+			if (t->format != ZK_STATE_FP32) {
+				/* Slices start on ZE_QUANTUM_ELEMENTS: whole q8 blocks. */
+				(void)zk_qtensor_slice(&q, off, ze_unit_len(t, k), &task->qview);
+			} else {
+				task->view = *v;
+				task->view.master += off;
+				task->view.m += off;
+				task->view.v += off;
+				task->view.grad = (const char *)v->grad +
+				    off * zk_dtype_size(v->grad_dtype);
+				task->view.param = (char *)v->param + off * zk_dtype_size(v->param_dtype);
+				task->view.n = ze_unit_len(t, k);
+			}
 			ze_step_post(e, task);
 		}
 	}

@@ -47,6 +47,8 @@ run_task(struct ze_stepper *st, struct ze_task *task)
 		b->check = (struct zk_grad_stats){ 0 };
 		task->result = zk_pool_grad_check(st->pool, b->isa, b->views, b->count,
 		    b->hp.grad_scale, &b->check);
+	} else if (task->qview.format != ZK_STATE_FP32) {
+		task->result = zk_pool_qstep(st->pool, b->isa, &b->hp_run, &task->qview, 1);
 	} else {
 		task->result = zk_pool_step(st->pool, b->isa, &b->hp_run, &task->view, 1);
 	}

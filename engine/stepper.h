@@ -8,6 +8,7 @@
 #include <sys/queue.h>
 
 #include "optim.h"
+#include "quant.h"
 
 struct ze_batch;
 struct ze_staging;
@@ -32,7 +33,8 @@ struct ze_task {
 	struct ze_batch *batch;
 	size_t index;			/* tensor within the batch */
 	uint64_t unit;			/* slice or chunk of that tensor */
-	struct zk_tensor view;		/* STEP: the unit, in place or in a staging buffer */
+	struct zk_tensor view;		/* STEP: the unit, in place or in a staging buffer (fp32) */
+	struct zk_qtensor qview;	/* ... in a compressed format: used when its format is not fp32 */
 	struct ze_staging *staging;	/* NVMe chunk being stepped, NULL in place */
 	uint64_t io_start_ns;		/* NVMe: when its read was issued */
 	int result;

@@ -101,7 +101,7 @@ place_nvme(struct ze_engine *e, struct ze_tensor *t, struct ze_account *job,
 	}
 	r = ze_nvme_place(e, t);
 	if (r < 0) {
-		zu_fmt_bytes(3 * t->numel * sizeof(float), a, sizeof(a));
+		zu_fmt_bytes(zk_state_bytes(t->format, t->numel), a, sizeof(a));
 		swap_paths_text(e, paths, sizeof(paths));
 		snprintf(err, errlen, "tensor '%s': no room for %s of state on swap.paths %s: %s",
 		    t->name, a, paths, ze_strerror(r));
@@ -123,22 +123,24 @@ place_nvme(struct ze_engine *e, struct ze_tensor *t, struct ze_account *job,
 
 /*
  * Pinned when the policy and the budgets (engine, job, uid) allow it, else
- * NVMe for auto and nvme jobs.  master, m and v sit in one allocation; each
- * array is padded a few KiB past its page-rounded size, because an exact
- * power-of-two distance between them aliases in the cache and halved
- * bandwidth when measured.
+ * NVMe for auto and nvme jobs.  master, m, v (and the scales) sit in one
+ * allocation laid out by ze_layout_of: each array is padded a few KiB past
+ * its page-rounded size, because an exact power-of-two distance between
+ * them aliases in the cache and halved bandwidth when measured.
  */
 static int
 place(struct ze_engine *e, struct ze_tensor *t, enum ze_policy policy, struct ze_account *job,
     struct ze_account *uid, char *err, size_t errlen)
 {
-	size_t stride = ((size_t)t->numel * sizeof(float) + 4095) / 4096 * 4096 + 4160;
-	uint64_t pinned = 3 * stride + (t->param_offload ? param_store_bytes(t) : 0);
+	struct ze_layout l;
+	uint64_t pinned;
 	const struct ze_account *full;
 	struct zt_arena_stats as;
 	char a[32], b[32], c[32];
 	int r;
 
+	ze_layout_of(t->format, t->numel, true, &l);
+	pinned = l.bytes + (t->param_offload ? param_store_bytes(t) : 0);
 	if (policy == ZE_POLICY_AUTO && e->swap == NULL)
 		policy = ZE_POLICY_CPU;
 	full = over(job, true, pinned) ? job : over(uid, true, pinned) ? uid : NULL;
@@ -155,14 +157,19 @@ place(struct ze_engine *e, struct ze_tensor *t, enum ze_policy policy, struct ze
 	/* Offloaded params of a pinned tensor are kept pinned after its state. */
 	r = zt_arena_alloc(e->arena, pinned, &t->state, &t->state_pinned);
 	if (r == 0) {
+		struct zk_qtensor q;
+
 		t->state_bytes = pinned;
 		if (t->param_offload) {
-			t->param_store = (char *)t->state + 3 * stride;
+			t->param_store = (char *)t->state + l.bytes;
 			t->param_store_bytes = param_store_bytes(t);
 		}
-		t->master = t->state;
-		t->m = (float *)((char *)t->state + stride);
-		t->v = (float *)((char *)t->state + 2 * stride);
+		ze_state_view(t->format, t->state, &l, t->numel, &q);
+		t->master = q.master;
+		t->m = q.m;
+		t->v = q.v;
+		t->m_scale = q.m_scale;
+		t->v_scale = q.v_scale;
 		charge(t, job, uid, true, pinned);
 		return 0;
 	}
@@ -233,6 +240,13 @@ ze_tensor_new(struct ze_engine *e, const struct ze_tensor_desc *desc,
 	t->param_dtype = desc->param_dtype;
 	t->param_offload = desc->param_offload;
 	t->param_resident = true;
+	if ((unsigned)desc->state_format >= ZK_STATE_COUNT) {
+		snprintf(err, errlen, "tensor '%s': unknown state format %d", t->name,
+		    (int)desc->state_format);
+		r = -EINVAL;
+		goto fail;
+	}
+	t->format = desc->state_format;
 	r = place(e, t, desc->policy, job, uid, err, errlen);
 	if (r < 0)
 		goto fail;
@@ -299,6 +313,13 @@ uint64_t ze_tensor_numel(const struct ze_tensor *t) { return t->numel; }
 enum zk_dtype ze_tensor_grad_dtype(const struct ze_tensor *t) { return t->grad_dtype; }
 enum zk_dtype ze_tensor_param_dtype(const struct ze_tensor *t) { return t->param_dtype; }
 bool ze_tensor_param_offload(const struct ze_tensor *t) { return t->param_offload; }
+enum zk_state_format ze_tensor_state_format(const struct ze_tensor *t) { return t->format; }
+
+uint64_t
+ze_tensor_state_bytes(const struct ze_tensor *t)
+{
+	return zk_state_bytes(t->format, t->numel);
+}
 int ze_tensor_grad_fd(const struct ze_tensor *t) { return t->grad_slot.fd; }
 int ze_tensor_param_fd(const struct ze_tensor *t) { return t->param_slot.fd; }
 void *ze_tensor_grad_slot(const struct ze_tensor *t) { return t->grad_slot.map; }
@@ -367,16 +388,6 @@ ze_tensor_mark_init(struct ze_tensor *t, uint64_t offset, uint64_t count)
 	}
 }
 
-float *
-ze_tensor_state_array(struct ze_tensor *t, enum ze_state which)
-{
-	switch (which) {
-	case ZE_STATE_MASTER: return t->master;
-	case ZE_STATE_EXP_AVG: return t->m;
-	default: return t->v;
-	}
-}
-
 void
 ze_tensor_write_param(struct ze_tensor *t, uint64_t offset, uint64_t count, const float *src)
 {
@@ -402,7 +413,9 @@ int
 ze_tensor_io(struct ze_tensor *t, bool write, enum ze_state which, uint64_t offset,
     uint64_t count, void *buf, uint32_t lane, uint64_t id)
 {
-	float *state;
+	float *bufs[3] = { NULL, NULL, NULL };
+	struct zk_qtensor q;
+	int r;
 
 	if (t->busy)
 		return -EBUSY;
@@ -413,16 +426,15 @@ ze_tensor_io(struct ze_tensor *t, bool write, enum ze_state which, uint64_t offs
 	/* On NVMe: chunk by chunk through staging buffers; io_done reports. */
 	if (t->on_nvme)
 		return ze_nvme_xfer(t, write, which, offset, count, buf, lane, id);
-	state = ze_tensor_state_array(t, which) + offset;
-	if (write) {
-		memcpy(state, buf, count * sizeof(float));
-		/* The param slot always mirrors the master weights. */
-		if (which == ZE_STATE_MASTER) {
-			ze_tensor_write_param(t, offset, count, state);
-			ze_tensor_mark_init(t, offset, count);
-		}
-	} else {
-		memcpy(buf, state, count * sizeof(float));
+	bufs[which] = buf;
+	ze_tensor_state_view(t, &q);
+	r = ze_state_rw(&q, write, 1u << which, offset, count, bufs);
+	if (r < 0)
+		return r;
+	/* The param slot always mirrors the master weights. */
+	if (write && which == ZE_STATE_MASTER) {
+		ze_tensor_write_param(t, offset, count, t->master + offset);
+		ze_tensor_mark_init(t, offset, count);
 	}
 	return 1;
 }
@@ -430,7 +442,7 @@ ze_tensor_io(struct ze_tensor *t, bool write, enum ze_state which, uint64_t offs
 const float *
 ze_tensor_memory_state(const struct ze_tensor *t, enum ze_state which)
 {
-	if (t->on_nvme)
+	if (t->on_nvme || t->format != ZK_STATE_FP32)
 		return NULL;
 	return which == ZE_STATE_MASTER ? t->master : which == ZE_STATE_EXP_AVG ? t->m : t->v;
 }
@@ -439,22 +451,31 @@ int
 ze_tensor_read_all(struct ze_tensor *t, uint64_t offset, uint64_t count, float *buf,
     uint32_t lane, uint64_t id)
 {
+	float *bufs[3] = { buf, buf + count, buf + 2 * count };
+	struct zk_qtensor q;
+	int r;
+
 	if (t->busy)
 		return -EBUSY;
 	if (offset > t->numel || count > t->numel - offset)
 		return -ERANGE;
 	if (t->on_nvme)
 		return ze_nvme_read_all(t, offset, count, buf, lane, id);
-	memcpy(buf, t->master + offset, count * sizeof(float));
-	memcpy(buf + count, t->m + offset, count * sizeof(float));
-	memcpy(buf + 2 * count, t->v + offset, count * sizeof(float));
-	return 1;
+	ze_tensor_state_view(t, &q);
+	r = ze_state_rw(&q, false, 7u, offset, count, bufs);
+	return r < 0 ? r : 1;
 }
 
 int
 ze_tensor_write_all(struct ze_tensor *t, uint64_t offset, uint64_t count, const float *buf,
     uint32_t lane, uint64_t id)
 {
+	/* Only read from: a write's source. */
+	float *src = (float *)(uintptr_t)buf;
+	float *bufs[3] = { src, src + count, src + 2 * count };
+	struct zk_qtensor q;
+	int r;
+
 	if (t->busy)
 		return -EBUSY;
 	if (offset > t->numel || count > t->numel - offset)
@@ -463,9 +484,10 @@ ze_tensor_write_all(struct ze_tensor *t, uint64_t offset, uint64_t count, const 
 		return -EAGAIN;
 	if (t->on_nvme)
 		return ze_nvme_write_all(t, offset, count, buf, lane, id);
-	memcpy(t->master + offset, buf, count * sizeof(float));
-	memcpy(t->m + offset, buf + count, count * sizeof(float));
-	memcpy(t->v + offset, buf + 2 * count, count * sizeof(float));
+	ze_tensor_state_view(t, &q);
+	r = ze_state_rw(&q, true, 7u, offset, count, bufs);
+	if (r < 0)
+		return r;
 	ze_tensor_write_param(t, offset, count, t->master + offset);
 	ze_tensor_mark_init(t, offset, count);
 	return 1;

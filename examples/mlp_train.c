@@ -238,9 +238,13 @@ main(int argc, char **argv)
 		{ "batch", required_argument, NULL, 'b' },
 		{ "job", required_argument, NULL, 'j' },
 		{ "offload-params", no_argument, NULL, 'P' },
+		{ "state-format", required_argument, NULL, 'F' },
 		{ NULL, 0, NULL, 0 },
 	};
 	const char *socket_path = NULL, *job = "mlp-example";
+	struct zc_job_options jo = { 0 };
+	double tail_loss = 0;
+	int tail = 0;
 	int steps = 100, hidden = 1536, batch = 32, input = 256, ndata = 2048;
 	struct zc_step_params sp = {
 		.optim = ZC_ADAMW, .lr = 1e-3, .beta1 = 0.9, .beta2 = 0.999, .eps = 1e-8,
@@ -257,7 +261,7 @@ main(int argc, char **argv)
 
 	/* Progress lines must reach a pipe as they happen. */
 	setvbuf(stdout, NULL, _IOLBF, 0);
-	while ((opt = getopt_long(argc, argv, "s:n:H:b:j:P", opts, NULL)) != -1) {
+	while ((opt = getopt_long(argc, argv, "s:n:H:b:j:PF:", opts, NULL)) != -1) {
 		switch (opt) {
 		case 's': socket_path = optarg; break;
 		case 'n': steps = atoi(optarg); break;
@@ -265,9 +269,10 @@ main(int argc, char **argv)
 		case 'b': batch = atoi(optarg); break;
 		case 'j': job = optarg; break;
 		case 'P': m.offload_params = true; break;
+		case 'F': jo.state_format = optarg; break;
 		default:
 			fprintf(stderr, "usage: mlp_train [--socket PATH] [--steps N] [--hidden N] "
-			    "[--batch N] [--job NAME] [--offload-params]\n");
+			    "[--batch N] [--job NAME] [--offload-params] [--state-format NAME]\n");
 			return 2;
 		}
 	}
@@ -306,7 +311,8 @@ main(int argc, char **argv)
 		free(labels);
 		return 1;
 	}
-	r = zc_job_open(c, job, 0, 1);
+	/* --state-format: how zoffloadd keeps the optimizer state (default: its configuration). */
+	r = zc_job_open_opts(c, job, 0, 1, &jo);
 	if (r < 0)
 		goto fail;
 
@@ -334,7 +340,8 @@ main(int argc, char **argv)
 		nparams += (uint64_t)l->in * l->out + l->out;
 	}
 	printf("mlp_train: %d-%d-%d-%d MLP, %.2f M parameters, bf16 gradients and parameters, "
-	    "AdamW in zoffloadd\n", dims[0], dims[1], dims[2], dims[3], (double)nparams / 1e6);
+	    "AdamW in zoffloadd, %s state\n", dims[0], dims[1], dims[2], dims[3],
+	    (double)nparams / 1e6, zc_job_state_format(c));
 
 	set = xcalloc((size_t)m.nlayers * 2, sizeof(*set));
 	for (int i = 0; i < m.nlayers; i++) {
@@ -378,12 +385,20 @@ main(int argc, char **argv)
 		/* Our copies are taken: the daemon may move the params out of memory. */
 		if (m.offload_params && (r = zc_param_release(c, set, (size_t)m.nlayers * 2)) < 0)
 			goto fail;
+		/* The last ten steps' mean: one batch's loss alone is noisy to compare runs by. */
+		if (step > steps - 10) {
+			tail_loss += loss;
+			tail++;
+		}
 		if (step == 1 || step % 10 == 0 || step == steps)
 			printf("step %4d  loss %.4f  grad norm %.3f  daemon step %.2f ms%s\n", step,
 			    loss, res.grad_norm, (double)res.latency_ns / 1e6,
 			    res.status == ZC_STEP_SKIPPED_NONFINITE ? "  (skipped: inf/NaN)" : "");
 	}
 	printf("mlp_train: steps %d to %d in %.1f s\n", first, steps, now_s() - t0);
+	if (tail > 0)
+		printf("mlp_train: final loss %.6f (mean of the last %d steps)\n", tail_loss / tail,
+		    tail);
 	if (m.offload_params) {
 		struct zc_param_stats ps;
 

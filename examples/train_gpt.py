@@ -72,6 +72,9 @@ def main():
     ap.add_argument("--pinned-budget", default="512K",
                     help="pinned bytes for the job's state; the rest goes to the swap dir")
     ap.add_argument("--policy", default="auto", choices=["auto", "cpu", "nvme"])
+    ap.add_argument("--state-format", default=None,
+                    help="how zoffloadd keeps the state: fp32, bf16-moments, q8-moments "
+                         "(default: its memory.state_format)")
     ap.add_argument("--text", default=os.path.join(HERE, "data", "shakespeare.txt"))
     args = ap.parse_args()
     units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
@@ -95,12 +98,14 @@ def main():
 
     # The one line: torch.optim.AdamW(...) becomes zoffload.torch.AdamW(...).
     opt = zoffload.torch.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1, job=args.job,
-                               socket=args.socket, policy=args.policy, pinned_budget=budget)
+                               socket=args.socket, policy=args.policy, pinned_budget=budget,
+                               state_format=args.state_format)
     sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, args.steps)
     nparams = sum(p.numel() for p in model.parameters())
     print(f"GPT: {nparams / 1e6:.2f} M parameters, {len(text)} characters of text, "
           f"vocabulary {len(chars)}; optimizer state {nparams * 12 / 2**20:.1f} MiB in zoffloadd "
-          f"(job '{args.job}', {args.policy}, {budget / 2**20:.1f} MiB pinned)", flush=True)
+          f"(job '{args.job}', {args.policy}, {budget / 2**20:.1f} MiB pinned, "
+          f"{opt.state_format} state)", flush=True)
     if opt.resumed_step:
         print(f"resuming after step {opt.resumed_step}")
     t0 = time.monotonic()
@@ -118,6 +123,11 @@ def main():
             print(f"step {step:4d}  train loss {loss.item():.3f}  val loss {val.item():.3f}  "
                   f"({time.monotonic() - t0:.1f} s)", flush=True)
 
+    # Over several batches: one batch's loss alone is too noisy to compare runs by.
+    with torch.no_grad():
+        vals = [F.cross_entropy(model(xv).reshape(-1, len(chars)), yv.reshape(-1)).item()
+                for xv, yv in (batch("val") for _ in range(8))]
+    print(f"final val loss {sum(vals) / len(vals):.6f} (mean of 8 batches)", flush=True)
     out = model.sample(torch.tensor([[chars.index("\n")]]), 200, gen)
     print("sample:\n" + "".join(chars[i] for i in out[0].tolist()[1:]))
     stats = json.loads(opt.stats())

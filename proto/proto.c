@@ -261,6 +261,7 @@ encode_payload(const struct zp_msg *m, struct wbuf *w)
 		put_u32(w, m->u.job_open.world_size);
 		put_u8(w, m->u.job_open.policy);
 		put_u64(w, m->u.job_open.pinned_budget);
+		put_str(w, m->u.job_open.state_format);
 		break;
 	case ZP_JOB_DROP:
 		put_str(w, m->u.job_drop.job_name);
@@ -365,6 +366,7 @@ encode_payload(const struct zp_msg *m, struct wbuf *w)
 	case ZP_JOB_OK:
 		put_u64(w, m->u.job_ok.job_id);
 		put_u64(w, m->u.job_ok.last_step);
+		put_str(w, m->u.job_ok.state_format);
 		break;
 	case ZP_TENSOR_OK:
 		put_u32(w, m->u.tensor_ok.handle);
@@ -446,6 +448,7 @@ decode_payload(struct rbuf *r, struct zp_msg *m)
 		j->policy = get_u8(r, "policy");
 		check(r, j->policy < ZP_POLICY_COUNT, "policy");
 		j->pinned_budget = get_u64(r, "pinned_budget");
+		get_str(r, j->state_format, ZP_FORMAT_MAX, 0, "state_format");
 		break;
 	}
 	case ZP_JOB_DROP:
@@ -564,6 +567,7 @@ decode_payload(struct rbuf *r, struct zp_msg *m)
 	case ZP_JOB_OK:
 		m->u.job_ok.job_id = get_u64(r, "job_id");
 		m->u.job_ok.last_step = get_u64(r, "last_step");
+		get_str(r, m->u.job_ok.state_format, ZP_FORMAT_MAX, 0, "state_format");
 		break;
 	case ZP_TENSOR_OK:
 		m->u.tensor_ok.handle = get_u32(r, "handle");

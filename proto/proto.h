@@ -120,9 +120,12 @@ struct zp_header {
 struct zp_hello { char client_name[ZP_NAME_MAX + 1]; };
 /* JOB_DROP: str job_name (a job of this uid, or any for root) */
 struct zp_job_drop { char job_name[ZP_NAME_MAX + 1]; };
+/* Longest optimizer state format name ("q8-moments"); the daemon knows the list. */
+#define ZP_FORMAT_MAX 31
 /*
  * JOB_OPEN: str job_name, u32 rank, u32 world_size (rank < world_size <= 65536),
- * u8 policy (enum zp_policy), u64 pinned_budget (0: the daemon's default)
+ * u8 policy (enum zp_policy), u64 pinned_budget (0: the daemon's default),
+ * str state_format (0..ZP_FORMAT_MAX bytes; empty: the daemon's memory.state_format)
  */
 struct zp_job_open {
 	char job_name[ZP_NAME_MAX + 1];
@@ -130,6 +133,7 @@ struct zp_job_open {
 	uint32_t world_size;
 	uint8_t policy;
 	uint64_t pinned_budget;
+	char state_format[ZP_FORMAT_MAX + 1];
 };
 /* TENSOR_REGISTER flags */
 #define ZP_TENSOR_PARAM_OFFLOAD		(1u << 0)	/* params live on the tiers; slot staged on request */
@@ -207,8 +211,8 @@ struct zp_ckpt_done { uint32_t crc[ZP_STATE_COUNT]; uint64_t last_step; };
 struct zp_error { int32_t code; char message[ZP_ERRMSG_MAX + 1]; };
 /* HELLO_OK: u32 session_id, u32 uid the daemon sees, str daemon_version */
 struct zp_hello_ok { uint32_t session_id; uint32_t uid; char daemon_version[ZP_NAME_MAX + 1]; };
-/* JOB_OK: u64 job_id, u64 last_step (0 for a new job) */
-struct zp_job_ok { uint64_t job_id; uint64_t last_step; };
+/* JOB_OK: u64 job_id, u64 last_step (0 for a new job), str state_format (the job's) */
+struct zp_job_ok { uint64_t job_id; uint64_t last_step; char state_format[ZP_FORMAT_MAX + 1]; };
 /*
  * TENSOR_OK: u32 handle, u64 grad_bytes, u64 param_bytes, u8 resumed, u64 last_step;
  * fds: grad slot, param slot.  resumed: the tensor was kept from a rank that died and

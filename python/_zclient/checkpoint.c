@@ -177,7 +177,8 @@ step_params_dict(const struct zc_step_params *sp)
  */
 static int
 restore_all(struct zc_conn *c, const char *dir, struct restore_item *items, size_t n,
-    enum zc_optim optim, struct zc_tensor **ts, struct zc_step_params *sp, char *err)
+    enum zc_optim optim, bool convert, struct zc_tensor **ts, struct zc_step_params *sp,
+    char *err)
 {
 	struct zc_checkpoint *ck = NULL;
 	size_t done = 0;
@@ -186,6 +187,7 @@ restore_all(struct zc_conn *c, const char *dir, struct restore_item *items, size
 	r = zc_checkpoint_open(c, dir, &ck);
 	if (r < 0)
 		goto fail;
+	zc_checkpoint_allow_convert(ck, convert);
 	r = zc_checkpoint_step_params(ck, sp);
 	for (; r >= 0 && done < n; done++)
 		r = zc_tensor_register_checkpoint(c, &items[done].desc, ck, &items[done].place,
@@ -206,7 +208,8 @@ fail:
 PyObject *
 zpy_register_checkpoint(struct zpy_conn *self, PyObject *args, PyObject *kw)
 {
-	static char *kwlist[] = { "dir", "tensors", "optim", NULL };
+	static char *kwlist[] = { "dir", "tensors", "optim", "convert", NULL };
+	int convert = 0;
 	struct zc_step_params sp = { 0 };
 	struct restore_item *items = NULL;
 	struct zc_tensor **ts = NULL;
@@ -217,8 +220,8 @@ zpy_register_checkpoint(struct zpy_conn *self, PyObject *args, PyObject *kw)
 	Py_ssize_t n;
 	int r;
 
-	if (!PyArg_ParseTupleAndKeywords(args, kw, "O&Os:register_checkpoint", kwlist,
-	    PyUnicode_FSConverter, &dir, &seq, &oname))
+	if (!PyArg_ParseTupleAndKeywords(args, kw, "O&Os|$p:register_checkpoint", kwlist,
+	    PyUnicode_FSConverter, &dir, &seq, &oname, &convert))
 		return NULL;
 	if (zpy_optim(oname, &optim) < 0 || !zpy_conn_ready(self))
 		goto out;
@@ -238,7 +241,7 @@ zpy_register_checkpoint(struct zpy_conn *self, PyObject *args, PyObject *kw)
 		if (parse_restore_item(PySequence_Fast_GET_ITEM(fast, i), i, &items[i]) < 0)
 			goto out;
 	ZPY_CALL(self, r, err, restore_all(self->c, PyBytes_AS_STRING(dir), items, (size_t)n,
-	    optim, ts, &sp, rerr));
+	    optim, convert != 0, ts, &sp, rerr));
 	if (r < 0) {
 		/* rerr: the first error, before the clean-up's calls could replace it. */
 		zpy_raise_conn(self, r, rerr);

@@ -166,17 +166,20 @@ parse_policy(const char *s, enum zc_policy *ret)
 static PyObject *
 conn_job_open(struct zpy_conn *self, PyObject *args, PyObject *kw)
 {
-	static char *kwlist[] = { "name", "rank", "world_size", "policy", "pinned_budget", NULL };
-	const char *name, *policy = NULL;
+	static char *kwlist[] = { "name", "rank", "world_size", "policy", "pinned_budget",
+		"state_format", NULL };
+	const char *name, *policy = NULL, *format = NULL;
 	unsigned int rank = 0, world = 1;
 	unsigned long long budget = 0;
 	struct zc_job_options opts = { 0 };
 	char err[ZPY_ERRLEN];
 	int r;
 
-	if (!PyArg_ParseTupleAndKeywords(args, kw, "s|II$zK:job_open", kwlist, &name, &rank,
-	    &world, &policy, &budget))
+	if (!PyArg_ParseTupleAndKeywords(args, kw, "s|II$zKz:job_open", kwlist, &name, &rank,
+	    &world, &policy, &budget, &format))
 		return NULL;
+	/* The daemon knows the formats and names them all when this one is not among them. */
+	opts.state_format = format;
 	if (parse_policy(policy, &opts.policy) < 0 || !zpy_conn_ready(self))
 		return NULL;
 	opts.pinned_budget = budget;
@@ -227,6 +230,14 @@ conn_job_last_step(struct zpy_conn *self, void *closure)
 	if (!zpy_conn_ready(self))
 		return NULL;
 	return PyLong_FromUnsignedLongLong(zc_job_last_step(self->c));
+}
+
+static PyObject *
+conn_state_format(struct zpy_conn *self, void *closure)
+{
+	if (!zpy_conn_ready(self))
+		return NULL;
+	return PyUnicode_FromString(zc_job_state_format(self->c));
 }
 
 static PyObject *
@@ -539,6 +550,8 @@ static PyMethodDef conn_methods[] = {
 static PyGetSetDef conn_getset[] = {
 	{ "job_last_step", (getter)conn_job_last_step, NULL,
 	  "highest step any rank of the open job has completed (0 for a new job)", NULL },
+	{ "state_format", (getter)conn_state_format, NULL,
+	  "the open job's optimizer state format as the daemon keeps it ('' with no job)", NULL },
 	{ "closed", (getter)conn_closed, NULL, "True once close() ran", NULL },
 	{ NULL, NULL, NULL, NULL, NULL },
 };

@@ -92,13 +92,16 @@ def relay(daemon):
     r.stop()
 
 
-def test_cut_connections_are_a_pause(daemon, relay):
+@pytest.mark.parametrize("state_format", ["fp32", "q8-moments"])
+def test_cut_connections_are_a_pause(daemon, relay, state_format):
     ref = zhelpers.model(seed=40)
-    ref_opt = zt.AdamW(ref.parameters(), job="uncut", socket=daemon.socket)
+    ref_opt = zt.AdamW(ref.parameters(), job="uncut-" + state_format, socket=daemon.socket,
+                       state_format=state_format)
     zhelpers.train(ref, ref_opt, 6)
 
     m = zhelpers.model(seed=40)
-    opt = zt.AdamW(m.parameters(), job="cut", socket=relay.path)
+    opt = zt.AdamW(m.parameters(), job="cut-" + state_format, socket=relay.path,
+                   state_format=state_format)
     zhelpers.train(m, opt, 2)
     for first in (3, 5):
         relay.cut()
@@ -110,6 +113,7 @@ def test_cut_connections_are_a_pause(daemon, relay):
     for a, b in zip(m.parameters(), ref.parameters()):
         assert a.detach().equal(b.detach())
     assert ref_opt.conn_stats()["reconnects"] == 0
+    assert opt.state_format == state_format
     opt.close()
     ref_opt.close()
 

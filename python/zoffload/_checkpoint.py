@@ -144,7 +144,7 @@ def _read_metas(dir):
     return metas
 
 
-def load(opt, dir, names, places):
+def load(opt, dir, names, places, convert=False):
     if opt._conn.closed:
         raise RuntimeError("zoffload: load_checkpoint() after close()")
     opt._finish()
@@ -201,7 +201,8 @@ def load(opt, dir, names, places):
     for p in olds:
         del opt._entries[p]
     try:
-        tensors, _ = opt._conn.register_checkpoint(os.fspath(dir), request, optim=opt._optim)
+        tensors, _ = opt._conn.register_checkpoint(os.fspath(dir), request, optim=opt._optim,
+                                                   convert=convert)
     except BaseException:
         for (n, k, gd, pd, *_), (p, *_) in zip(request, items):
             init = p.detach().reshape(-1).to(device="cpu", dtype=torch.float32).contiguous()

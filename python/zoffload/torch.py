@@ -18,6 +18,12 @@ plus zoffload's own (keyword only):
 - ``policy``: where the job's state lives: ``"cpu"``, ``"nvme"``, ``"auto"`` (default: the
   daemon's ``memory.policy``); ``pinned_budget``: the job's pinned bytes before ``auto``
   spills to NVMe.
+- ``state_format``: how the daemon keeps the job's state (default: its
+  ``memory.state_format``): ``"fp32"``; ``"bf16-moments"`` or ``"q8-moments"``, exp_avg and
+  exp_avg_sq in 16 or 8 bits (per 256-element block) with an fp32 master, for AdamW and Adam:
+  fewer bytes per step and on the tiers, at the moments' precision.  ``state_dict()`` gives
+  the moments in fp32 as the format decoded them; ``load_state_dict()`` quantizes them.
+  The job's first rank decides; ``state_format`` on the optimizer is what the daemon chose.
 - ``grad_dtype``: what gradients are handed over in (default: the param's dtype).
 - ``overlap``: submit each param's step from a gradient hook as soon as backward produced
   its gradient, so that the daemon works while backward goes on; ``step()`` then only waits.
@@ -111,7 +117,7 @@ class _ZoffloadOptimizer(torch.optim.Optimizer):
     _state_keys = {}            # torch's state name -> the daemon's
 
     def __init__(self, params, defaults, *, job=None, socket=None, policy=None,
-                 pinned_budget=0, grad_dtype=None, overlap=False, rank=None,
+                 pinned_budget=0, state_format=None, grad_dtype=None, overlap=False, rank=None,
                  world_size=None, reconnect_ms=None):
         if rank is None or world_size is None:
             dist = torch.distributed
@@ -130,7 +136,8 @@ class _ZoffloadOptimizer(torch.optim.Optimizer):
         self._next_index = 0
         self._conn = _zclient.Connection(socket, reconnect_ms=reconnect_ms)
         self._conn.job_open(self.job, rank, world_size, policy=policy,
-                            pinned_budget=pinned_budget)
+                            pinned_budget=pinned_budget, state_format=state_format)
+        self.state_format = self._conn.state_format
         try:
             super().__init__(params, defaults)
         except BaseException:
@@ -427,10 +434,11 @@ class _ZoffloadOptimizer(torch.optim.Optimizer):
         from wherever the state lives, and a JSON file of the param groups."""
         _checkpoint.save(self, dir, names, places)
 
-    def load_checkpoint(self, dir, names=None, places=None):
+    def load_checkpoint(self, dir, names=None, places=None, convert=False):
         """Restores a fresh optimizer (no step taken) from dir; returns the step it resumes
-        after.  Params are set from the restored fp32 master."""
-        return _checkpoint.load(self, dir, names, places)
+        after.  Params are set from the restored fp32 master.  State saved in another
+        state_format than this job's is refused unless convert (then re-encoded)."""
+        return _checkpoint.load(self, dir, names, places, convert)
 
 
 def _drop_views(entries):

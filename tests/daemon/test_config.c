@@ -183,6 +183,21 @@ Test(config, partial_file_keeps_defaults)
 	cr_assert_eq(zd_config_parse("{}", "empty.conf", &cfg, err, sizeof(err)), 0, "%s", err);
 }
 
+/* memory.state_format: fp32 unless set; a name the kernels do not know is refused with the list. */
+Test(config, state_format)
+{
+	cr_assert_eq(cfg.state_format, 0, "the default is not fp32");
+	cr_assert_eq(zd_config_parse("{\"memory\": {\"state_format\": \"q8-moments\"}}", "x.conf",
+	    &cfg, err, sizeof(err)), 0, "%s", err);
+	cr_assert_eq(cfg.state_format, 2);
+	cr_assert_eq(zd_config_parse("{\"memory\": {\"state_format\": \"bf16-moments\"}}",
+	    "x.conf", &cfg, err, sizeof(err)), 0, "%s", err);
+	cr_assert_eq(cfg.state_format, 1);
+	expect_error("{\"memory\": {\"state_format\": \"int4\"}}", "memory.state_format", "int4",
+	    "\"fp32\", \"bf16-moments\", \"q8-moments\"", NULL);
+	expect_error("{\"memory\": {\"state_format\": 8}}", "memory.state_format", NULL);
+}
+
 Test(config, missing_file)
 {
 	char missing[96];

@@ -126,7 +126,7 @@ Test(metrics, label_values_escaped)
 static char *
 jobs_json(unsigned n)
 {
-	size_t cap = 256 * n + 16, off = 0;
+	size_t cap = 320 * n + 16, off = 0;
 	char *s = malloc(cap);
 
 	cr_assert_not_null(s);
@@ -136,8 +136,10 @@ jobs_json(unsigned n)
 		    "%s{\"id\":%u,\"name\":\"job%u\",\"uid\":%u,\"world_size\":2,"
 		    "\"ranks_attached\":2,\"ranks_detached\":0,\"tensors_detached\":0,"
 		    "\"policy\":\"auto\",\"pinned_bytes\":%u,\"nvme_bytes\":0,\"tensors\":1,"
-		    "\"params\":10,\"steps_applied\":%u,\"steps_skipped\":0,\"steps_failed\":0,"
-		    "\"last_step\":%u}", i ? "," : "", i + 1, i, 1000 + i, (i + 1) * 4096, i, i * 10);
+		    "\"params\":10,\"state_format\":\"%s\",\"state_bytes_saved\":%u,"
+		    "\"steps_applied\":%u,\"steps_skipped\":0,\"steps_failed\":0,"
+		    "\"last_step\":%u}", i ? "," : "", i + 1, i, 1000 + i, (i + 1) * 4096,
+		    i % 2 ? "q8-moments" : "fp32", i % 2 ? 59 : 0, i, i * 10);
 	snprintf(s + off, cap - off, "]");
 	return s;
 }
@@ -179,7 +181,11 @@ Test(metrics, few_jobs_no_other)
 
 	cr_assert_eq(count_lines(t, "zoffload_job_params{"), 2);
 	cr_assert(strstr(t, "{job=\"other\"") == NULL);
-	expect_line(t, "zoffload_job_info{job=\"job1\",uid=\"1001\",policy=\"auto\"} 1");
+	expect_line(t, "zoffload_job_info{job=\"job1\",uid=\"1001\",policy=\"auto\","
+	    "state_format=\"q8-moments\"} 1");
+	expect_line(t, "zoffload_job_info{job=\"job0\",uid=\"1000\",policy=\"auto\","
+	    "state_format=\"fp32\"} 1");
+	expect_line(t, "zoffload_job_state_saved_bytes{job=\"job1\",uid=\"1001\"} 59");
 	expect_line(t, "zoffload_job_state_bytes{job=\"job1\",uid=\"1001\",tier=\"pinned\"} 8192");
 	free(t);
 	free(j);

@@ -244,7 +244,10 @@ Test(codec, round_trip_job_open)
 	in.u.job_open.world_size = 65536;
 	in.u.job_open.policy = ZP_POLICY_AUTO;
 	in.u.job_open.pinned_budget = UINT64_MAX - 1;
+	memset(in.u.job_open.state_format, 'f', ZP_FORMAT_MAX);
+	in.u.job_open.state_format[ZP_FORMAT_MAX] = '\0';
 	round_trip(ZP_JOB_OPEN, UINT64_MAX);
+	cr_assert_str_eq(out.u.job_open.state_format, in.u.job_open.state_format);
 	cr_assert_str_eq(out.u.job_open.job_name, in.u.job_open.job_name);
 	cr_assert_eq(out.u.job_open.rank, 65535);
 	cr_assert_eq(out.u.job_open.world_size, 65536);
@@ -424,8 +427,10 @@ Test(codec, round_trip_hello_ok)
 
 Test(codec, round_trip_job_ok)
 {
-	in.u.job_ok = (struct zp_job_ok){ .job_id = 0x8000000000000001ull, .last_step = 41 };
+	in.u.job_ok = (struct zp_job_ok){ .job_id = 0x8000000000000001ull, .last_step = 41,
+		.state_format = "q8-moments" };
 	round_trip(ZP_JOB_OK, 13);
+	cr_assert_str_eq(out.u.job_ok.state_format, "q8-moments");
 	cr_assert_eq(out.u.job_ok.job_id, 0x8000000000000001ull);
 	cr_assert_eq(out.u.job_ok.last_step, 41);
 }
@@ -594,10 +599,13 @@ Test(codec, truncated_fields)
 	strcpy(in.u.job_open.job_name, "job");
 	in.u.job_open.rank = 1;
 	in.u.job_open.world_size = 2;
+	strcpy(in.u.job_open.state_format, "q8-moments");
 	len = encode(&in);
-	/* Cut into pinned_budget, the last field. */
+	/* Cut into state_format, the last field, then into pinned_budget before it. */
 	fix_len(len - 2);
-	expect_reject(len - 2, ZP_S_TRUNCATED, "JOB_OPEN", "pinned_budget");
+	expect_reject(len - 2, ZP_S_TRUNCATED, "JOB_OPEN", "state_format");
+	fix_len(len - 2 - 10 - 2);
+	expect_reject(len - 2 - 10 - 2, ZP_S_TRUNCATED, "JOB_OPEN", "pinned_budget");
 	/* Cut into world_size: after the name, rank and two of its bytes. */
 	fix_len(ZP_HEADER_SIZE + 2 + 3 + 4 + 2);
 	expect_reject(ZP_HEADER_SIZE + 2 + 3 + 4 + 2, ZP_S_TRUNCATED, "JOB_OPEN", "world_size");

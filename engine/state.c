@@ -1,0 +1,198 @@
+/* A tensor's state in its format: where the arrays sit, and fp32 reads and writes of any range. */
+#include <errno.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "engine_impl.h"
+
+static size_t
+round_up(size_t x, size_t a)
+{
+	return (x + a - 1) / a * a;
+}
+
+/*
+ * Pinned (pad): each array page-rounded plus 4160 bytes, because an exact
+ * power-of-two distance between them aliases in the cache (fp32 state:
+ * master, m, v at 0, S, 2S as always).  NVMe chunk (no pad): the arrays back
+ * to back and the whole rounded to 4 KiB for direct I/O; fp32 chunks of a
+ * multiple of 1024 elements come out 12 bytes an element with no rounding.
+ * The scales follow v; q8 arrays of `elements` (a multiple of 256) have
+ * elements / 256 of them.
+ */
+void
+ze_layout_of(enum zk_state_format f, size_t elements, bool pad, struct ze_layout *ret)
+{
+	size_t ms = zk_state_moment_bytes(f, elements), nb = zk_state_blocks(f, elements);
+	size_t mb = pad ? round_up(4 * elements, 4096) + 4160 : 4 * elements;
+	size_t qb = pad ? round_up(ms, 4096) + 4160 : ms;
+	size_t sb = pad ? round_up(nb * sizeof(float), 64) : nb * sizeof(float);
+
+	ret->master = 0;
+	ret->m = mb;
+	ret->v = mb + qb;
+	ret->m_scale = mb + 2 * qb;
+	ret->v_scale = ret->m_scale + sb;
+	ret->bytes = ret->v_scale + sb;
+	if (pad && nb > 0)
+		ret->bytes += 4160;
+	if (!pad)
+		ret->bytes = round_up(ret->bytes, 4096);
+}
+
+void
+ze_state_view(enum zk_state_format f, void *base, const struct ze_layout *l, size_t n,
+    struct zk_qtensor *ret)
+{
+	char *p = base;
+
+	*ret = (struct zk_qtensor){
+		.format = f,
+		.master = (float *)(p + l->master),
+		.m = p + l->m,
+		.v = p + l->v,
+		.m_scale = f == ZK_STATE_Q8 ? (float *)(p + l->m_scale) : NULL,
+		.v_scale = f == ZK_STATE_Q8 ? (float *)(p + l->v_scale) : NULL,
+		.n = n,
+	};
+}
+
+void
+ze_tensor_state_view(const struct ze_tensor *t, struct zk_qtensor *ret)
+{
+	*ret = (struct zk_qtensor){
+		.format = t->format,
+		.master = t->master,
+		.m = t->m,
+		.v = t->v,
+		.m_scale = t->m_scale,
+		.v_scale = t->v_scale,
+		.grad = t->grad_slot.map,
+		.grad_dtype = t->grad_dtype,
+		.param = t->param_slot.map,
+		.param_dtype = t->param_dtype,
+		.n = t->numel,
+	};
+}
+
+/* Compressed ranges are decoded and encoded this many elements at a time (two fp32 buffers). */
+#define PIECE (64u << 10)
+
+/*
+ * The fp32 reads and writes of a compressed state go through whole blocks:
+ * the blocks covering [from, from + count) are decoded into buf, and for a
+ * write patched and encoded again.  A write encodes only the moment it
+ * changes: the other one's bytes and scales are left as they were (encode
+ * writes both, so the other lands in scratch).  Elements of a block outside
+ * the range are re-encoded with it and may round differently after a write
+ * changed its scale.
+ */
+static int
+qstate_rw(const struct zk_qtensor *q, bool write, unsigned mask, size_t from, size_t count,
+    float *const dst[3])
+{
+	size_t align = q->format == ZK_STATE_Q8 ? ZK_Q8_BLOCK : 1, done = 0;
+	float *buf = NULL, *scratch = NULL;
+	int r = 0;
+
+	if (count == 0)
+		return 0;
+	buf = malloc(2 * PIECE * sizeof(float));
+	scratch = write ? malloc(PIECE * (sizeof(uint16_t) + sizeof(float))) : NULL;
+	if (buf == NULL || (write && scratch == NULL)) {
+		r = -ENOMEM;
+		goto out;
+	}
+	while (done < count) {
+		size_t at = from + done, b0 = at / align * align;
+		size_t b1 = b0 + PIECE < from + count ? b0 + PIECE : round_up(from + count, align);
+		size_t lo = at - b0, len;
+		struct zk_qtensor s, w;
+
+		if (b1 > q->n)
+			b1 = q->n;
+		len = (b1 < from + count ? b1 : from + count) - at;
+		r = zk_qtensor_slice(q, b0, b1 - b0, &s);
+		if (r == 0)
+			r = zk_qstate_decode(&s, buf, buf + PIECE);
+		if (r < 0)
+			goto out;
+		for (unsigned k = 1; k < 3; k++) {
+			float *a = k == 1 ? buf : buf + PIECE;
+
+			if (!(mask & (1u << k)))
+				continue;
+			if (write)
+				memcpy(a + lo, dst[k] + done, len * sizeof(float));
+			else
+				memcpy(dst[k] + done, a + lo, len * sizeof(float));
+		}
+		if (write) {
+			w = s;
+			/* The moment not written goes to scratch. */
+			if (!(mask & 2u)) {
+				w.m = scratch;
+				w.m_scale = w.m_scale != NULL ? (float *)((char *)scratch + PIECE * 2) : NULL;
+			}
+			if (!(mask & 4u)) {
+				w.v = scratch;
+				w.v_scale = w.v_scale != NULL ? (float *)((char *)scratch + PIECE * 2) : NULL;
+			}
+			r = zk_qstate_encode(&w, buf, buf + PIECE);
+			if (r < 0)
+				goto out;
+		}
+		done += len;
+	}
+out:
+	free(buf);
+	free(scratch);
+	return r;
+}
+
+int
+ze_state_rw(const struct zk_qtensor *q, bool write, unsigned mask, size_t from, size_t count,
+    float *const bufs[3])
+{
+	if (from > q->n || count > q->n - from)
+		return -ERANGE;
+	if (mask & 1u) {
+		if (write)
+			memcpy(q->master + from, bufs[0], count * sizeof(float));
+		else
+			memcpy(bufs[0], q->master + from, count * sizeof(float));
+	}
+	if (!(mask & 6u))
+		return 0;
+	if (q->format == ZK_STATE_FP32) {
+		for (unsigned k = 1; k < 3; k++) {
+			float *a = (float *)(k == 1 ? q->m : q->v) + from;
+
+			if (!(mask & (1u << k)))
+				continue;
+			if (write)
+				memcpy(a, bufs[k], count * sizeof(float));
+			else
+				memcpy(bufs[k], a, count * sizeof(float));
+		}
+		return 0;
+	}
+	return qstate_rw(q, write, mask, from, count, bufs);
+}
+
+bool
+ze_format_supports(enum zk_state_format f, enum zk_optim optim)
+{
+	static float x[1];
+	static uint8_t c[2];
+	struct zk_hparams hp = { .optim = optim, .lr = 1e-3, .beta1 = 0.9, .beta2 = 0.999,
+		.eps = 1e-8, .step = 1, .grad_scale = 1.0, .clip_coef = 1.0 };
+	struct zk_qtensor q = { .format = f, .master = x, .m = c, .v = c, .m_scale = x,
+		.v_scale = x, .grad = x, .grad_dtype = ZK_DTYPE_F32, .n = 0 };
+
+	if (f == ZK_STATE_FP32)
+		return true;
+	/* An empty range still checks the optimizer: a kernel added later shows up here. */
+	return zk_qstep(ZK_ISA_SCALAR, &hp, &q, 0, 0) != -ENOTSUP;
+}
