@@ -86,6 +86,15 @@ int zci_seterr(struct zc_conn *c, int code, const char *fmt, ...)
     __attribute__((format(printf, 3, 4)));
 /* Sends m with a new request id (and sendfd unless -1), applying the events that arrived first. */
 int zci_send_msg(struct zc_conn *c, struct zp_msg *m, uint64_t deadline, int sendfd);
+/*
+ * Requests in flight together (a restore's): zci_send_async sends m with a new request id
+ * without applying what arrived first (zci_send_msg would drop a reply nobody waits
+ * for); zci_recv_reply applies events until the next reply, left in c->msg (an ERROR
+ * too: the caller matches request ids), until the deadline: then the connection is
+ * marked broken by `awaited`, since the daemon may still carry out what was asked.
+ */
+int zci_send_async(struct zc_conn *c, struct zp_msg *m, uint64_t deadline, int sendfd);
+int zci_recv_reply(struct zc_conn *c, uint16_t awaited, uint64_t deadline);
 /* Applies whatever events have already arrived, without blocking. */
 int zci_drain(struct zc_conn *c);
 /* Request and reply; the reply is in c->msg, its descriptors in fds. */
