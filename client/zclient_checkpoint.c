@@ -9,6 +9,7 @@
 #include <unistd.h>
 
 #include "ckpt_index.h"
+#include "ckpt_tmpfile.h"
 #include "zclient.h"
 #include "zclient_impl.h"
 
@@ -246,9 +247,11 @@ zc_checkpoint_save(struct zc_conn *c, const char *dir, const struct zc_checkpoin
 	reserved = (8 + strlen(head) + 7) / 8 * 8 - 8;
 	free(head);
 	head = NULL;
-	fd = open(tmp, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+	/* A save killed before left its temporary: gone now unless its writer lives. */
+	(void)zck_tmp_remove_stale(dir);
+	fd = zck_tmp_create(tmp);
 	if (fd < 0) {
-		r = zci_seterr(c, -errno, "checkpoint: cannot create %s: %s", tmp, strerror(errno));
+		r = zci_seterr(c, fd, "checkpoint: cannot create %s: %s", tmp, strerror(-fd));
 		goto out;
 	}
 	for (size_t i = 0; i < n && r == 0; i++)
@@ -273,25 +276,30 @@ zc_checkpoint_save(struct zc_conn *c, const char *dir, const struct zc_checkpoin
 		r = zci_seterr(c, r, "checkpoint %s: %s", tmp, strerror(-r));
 		goto out;
 	}
-	r = close(fd) < 0 ? -errno : 0;
-	fd = -1;
-	/* Whole on disk before its name says so; the name on disk before we say it is saved. */
-	if (r == 0 && rename(tmp, path) < 0)
-		r = -errno;
+	/*
+	 * Whole on disk before its name says so; the name on disk before we say it is saved.
+	 * Renamed while still locked: unlocked, a cleaner would take it for a dead writer's.
+	 */
+	r = rename(tmp, path) < 0 ? -errno : 0;
+	if (r == 0) {
+		free(tmp);
+		tmp = NULL;
+		r = close(fd) < 0 ? -errno : 0;
+		fd = -1;
+	}
 	if (r < 0) {
 		r = zci_seterr(c, r, "checkpoint %s: %s", path, strerror(-r));
 		goto out;
 	}
-	free(tmp);
-	tmp = NULL;
 	dfd = open(dir, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
 	if (dfd < 0 || fsync(dfd) < 0)
 		r = zci_seterr(c, -errno, "checkpoint: fsync of %s: %s", dir, strerror(errno));
 out:
+	/* Removed while locked, so that it is still ours. */
+	if (fd >= 0 && tmp != NULL)
+		unlink(tmp);
 	if (fd >= 0)
 		close(fd);
-	if (tmp != NULL)
-		unlink(tmp);
 	if (dfd >= 0)
 		close(dfd);
 	free(hbuf);
@@ -320,6 +328,7 @@ zc_checkpoint_open(struct zc_conn *c, const char *dir, struct zc_checkpoint **re
 	ck = calloc(1, sizeof(*ck));
 	if (ck == NULL)
 		return zci_seterr(c, -ENOMEM, "out of memory");
+	(void)zck_tmp_remove_stale(dir);
 	r = zck_open(dir, &ck->ix, err, sizeof(err));
 	if (r < 0) {
 		free(ck);

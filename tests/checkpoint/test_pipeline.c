@@ -1,7 +1,8 @@
 /*
  * Restores of many tensors at once (zc_tensors_register_checkpoint: several in flight) give
  * back exactly what was saved, or, when one tensor fails, an error naming its file and
- * tensor with none of them left registered.
+ * tensor with none of them left registered; temporaries of dead saves are removed by the
+ * next save, restore or inspect, never one a live writer holds.
  */
 #include <criterion/criterion.h>
 #include <errno.h>
@@ -9,6 +10,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/file.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -206,4 +208,80 @@ Test(pipeline, one_damaged_tensor_refuses_the_batch)
 	zc_checkpoint_close(ck);
 	cr_assert_eq(zc_job_close(c), 0);
 	zc_disconnect(c);
+}
+
+/* A temporary as a save makes it, in ckdir; its descriptor (locked: a live writer) or -1. */
+static int
+make_tmp(const char *name, bool live)
+{
+	char path[160];
+	int fd;
+
+	snprintf(path, sizeof(path), "%s/%s", ckdir, name);
+	fd = open(path, O_WRONLY | O_CREAT | O_TRUNC, 0644);
+	cr_assert_geq(fd, 0, "%s: %s", path, strerror(errno));
+	cr_assert_eq(write(fd, "partial", 7), 7);
+	if (!live) {
+		close(fd);
+		return -1;
+	}
+	cr_assert_eq(flock(fd, LOCK_EX), 0);
+	return fd;
+}
+
+static bool
+exists(const char *name)
+{
+	char path[160];
+	struct stat st;
+
+	snprintf(path, sizeof(path), "%s/%s", ckdir, name);
+	return lstat(path, &st) == 0;
+}
+
+#define DEAD ".rank-00000-of-00001.safetensors.999999.tmp"
+#define LIVE ".rank-00001-of-00002.safetensors.999998.tmp"
+#define OTHER ".rank-00000-of-00001.safetensors.tmp"
+
+Test(pipeline, stale_temporaries_removed_live_ones_kept)
+{
+	struct zc_checkpoint *ck;
+	struct zc_conn *c;
+	float *s[NT][3];
+	char out[4096], cmd[256];
+	int live;
+	FILE *p;
+
+	start();
+	make_tmp(DEAD, false);
+	make_tmp(OTHER, false);
+	live = make_tmp(LIVE, true);
+	/* The next save into the directory: the dead writer's goes, the live one's stays. */
+	save_job(ZC_POLICY_AUTO, s);
+	free_states(s);
+	cr_assert(!exists(DEAD), "the dead save's temporary is still there");
+	cr_assert(exists(LIVE), "a live save's temporary was removed");
+	cr_assert(exists(OTHER), "a file not named as a save's temporary was removed");
+
+	/* A restore's open: the live one stays while locked, goes once its writer is gone. */
+	c = itd_connect(&d);
+	cr_assert_eq(zc_job_open(c, "restored", 0, 1), 0, "%s", zc_errmsg(c));
+	cr_assert_eq(zc_checkpoint_open(c, ckdir, &ck), 0, "%s", zc_errmsg(c));
+	zc_checkpoint_close(ck);
+	cr_assert(exists(LIVE), "a live save's temporary was removed by a restore");
+	close(live);
+	cr_assert_eq(zc_checkpoint_open(c, ckdir, &ck), 0, "%s", zc_errmsg(c));
+	zc_checkpoint_close(ck);
+	cr_assert(!exists(LIVE), "a dead save's temporary stayed after a restore");
+	cr_assert_eq(zc_job_close(c), 0);
+	zc_disconnect(c);
+
+	/* zoffctl checkpoint inspect too. */
+	make_tmp(DEAD, false);
+	snprintf(cmd, sizeof(cmd), "'%s' checkpoint inspect '%s' 2>&1", getenv("ZOFFCTL"), ckdir);
+	p = popen(cmd, "r");
+	cr_assert_not_null(p);
+	out[fread(out, 1, sizeof(out) - 1, p)] = '\0';
+	cr_assert_eq(pclose(p), 0, "%s", out);
+	cr_assert(!exists(DEAD), "a dead save's temporary stayed after inspect");
 }
