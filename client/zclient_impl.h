@@ -95,6 +95,17 @@ int zci_send_msg(struct zc_conn *c, struct zp_msg *m, uint64_t deadline, int sen
  */
 int zci_send_async(struct zc_conn *c, struct zp_msg *m, uint64_t deadline, int sendfd);
 int zci_recv_reply(struct zc_conn *c, uint16_t awaited, uint64_t deadline);
+/*
+ * zclient_chains.c: n chains of requests run `ahead` at a time, one request of each in
+ * flight (a save's or a restore's tensors).  advance(arg, i, reply) sends chain i's next
+ * request (reply NULL: its first; else the answer to its last, an ERROR too) and returns
+ * its request id, 0 when chain i is done, or -errno with the message set.  After the
+ * first error no chain starts or goes on, those in flight are waited for, and that error
+ * is returned (its message kept).  No other request may go out meanwhile.
+ */
+typedef int64_t zci_chain_fn(void *arg, size_t i, const struct zp_msg *reply);
+int zci_chains_run(struct zc_conn *c, size_t n, unsigned ahead, uint16_t type,
+    zci_chain_fn *advance, void *arg);
 /* Applies whatever events have already arrived, without blocking. */
 int zci_drain(struct zc_conn *c);
 /* Request and reply; the reply is in c->msg, its descriptors in fds. */

@@ -131,7 +131,7 @@ struct restore {
 	size_t i;			/* the piece under way */
 	uint64_t x, b;			/* its elements [x, b) still to come */
 	uint32_t crc[ZCK_STATES];
-	uint64_t req;			/* the request in flight, 0: none */
+	uint64_t req;			/* the request in flight */
 	uint64_t req_n;
 	bool started, done;
 };
@@ -230,14 +230,12 @@ restore_next(struct zc_conn *c, struct restore *r)
 	return 0;
 }
 
-/* The answer to r's request, in c->msg: on to its next, or the error named by file. */
+/* The answer to r's request: on to its next, or the error named by file. */
 static int
-restore_answer(struct zc_conn *c, struct restore *r)
+restore_answer(struct zc_conn *c, struct restore *r, const struct zp_msg *m)
 {
-	const struct zp_msg *m = c->msg;
 	char err[sizeof(c->err)];
 
-	r->req = 0;
 	if (m->hdr.type == ZP_ERROR) {
 		snprintf(err, sizeof(err), "%s", m->u.error.message);
 		return zci_seterr(c, m->u.error.code < 0 ? m->u.error.code : -EIO, "%s: %s",
@@ -251,54 +249,22 @@ restore_answer(struct zc_conn *c, struct restore *r)
 	return restore_next(c, r);
 }
 
-/*
- * Runs the n restores, RESTORE_AHEAD at a time.  After the first error no restore
- * starts and those in flight are waited for (their tensors are unregistered next, which
- * the daemon refuses while it writes into them); that error is kept.
- */
-static int
-restore_run(struct zc_conn *c, struct restore *rs, size_t n)
-{
-	size_t next = 0, active = 0;
-	char first[sizeof(c->err)];
-	int err = 0, rc;
+struct restore_set {
+	struct zc_conn *c;
+	struct restore *rs;
+};
 
-	for (;;) {
-		while (err == 0 && active < RESTORE_AHEAD && next < n) {
-			rc = restore_next(c, &rs[next++]);
-			if (rc < 0)
-				err = err < 0 ? err : rc;
-			else if (!rs[next - 1].done)
-				active++;
-			if (rc < 0)
-				snprintf(first, sizeof(first), "%s", c->err);
-		}
-		if (active == 0)
-			break;
-		rc = zci_recv_reply(c, ZP_CKPT_READ, zci_deadline_after(c->timeout_ms));
-		if (rc < 0)
-			return rc;	/* nothing more can be heard: the connection is gone */
-		for (size_t i = 0; i < next; i++) {
-			if (rs[i].req == 0 || rs[i].req != c->msg->hdr.request_id)
-				continue;
-			if (err < 0) {
-				rs[i].req = 0;	/* it ends here; its tensor goes anyway */
-				active--;
-				break;
-			}
-			rc = restore_answer(c, &rs[i]);
-			if (rc < 0) {
-				err = rc;
-				snprintf(first, sizeof(first), "%s", c->err);
-			}
-			if (rs[i].req == 0)
-				active--;
-			break;
-		}
-	}
-	if (err < 0)
-		zci_seterr(c, err, "%s", first);
-	return err;
+/* zci_chain_fn of a restore: tensor i's next request. */
+static int64_t
+restore_advance(void *arg, size_t i, const struct zp_msg *reply)
+{
+	struct restore_set *set = arg;
+	struct restore *r = &set->rs[i];
+	int rc = reply == NULL ? restore_next(set->c, r) : restore_answer(set->c, r, reply);
+
+	if (rc < 0)
+		return rc;
+	return r->done ? 0 : (int64_t)r->req;
 }
 
 int
@@ -342,8 +308,11 @@ zc_tensors_register_checkpoint(struct zc_conn *c, size_t n, const struct zc_tens
 	/* No initial values: the pieces write every element (find_pieces checked). */
 	for (i = 0; i < n && r == 0; i++)
 		r = zci_tensor_register(c, &descs[i], NULL, &rs[i].t);
-	if (r == 0)
-		r = restore_run(c, rs, n);
+	if (r == 0) {
+		struct restore_set set = { c, rs };
+
+		r = zci_chains_run(c, n, RESTORE_AHEAD, ZP_CKPT_READ, restore_advance, &set);
+	}
 	for (i = 0; i < n && r == 0; i++)
 		if (rs[i].step > 0)
 			r = zc_tensor_set_step(rs[i].t, rs[i].step);
