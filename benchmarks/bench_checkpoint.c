@@ -151,7 +151,7 @@ usage(FILE *f)
 	    "    [--pinned MiB] [--reps N]\n"
 	    "Saves and restores a job's state (default 512 MiB, pinned budget 64 MiB: the rest on\n"
 	    "NVMe swap in DIR) into DIR ($TMPDIR or /tmp) and runs fio there on as many bytes,\n"
-	    "the checkpoint file's and the swap's at once; best of N (3) each.  Needs about 4x\n"
+	    "the checkpoint file's and the swap's at once; best of N (5) each.  Needs about 4x\n"
 	    "the state free there.  Exits 77 without fio.\n");
 }
 
@@ -250,7 +250,7 @@ main(int argc, char **argv)
 {
 	const char *tmp = getenv("TMPDIR");
 	struct opts o = { .dir = tmp != NULL ? tmp : "/tmp", .daemon = getenv("ZOFFLOADD"),
-		.pinned_budget = 64u << 20, .state_bytes = 512u << 20, .tensors = 8, .reps = 3 };
+		.pinned_budget = 64u << 20, .state_bytes = 512u << 20, .tensors = 8, .reps = 5 };
 	struct zc_tensor **ts;
 	struct zc_checkpoint_entry *es;
 	struct zc_step_params sp = { .optim = ZC_ADAMW, .step = 1, .lr = 1e-3, .beta1 = 0.9,
