@@ -24,26 +24,29 @@ still_named(int fd, const char *path)
 int
 zck_tmp_create(const char *path)
 {
-	for (;;) {
+	for (unsigned tries = 0;; tries++) {
 		int fd = open(path, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC | O_NOFOLLOW, 0644);
 		int r;
 
 		if (fd < 0)
 			return -errno;
-		/*
-		 * Between the open and the lock a cleaner may find the file unlocked and remove
-		 * it (it holds the lock while it does, so this waits): then it is no longer
-		 * path, and a file of our own is made again.
-		 */
 		do
 			r = flock(fd, LOCK_EX);
 		while (r < 0 && errno == EINTR);
-		if (r < 0) {
-			r = -errno;
-			close(fd);
-			return r;
-		}
-		if (still_named(fd, path))
+		/*
+		 * A file system without flock: unlocked, but a cleaner cannot lock it either,
+		 * so it leaves the file alone.
+		 */
+		if (r < 0)
+			return fd;
+		/*
+		 * Between the open and the lock a cleaner may have found the file unlocked and
+		 * removed it (it holds the lock meanwhile, so flock waited): then path is no
+		 * longer this file, and a file of our own is made again.  Inode numbers that
+		 * never match (an odd file system) end it after a few tries: at worst the
+		 * rename fails, with an error.
+		 */
+		if (still_named(fd, path) || tries == 8)
 			return fd;
 		close(fd);
 	}

@@ -11,7 +11,8 @@
 
 /*
  * Creates (or truncates) path for writing and locks it: its descriptor, or -errno.  A
- * cleaner that took the name away before the lock was ours makes it try again.
+ * cleaner that took the name away before the lock was ours makes it try again.  Where
+ * the file system has no flock the file stays unlocked (and no cleaner can lock it).
  */
 int zck_tmp_create(const char *path);
 
