@@ -86,8 +86,9 @@ struct zd_ckpt_write {
 /*
  * Whole-piece buffers (48 MiB) kept for the next transfers: a fresh one costs a page
  * fault and a page of zeros per 4 KiB, which was a quarter of a restore's time.  Two
- * transfers' worth are kept (a client restores two tensors at once); the process has one
- * daemon, and they live as long.
+ * transfers' worth are kept (a client saves or restores three tensors at once: the
+ * third's are fresh, to bound what an idle daemon keeps); the process has one daemon, and
+ * they live as long.
  */
 #define SPARE_BUFS 4
 static float *spare[SPARE_BUFS];
