@@ -224,8 +224,9 @@ reads_only(uint16_t type)
 	return type == ZP_PING || type == ZP_STATS || type == ZP_JOBS;
 }
 
-int
-zci_send_once(struct zc_conn *c, struct zp_msg *m, uint64_t deadline, int sendfd)
+/* Sends m with a new request id; drain: apply (and drop) what arrived first. */
+static int
+send_once(struct zc_conn *c, struct zp_msg *m, uint64_t deadline, int sendfd, bool drain)
 {
 	int r;
 
@@ -234,7 +235,7 @@ zci_send_once(struct zc_conn *c, struct zp_msg *m, uint64_t deadline, int sendfd
 		    "time and zoffloadd may still carry it out; disconnect and connect again",
 		    zp_type_name(c->broken_by));
 	m->hdr.request_id = ++c->next_id;
-	r = zci_drain(c);
+	r = drain ? zci_drain(c) : 0;
 	if (r < 0)
 		return r;
 	/* A datagram goes whole or not at all: a send that times out leaves nothing half-sent. */
@@ -281,6 +282,46 @@ zci_send_msg(struct zc_conn *c, struct zp_msg *m, uint64_t deadline, int sendfd)
 		if (r >= 0 || !c->lost)
 			return r;
 	}
+}
+
+int
+zci_send_once(struct zc_conn *c, struct zp_msg *m, uint64_t deadline, int sendfd)
+{
+	return send_once(c, m, deadline, sendfd, true);
+}
+
+/*
+ * Requests of several chains in flight (zclient_chains.c, which reconnects before
+ * the first) go once: the others' answers went with the old connection, so a loss
+ * fails the whole batch, which then takes back what it registered.
+ */
+int
+zci_send_async(struct zc_conn *c, struct zp_msg *m, uint64_t deadline, int sendfd)
+{
+	if (c->lost)
+		return zci_seterr(c, -ECONNRESET, "the connection to zoffloadd went during the "
+		    "transfer; it is being made again");
+	return send_once(c, m, deadline, sendfd, false);
+}
+
+int
+zci_recv_reply(struct zc_conn *c, uint16_t awaited, uint64_t deadline)
+{
+	int fds[ZP_MAX_FDS];
+	unsigned nfds;
+	int r;
+
+	do {
+		r = recv_one(c, fds, &nfds, deadline);
+		for (unsigned i = 0; r > 0 && i < nfds; i++)
+			close(fds[i]);
+	} while (r == 0);
+	if (r == -ETIMEDOUT) {
+		c->broken_by = awaited;
+		return zci_seterr(c, r, "zoffloadd did not answer %s within %d ms; the connection "
+		    "is no longer usable", zp_type_name(awaited), c->timeout_ms);
+	}
+	return r < 0 ? r : 0;
 }
 
 /*

@@ -436,6 +436,15 @@ ZC_API int zc_tensor_register_checkpoint(struct zc_conn *conn, const struct zc_t
  * bits, or widened to fp32 as they are).
  */
 ZC_API void zc_checkpoint_allow_convert(struct zc_checkpoint *ckpt, bool allow);
+/*
+ * zc_tensor_register_checkpoint for n tensors (descs[i] at places[i]; places NULL: none
+ * is a shard) into ret[i], faster: their restores overlap, so that zoffloadd reads one
+ * tensor's file while it stores another's.  All or nothing: on an error (zc_errmsg names
+ * the file and the tensor) none of the n is left registered.
+ */
+ZC_API int zc_tensors_register_checkpoint(struct zc_conn *conn, size_t n,
+    const struct zc_tensor_desc *descs, struct zc_checkpoint *ckpt,
+    const struct zc_checkpoint_place *places, enum zc_optim optim, struct zc_tensor **ret);
 
 /* Conversions for clients that fill bf16/fp16 grad slots on the CPU. */
 ZC_API uint16_t zc_f32_to_bf16(float f);

@@ -9,6 +9,7 @@
 #include <unistd.h>
 
 #include "ckpt_index.h"
+#include "ckpt_tmpfile.h"
 #include "zclient.h"
 #include "zclient_impl.h"
 
@@ -50,9 +51,11 @@ struct save_tensor {
 	uint64_t global_numel;
 	uint64_t numel;
 	uint64_t begin[ZCK_STATES];	/* from the start of the data */
-	uint32_t crc[ZCK_STATES];
+	uint32_t crc[ZCK_STATES];	/* of the elements done */
 	uint64_t step;			/* the daemon's answer */
 	const char *state_format;	/* the job's: every tensor of a job has its format */
+	uint64_t done;			/* elements written */
+	uint64_t req_n;			/* in the request in flight */
 };
 
 static void
@@ -134,43 +137,67 @@ pwrite_all(int fd, const void *buf, size_t len, uint64_t off)
 	return 0;
 }
 
-/* One tensor's three arrays into the file, by the daemon, a piece of each at a time. */
-static int
-save_tensor(struct zc_conn *c, struct zc_tensor *t, struct save_tensor *st, int fd,
-    uint64_t data_start, const char *path)
+/*
+ * Tensors saved at once: one CKPT_WRITE of each in flight, so that the daemon writes one
+ * tensor into the file (its I/O threads) while it reads another from the tiers.
+ */
+#define SAVE_AHEAD 3
+
+/* A save's tensors, each a chain of CKPT_WRITEs: their three arrays, a piece of each at a time. */
+struct save_set {
+	struct zc_conn *c;
+	const struct zc_checkpoint_entry *es;
+	struct save_tensor *ts;
+	int fd;
+	uint64_t data_start;
+	const char *path;
+};
+
+/* zci_chain_fn of a save: tensor i's next piece, after the answer about its last. */
+static int64_t
+save_advance(void *arg, size_t i, const struct zp_msg *reply)
 {
-	uint32_t crc[ZCK_STATES] = { 0 };
+	struct save_set *set = arg;
+	struct zc_conn *c = set->c;
+	struct save_tensor *st = &set->ts[i];
+	struct zp_msg m = { .hdr = { .type = ZP_CKPT_WRITE } };
+	uint64_t n;
+	int r;
 
-	for (uint64_t done = 0; done < st->numel;) {
-		uint64_t n = st->numel - done < SAVE_PIECE ? st->numel - done : SAVE_PIECE;
-		struct zp_msg m = { .hdr = { .type = ZP_CKPT_WRITE } };
-		const struct zp_msg *reply;
-		int r;
+	if (reply != NULL && reply->hdr.type == ZP_ERROR) {
+		char why[sizeof(reply->u.error.message) + 1];
 
-		m.u.ckpt_write = (struct zp_ckpt_write){
-			.handle = t->handle, .offset = done, .count = n,
-		};
-		for (unsigned k = 0; k < ZCK_STATES; k++) {
-			m.u.ckpt_write.file_offset[k] = data_start + st->begin[k] + 4 * done;
-			m.u.ckpt_write.crc[k] = crc[k];
-		}
-		r = zci_rpc_fd(c, &m, ZP_CKPT_DONE, fd, &reply);
-		if (r < 0) {
-			char why[sizeof(((struct zp_error *)0)->message) + 64];
-
-			snprintf(why, sizeof(why), "%s", zc_errmsg(c));
-			return zci_seterr(c, r, "checkpoint %s: %s", path, why);
-		}
-		if (done > 0 && reply->u.ckpt_done.last_step != st->step)
-			return zci_seterr(c, -EIO, "checkpoint %s: tensor '%s' moved from step %" PRIu64
-			    " to %" PRIu64 " while it was saved", path, st->name, st->step,
+		snprintf(why, sizeof(why), "%s", reply->u.error.message);
+		return zci_seterr(c, reply->u.error.code < 0 ? reply->u.error.code : -EIO,
+		    "checkpoint %s: %s", set->path, why);
+	}
+	if (reply != NULL && reply->hdr.type != ZP_CKPT_DONE)
+		return zci_seterr(c, -EBADMSG, "zoffloadd answered CKPT_WRITE with %s",
+		    zp_type_name(reply->hdr.type));
+	if (reply != NULL) {
+		if (st->done > 0 && reply->u.ckpt_done.last_step != st->step)
+			return zci_seterr(c, -EIO, "checkpoint %s: tensor '%s' moved from step %"
+			    PRIu64 " to %" PRIu64 " while it was saved", set->path, st->name, st->step,
 			    reply->u.ckpt_done.last_step);
 		st->step = reply->u.ckpt_done.last_step;
-		memcpy(crc, reply->u.ckpt_done.crc, sizeof(crc));
-		done += n;
+		memcpy(st->crc, reply->u.ckpt_done.crc, sizeof(st->crc));
+		st->done += st->req_n;
 	}
-	memcpy(st->crc, crc, sizeof(crc));
-	return 0;
+	if (st->done == st->numel)
+		return 0;
+	n = st->numel - st->done < SAVE_PIECE ? st->numel - st->done : SAVE_PIECE;
+	m.u.ckpt_write = (struct zp_ckpt_write){
+		.handle = set->es[i].tensor->handle, .offset = st->done, .count = n,
+	};
+	for (unsigned k = 0; k < ZCK_STATES; k++) {
+		m.u.ckpt_write.file_offset[k] = set->data_start + st->begin[k] + 4 * st->done;
+		m.u.ckpt_write.crc[k] = st->crc[k];
+	}
+	r = zci_send_async(c, &m, zci_deadline_after(c->timeout_ms), set->fd);
+	if (r < 0)
+		return r;
+	st->req_n = n;
+	return (int64_t)m.hdr.request_id;
 }
 
 static int
@@ -250,13 +277,18 @@ zc_checkpoint_save(struct zc_conn *c, const char *dir, const struct zc_checkpoin
 	reserved = (8 + strlen(head) + 7) / 8 * 8 - 8;
 	free(head);
 	head = NULL;
-	fd = open(tmp, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+	/* A save killed before left its temporary: gone now unless its writer lives. */
+	(void)zck_tmp_remove_stale(dir);
+	fd = zck_tmp_create(tmp);
 	if (fd < 0) {
-		r = zci_seterr(c, -errno, "checkpoint: cannot create %s: %s", tmp, strerror(errno));
+		r = zci_seterr(c, fd, "checkpoint: cannot create %s: %s", tmp, strerror(-fd));
 		goto out;
 	}
-	for (size_t i = 0; i < n && r == 0; i++)
-		r = save_tensor(c, es[i].tensor, &ts[i], fd, 8 + reserved, path);
+	{
+		struct save_set set = { c, es, ts, fd, 8 + reserved, path };
+
+		r = zci_chains_run(c, n, SAVE_AHEAD, ZP_CKPT_WRITE, save_advance, &set);
+	}
 	if (r < 0)
 		goto out;
 	head = header_json(ts, n, zck_optim_names[last->optim], hp, rank, world, true);
@@ -277,25 +309,30 @@ zc_checkpoint_save(struct zc_conn *c, const char *dir, const struct zc_checkpoin
 		r = zci_seterr(c, r, "checkpoint %s: %s", tmp, strerror(-r));
 		goto out;
 	}
-	r = close(fd) < 0 ? -errno : 0;
-	fd = -1;
-	/* Whole on disk before its name says so; the name on disk before we say it is saved. */
-	if (r == 0 && rename(tmp, path) < 0)
-		r = -errno;
+	/*
+	 * Whole on disk before its name says so; the name on disk before we say it is saved.
+	 * Renamed while still locked: unlocked, a cleaner would take it for a dead writer's.
+	 */
+	r = rename(tmp, path) < 0 ? -errno : 0;
+	if (r == 0) {
+		free(tmp);
+		tmp = NULL;
+		r = close(fd) < 0 ? -errno : 0;
+		fd = -1;
+	}
 	if (r < 0) {
 		r = zci_seterr(c, r, "checkpoint %s: %s", path, strerror(-r));
 		goto out;
 	}
-	free(tmp);
-	tmp = NULL;
 	dfd = open(dir, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
 	if (dfd < 0 || fsync(dfd) < 0)
 		r = zci_seterr(c, -errno, "checkpoint: fsync of %s: %s", dir, strerror(errno));
 out:
+	/* Removed while locked, so that it is still ours. */
+	if (fd >= 0 && tmp != NULL)
+		unlink(tmp);
 	if (fd >= 0)
 		close(fd);
-	if (tmp != NULL)
-		unlink(tmp);
 	if (dfd >= 0)
 		close(dfd);
 	free(hbuf);
@@ -319,6 +356,7 @@ zc_checkpoint_open(struct zc_conn *c, const char *dir, struct zc_checkpoint **re
 	ck = calloc(1, sizeof(*ck));
 	if (ck == NULL)
 		return zci_seterr(c, -ENOMEM, "out of memory");
+	(void)zck_tmp_remove_stale(dir);
 	r = zck_open(dir, &ck->ix, err, sizeof(err));
 	if (r < 0) {
 		free(ck);

@@ -124,6 +124,26 @@ int zci_seterr(struct zc_conn *c, int code, const char *fmt, ...)
     __attribute__((format(printf, 3, 4)));
 /* Sends m with a new request id (and sendfd unless -1), applying the events that arrived first. */
 int zci_send_msg(struct zc_conn *c, struct zp_msg *m, uint64_t deadline, int sendfd);
+/*
+ * Requests in flight together (a restore's): zci_send_async sends m with a new request id
+ * without applying what arrived first (zci_send_msg would drop a reply nobody waits
+ * for); zci_recv_reply applies events until the next reply, left in c->msg (an ERROR
+ * too: the caller matches request ids), until the deadline: then the connection is
+ * marked broken by `awaited`, since the daemon may still carry out what was asked.
+ */
+int zci_send_async(struct zc_conn *c, struct zp_msg *m, uint64_t deadline, int sendfd);
+int zci_recv_reply(struct zc_conn *c, uint16_t awaited, uint64_t deadline);
+/*
+ * zclient_chains.c: n chains of requests run `ahead` at a time, one request of each in
+ * flight (a save's or a restore's tensors).  advance(arg, i, reply) sends chain i's next
+ * request (reply NULL: its first; else the answer to its last, an ERROR too) and returns
+ * its request id, 0 when chain i is done, or -errno with the message set.  After the
+ * first error no chain starts or goes on, those in flight are waited for, and that error
+ * is returned (its message kept).  No other request may go out meanwhile.
+ */
+typedef int64_t zci_chain_fn(void *arg, size_t i, const struct zp_msg *reply);
+int zci_chains_run(struct zc_conn *c, size_t n, unsigned ahead, uint16_t type,
+    zci_chain_fn *advance, void *arg);
 /* Applies whatever events have already arrived, without blocking. */
 int zci_drain(struct zc_conn *c);
 /* Request and reply; the reply is in c->msg, its descriptors in fds. */

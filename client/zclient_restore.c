@@ -103,60 +103,57 @@ fail:
 #define RESTORE_PIECE (64u << 20)
 
 /*
- * One saved tensor's part in [lo, hi) of the parameter into t, read from the file by the
- * daemon (through the descriptor this process opened) straight into the tensor's tier.
- * The CRC of each whole array is checked: the parts outside the range are read here.
+ * Tensors restored at once: one CKPT_READ of each in flight, so that the daemon reads one
+ * tensor's file (its I/O threads, two) while it stores another's into the tiers; one
+ * after another, each tensor's first piece was read with nothing else to do.
  */
-static int
-restore_piece(struct zc_conn *c, struct zc_tensor *t, const struct piece *p, uint64_t lo,
-    uint64_t hi)
-{
-	const struct zck_entry *e = p->e;
-	uint64_t a = lo > e->global_offset ? lo - e->global_offset : 0;
-	uint64_t b = hi < e->global_offset + e->numel ? hi - e->global_offset : e->numel;
-	uint32_t crc[ZCK_STATES] = { 0 };
-	char err[512];
-	int r;
+#define RESTORE_AHEAD 3
 
+/*
+ * One tensor's restore: its saved pieces in turn, each read by the daemon (through the
+ * descriptor this process opened) straight into the tensor's tier, a CKPT_READ of up to
+ * RESTORE_PIECE elements at a time.  The CRC of each whole array is checked: the parts
+ * outside the range are read here.  At most one request of a tensor is in flight (the
+ * daemon refuses a transfer into a tensor that is in one).
+ */
+struct restore {
+	const char *name;		/* the parameter's */
+	struct zc_tensor *t;
+	struct piece *ps;
+	size_t n;
+	uint64_t lo, hi;		/* of the parameter, into t */
+	uint64_t step;
+	size_t i;			/* the piece under way */
+	uint64_t x, b;			/* its elements [x, b) still to come */
+	uint32_t crc[ZCK_STATES];
+	uint64_t req;			/* the request in flight */
+	uint64_t req_n;
+	bool started, done;
+};
+
+/* Piece r->i from its first element in the range, its arrays' CRCs up to there. */
+static int
+piece_start(struct zc_conn *c, struct restore *r)
+{
+	const struct piece *p = &r->ps[r->i];
+	const struct zck_entry *e = p->e;
+	char err[512];
+	int rc;
+
+	r->x = r->lo > e->global_offset ? r->lo - e->global_offset : 0;
+	r->b = r->hi < e->global_offset + e->numel ? r->hi - e->global_offset : e->numel;
 	if (e->bad != NULL)
 		return zci_seterr(c, -EBADMSG, "%s: tensor '%s': an array %s", p->f->path, e->name,
 		    e->bad);
 	for (unsigned k = 0; k < ZCK_STATES; k++) {
+		r->crc[k] = 0;
 		if (e->begin[k] + 4 * e->numel > p->f->size)
 			return zci_seterr(c, -EBADMSG, "%s: tensor '%s/%s': the file is truncated (%"
 			    PRIu64 " bytes, its header needs %" PRIu64 ")", p->f->path, e->name,
 			    zck_state_names[k], p->f->size, p->f->data_end);
-		r = zck_crc_range(p->f, e, k, 0, a, &crc[k], err, sizeof(err));
-		if (r < 0)
-			return zci_seterr(c, r, "%s", err);
-	}
-	for (uint64_t x = a; x < b;) {
-		uint64_t n = b - x < RESTORE_PIECE ? b - x : RESTORE_PIECE;
-		struct zp_msg m = { .hdr = { .type = ZP_CKPT_READ } };
-		const struct zp_msg *reply;
-
-		m.u.ckpt_write = (struct zp_ckpt_write){ .handle = t->handle,
-			.offset = e->global_offset + x - lo, .count = n };
-		for (unsigned k = 0; k < ZCK_STATES; k++) {
-			m.u.ckpt_write.file_offset[k] = e->begin[k] + 4 * x;
-			m.u.ckpt_write.crc[k] = crc[k];
-		}
-		r = zci_rpc_fd(c, &m, ZP_CKPT_DONE, p->f->fd, &reply);
-		if (r < 0) {
-			snprintf(err, sizeof(err), "%s", zc_errmsg(c));
-			return zci_seterr(c, r, "%s: %s", p->f->path, err);
-		}
-		memcpy(crc, reply->u.ckpt_done.crc, sizeof(crc));
-		x += n;
-	}
-	for (unsigned k = 0; k < ZCK_STATES; k++) {
-		r = zck_crc_range(p->f, e, k, b, e->numel, &crc[k], err, sizeof(err));
-		if (r < 0)
-			return zci_seterr(c, r, "%s", err);
-		if (crc[k] != e->crc[k])
-			return zci_seterr(c, -EBADMSG, "%s: tensor '%s/%s': CRC-32C %08x, the header "
-			    "says %08x: the file is damaged", p->f->path, e->name, zck_state_names[k],
-			    crc[k], e->crc[k]);
+		rc = zck_crc_range(p->f, e, k, 0, r->x, &r->crc[k], err, sizeof(err));
+		if (rc < 0)
+			return zci_seterr(c, rc, "%s", err);
 	}
 	return 0;
 }
@@ -185,55 +182,185 @@ zc_checkpoint_allow_convert(struct zc_checkpoint *ck, bool allow)
 	ck->convert = allow;
 }
 
+/* The end of piece r->i: the rest of its arrays checked, their CRCs against the header's. */
+static int
+piece_finish(struct zc_conn *c, struct restore *r)
+{
+	const struct piece *p = &r->ps[r->i];
+	const struct zck_entry *e = p->e;
+	char err[512];
+	int rc;
+
+	for (unsigned k = 0; k < ZCK_STATES; k++) {
+		rc = zck_crc_range(p->f, e, k, r->b, e->numel, &r->crc[k], err, sizeof(err));
+		if (rc < 0)
+			return zci_seterr(c, rc, "%s", err);
+		if (r->crc[k] != e->crc[k])
+			return zci_seterr(c, -EBADMSG, "%s: tensor '%s/%s': CRC-32C %08x, the header "
+			    "says %08x: the file is damaged", p->f->path, e->name, zck_state_names[k],
+			    r->crc[k], e->crc[k]);
+	}
+	return 0;
+}
+
+/*
+ * Sends r's next request: the next part of its piece, or the next piece's first (its
+ * checks first); r->done when none is left.
+ */
+static int
+restore_next(struct zc_conn *c, struct restore *r)
+{
+	const struct piece *p;
+	struct zp_msg m = { .hdr = { .type = ZP_CKPT_READ } };
+	uint64_t n;
+	int rc;
+
+	if (!r->started) {
+		r->started = true;
+		rc = piece_start(c, r);
+		if (rc < 0)
+			return rc;
+	}
+	while (r->x >= r->b) {
+		rc = piece_finish(c, r);
+		if (rc < 0)
+			return rc;
+		if (++r->i == r->n) {
+			r->done = true;
+			return 0;
+		}
+		rc = piece_start(c, r);
+		if (rc < 0)
+			return rc;
+	}
+	p = &r->ps[r->i];
+	n = r->b - r->x < RESTORE_PIECE ? r->b - r->x : RESTORE_PIECE;
+	m.u.ckpt_write = (struct zp_ckpt_write){ .handle = r->t->handle,
+		.offset = p->e->global_offset + r->x - r->lo, .count = n };
+	for (unsigned k = 0; k < ZCK_STATES; k++) {
+		m.u.ckpt_write.file_offset[k] = p->e->begin[k] + 4 * r->x;
+		m.u.ckpt_write.crc[k] = r->crc[k];
+	}
+	rc = zci_send_async(c, &m, zci_deadline_after(c->timeout_ms), p->f->fd);
+	if (rc < 0)
+		return rc;
+	r->req = m.hdr.request_id;
+	r->req_n = n;
+	return 0;
+}
+
+/* The answer to r's request: on to its next, or the error named by file. */
+static int
+restore_answer(struct zc_conn *c, struct restore *r, const struct zp_msg *m)
+{
+	char err[sizeof(c->err)];
+
+	if (m->hdr.type == ZP_ERROR) {
+		snprintf(err, sizeof(err), "%s", m->u.error.message);
+		return zci_seterr(c, m->u.error.code < 0 ? m->u.error.code : -EIO, "%s: %s",
+		    r->ps[r->i].f->path, err);
+	}
+	if (m->hdr.type != ZP_CKPT_DONE)
+		return zci_seterr(c, -EBADMSG, "zoffloadd answered CKPT_READ with %s",
+		    zp_type_name(m->hdr.type));
+	memcpy(r->crc, m->u.ckpt_done.crc, sizeof(r->crc));
+	r->x += r->req_n;
+	return restore_next(c, r);
+}
+
+struct restore_set {
+	struct zc_conn *c;
+	struct restore *rs;
+};
+
+/* zci_chain_fn of a restore: tensor i's next request. */
+static int64_t
+restore_advance(void *arg, size_t i, const struct zp_msg *reply)
+{
+	struct restore_set *set = arg;
+	struct restore *r = &set->rs[i];
+	int rc = reply == NULL ? restore_next(set->c, r) : restore_answer(set->c, r, reply);
+
+	if (rc < 0)
+		return rc;
+	return r->done ? 0 : (int64_t)r->req;
+}
+
+int
+zc_tensors_register_checkpoint(struct zc_conn *c, size_t n, const struct zc_tensor_desc *descs,
+    struct zc_checkpoint *ck, const struct zc_checkpoint_place *places, enum zc_optim optim,
+    struct zc_tensor **ret)
+{
+	struct restore *rs;
+	char saved[sizeof(c->err)];
+	size_t i;
+	int r = 0;
+
+	if (ck == NULL || ck->conn != c || (unsigned)optim > ZC_LION || descs == NULL ||
+	    ret == NULL)
+		return zci_seterr(c, -EINVAL, "restore: a checkpoint opened on this connection, a "
+		    "known optimizer, tensors and room for them are needed");
+	rs = calloc(n > 0 ? n : 1, sizeof(*rs));
+	if (rs == NULL)
+		return zci_seterr(c, -ENOMEM, "out of memory");
+	/* Every tensor's pieces found and checked before any is registered. */
+	for (i = 0; i < n && r == 0; i++) {
+		const struct zc_tensor_desc *desc = &descs[i];
+		const struct zc_checkpoint_place *place = places != NULL ? &places[i] : NULL;
+		uint64_t gnumel = place != NULL && place->global_numel != 0 ? place->global_numel :
+		    desc->numel;
+
+		rs[i].name = place != NULL && place->global_name != NULL ? place->global_name :
+		    desc->name;
+		rs[i].lo = place != NULL ? place->global_offset : 0;
+		rs[i].hi = rs[i].lo + desc->numel;
+		if (desc->numel == 0)
+			r = zci_seterr(c, -EINVAL, "tensor '%s': numel > 0 is needed", desc->name);
+		else if (rs[i].lo > gnumel || desc->numel > gnumel - rs[i].lo)
+			r = zci_seterr(c, -EINVAL, "tensor '%s' of %" PRIu64 " elements does not fit "
+			    "at %" PRIu64 " in '%s' of %" PRIu64, desc->name, desc->numel, rs[i].lo,
+			    rs[i].name, gnumel);
+		else
+			r = find_pieces(ck, rs[i].name, rs[i].lo, rs[i].hi, gnumel,
+			    zck_optim_names[optim], &rs[i].ps, &rs[i].n, &rs[i].step);
+		if (r == 0)
+			r = check_formats(c, ck, rs[i].ps, rs[i].n);
+	}
+	/* No initial values: the pieces write every element (find_pieces checked). */
+	for (i = 0; i < n && r == 0; i++)
+		r = zci_tensor_register(c, &descs[i], NULL, &rs[i].t);
+	if (r == 0) {
+		struct restore_set set = { c, rs };
+
+		r = zci_chains_run(c, n, RESTORE_AHEAD, ZP_CKPT_READ, restore_advance, &set);
+	}
+	for (i = 0; i < n && r == 0; i++)
+		if (rs[i].step > 0)
+			r = zc_tensor_set_step(rs[i].t, rs[i].step);
+	if (r < 0) {
+		/* Keep the first error, not the clean-up's. */
+		snprintf(saved, sizeof(saved), "%s", zc_errmsg(c));
+		for (i = 0; i < n; i++)
+			if (rs[i].t != NULL)
+				(void)zc_tensor_unregister(rs[i].t);
+		zci_seterr(c, r, "%s", saved);
+	}
+	for (i = 0; i < n; i++) {
+		if (r == 0) {
+			/* Every element is in: from now on a reattach must find the state kept. */
+			rs[i].t->fresh = false;
+			ret[i] = rs[i].t;
+		}
+		free(rs[i].ps);
+	}
+	free(rs);
+	return r;
+}
+
 int
 zc_tensor_register_checkpoint(struct zc_conn *c, const struct zc_tensor_desc *desc,
     struct zc_checkpoint *ck, const struct zc_checkpoint_place *place, enum zc_optim optim,
     struct zc_tensor **ret)
 {
-	const char *name = place != NULL && place->global_name != NULL ? place->global_name :
-	    desc->name;
-	uint64_t lo = place != NULL ? place->global_offset : 0;
-	uint64_t gnumel = place != NULL && place->global_numel != 0 ? place->global_numel :
-	    desc->numel;
-	struct piece *ps = NULL;
-	struct zc_tensor *t = NULL;
-	uint64_t step = 0;
-	size_t n = 0;
-	char saved[512];
-	int r;
-
-	if (ck == NULL || ck->conn != c || (unsigned)optim > ZC_LION || desc->numel == 0)
-		return zci_seterr(c, -EINVAL, "tensor '%s': a checkpoint opened on this connection, "
-		    "a known optimizer and numel > 0 are needed", desc->name);
-	if (lo > gnumel || desc->numel > gnumel - lo)
-		return zci_seterr(c, -EINVAL, "tensor '%s' of %" PRIu64 " elements does not fit at %"
-		    PRIu64 " in '%s' of %" PRIu64, desc->name, desc->numel, lo, name, gnumel);
-	r = find_pieces(ck, name, lo, lo + desc->numel, gnumel, zck_optim_names[optim], &ps, &n,
-	    &step);
-	if (r < 0)
-		return r;
-	r = check_formats(c, ck, ps, n);
-	if (r < 0)
-		goto out;
-	/* No initial values: the pieces below write every element (find_pieces checked). */
-	r = zci_tensor_register(c, desc, NULL, &t);
-	if (r < 0)
-		goto out;
-	for (size_t i = 0; i < n && r == 0; i++)
-		r = restore_piece(c, t, &ps[i], lo, lo + desc->numel);
-	if (r == 0 && step > 0)
-		r = zc_tensor_set_step(t, step);
-	if (r < 0) {
-		/* Keep the first error, not the clean-up's. */
-		snprintf(saved, sizeof(saved), "%s", zc_errmsg(c));
-		(void)zc_tensor_unregister(t);
-		zci_seterr(c, r, "%s", saved);
-		goto out;
-	}
-	/* Every element is in: from now on a reattach must find the state kept. */
-	t->fresh = false;
-	*ret = t;
-out:
-	free(ps);
-	return r;
+	return zc_tensors_register_checkpoint(c, 1, desc, ck, place, optim, ret);
 }

@@ -5,6 +5,7 @@
 #include <string.h>
 
 #include "ckpt_index.h"
+#include "ckpt_tmpfile.h"
 #include "zoffctl_checkpoint.h"
 
 static const char *
@@ -103,6 +104,7 @@ inspect(const char *dir)
 	unsigned arrays = 0, damaged = 0;
 	int r, bad;
 
+	(void)zck_tmp_remove_stale(dir);	/* a dead save's leftovers */
 	r = zck_open(dir, &ix, err, sizeof(err));
 	if (r < 0) {
 		fprintf(stderr, "zoffctl: %s\n", err);

@@ -84,16 +84,19 @@ struct zd_ckpt_write {
 };
 
 /*
- * Whole-piece buffers (48 MiB) kept for the next transfer: a fresh one costs a page
+ * Whole-piece buffers (48 MiB) kept for the next transfers: a fresh one costs a page
  * fault and a page of zeros per 4 KiB, which was a quarter of a restore's time.  Two
- * are kept, one transfer's worth; the process has one daemon, and they live as long.
+ * transfers' worth are kept (a client saves or restores three tensors at once: the
+ * third's are fresh, to bound what an idle daemon keeps); the process has one daemon, and
+ * they live as long.
  */
-static float *spare[2];
+#define SPARE_BUFS 4
+static float *spare[SPARE_BUFS];
 
 static float *
 piece_buf(uint64_t elements)
 {
-	for (unsigned i = 0; elements == PIECE && i < 2; i++) {
+	for (unsigned i = 0; elements == PIECE && i < SPARE_BUFS; i++) {
 		if (spare[i] != NULL) {
 			float *b = spare[i];
 
@@ -107,7 +110,7 @@ piece_buf(uint64_t elements)
 static void
 piece_buf_free(float *b, uint64_t elements)
 {
-	for (unsigned i = 0; b != NULL && elements == PIECE && i < 2; i++) {
+	for (unsigned i = 0; b != NULL && elements == PIECE && i < SPARE_BUFS; i++) {
 		if (spare[i] == NULL) {
 			spare[i] = b;
 			return;
@@ -182,44 +185,55 @@ fail(struct zd_daemon *d, struct zd_session *s, struct zd_ckpt_write *w, int cod
 
 /* --- On an I/O thread: one piece of w's file, the fields its struct comment gives it. */
 
+/*
+ * Bytes CRC'd and then written at a time: the write's copy into the page cache finds
+ * them in the CPU's cache, where the CRC left them.  A whole array's CRC and then its
+ * write read it from memory twice, and the copy was the save's largest cost.
+ */
+#define WRITE_BLOCK (256u << 10)
+
 static void
 io_write_piece(struct zd_ckpt_write *w)
 {
 	for (unsigned i = 0; i < ZP_STATE_COUNT; i++) {
+		const char *src = (const char *)w->io_src[i];
 		uint64_t at = w->file_offset[i] + w->io_off * sizeof(float);
-		int r = zp_pwrite_full(w->fd, w->io_src[i], w->io_n * sizeof(float), at);
+		uint64_t len = w->io_n * sizeof(float);
 
-		if (r < 0) {
-			snprintf(w->io_err, sizeof(w->io_err), "tensor '%s': writing the checkpoint "
-			    "file failed at byte %llu: %s", w->name, (unsigned long long)at,
-			    strerror(-r));
-			w->io_result = r;
-			return;
+		for (uint64_t done = 0; done < len;) {
+			size_t n = len - done < WRITE_BLOCK ? (size_t)(len - done) : WRITE_BLOCK;
+			int r;
+
+			w->crc[i] = zp_crc32c(w->crc[i], src + done, n);
+			r = zp_pwrite_full(w->fd, src + done, n, at + done);
+			if (r < 0) {
+				snprintf(w->io_err, sizeof(w->io_err), "tensor '%s': writing the "
+				    "checkpoint file failed at byte %llu: %s", w->name,
+				    (unsigned long long)(at + done), strerror(-r));
+				w->io_result = r;
+				return;
+			}
+			done += n;
 		}
-		w->crc[i] = zp_crc32c(w->crc[i], w->io_src[i], w->io_n * sizeof(float));
+		/*
+		 * The disk writes it now, while the next pieces are read from the tiers: the
+		 * client's fsync at the end then has little left to wait for.
+		 */
+		(void)sync_file_range(w->fd, (off64_t)at, (off64_t)len, SYNC_FILE_RANGE_WRITE);
 	}
 }
 
 /*
- * Three arrays read in turn are three interleaved streams, which the kernel's readahead
- * does not follow: ask for the piece from element `from` of each, so that the disk reads
- * it while the one before goes into the tiers.
+ * A piece's three arrays are read in turn, 16 MiB each at three places: the kernel's
+ * readahead for the file (SEQUENTIAL doubles its window) queues each read whole.
+ * Asking for the next piece ahead (WILLNEED) instead read a third slower, measured on a
+ * virtual disk, and delayed the piece being read.
  */
-static void
-prefetch(const struct zd_ckpt_write *w, uint64_t from)
-{
-	uint64_t n = w->count - from < PIECE ? w->count - from : PIECE;
-
-	for (unsigned i = 0; i < ZP_STATE_COUNT && n > 0; i++)
-		(void)posix_fadvise(w->fd, (off_t)(w->file_offset[i] + from * sizeof(float)),
-		    (off_t)(n * sizeof(float)), POSIX_FADV_WILLNEED);
-}
-
 static void
 io_read_piece(struct zd_ckpt_write *w)
 {
 	if (w->io_off == 0)
-		prefetch(w, 0);
+		(void)posix_fadvise(w->fd, 0, 0, POSIX_FADV_SEQUENTIAL);
 	for (unsigned i = 0; i < ZP_STATE_COUNT; i++) {
 		uint64_t at = w->file_offset[i] + w->io_off * sizeof(float);
 		float *a = w->io_buf + i * w->io_n;
@@ -234,7 +248,6 @@ io_read_piece(struct zd_ckpt_write *w)
 		}
 		w->crc[i] = zp_crc32c(w->crc[i], a, w->io_n * sizeof(float));
 	}
-	prefetch(w, w->io_off + w->io_n);
 }
 
 static void

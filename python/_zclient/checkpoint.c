@@ -1,10 +1,12 @@
 /*
  * zoffload._zclient: the streaming checkpoint (zc_checkpoint_save, and zc_checkpoint_open +
- * zc_tensor_register_checkpoint for a restore), as two Connection methods.  A restore
+ * zc_tensors_register_checkpoint for a restore), as two Connection methods.  A restore
  * registers a whole list of tensors inside one call so that it is all or none: the
- * checkpoint handle never reaches Python, and a failure unregisters what was taken.
+ * checkpoint handle never reaches Python, and a failure leaves none registered.
  */
 #include <errno.h>
+#include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "zpy.h"
@@ -172,36 +174,42 @@ step_params_dict(const struct zc_step_params *sp)
 }
 
 /*
- * Opens dir, registers every item from it, closes it; all without the GIL in one go.  On
- * failure the tensors registered so far are unregistered and err holds the first error.
+ * Opens dir, registers every item from it in one zc_tensors_register_checkpoint (their
+ * restores overlap), closes it; all without the GIL in one go.  On failure none is left
+ * registered and err holds the error.
  */
 static int
 restore_all(struct zc_conn *c, const char *dir, struct restore_item *items, size_t n,
     enum zc_optim optim, bool convert, struct zc_tensor **ts, struct zc_step_params *sp,
     char *err)
 {
+	struct zc_tensor_desc *descs = calloc(n > 0 ? n : 1, sizeof(*descs));
+	struct zc_checkpoint_place *places = calloc(n > 0 ? n : 1, sizeof(*places));
 	struct zc_checkpoint *ck = NULL;
-	size_t done = 0;
 	int r;
 
+	if (descs == NULL || places == NULL) {
+		free(descs);
+		free(places);
+		snprintf(err, ZPY_ERRLEN, "out of memory");
+		return -ENOMEM;
+	}
+	for (size_t i = 0; i < n; i++) {
+		descs[i] = items[i].desc;
+		places[i] = items[i].place;
+	}
 	r = zc_checkpoint_open(c, dir, &ck);
+	if (r >= 0) {
+		zc_checkpoint_allow_convert(ck, convert);
+		r = zc_checkpoint_step_params(ck, sp);
+	}
+	if (r >= 0)
+		r = zc_tensors_register_checkpoint(c, n, descs, ck, places, optim, ts);
 	if (r < 0)
-		goto fail;
-	zc_checkpoint_allow_convert(ck, convert);
-	r = zc_checkpoint_step_params(ck, sp);
-	for (; r >= 0 && done < n; done++)
-		r = zc_tensor_register_checkpoint(c, &items[done].desc, ck, &items[done].place,
-		    optim, &ts[done]);
-	if (r < 0)
-		goto fail;
+		snprintf(err, ZPY_ERRLEN, "%s", zc_errmsg(c));
 	zc_checkpoint_close(ck);
-	return 0;
-fail:
-	snprintf(err, ZPY_ERRLEN, "%s", zc_errmsg(c));
-	/* done counts the one that failed too: it left nothing registered. */
-	for (size_t i = 0; i + 1 < done; i++)
-		(void)zc_tensor_unregister(ts[i]);
-	zc_checkpoint_close(ck);
+	free(places);
+	free(descs);
 	return r;
 }
 

@@ -125,21 +125,28 @@ ck_job_restore(struct ck_job *j, const struct itd *d, const char *name, unsigned
 		struct zc_checkpoint *ck;
 
 		open_rank(j, d, name, r, policy);
-		cr_assert_eq(zc_checkpoint_open(j->r[r].c, dir, &ck), 0, "%s", zc_errmsg(j->r[r].c));
-		for (unsigned p = 0; p < CK_PARAMS; p++) {
-			struct zc_tensor_desc desc;
-			struct zc_checkpoint_place place;
-			char tname[64];
+		struct zc_tensor_desc descs[CK_PARAMS];
+		struct zc_checkpoint_place places[CK_PARAMS];
+		struct zc_tensor *ts[CK_PARAMS];
+		char tnames[CK_PARAMS][64];
+		unsigned ps[CK_PARAMS], n = 0;
 
+		cr_assert_eq(zc_checkpoint_open(j->r[r].c, dir, &ck), 0, "%s", zc_errmsg(j->r[r].c));
+		/* The rank's shards in one call: their restores overlap. */
+		for (unsigned p = 0; p < CK_PARAMS; p++) {
 			shard(j, r, p);
 			if (j->r[r].numel[p] == 0)
 				continue;
-			desc_of(j, r, p, tname, sizeof(tname), &desc);
-			place = (struct zc_checkpoint_place){ ck_param_name[p], j->r[r].off[p],
+			desc_of(j, r, p, tnames[n], sizeof(tnames[n]), &descs[n]);
+			places[n] = (struct zc_checkpoint_place){ ck_param_name[p], j->r[r].off[p],
 				ck_param_numel[p] };
-			cr_assert_eq(zc_tensor_register_checkpoint(j->r[r].c, &desc, ck, &place, optim,
-			    &j->r[r].t[p]), 0, "%s: %s", tname, zc_errmsg(j->r[r].c));
-			cr_assert_eq(zc_tensor_last_step(j->r[r].t[p]), step, "%s", tname);
+			ps[n++] = p;
+		}
+		cr_assert_eq(zc_tensors_register_checkpoint(j->r[r].c, n, descs, ck, places, optim,
+		    ts), 0, "rank %u: %s", r, zc_errmsg(j->r[r].c));
+		for (unsigned i = 0; i < n; i++) {
+			j->r[r].t[ps[i]] = ts[i];
+			cr_assert_eq(zc_tensor_last_step(ts[i]), step, "%s", tnames[i]);
 		}
 		zc_checkpoint_close(ck);
 	}

@@ -337,6 +337,46 @@ Test(codec, crc32c_known_values)
 	cr_assert_eq(zp_crc32c(0, "", 0), 0);
 }
 
+/* Bit by bit, the definition: reflected Castagnoli polynomial, register and result inverted. */
+static uint32_t
+crc32c_bitwise(uint32_t crc, const uint8_t *p, size_t len)
+{
+	crc = ~crc;
+	while (len-- > 0) {
+		crc ^= *p++;
+		for (int k = 0; k < 8; k++)
+			crc = (crc & 1) ? (crc >> 1) ^ 0x82f63b78u : crc >> 1;
+	}
+	return ~crc;
+}
+
+Test(codec, crc32c_long_datafers_three_streams)
+{
+	/* Lengths about the 3 x 4096-byte blocks the instruction path runs in streams. */
+	static const size_t lens[] = { 12287, 12288, 12289, 24576 + 5, 100000, 1u << 20 };
+	size_t max = (1u << 20) + 16;
+	uint8_t *data = malloc(max);
+	uint32_t x = 12345;
+
+	cr_assert_not_null(data);
+	for (size_t i = 0; i < max; i++) {
+		x = x * 1103515245u + 12345u;
+		data[i] = (uint8_t)(x >> 16);
+	}
+	for (size_t l = 0; l < sizeof(lens) / sizeof(lens[0]); l++)
+		for (size_t off = 0; off < 3; off++) {
+			uint32_t want = crc32c_bitwise(0, data + off, lens[l]);
+			size_t half = lens[l] / 3;
+
+			cr_assert_eq(zp_crc32c(0, data + off, lens[l]), want, "length %zu at +%zu",
+			    lens[l], off);
+			/* Continued from a CRC that is not 0, cut anywhere. */
+			cr_assert_eq(zp_crc32c(zp_crc32c(0, data + off, half), data + off + half,
+			    lens[l] - half), want, "length %zu cut at %zu", lens[l], half);
+		}
+	free(data);
+}
+
 Test(codec, round_trip_grad_pass_and_partial)
 {
 	in.u.grad_pass.grad_scale = 1024.0;
