@@ -12,7 +12,9 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <inttypes.h>
 #include <sys/prctl.h>
+#include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -579,5 +581,61 @@ Test(reconnect, dropped_job_is_not_reconnected)
 	zc_conn_stats(c, &cs);
 	cr_assert_eq(cs.reconnects, 0);
 	zc_disconnect(other);
+	zc_disconnect(c);
+}
+
+/*
+ * A restore of several tensors keeps requests of each in flight on one
+ * connection; cut under it, it fails as a whole (nothing left registered)
+ * and the same restore done again after the reconnect gives the saved state.
+ */
+Test(reconnect, restore_cut_fails_whole_and_can_be_done_again)
+{
+	struct zc_conn *c = itd_connect(&daemon_);
+	struct zc_checkpoint_entry entries[NT];
+	struct zc_tensor *t[NT], *back[NT] = { 0 };
+	struct zc_checkpoint *ck = NULL;
+	struct zc_step_params last = { .optim = ZC_ADAMW, .lr = 1e-3, .beta1 = 0.9,
+		.beta2 = 0.999, .eps = 1e-8 };
+	struct zc_conn_stats cs;
+	float *saved[NT];
+	char dir[200];
+	int r;
+
+	snprintf(dir, sizeof(dir), "%s/ckpt", daemon_.dir);
+	cr_assert_eq(mkdir(dir, 0700), 0);
+	cr_assert_eq(zc_job_open(c, "saver", 0, 1), 0, "%s", zc_errmsg(c));
+	register_all(c, t);
+	for (int k = 0; k < NT; k++) {
+		entries[k] = (struct zc_checkpoint_entry){ .tensor = t[k] };
+		saved[k] = malloc(descs[k].numel * sizeof(float));
+		cr_assert_eq(zc_tensor_read(t[k], ZC_STATE_MASTER, 0, descs[k].numel, saved[k]), 0);
+	}
+	cr_assert_eq(zc_checkpoint_save(c, dir, entries, NT, &last), 0, "%s", zc_errmsg(c));
+	zc_disconnect(c);
+
+	c = connect_relay();
+	cr_assert_eq(zc_job_open(c, "restorer", 0, 1), 0, "%s", zc_errmsg(c));
+	cr_assert_eq(zc_checkpoint_open(c, dir, &ck), 0, "%s", zc_errmsg(c));
+	relay_cut_at(&relay_, ZP_CKPT_DONE, false, false);
+	r = zc_tensors_register_checkpoint(c, NT, descs, ck, NULL, ZC_ADAMW, back);
+	cr_assert_eq(r, -ECONNRESET, "a restore cut under it gave %d (%s)", r, zc_errmsg(c));
+	for (int k = 0; k < NT; k++)
+		cr_assert_null(back[k], "tensor %d handed out by a failed restore", k);
+	r = zc_tensors_register_checkpoint(c, NT, descs, ck, NULL, ZC_ADAMW, back);
+	cr_assert_eq(r, 0, "the restore done again: %s", zc_errmsg(c));
+	zc_conn_stats(c, &cs);
+	cr_assert_eq(cs.reconnects, 1, "%" PRIu64 " reconnects", (uint64_t)cs.reconnects);
+	for (int k = 0; k < NT; k++) {
+		float *got = malloc(descs[k].numel * sizeof(float));
+
+		cr_assert_eq(zc_tensor_read(back[k], ZC_STATE_MASTER, 0, descs[k].numel, got), 0,
+		    "%s", zc_errmsg(c));
+		cr_assert_eq(memcmp(got, saved[k], descs[k].numel * sizeof(float)), 0,
+		    "%s restored differs from what was saved", descs[k].name);
+		free(got);
+		free(saved[k]);
+	}
+	zc_checkpoint_close(ck);
 	zc_disconnect(c);
 }
