@@ -431,7 +431,8 @@ start_swap(struct zd_daemon *d, struct zs_engine **ret)
 		return -EINVAL;
 	}
 	for (unsigned i = 0; i < d->cfg.nswap_paths; i++)
-		paths[i] = (struct zs_path){ d->cfg.swap_paths[i].path, d->cfg.swap_paths[i].capacity };
+		paths[i] = (struct zs_path){ .path = d->cfg.swap_paths[i].path,
+		    .capacity = d->cfg.swap_paths[i].capacity };
 	if (strcmp(d->cfg.swap_engine, "io_uring") == 0)
 		zc.engine = ZS_ENGINE_URING;
 	else if (strcmp(d->cfg.swap_engine, "pthread") == 0)

@@ -2,6 +2,7 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <sys/mman.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include "engine_impl.h"
@@ -65,4 +66,24 @@ ze_shm_destroy(struct ze_engine *e, struct ze_shm *shm)
 	e->stats.shm_bytes -= shm->bytes;
 	e->stats.shm_objects--;
 	*shm = (struct ze_shm){ .fd = -1 };
+}
+
+int
+ze_shm_adopt(struct ze_engine *e, int fd, size_t bytes, struct ze_shm *ret)
+{
+	struct stat st;
+	void *map;
+
+	bytes = (bytes + 4095) / 4096 * 4096;
+	if (fstat(fd, &st) != 0)
+		return -errno;
+	if ((uint64_t)st.st_size != bytes)
+		return -EBADFD;
+	map = mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+	if (map == MAP_FAILED)
+		return -errno;
+	e->stats.shm_bytes += bytes;
+	e->stats.shm_objects++;
+	*ret = (struct ze_shm){ .fd = fd, .map = map, .bytes = bytes };
+	return 0;
 }

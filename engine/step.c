@@ -72,6 +72,12 @@ batch_take(struct ze_batch *b, uint64_t step, struct ze_tensor *const *ts, size_
 			    (unsigned long long)step, t->name);
 			return -EBUSY;
 		}
+		if (stepping && t->torn_step != 0) {
+			snprintf(err, errlen, "step %llu: tensor '%s' was left half way through step "
+			    "%llu by a daemon crash; restore it from a checkpoint", (unsigned long long)step,
+			    t->name, (unsigned long long)t->torn_step);
+			return -EIO;
+		}
 		if (stepping && step <= t->last_step) {
 			snprintf(err, errlen, "step %llu: tensor '%s' is already at step %llu",
 			    (unsigned long long)step, t->name, (unsigned long long)t->last_step);
@@ -231,8 +237,7 @@ tensor_done(struct ze_engine *e, struct ze_batch *b, size_t i, enum ze_step_stat
 		t->last_step = b->hp.step;
 		t->partial_step = 0;
 		/* The step wrote every parameter into the slot. */
-		t->param_resident = true;
-		t->param_dirty = true;
+		ze_param_flags(t, true, true);
 		if (t->on_nvme) {
 			e->stats.nvme_steps++;
 			e->stats.nvme_step_bytes += t->numel * ZE_STATE_BYTES_PER_ELEMENT;
@@ -377,6 +382,10 @@ batch_run(struct ze_engine *e, struct ze_batch *b)
 			task->batch = b;
 			task->index = i;
 			task->unit = k;
+			task->e = e;
+			task->tensor_id = t->id;
+			task->stamp = &t->unit_step[k];
+			t->unit_pend[k] = b->hp.step;
 			task->view = *v;
 			task->view.master += off;
 			task->view.m += off;

@@ -10,6 +10,7 @@
 #include "optim.h"
 
 struct ze_batch;
+struct ze_engine;
 struct ze_staging;
 struct ze_stepper;
 struct zk_pool;
@@ -34,6 +35,14 @@ struct ze_task {
 	uint64_t unit;			/* slice or chunk of that tensor */
 	struct zk_tensor view;		/* STEP: the unit, in place or in a staging buffer */
 	struct ze_staging *staging;	/* NVMe chunk being stepped, NULL in place */
+	/*
+	 * In place: the tensor's id and stamp for the unit.  The stepper keeps
+	 * an undo copy of the slice while it runs and stamps it when it lands,
+	 * so a crash at any instant leaves it recoverable (recover.c).
+	 */
+	struct ze_engine *e;
+	uint64_t tensor_id;
+	uint64_t *stamp;
 	uint64_t io_start_ns;		/* NVMe: when its read was issued */
 	int result;
 	uint64_t compute_ns;
