@@ -602,7 +602,8 @@ zd_tensor_create(struct zd_session *s, const struct zp_tensor_register *req,
 
 int
 zd_job_adopt_tensor(struct zd_daemon *d, struct zd_job *job, uint32_t rank, uid_t owner_uid,
-    const struct ze_tensor_fds *fds, struct ze_adopt_report *rep, char *err, size_t errlen)
+    const struct ze_tensor_fds *fds, struct ze_adopt_report *rep, struct ze_tensor **ret_et,
+    char *err, size_t errlen)
 {
 	struct ze_record_info info;
 	struct zd_rank_group *g;
@@ -652,5 +653,6 @@ zd_job_adopt_tensor(struct zd_daemon *d, struct zd_job *job, uint32_t rank, uid_
 		job->last_step = rep->last_step;
 	keep_detached(job, g, t);
 	zd_keep_tensor(d, t);
+	*ret_et = t->et;
 	return 0;
 }

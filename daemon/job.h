@@ -93,8 +93,8 @@ struct zd_job *zd_job_new(struct zd_daemon *d, uid_t uid, const char *name,
  * process reattaches with the same name and takes it back, resumed).
  */
 int zd_job_adopt_tensor(struct zd_daemon *d, struct zd_job *job, uint32_t rank,
-    uid_t owner_uid, const struct ze_tensor_fds *fds, struct ze_adopt_report *rep, char *err,
-    size_t errlen);
+    uid_t owner_uid, const struct ze_tensor_fds *fds, struct ze_adopt_report *rep,
+    struct ze_tensor **ret_et, char *err, size_t errlen);
 int zd_job_attach(struct zd_session *s, const struct zp_job_open *req, char *err,
     size_t errlen);
 /* keep: the rank died, its tensors wait detach_grace_s for a reattach. */

@@ -452,6 +452,7 @@ adopt_one(struct zd_daemon *d, const char *id, uint64_t *pinned, uint64_t *nvme)
 	struct ze_tensor_fds fds;
 	struct ze_record_info info;
 	struct ze_adopt_report rep;
+	struct ze_tensor *et = NULL;
 	struct zd_job *job;
 	char name[48], err[400];
 	int r;
@@ -487,7 +488,16 @@ adopt_one(struct zd_daemon *d, const char *id, uint64_t *pinned, uint64_t *nvme)
 		d->recovered_jobs++;
 	}
 	r = zd_job_adopt_tensor(d, job, (uint32_t)info.owner[OWNER_RANK],
-	    (uid_t)info.owner[OWNER_UID], &fds, &rep, err, sizeof(err));
+	    (uid_t)info.owner[OWNER_UID], &fds, &rep, &et, err, sizeof(err));
+	if (r == 0 && rep.param_replaced) {
+		struct ze_tensor_fds now;
+
+		/* The store holds the new slot in place of the sealed one. */
+		ze_tensor_fds(et, &now);
+		snprintf(name, sizeof(name), "zt%s.param", id);
+		zd_fdstore_remove(&d->store, name);
+		keep_fd(d, name, now.param, false);
+	}
 	if (r < 0) {
 		log_errorx("refusing to start: job '%s' rank %u: %s", job->name,
 		    (unsigned)info.owner[OWNER_RANK], err);
@@ -496,8 +506,9 @@ adopt_one(struct zd_daemon *d, const char *id, uint64_t *pinned, uint64_t *nvme)
 	d->recovered_tensors++;
 	*(info.on_nvme ? nvme : pinned) += info.numel * ZE_STATE_BYTES_PER_ELEMENT;
 	if (rep.undone > 0 || rep.rewritten > 0)
-		log_info("job '%s' rank %u: tensor '%s': a step cut short by the restart was put "
-		    "back (%u slice(s) from the journal, %u chunk(s) written again)", job->name,
+		log_info("job '%s' rank %u: tensor '%s': a step cut short by the restart was made "
+		    "whole (%u slice(s) put back from the journal, %u computed chunk(s) written "
+		    "again)", job->name,
 		    (unsigned)info.owner[OWNER_RANK], info.name, rep.undone, rep.rewritten);
 	if (rep.torn_step != 0)
 		log_errorx("job '%s' rank %u: tensor '%s' is torn: step %" PRIu64 " was half "

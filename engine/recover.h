@@ -59,6 +59,13 @@ struct ze_adopt_report {
 	uint64_t torn_step;		/* a step a crash left half applied: refused until set */
 	unsigned undone;		/* slices put back from the undo copy (stepped again later) */
 	unsigned rewritten;		/* NVMe chunks written again from a kept staging buffer */
+	/*
+	 * The param slot is a new memfd with the kept one's contents (which was
+	 * closed): a slot sealed against writable mappings (the params of a
+	 * tensor without param_offload) cannot be mapped writable again.  The
+	 * grad slot and an offloaded tensor's param slot are the kept memfds.
+	 */
+	bool param_replaced;
 };
 
 /*

@@ -1,0 +1,73 @@
+/* A daemon restart is a pause: SIGKILL, SIGTERM and an upgrade mid-training end bit for bit as a run without them. */
+#include <criterion/criterion.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "trainer.h"
+
+static struct zrt ref_, run_;
+
+static void
+teardown(void)
+{
+	zrt_teardown(&ref_);
+	zrt_teardown(&run_);
+}
+
+TestSuite(restart, .fini = teardown, .timeout = 600);
+
+/* The same training without and with disturbances: the two end with the same bytes. */
+static void
+compare(enum zrt_disturb kind, unsigned count, unsigned steps, bool swap_file)
+{
+	char err[20000] = "";
+	void *want, *got;
+	size_t bytes;
+	int rc;
+
+	rc = zrt_setup(&ref_, swap_file, err, sizeof(err));
+	cr_assert_eq(rc, 0, "%s", err);
+	ref_.steps = steps;
+	cr_assert_eq(zrt_attach(&ref_, false, err, sizeof(err)), 0, "%s", err);
+	cr_assert_eq(zrt_train(&ref_, ZRT_NONE, 0, 0, err, sizeof(err)), 0, "%s", err);
+	bytes = zrt_snapshot(&ref_, NULL);
+	want = malloc(bytes);
+	got = malloc(bytes);
+	cr_assert(want != NULL && got != NULL);
+	zrt_snapshot(&ref_, want);
+	zrt_teardown(&ref_);
+
+	rc = zrt_setup(&run_, swap_file, err, sizeof(err));
+	cr_assert_eq(rc, 0, "%s", err);
+	run_.steps = steps;
+	cr_assert_eq(zrt_attach(&run_, false, err, sizeof(err)), 0, "%s", err);
+	rc = zrt_train(&run_, kind, count, 12345 + (uint64_t)kind, err, sizeof(err));
+	cr_assert_eq(rc, 0, "%s\n--- daemon log ---\n%s", err, zst_log(&run_.st));
+	cr_assert_geq(run_.restarts, count, "%u restarts", run_.restarts);
+	cr_assert_eq(run_.resumed, run_.restarts * ZRT_JOBS * ZRT_TENSORS);
+	zrt_snapshot(&run_, got);
+	for (size_t i = 0; i < bytes; i++)
+		cr_assert_eq(((unsigned char *)got)[i], ((unsigned char *)want)[i],
+		    "byte %zu of %zu differs after %u restarts (%u steps submitted again)\n%s", i,
+		    bytes, run_.restarts, run_.resubmits, zst_log(&run_.st));
+	cr_assert(strstr(zst_log(&run_.st), "recovered 2 job(s), 4 tensor(s)") != NULL, "%s",
+	    zst_log(&run_.st));
+	free(want);
+	free(got);
+}
+
+Test(restart, sigkill_at_random_points)
+{
+	compare(ZRT_SIGKILL, 20, 100, false);
+}
+
+Test(restart, sigterm_restart)
+{
+	compare(ZRT_SIGTERM, 3, 10, true);
+}
+
+Test(restart, upgrade_to_new_binary)
+{
+	compare(ZRT_UPGRADE, 3, 10, true);
+}
