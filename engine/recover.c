@@ -558,13 +558,8 @@ ze_tensor_adopt(struct ze_engine *e, const struct ze_tensor_fds *fds, struct ze_
 		 * not even ours.  A new slot takes over its contents; the old one
 		 * goes once the caller has what it needs of it.
 		 */
-		r = ze_shm_create(e, "zoffload-param", t->numel * zk_dtype_size(t->param_dtype), true,
-		    &t->param_slot);
-		if (r == 0 && pread(fds->param, t->param_slot.map, t->param_slot.bytes, 0) !=
-		    (ssize_t)t->param_slot.bytes) {
-			r = -EIO;
-			ze_shm_destroy(e, &t->param_slot);
-		}
+		r = ze_shm_create_from(e, "zoffload-param", t->numel * zk_dtype_size(t->param_dtype),
+		    true, fds->param, &t->param_slot);
 		if (r == 0) {
 			close(fds->param);
 			rep->param_replaced = true;
