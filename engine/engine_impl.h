@@ -230,8 +230,13 @@ int ze_journal_start(struct ze_engine *e, int kept_fd);
 void ze_journal_stop(struct ze_engine *e);
 /* The journal names the engine's staging buffers from now on. */
 void ze_journal_set_staging(struct ze_engine *e);
-/* Stepper thread, before a pinned slice is stepped in place: its undo copy. */
-void ze_journal_slice(struct ze_engine *e, const struct ze_task *task);
+/*
+ * Stepper thread: a pinned slice stepped in place with its undo copy made
+ * block by block as it goes (zk_pool_step's result, bit for bit).
+ */
+struct zk_pool;
+int ze_journal_step(struct ze_engine *e, struct zk_pool *pool, enum zk_isa isa,
+    const struct zk_hparams *hp, const struct ze_task *task);
 /* An NVMe chunk computed in staging buffer i is about to be written / has landed. */
 void ze_journal_staging(struct ze_engine *e, unsigned i, const struct ze_tensor *t,
     uint64_t chunk, uint64_t step);

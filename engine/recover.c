@@ -10,11 +10,18 @@
 
 #include "crc32c.h"
 #include "engine_impl.h"
+#include "pool.h"
 #include "recover.h"
 #include "stepper.h"
 #include "swap.h"
 
 #define PAGE 4096u
+/*
+ * The undo copy is made a block at a time, just before the block is
+ * stepped, by the thread that steps it: the block is then in its cache
+ * for the step, and the copy costs about its writes alone.
+ */
+#define JOURNAL_BLOCK 16384u
 #define ROUND(x) (((x) + PAGE - 1) / PAGE * PAGE)
 
 /*
@@ -237,6 +244,8 @@ struct ze_journal {
 	uint64_t slice_unit;
 	uint64_t slice_step;		/* 0: no copy */
 	uint64_t slice_elements;
+	/* Blocks of the slice copied (and so perhaps stepped): only those are put back. */
+	uint64_t copied[(ZE_QUANTUM_ELEMENTS / JOURNAL_BLOCK + 63) / 64];
 	struct {
 		uint64_t tensor;
 		uint64_t chunk;
@@ -244,7 +253,9 @@ struct ze_journal {
 	} staging[ZE_MAX_STAGING];
 };
 
-#define JOURNAL_BYTES (PAGE + 3 * (size_t)ZE_QUANTUM_ELEMENTS * sizeof(float))
+/* The header's pages, then the undo copy. */
+#define JOURNAL_HEADER ROUND(sizeof(struct ze_journal))
+#define JOURNAL_BYTES (JOURNAL_HEADER + 3 * (size_t)ZE_QUANTUM_ELEMENTS * sizeof(float))
 
 int
 ze_journal_start(struct ze_engine *e, int kept_fd)
@@ -304,24 +315,69 @@ ze_engine_journal_fd(const struct ze_engine *e)
 	return e->journal_fd;
 }
 
-void
-ze_journal_slice(struct ze_engine *e, const struct ze_task *task)
+/* The undo copy's master, m and v of element i of the slice. */
+static float *
+journal_copy(struct ze_journal *j, enum ze_state which)
+{
+	return (float *)((char *)j + JOURNAL_HEADER) + (size_t)which * ZE_QUANTUM_ELEMENTS;
+}
+
+struct journal_run {
+	struct ze_journal *j;
+	const struct ze_task *task;
+	enum zk_isa isa;
+	const struct zk_hparams *hp;
+	int error;
+};
+
+static void
+journal_run(void *arg, unsigned idx, unsigned nthreads)
+{
+	struct journal_run *jr = arg;
+	const struct zk_tensor *v = &jr->task->view;
+	size_t nblocks = (v->n + JOURNAL_BLOCK - 1) / JOURNAL_BLOCK;
+	size_t first = nblocks * idx / nthreads, last = nblocks * (idx + 1) / nthreads;
+
+	for (size_t b = first; b < last; b++) {
+		size_t begin = b * JOURNAL_BLOCK, end = begin + JOURNAL_BLOCK < v->n ?
+		    begin + JOURNAL_BLOCK : v->n, bytes = (end - begin) * sizeof(float);
+		int r;
+
+		memcpy(journal_copy(jr->j, ZE_STATE_MASTER) + begin, v->master + begin, bytes);
+		memcpy(journal_copy(jr->j, ZE_STATE_EXP_AVG) + begin, v->m + begin, bytes);
+		memcpy(journal_copy(jr->j, ZE_STATE_EXP_AVG_SQ) + begin, v->v + begin, bytes);
+		/* Counted only once copied whole: a crash before leaves the block untouched. */
+		__atomic_or_fetch(&jr->j->copied[b / 64], 1ull << (b % 64), __ATOMIC_RELEASE);
+		r = zk_step(jr->isa, jr->hp, v, begin, end);
+		if (r < 0)
+			__atomic_store_n(&jr->error, r, __ATOMIC_RELAXED);
+	}
+}
+
+int
+ze_journal_step(struct ze_engine *e, struct zk_pool *pool, enum zk_isa isa,
+    const struct zk_hparams *hp, const struct ze_task *task)
 {
 	struct ze_journal *j = e->journal;
-	float *copy = (float *)((char *)j + PAGE);
-	size_t n = task->view.n;
+	struct journal_run jr = { .j = j, .task = task, .isa = isa, .hp = hp };
+	int r;
 
-	if (j == NULL)
-		return;
-	/* The old copy is void first, then the new one is made, then it counts. */
+	if (j == NULL || task->view.n > ZE_QUANTUM_ELEMENTS)
+		return zk_pool_step(pool, isa, hp, &task->view, 1);
+	r = zk_step(isa, hp, &task->view, 0, 0);
+	if (r == 0)
+		r = zk_hparams_validate(hp);
+	if (r < 0)
+		return r;
+	/* The old copy is void first, then the new one is described, then it counts. */
 	__atomic_store_n(&j->slice_step, 0, __ATOMIC_RELEASE);
-	memcpy(copy, task->view.master, n * sizeof(float));
-	memcpy(copy + n, task->view.m, n * sizeof(float));
-	memcpy(copy + 2 * n, task->view.v, n * sizeof(float));
+	memset(j->copied, 0, sizeof(j->copied));
 	j->slice_tensor = task->tensor_id;
 	j->slice_unit = task->unit;
-	j->slice_elements = n;
+	j->slice_elements = task->view.n;
 	__atomic_store_n(&j->slice_step, task->step, __ATOMIC_RELEASE);
+	r = zk_pool_run(pool, journal_run, &jr);
+	return r < 0 ? r : jr.error;
 }
 
 void
@@ -450,11 +506,20 @@ settle_steps(struct ze_engine *e, struct ze_tensor *t, bool journal_kept,
 	    t->unit_step[j->slice_unit] < j->slice_step &&
 	    j->slice_elements == ze_unit_len(t, j->slice_unit)) {
 		uint64_t off = j->slice_unit * t->unit_elements, n = j->slice_elements;
-		const float *copy = (const float *)((const char *)j + PAGE);
 
-		memcpy(t->master + off, copy, n * sizeof(float));
-		memcpy(t->m + off, copy + n, n * sizeof(float));
-		memcpy(t->v + off, copy + 2 * n, n * sizeof(float));
+		for (uint64_t b = 0; b * JOURNAL_BLOCK < n; b++) {
+			uint64_t begin = b * JOURNAL_BLOCK, len = n - begin < JOURNAL_BLOCK ? n - begin :
+			    JOURNAL_BLOCK;
+
+			if ((j->copied[b / 64] & (1ull << (b % 64))) == 0)
+				continue;
+			memcpy(t->master + off + begin, journal_copy(j, ZE_STATE_MASTER) + begin,
+			    len * sizeof(float));
+			memcpy(t->m + off + begin, journal_copy(j, ZE_STATE_EXP_AVG) + begin,
+			    len * sizeof(float));
+			memcpy(t->v + off + begin, journal_copy(j, ZE_STATE_EXP_AVG_SQ) + begin,
+			    len * sizeof(float));
+		}
 		t->unit_pend[j->slice_unit] = t->unit_step[j->slice_unit];
 		j->slice_step = 0;
 		rep->undone++;

@@ -48,9 +48,8 @@ run_task(struct ze_stepper *st, struct ze_task *task)
 		task->result = zk_pool_grad_check(st->pool, b->isa, b->views, b->count,
 		    b->hp.grad_scale, &b->check);
 	} else {
-		if (task->stamp != NULL)
-			ze_journal_slice(task->e, task);
-		task->result = zk_pool_step(st->pool, b->isa, &b->hp_run, &task->view, 1);
+		task->result = task->stamp != NULL ? ze_journal_step(task->e, st->pool, b->isa,
+		    &b->hp_run, task) : zk_pool_step(st->pool, b->isa, &b->hp_run, &task->view, 1);
 		/* Landed: stamped before the next slice's undo copy replaces this one's. */
 		if (task->stamp != NULL && task->result == 0)
 			__atomic_store_n(task->stamp, task->step, __ATOMIC_RELEASE);
