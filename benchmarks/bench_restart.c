@@ -4,7 +4,8 @@
  * bytes the new daemon read from disk doing it (/proc/PID/io read_bytes): none, for
  * pinned state.  The limit is 1 s.  Sizes that do not fit in MemAvailable are skipped
  * and said so.  Then what recovery.journal costs a step over 1 GiB of pinned state (the
- * limit: the same step without it).  usage: bench_restart [--json] [--sizes GIB,GIB...]
+ * limit: the same step without it).
+ * usage: bench_restart [--json] [--sizes GIB,GIB...] [--param-offload]
  */
 #include <errno.h>
 #include <signal.h>
@@ -17,6 +18,8 @@
 #include "bench_common.h"
 #include "standin.h"
 #include "zclient.h"
+
+static bool param_offload;
 
 /* Elements per tensor: a model's big layer. */
 #define CHUNK (64ull << 20)
@@ -99,8 +102,13 @@ attach(const char *sock, uint64_t numel_total, struct zc_conn **ret_c, struct zc
 		if (numel > left)
 			numel = left;
 		snprintf(name, sizeof(name), "t%u", n);
+		/*
+		 * --param-offload: params on the tiers, their slots unsealed, so a restart
+		 * maps them again instead of copying a slot sealed against writable mappings.
+		 */
 		r = zc_tensor_register(c, &(struct zc_tensor_desc){ .name = name, .numel = numel,
-		    .grad_dtype = ZC_BF16, .param_dtype = ZC_BF16 }, init, &ts[n]);
+		    .grad_dtype = ZC_BF16, .param_dtype = ZC_BF16,
+		    .param_offload = param_offload }, init, &ts[n]);
 		if (r < 0)
 			return fail("register", c, r);
 		left -= numel;
@@ -229,10 +237,13 @@ main(int argc, char **argv)
 	for (int i = 1; i < argc; i++) {
 		if (strcmp(argv[i], "--json") == 0)
 			json = true;
+		else if (strcmp(argv[i], "--param-offload") == 0)
+			param_offload = true;
 		else if (strcmp(argv[i], "--sizes") == 0 && i + 1 < argc)
 			sizes = argv[++i];
 		else {
-			fprintf(stderr, "usage: bench_restart [--json] [--sizes GIB,GIB...]\n");
+			fprintf(stderr, "usage: bench_restart [--json] [--sizes GIB,GIB...] "
+			    "[--param-offload]\n");
 			return 2;
 		}
 	}

@@ -35,7 +35,10 @@ struct zst {
 	struct { char name[64]; int fd; } fds[ZST_MAX_FDS];
 };
 
-/* A fresh directory holds the socket and the service's log.  0 or -errno. */
+/*
+ * A fresh directory holds the socket and the service's log.  0 or -errno.
+ * $ZRT_KEEP set: zst_fini leaves the directory (the log) for a look afterwards.
+ */
 int zst_init(struct zst *s);
 void zst_fini(struct zst *s);
 /* Starts argv[0] (absolute) with the store; 0 or -errno.  Its output goes to the log. */

@@ -45,6 +45,7 @@ int zrt_setup(struct zrt *r, bool swap_file, char *err, size_t errlen);
 int zrt_attach(struct zrt *r, bool expect_resumed, char *err, size_t errlen);
 /*
  * Steps 1..steps, with `disturbances` of kind done at random moments (seed);
+ * $ZRT_DEBUG set: each failure the trainer goes through is printed;
  * after each the trainer reconnects, registers its tensors again (they must
  * come back resumed) and submits again what had not landed.
  */
