@@ -149,7 +149,7 @@ measure(const char *daemon, double gib, bool journal, struct result *res)
 	struct zst st;
 	float *init;
 	unsigned n = 0;
-	double t0, t1;
+	double t0, t1 = 0;
 	FILE *f;
 	int r;
 
