@@ -4,6 +4,7 @@
 #include <fcntl.h>
 #include <glob.h>
 #include <signal.h>
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -14,6 +15,35 @@
 #include "trainer.h"
 
 static struct zrt run_;
+/* The inodes of every tensor's grad and param slot mappings, before the daemon died. */
+static unsigned long inodes[ZRT_JOBS][ZRT_TENSORS][2];
+
+/* The inode of the file mapped at addr in this process (/proc/self/maps), 0 if none. */
+static unsigned long
+mapped_inode(const void *addr)
+{
+	unsigned long start, end, ino = 0, found = 0;
+	char line[512];
+	FILE *f = fopen("/proc/self/maps", "r");
+
+	while (f != NULL && fgets(line, sizeof(line), f) != NULL)
+		if (sscanf(line, "%lx-%lx %*s %*s %*s %lu", &start, &end, &ino) == 3 &&
+		    (uintptr_t)addr >= start && (uintptr_t)addr < end)
+			found = ino;
+	if (f != NULL)
+		fclose(f);
+	return found;
+}
+
+static void
+slot_inodes(unsigned long ret[ZRT_JOBS][ZRT_TENSORS][2])
+{
+	for (int j = 0; j < ZRT_JOBS; j++)
+		for (int k = 0; k < ZRT_TENSORS; k++) {
+			ret[j][k][0] = mapped_inode(zc_tensor_grad_slot(run_.j[j].t[k], NULL));
+			ret[j][k][1] = mapped_inode(zc_tensor_param_slot(run_.j[j].t[k], NULL));
+		}
+}
 
 static void
 teardown(void)
@@ -34,6 +64,7 @@ kept_state(void)
 	run_.steps = 3;
 	cr_assert_eq(zrt_attach(&run_, false, err, sizeof(err)), 0, "%s", err);
 	cr_assert_eq(zrt_train(&run_, ZRT_NONE, 0, 0, err, sizeof(err)), 0, "%s", err);
+	slot_inodes(inodes);
 	zrt_detach(&run_);
 	kill(run_.st.pid, SIGKILL);
 	status = zst_wait_exit(&run_.st, 30);
@@ -94,6 +125,7 @@ poke(const char *name, off_t off, const void *bytes, size_t n)
 
 Test(refusal, intact_state_is_taken_back)
 {
+	unsigned long now[ZRT_JOBS][ZRT_TENSORS][2];
 	char err[20000] = "";
 
 	kept_state();
@@ -106,6 +138,25 @@ Test(refusal, intact_state_is_taken_back)
 			cr_assert_eq(zc_tensor_last_step(run_.j[j].t[k]), 3, "%s", zst_log(&run_.st));
 	cr_assert(strstr(zst_log(&run_.st), "recovered 2 job(s), 4 tensor(s)") != NULL, "%s",
 	    zst_log(&run_.st));
+	/*
+	 * What a reconnecting client gets: the same grad slot memfd (gradients written before
+	 * the death are there), the same param slot when params are offloaded (tensor 1 of each
+	 * job); a param slot sealed against writable mappings (tensor 0) is a new memfd, its
+	 * contents copied, since not even the daemon can map the old one writable again.
+	 */
+	slot_inodes(now);
+	for (int j = 0; j < ZRT_JOBS; j++) {
+		for (int k = 0; k < ZRT_TENSORS; k++) {
+			cr_assert_neq(now[j][k][0], 0);
+			cr_assert_eq(now[j][k][0], inodes[j][k][0], "job %d tensor %d: another grad slot",
+			    j, k);
+			if (k == 1)
+				cr_assert_eq(now[j][k][1], inodes[j][k][1], "job %d tensor %d: another "
+				    "param slot", j, k);
+			else
+				cr_assert_neq(now[j][k][1], inodes[j][k][1]);
+		}
+	}
 }
 
 Test(refusal, corrupted_table)
