@@ -98,14 +98,20 @@ zd_fdstore_take(struct zd_fdstore *st, const char *name)
 	return -1;
 }
 
-static void
-send_remove(struct zd_fdstore *st, const char *name)
+void
+zd_fdstore_forget(struct zd_fdstore *st, const char *name)
 {
 	char msg[ZD_FDNAME_MAX + 40];
 
 	snprintf(msg, sizeof(msg), "FDSTOREREMOVE=1\nFDNAME=%s", name);
 	if (zd_notify(msg) < 0)
 		st->send_errors++;
+}
+
+static void
+send_remove(struct zd_fdstore *st, const char *name)
+{
+	zd_fdstore_forget(st, name);
 }
 
 void
@@ -122,11 +128,29 @@ zd_fdstore_drop_kept(struct zd_fdstore *st, bool forget)
 }
 
 int
-zd_fdstore_add(struct zd_fdstore *st, const char *name, int fd, bool send)
+zd_fdstore_send(struct zd_fdstore *st, const char *name, int fd)
 {
 	char msg[ZD_FDNAME_MAX + 40];
 	int r;
 
+	snprintf(msg, sizeof(msg), "FDSTORE=1\nFDNAME=%s", name);
+	r = zd_notify_fd(msg, fd);
+	if (r < 0)
+		st->send_errors++;
+	return r < 0 ? r : 0;
+}
+
+void
+zd_fdstore_rename(struct zd_fdstore *st, const char *from, const char *to)
+{
+	for (size_t i = 0; i < st->nlive; i++)
+		if (strcmp(st->live[i].name, from) == 0)
+			snprintf(st->live[i].name, sizeof(st->live[i].name), "%s", to);
+}
+
+int
+zd_fdstore_add(struct zd_fdstore *st, const char *name, int fd, bool send)
+{
 	if (fd < 0 || name_check(name) < 0)
 		return -EINVAL;
 	if (st->nlive == st->live_cap) {
@@ -140,13 +164,7 @@ zd_fdstore_add(struct zd_fdstore *st, const char *name, int fd, bool send)
 	}
 	snprintf(st->live[st->nlive].name, sizeof(st->live[0].name), "%s", name);
 	st->live[st->nlive++].fd = fd;
-	if (!send)
-		return 0;
-	snprintf(msg, sizeof(msg), "FDSTORE=1\nFDNAME=%s", name);
-	r = zd_notify_fd(msg, fd);
-	if (r < 0)
-		st->send_errors++;
-	return r < 0 ? r : 0;
+	return send ? zd_fdstore_send(st, name, fd) : 0;
 }
 
 void

@@ -42,6 +42,11 @@ void zd_fdstore_drop_kept(struct zd_fdstore *st, bool forget);
 /* fd (still the caller's) is kept under name; send: tell systemd (a taken one it holds). */
 int zd_fdstore_add(struct zd_fdstore *st, const char *name, int fd, bool send);
 void zd_fdstore_remove(struct zd_fdstore *st, const char *name);
+/* Tells the store alone: keep fd under name / drop what it keeps under name. */
+int zd_fdstore_send(struct zd_fdstore *st, const char *name, int fd);
+void zd_fdstore_forget(struct zd_fdstore *st, const char *name);
+/* A listed descriptor goes by another name from now on (the list only). */
+void zd_fdstore_rename(struct zd_fdstore *st, const char *from, const char *to);
 /*
  * Replaces this process with path (argv as given), handing it every live
  * descriptor as LISTEN_FDS.  Returns only on failure, -errno.

@@ -455,7 +455,8 @@ adopt_one(struct zd_daemon *d, const char *id, uint64_t *pinned, uint64_t *nvme)
 	struct ze_tensor *et = NULL;
 	struct zd_job *job;
 	char name[48], err[400];
-	int r;
+	bool alt;
+	int r, alt_fd;
 
 	snprintf(name, sizeof(name), "zt%s.rec", id);
 	fds.record = zd_fdstore_take(&d->store, name);
@@ -463,8 +464,22 @@ adopt_one(struct zd_daemon *d, const char *id, uint64_t *pinned, uint64_t *nvme)
 	fds.state = zd_fdstore_take(&d->store, name);
 	snprintf(name, sizeof(name), "zt%s.grad", id);
 	fds.grad = zd_fdstore_take(&d->store, name);
+	/*
+	 * A sealed param slot is replaced at every start, its new memfd kept under the other
+	 * of two names before the old one is dropped: a death in between leaves both, equal.
+	 */
 	snprintf(name, sizeof(name), "zt%s.param", id);
 	fds.param = zd_fdstore_take(&d->store, name);
+	snprintf(name, sizeof(name), "zt%s.param2", id);
+	alt_fd = zd_fdstore_take(&d->store, name);
+	alt = fds.param < 0;
+	if (alt) {
+		fds.param = alt_fd;
+	} else if (alt_fd >= 0) {
+		/* Both: a start died between keeping the new one and dropping the old. */
+		close(alt_fd);
+		zd_fdstore_forget(&d->store, name);
+	}
 	r = fds.grad < 0 || fds.param < 0 ? -ENOENT : ze_record_peek(fds.record, &info, err,
 	    sizeof(err));
 	if (r < 0) {
@@ -489,14 +504,25 @@ adopt_one(struct zd_daemon *d, const char *id, uint64_t *pinned, uint64_t *nvme)
 	}
 	r = zd_job_adopt_tensor(d, job, (uint32_t)info.owner[OWNER_RANK],
 	    (uid_t)info.owner[OWNER_UID], &fds, &rep, &et, err, sizeof(err));
-	if (r == 0 && rep.param_replaced) {
+	if (r == 0) {
 		struct ze_tensor_fds now;
+		char kept[48], final[48];
 
-		/* The store holds the new slot in place of the sealed one. */
+		/*
+		 * zd_keep_tensor listed the param slot as "param"; it is under the name it was
+		 * kept as, or, replaced, under the other one: kept there before the old one goes.
+		 */
 		ze_tensor_fds(et, &now);
+		snprintf(kept, sizeof(kept), "zt%s.param%s", id, alt ? "2" : "");
+		snprintf(final, sizeof(final), "zt%s.param%s", id, alt != rep.param_replaced ?
+		    "2" : "");
 		snprintf(name, sizeof(name), "zt%s.param", id);
-		zd_fdstore_remove(&d->store, name);
-		keep_fd(d, name, now.param, false);
+		zd_fdstore_rename(&d->store, name, final);
+		if (rep.param_replaced) {
+			if (zd_fdstore_send(&d->store, final, now.param) < 0)
+				log_warnx("cannot keep %s in the file descriptor store", final);
+			zd_fdstore_forget(&d->store, kept);
+		}
 	}
 	if (r < 0) {
 		log_errorx("refusing to start: job '%s' rank %u: %s", job->name,
@@ -652,7 +678,7 @@ zd_keep_tensor(struct zd_daemon *d, struct zd_tensor *t)
 void
 zd_forget_tensor(struct zd_daemon *d, struct ze_tensor *et)
 {
-	static const char *const parts[] = { "rec", "state", "grad", "param" };
+	static const char *const parts[] = { "rec", "state", "grad", "param", "param2" };
 	unsigned long long id = (unsigned long long)ze_tensor_id(et);
 	char name[48];
 

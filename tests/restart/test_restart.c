@@ -22,6 +22,7 @@ static void
 compare(enum zrt_disturb kind, unsigned count, unsigned steps, bool swap_file)
 {
 	char err[20000] = "";
+	unsigned params = 0, records = 0;
 	void *want, *got;
 	size_t bytes;
 	int rc;
@@ -53,6 +54,16 @@ compare(enum zrt_disturb kind, unsigned count, unsigned steps, bool swap_file)
 		    bytes, run_.restarts, run_.resubmits, zst_log(&run_.st));
 	cr_assert(strstr(zst_log(&run_.st), "recovered 2 job(s), 4 tensor(s)") != NULL, "%s",
 	    zst_log(&run_.st));
+	/* One param slot kept per tensor, whatever name the last replacement left it under. */
+	zst_drain(&run_.st);
+	for (size_t i = 0; i < run_.st.nfds; i++) {
+		const char *n = run_.st.fds[i].name, *dot = strrchr(n, '.');
+
+		params += dot != NULL && (strcmp(dot, ".param") == 0 || strcmp(dot, ".param2") == 0);
+		records += dot != NULL && strcmp(dot, ".rec") == 0;
+	}
+	cr_assert_eq(records, ZRT_JOBS * ZRT_TENSORS);
+	cr_assert_eq(params, ZRT_JOBS * ZRT_TENSORS, "%u param slots kept", params);
 	free(want);
 	free(got);
 }
