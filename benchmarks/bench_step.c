@@ -328,7 +328,7 @@ engine_bandwidth(const struct opts *o, uint64_t bytes, double *ret_read, double 
 {
 	uint64_t chunk = 3 * o->chunk_elements * sizeof(float);
 	uint64_t size = (bytes + chunk - 1) / chunk * chunk;
-	struct zs_path path = { o->dir, size + (64u << 20) };
+	struct zs_path path = { .path = o->dir, .capacity = size + (64u << 20) };
 	struct zs_config zc = { .paths = &path, .npaths = 1, .stripe_unit = (uint32_t)o->block_size,
 		.queue_depth = o->queue_depth, .engine = ZS_ENGINE_AUTO, .allow_fallback = true };
 	struct bench_slot *slots = calloc(o->staging, sizeof(*slots));

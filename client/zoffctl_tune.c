@@ -144,7 +144,7 @@ measure(const char *const *paths, unsigned npaths, uint64_t size, const struct s
 	p->error = 0;
 	p->mib_s = 0;
 	for (unsigned i = 0; i < npaths; i++)
-		zp[i] = (struct zs_path){ paths[i], size };
+		zp[i] = (struct zs_path){ .path = paths[i], .capacity = size };
 	if (slots == NULL || (p->error = zs_engine_new(&zc, &r.e, NULL)) < 0)
 		goto out;
 	/* One chunk short of the whole: the extent's stripes round up per path. */

@@ -140,6 +140,7 @@ zd_config_defaults(struct zd_config *cfg)
 	cfg->uid_queued_bytes = 64ull << 20;
 	cfg->uid_max_tensors = 16384;
 	cfg->detach_grace_s = 300;
+	cfg->recovery_journal = true;
 	cfg->log_level = ZD_LOG_INFO;
 	cfg->metrics_max_jobs = 20;
 	if (cfg->source == NULL || cfg->socket_path == NULL || cfg->isa == NULL ||
@@ -611,12 +612,22 @@ parse_metrics(struct parse_ctx *ctx, const cJSON *s, struct zd_config *cfg)
 		perr(ctx, "metrics.listen: %s", why);
 }
 
+static void
+parse_recovery(struct parse_ctx *ctx, const cJSON *s, struct zd_config *cfg)
+{
+	static const char *const keys[] = { "start_empty", "journal", NULL };
+
+	check_keys(ctx, s, "recovery", keys);
+	get_bool(ctx, s, "recovery", "start_empty", &cfg->recovery_start_empty);
+	get_bool(ctx, s, "recovery", "journal", &cfg->recovery_journal);
+}
+
 int
 zd_config_parse(const char *text, const char *source, struct zd_config *cfg, char *err,
     size_t errlen)
 {
 	static const char *const top_keys[] = { "socket", "memory", "compute", "swap", "limits",
-		"log", "metrics", NULL };
+		"log", "metrics", "recovery", NULL };
 	struct parse_ctx ctx = { .source = source, .err = err, .errlen = errlen };
 	struct {
 		const char *name;
@@ -625,6 +636,7 @@ zd_config_parse(const char *text, const char *source, struct zd_config *cfg, cha
 		{ "socket", parse_socket }, { "memory", parse_memory },
 		{ "compute", parse_compute }, { "swap", parse_swap },
 		{ "limits", parse_limits }, { "log", parse_log }, { "metrics", parse_metrics },
+		{ "recovery", parse_recovery },
 	};
 	const char *end = NULL;
 	cJSON *root;

@@ -63,6 +63,15 @@ struct zd_config {
 
 	enum zd_log_level log_level;
 
+	/*
+	 * A restart finds the state kept (systemd's fd store or the daemon's own
+	 * successor): start_empty sets an unusable kept state aside instead of
+	 * refusing to start; journal keeps an undo copy of the slice being
+	 * stepped, so a crash mid-slice is stepped again exactly (off: torn).
+	 */
+	bool recovery_start_empty;
+	bool recovery_journal;
+
 	char *metrics_listen;		/* NULL: no metrics endpoint */
 	unsigned metrics_max_jobs;	/* jobs with their own labels; the rest are "other" */
 };

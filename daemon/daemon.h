@@ -8,6 +8,7 @@
 #include <sys/stat.h>
 
 #include "config.h"
+#include "fdstore.h"
 #include "optim.h"
 #include "stats.h"
 #include "util.h"
@@ -73,6 +74,22 @@ struct zd_daemon {
 	struct event *ev_ckpt;			/* those threads' eventfd */
 	uint64_t ckpt_bytes;			/* written into checkpoint files */
 	uint64_t ckpt_bytes_read;		/* read from them (restores) */
+	/* recover.c: what outlives the process, and what a restart found of it */
+	struct zd_fdstore store;
+	struct zd_table *table;
+	int table_fd;
+	bool adopting;				/* rebuilding: descriptors are in the store already */
+	bool start_empty;			/* --start-empty, or recovery.start_empty */
+	char *const *argv;			/* for a successor (SIGUSR2) */
+	char exe[4096];				/* the binary's path, as started */
+	bool handoff;				/* drain, then exec exe with the store */
+	int kept_swap[ZD_MAX_SWAP_PATHS];	/* > 2: taken from the store for start_swap */
+	int kept_swaplock[ZD_MAX_SWAP_PATHS];
+	int kept_journal;
+	int kept_staging[256];
+	unsigned nkept_staging;
+	unsigned recovered_tensors;
+	unsigned recovered_jobs;
 };
 
 /* server.c */

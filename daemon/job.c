@@ -9,6 +9,8 @@
 #include "engine.h"
 #include "job.h"
 #include "log.h"
+#include "recover.h"
+#include "restart.h"
 #include "session.h"
 
 /*
@@ -52,6 +54,49 @@ job_find(struct zd_daemon *d, uid_t uid, const char *name)
 		if (job->uid == uid && strcmp(job->name, name) == 0)
 			return job;
 	return NULL;
+}
+
+struct zd_job *
+zd_job_new(struct zd_daemon *d, uid_t uid, const char *name, uint32_t world_size,
+    uint8_t policy, uint64_t pinned_budget, uint8_t state_format, uint64_t id)
+{
+	struct zd_job *job = calloc(1, sizeof(*job));
+	struct zd_uid *owner;
+
+	if (job == NULL)
+		return NULL;
+	owner = zd_uid_get(d, uid);
+	if (owner == NULL) {
+		free(job);
+		return NULL;
+	}
+	job->id = id != 0 ? id : ++d->next_job_id;
+	if (job->id > d->next_job_id)
+		d->next_job_id = job->id;
+	snprintf(job->name, sizeof(job->name), "%s", name);
+	job->uid = uid;
+	job->owner = owner;
+	job->world_size = world_size;
+	TAILQ_INIT(&job->detached);
+	TAILQ_INIT(&job->rank_groups);
+	/* The first rank decides where the job's state goes. */
+	job->policy = policy;
+	job->state_format = state_format;
+	job->pinned_budget = pinned_budget;
+	if (ze_account_new(&(struct ze_account_limits){
+		.pinned_budget = pinned_budget,
+		.pinned_what = "pinned budget of job",
+	}, &job->account) < 0) {
+		zd_uid_put(d, owner);
+		free(job);
+		return NULL;
+	}
+	job->owner->jobs++;
+	TAILQ_INSERT_TAIL(&job->owner->job_list, job, uid_entry);
+	TAILQ_INSERT_TAIL(&d->jobs, job, entry);
+	d->njobs++;
+	zd_keep_job(d, job);
+	return job;
 }
 
 int
@@ -114,36 +159,14 @@ zd_job_attach(struct zd_session *s, const struct zp_job_open *req, char *err, si
 			    req->state_format, list);
 			return -EINVAL;
 		}
-		job = calloc(1, sizeof(*job));
+		job = zd_job_new(d, s->uid, name, world_size,
+		    req->policy != ZP_POLICY_DEFAULT ? req->policy : d->cfg.policy,
+		    req->pinned_budget > 0 ? req->pinned_budget : d->cfg.job_pinned_budget,
+		    (uint8_t)format, 0);
 		if (job == NULL) {
 			snprintf(err, errlen, "out of memory");
 			return -ENOMEM;
 		}
-		job->id = ++d->next_job_id;
-		snprintf(job->name, sizeof(job->name), "%s", name);
-		job->uid = s->uid;
-		job->owner = s->uid_usage;
-		job->owner->jobs++;
-		TAILQ_INSERT_TAIL(&job->owner->job_list, job, uid_entry);
-		job->world_size = world_size;
-		TAILQ_INIT(&job->detached);
-		TAILQ_INIT(&job->rank_groups);
-		/* The first rank decides where the job's state goes. */
-		job->policy = req->policy != ZP_POLICY_DEFAULT ? req->policy : d->cfg.policy;
-		job->state_format = (uint8_t)format;
-		if (ze_account_new(&(struct ze_account_limits){
-			.pinned_budget = req->pinned_budget > 0 ? req->pinned_budget :
-			    d->cfg.job_pinned_budget,
-			.pinned_what = "pinned budget of job",
-		}, &job->account) < 0) {
-			job->owner->jobs--;
-			TAILQ_REMOVE(&job->owner->job_list, job, uid_entry);
-			free(job);
-			snprintf(err, errlen, "out of memory");
-			return -ENOMEM;
-		}
-		TAILQ_INSERT_TAIL(&d->jobs, job, entry);
-		d->njobs++;
 		log_info("job '%s' (id %llu) opened by uid %u, world size %u, state %s", name,
 		    (unsigned long long)job->id, (unsigned)s->uid, world_size,
 		    zk_state_format_name(format));
@@ -162,6 +185,7 @@ zd_job_unref(struct zd_daemon *d, struct zd_job *job)
 		return false;
 	log_info("job '%s' (id %llu) closed after %llu steps", job->name,
 	    (unsigned long long)job->id, (unsigned long long)job->steps_applied);
+	zd_forget_job(d, job);
 	TAILQ_REMOVE(&d->jobs, job, entry);
 	d->njobs--;
 	ze_account_unref(job->account);
@@ -407,6 +431,7 @@ static void
 tensor_free(struct zd_daemon *d, struct zd_tensor *t)
 {
 	if (t->et != NULL) {
+		zd_forget_tensor(d, t->et);
 		t->job->tensors--;
 		t->job->params -= ze_tensor_numel(t->et);
 		t->job->state_bytes -= ze_tensor_state_bytes(t->et);
@@ -417,7 +442,7 @@ tensor_free(struct zd_daemon *d, struct zd_tensor *t)
 		ze_tensor_free(t->et);
 	}
 	if (t->owner != NULL) {
-		zd_uid_refund(d, t->owner, 2, t->shm_bytes, 1);
+		zd_uid_refund(d, t->owner, ZD_TENSOR_FDS, t->shm_bytes, 1);
 		zd_uid_put(d, t->owner);
 	}
 	free(t);
@@ -557,7 +582,7 @@ zd_tensor_create(struct zd_session *s, const struct zp_tensor_register *req,
 	}
 	/* Its two slot memfds and their pages, counted before they exist. */
 	t->shm_bytes = slot_bytes(req);
-	r = zd_uid_charge(d, u, 2, t->shm_bytes, 1, err, errlen);
+	r = zd_uid_charge(d, u, ZD_TENSOR_FDS, t->shm_bytes, 1, err, errlen);
 	if (r < 0) {
 		char why[ZP_ERRMSG_MAX + 1];
 
@@ -580,7 +605,7 @@ zd_tensor_create(struct zd_session *s, const struct zp_tensor_register *req,
 		.state_format = (enum zk_state_format)s->job->state_format,
 	}, s->job->account, u->account, t, &t->et, err, errlen);
 	if (r < 0) {
-		zd_uid_refund(d, u, 2, t->shm_bytes, 1);
+		zd_uid_refund(d, u, ZD_TENSOR_FDS, t->shm_bytes, 1);
 		free(t);
 		return r;
 	}
@@ -597,6 +622,66 @@ zd_tensor_create(struct zd_session *s, const struct zp_tensor_register *req,
 	}
 	t->session = s;
 	t->rank = s->rank;
+	/* Kept from here on: a restart of the daemon finds it as it left it. */
+	zd_keep_tensor(d, t);
 	*ret = t;
+	return 0;
+}
+
+int
+zd_job_adopt_tensor(struct zd_daemon *d, struct zd_job *job, uint32_t rank, uid_t owner_uid,
+    const struct ze_tensor_fds *fds, struct ze_adopt_report *rep, struct ze_tensor **ret_et,
+    char *err, size_t errlen)
+{
+	struct ze_record_info info;
+	struct zd_rank_group *g;
+	struct zd_tensor *t;
+	struct zd_uid *u;
+	int r;
+
+	r = ze_record_peek(fds->record, &info, err, errlen);
+	if (r < 0)
+		return r;
+	u = zd_uid_get(d, owner_uid);
+	t = calloc(1, sizeof(*t));
+	g = rank_group_get(job, rank);
+	if (u == NULL || t == NULL || g == NULL) {
+		free(t);
+		snprintf(err, errlen, "out of memory");
+		return -ENOMEM;
+	}
+	t->shm_bytes = slot_bytes(&(struct zp_tensor_register){ .numel = info.numel,
+		.grad_dtype = (uint8_t)info.grad_dtype, .param_dtype = (uint8_t)info.param_dtype });
+	/* Whatever the limits are now: the state exists, it is only being counted again. */
+	u->fds += ZD_TENSOR_FDS;
+	d->client_fds += ZD_TENSOR_FDS;
+	u->shm_bytes += t->shm_bytes;
+	u->tensors++;
+	t->owner = u;
+	snprintf(t->name, sizeof(t->name), "%s", info.name);
+	t->job = job;
+	t->rank = rank;
+	r = ze_tensor_adopt(d->engine, fds, job->account, u->account, t, &t->et, rep, err, errlen);
+	if (r < 0) {
+		zd_uid_refund(d, u, ZD_TENSOR_FDS, t->shm_bytes, 1);
+		zd_uid_put(d, u);
+		if (g->tensors == 0) {
+			TAILQ_REMOVE(&job->rank_groups, g, entry);
+			job->detached_ranks--;
+			free(g);
+		}
+		free(t);
+		return r;
+	}
+	job->tensors++;
+	job->params += info.numel;
+	job->state_bytes += ze_tensor_state_bytes(t->et);
+	d->tensors_total++;
+	d->params_total += info.numel;
+	if (rep->last_step > job->last_step)
+		job->last_step = rep->last_step;
+	keep_detached(job, g, t);
+	zd_keep_tensor(d, t);
+	*ret_et = t->et;
 	return 0;
 }

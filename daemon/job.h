@@ -17,6 +17,13 @@ struct ze_account;
 struct ze_tensor;
 
 /*
+ * Descriptors a tensor holds in the daemon: its grad and param slots, and,
+ * so that it outlives the process, its record and its pinned state's memfd
+ * (one fewer on NVMe; counted the same).
+ */
+#define ZD_TENSOR_FDS 4
+
+/*
  * A client's name for one engine tensor.  Owned by its session (in
  * s->tensors) or, detached, by its job's list; zd_tensor_release frees it
  * and lets the engine tensor go (the engine keeps that while work holds it).
@@ -68,6 +75,8 @@ struct zd_job {
 	bool dropping;			/* zoffctl drop: nothing is kept for a reattach */
 	uint8_t policy;			/* enum zp_policy */
 	uint8_t state_format;		/* enum zk_state_format of its tensors */
+	uint64_t pinned_budget;		/* its account's, as opened (kept for a restart) */
+	unsigned table_slot;		/* recover.c: its record in the recovery table, +1 (0: none) */
 	struct ze_account *account;
 	TAILQ_HEAD(, zd_tensor) detached;	/* oldest first */
 	unsigned ndetached;
@@ -75,6 +84,20 @@ struct zd_job {
 	unsigned detached_ranks;	/* groups in rank_groups */
 };
 
+struct ze_tensor_fds;
+struct ze_adopt_report;
+
+/* A job as a first rank opens it (id 0: the next) or as a restart finds it kept; NULL: no memory. */
+struct zd_job *zd_job_new(struct zd_daemon *d, uid_t uid, const char *name,
+    uint32_t world_size, uint8_t policy, uint64_t pinned_budget, uint8_t state_format,
+    uint64_t id);
+/*
+ * A tensor kept across a restart, rebuilt detached in job for rank (its
+ * process reattaches with the same name and takes it back, resumed).
+ */
+int zd_job_adopt_tensor(struct zd_daemon *d, struct zd_job *job, uint32_t rank,
+    uid_t owner_uid, const struct ze_tensor_fds *fds, struct ze_adopt_report *rep,
+    struct ze_tensor **ret_et, char *err, size_t errlen);
 int zd_job_attach(struct zd_session *s, const struct zp_job_open *req, char *err,
     size_t errlen);
 /* keep: the rank died, its tensors wait detach_grace_s for a reattach. */

@@ -11,30 +11,63 @@
 #include "log.h"
 #include "server.h"
 
-int
-zd_notify(const char *state)
+/* The socket address in $NOTIFY_SOCKET; 0 when unset, 1 when set, -EINVAL when malformed. */
+static int
+notify_address(struct sockaddr_un *sa, socklen_t *len)
 {
 	const char *path = getenv("NOTIFY_SOCKET");
-	struct sockaddr_un sa = { .sun_family = AF_UNIX };
-	socklen_t len;
-	ssize_t n;
-	int fd;
 
 	if (path == NULL || path[0] == '\0')
 		return 0;
-	if ((path[0] != '/' && path[0] != '@') || strlen(path) >= sizeof(sa.sun_path))
+	if ((path[0] != '/' && path[0] != '@') || strlen(path) >= sizeof(sa->sun_path))
 		return -EINVAL;
-	memcpy(sa.sun_path, path, strlen(path));
+	*sa = (struct sockaddr_un){ .sun_family = AF_UNIX };
+	memcpy(sa->sun_path, path, strlen(path));
 	/* A leading '@' names the abstract namespace. */
 	if (path[0] == '@')
-		sa.sun_path[0] = '\0';
-	len = (socklen_t)(offsetof(struct sockaddr_un, sun_path) + strlen(path));
+		sa->sun_path[0] = '\0';
+	*len = (socklen_t)(offsetof(struct sockaddr_un, sun_path) + strlen(path));
+	return 1;
+}
+
+int
+zd_notify_fd(const char *state, int pass_fd)
+{
+	char control[CMSG_SPACE(sizeof(int))] = { 0 };
+	struct iovec iov = { .iov_base = (void *)state, .iov_len = strlen(state) };
+	struct sockaddr_un sa;
+	struct msghdr mh = { .msg_name = &sa, .msg_iov = &iov, .msg_iovlen = 1 };
+	socklen_t len;
+	ssize_t n;
+	int fd, r;
+
+	r = notify_address(&sa, &len);
+	if (r <= 0)
+		return r;
+	mh.msg_namelen = len;
+	if (pass_fd >= 0) {
+		struct cmsghdr *cm;
+
+		mh.msg_control = control;
+		mh.msg_controllen = sizeof(control);
+		cm = CMSG_FIRSTHDR(&mh);
+		cm->cmsg_level = SOL_SOCKET;
+		cm->cmsg_type = SCM_RIGHTS;
+		cm->cmsg_len = CMSG_LEN(sizeof(int));
+		memcpy(CMSG_DATA(cm), &pass_fd, sizeof(int));
+	}
 	fd = socket(AF_UNIX, SOCK_DGRAM | SOCK_CLOEXEC, 0);
 	if (fd < 0)
 		return -errno;
-	n = sendto(fd, state, strlen(state), MSG_NOSIGNAL, (struct sockaddr *)&sa, len);
+	n = sendmsg(fd, &mh, MSG_NOSIGNAL);
 	close(fd);
 	return n < 0 ? -errno : 1;
+}
+
+int
+zd_notify(const char *state)
+{
+	return zd_notify_fd(state, -1);
 }
 
 void

@@ -21,6 +21,7 @@
 #include "engine.h"
 #include "job.h"
 #include "log.h"
+#include "restart.h"
 #include "metrics.h"
 #include "msgio.h"
 #include "requests.h"
@@ -394,8 +395,18 @@ signal_cb(evutil_socket_t sig, short what, void *arg)
 	}
 	if (d->draining)
 		return;
-	log_info("%s: no new connections; finishing %u step(s) in flight",
-	    sig == SIGTERM ? "SIGTERM" : "SIGINT", ze_engine_steps_in_flight(d->engine));
+	if (sig == SIGUSR2) {
+		if (d->exe[0] == '\0' || access(d->exe, X_OK) != 0) {
+			log_errorx("SIGUSR2: cannot hand over to %s: %s", d->exe[0] ? d->exe :
+			    "(unknown binary)", strerror(errno));
+			return;
+		}
+		d->handoff = true;
+	}
+	log_info("%s: no new connections; finishing %u step(s) in flight%s%s",
+	    sig == SIGTERM ? "SIGTERM" : sig == SIGUSR2 ? "SIGUSR2" : "SIGINT",
+	    ze_engine_steps_in_flight(d->engine), d->handoff ? ", then handing the state to " :
+	    "", d->handoff ? d->exe : "");
 	d->draining = true;
 	(void)zd_notify("STOPPING=1");
 	if (d->ev_listen != NULL) {
@@ -403,6 +414,27 @@ signal_cb(evutil_socket_t sig, short what, void *arg)
 		d->ev_listen = NULL;
 	}
 	zd_maybe_finish(d);
+}
+
+/*
+ * SIGUSR2, drained: the binary at our path (a new one after an upgrade)
+ * takes over in this process, with the store in LISTEN_FDS, and recovers
+ * as it would from systemd's.  Returns only when that failed.
+ */
+static void
+handoff(struct zd_daemon *d)
+{
+	int r;
+
+	if (d->listen_fd >= 0) {
+		close(d->listen_fd);
+		unlink_own_socket(d);
+		d->listen_fd = -1;
+	}
+	log_info("handing %zu descriptor(s) over to %s", d->store.nlive, d->exe);
+	r = zd_fdstore_handoff(&d->store, d->exe, d->argv);
+	log_errorx("cannot hand over to %s: %s; the state is lost", d->exe, strerror(-r));
+	_exit(1);
 }
 
 /* The swap engine on the configured paths, or *ret NULL when none are. */
@@ -432,7 +464,9 @@ start_swap(struct zd_daemon *d, struct zs_engine **ret)
 		return -EINVAL;
 	}
 	for (unsigned i = 0; i < d->cfg.nswap_paths; i++)
-		paths[i] = (struct zs_path){ d->cfg.swap_paths[i].path, d->cfg.swap_paths[i].capacity };
+		paths[i] = (struct zs_path){ .path = d->cfg.swap_paths[i].path,
+		    .capacity = d->cfg.swap_paths[i].capacity, .kept_fd = d->kept_swap[i],
+		    .kept_lock_fd = d->kept_swaplock[i] };
 	if (strcmp(d->cfg.swap_engine, "io_uring") == 0)
 		zc.engine = ZS_ENGINE_URING;
 	else if (strcmp(d->cfg.swap_engine, "pthread") == 0)
@@ -485,7 +519,14 @@ start_engine(struct zd_daemon *d)
 	char err[256];
 	int r;
 
+	/* What a restart handed back is checked whole before anything is made. */
+	r = zd_recover_begin(d);
+	if (r < 0)
+		return r;
 	r = start_swap(d, &swap);
+	/* The swap engine took the kept swap descriptors, or closed them failing. */
+	for (unsigned i = 0; i < ZD_MAX_SWAP_PATHS; i++)
+		d->kept_swap[i] = d->kept_swaplock[i] = 0;
 	if (r < 0)
 		return r;
 	for (unsigned i = 0; i < d->cfg.nswap_paths; i++)
@@ -504,11 +545,18 @@ start_engine(struct zd_daemon *d)
 		.chunk_elements = d->cfg.chunk_elements,
 		.swap_path_names = names,
 		.nswap_paths = d->cfg.nswap_paths,
+		.journal = d->cfg.recovery_journal,
+		.kept_journal_fd = d->kept_journal > 2 ? d->kept_journal : 0,
+		.kept_staging_fds = d->kept_staging,
+		.nkept_staging = d->nkept_staging,
 	}, swap, &zd_engine_callbacks, d, &d->engine, err, sizeof(err));
 	if (r < 0) {
 		log_errorx("%s", err);
 		return r;
 	}
+	r = zd_recover_finish(d);
+	if (r < 0)
+		return r;
 	if (swap != NULL)
 		log_info("NVMe tier: %u staging buffers of %llu MiB, chunks of %llu elements",
 		    d->cfg.staging_buffers,
@@ -619,7 +667,7 @@ start_watchdog(struct zd_daemon *d)
 int
 zd_server_run(struct zd_daemon *d)
 {
-	static const int sigs[] = { SIGTERM, SIGINT, SIGHUP };
+	static const int sigs[] = { SIGTERM, SIGINT, SIGHUP, SIGUSR2 };
 	struct zd_metrics *metrics = NULL;
 	int r;
 
@@ -696,7 +744,11 @@ zd_server_run(struct zd_daemon *d)
 
 	log_info("shutting down: %u session(s) closed", d->nsessions);
 	r = 0;
+	if (d->handoff)
+		handoff(d);
 out:
+	/* What is freed from here on is the process's, not the state: the store keeps it. */
+	d->store.quiet = true;
 	while (!TAILQ_EMPTY(&d->sessions))
 		zd_session_close(TAILQ_FIRST(&d->sessions));
 	/* Detached ranks' state goes with the daemon. */
@@ -735,5 +787,6 @@ out:
 		close(d->spare_fd);
 	if (d->base != NULL)
 		event_base_free(d->base);
+	zd_recover_end(d);
 	return r;
 }

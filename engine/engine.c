@@ -64,7 +64,26 @@ ze_engine_new(const struct ze_config *cfg, struct zs_engine *swap,
 		snprintf(err, errlen, "cannot start the step thread: %s", ze_strerror(r));
 		goto fail;
 	}
+	e->journal_fd = -1;
+	e->cfg.kept_staging_fds = NULL;
+	e->cfg.nkept_staging = 0;
+	if (cfg->journal || cfg->kept_journal_fd > 2) {
+		r = ze_journal_start(e, cfg->kept_journal_fd > 2 ? cfg->kept_journal_fd : -1);
+		if (r < 0) {
+			snprintf(err, errlen, "the kept step journal: %s", r == -EPROTO ?
+			    "not a journal this zoffloadd knows" : ze_strerror(r));
+			goto fail;
+		}
+	}
+	/* Staging memfds are taken over only while the buffers are made. */
+	e->cfg.kept_staging_fds = cfg->kept_staging_fds;
+	e->cfg.nkept_staging = cfg->nkept_staging;
 	r = ze_nvme_start(e);
+	e->cfg.kept_staging_fds = NULL;
+	e->cfg.nkept_staging = 0;
+	/* A kept journal still names the old buffers until every tensor is back. */
+	if (r == 0 && cfg->kept_journal_fd <= 2)
+		ze_journal_set_staging(e);
 	if (r < 0) {
 		snprintf(err, errlen, "NVMe tier: cannot set up %u staging buffers: %s",
 		    cfg->staging_buffers, ze_strerror(r));
@@ -106,6 +125,7 @@ ze_engine_free(struct ze_engine *e)
 	zs_engine_free(e->swap);
 	e->swap = NULL;
 	ze_nvme_stop(e);
+	ze_journal_stop(e);
 	zk_pool_free(e->pool);
 	zt_arena_free(e->arena);
 	for (unsigned i = 0; e->cfg.swap_path_names != NULL && i < e->cfg.nswap_paths; i++)
@@ -256,4 +276,16 @@ void
 ze_engine_cancel_lane(struct ze_engine *e, uint32_t lane)
 {
 	ze_nvme_cancel_lane(e, lane);
+}
+
+int
+ze_engine_staging_fd(const struct ze_engine *e, unsigned i)
+{
+	return i < e->nstaging ? e->staging[i].fd : -1;
+}
+
+unsigned
+ze_engine_staging_count(const struct ze_engine *e)
+{
+	return e->nstaging;
 }

@@ -47,6 +47,19 @@ struct ze_config {
 	uint64_t chunk_elements;	/* elements per NVMe chunk, a multiple of 1024 */
 	const char *const *swap_path_names;	/* for messages about a full swap */
 	unsigned nswap_paths;
+	/*
+	 * Keep an undo copy of the slice being stepped in place, so that a crash
+	 * mid-slice can be stepped again exactly (recover.h); costs a copy of
+	 * the slice's state per slice.  Off: such a slice is reported torn.
+	 */
+	bool journal;
+	/*
+	 * Kept from an earlier process (recover.h): its journal (0: none; a kept
+	 * descriptor is never 0..2) and staging memfds.
+	 */
+	int kept_journal_fd;
+	const int *kept_staging_fds;
+	unsigned nkept_staging;
 };
 
 /* What the engine reports.  Every callback runs from an engine call on the loop. */

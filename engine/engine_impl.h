@@ -6,6 +6,7 @@
 
 #include "arena.h"
 #include "engine.h"
+#include "recover.h"
 #include "util.h"
 
 struct zk_pool;
@@ -43,6 +44,17 @@ struct ze_tensor {
 	struct ze_engine *e;
 	void *user;
 	bool freed;
+	uint64_t id;			/* the engine's, never reused: names its kept descriptors */
+	/*
+	 * Its recovery record (recover.c): a memfd holding what the tensor is
+	 * rebuilt from, and the arrays below marked (rec) live in it, so every
+	 * change to them is already kept.
+	 */
+	struct ze_record *rec;
+	size_t rec_bytes;
+	int rec_fd;
+	int state_fd;			/* the pinned state's memfd; -1 on NVMe */
+	uint64_t torn_step;		/* a step a crash left half applied here, 0: none */
 	char name[ZE_NAME_MAX + 1];
 	uint64_t numel;
 	enum zk_dtype grad_dtype;
@@ -74,18 +86,19 @@ struct ze_tensor {
 	bool on_nvme;
 	struct zs_extent *extent;
 	uint64_t chunk_elements;
-	uint8_t *chunks_written;	/* bit per chunk: written since placed (else it reads as zeros) */
+	uint8_t *chunks_written;	/* (rec) bit per chunk: written since placed (else zeros) */
 	/*
 	 * Exactly once: the step each unit (NVMe chunk, or pinned slice of
 	 * ZE_QUANTUM_ELEMENTS) is at.  last_step is the step every unit is at.
 	 */
-	uint64_t *unit_step;
+	uint64_t *unit_step;		/* (rec) */
+	uint64_t *unit_pend;		/* (rec) the step a unit was handed to compute for */
 	uint64_t nunits;
 	uint64_t unit_elements;
 	uint64_t last_step;
 	uint64_t partial_step;		/* a step that landed on some units only; 0: none */
 	bool busy;
-	/* Initialization: a bit per master element written, until all are (then freed). */
+	/* (rec) Initialization: a bit per master element written; NULL once all are. */
 	uint64_t *init_bits;
 	uint64_t init_missing;
 };
@@ -93,6 +106,8 @@ struct ze_tensor {
 /* A pinned buffer that holds one NVMe chunk (master, m, v) while it is read, stepped, written. */
 struct ze_staging {
 	TAILQ_ENTRY(ze_staging) entry;
+	unsigned index;			/* in e->staging, and in the journal */
+	int fd;				/* its memfd: a computed chunk outlives the process */
 	void *buf;
 	size_t bytes;
 	bool pinned;
@@ -156,6 +171,11 @@ struct ze_engine {
 	uint64_t batch_seq;			/* the last batch's seq */
 	unsigned xfers;				/* transfers and param I/O not yet reported */
 	struct ze_stats stats;
+	uint64_t next_tensor_id;
+	/* recover.c: the undo copy of the slice being stepped, and staging buffers' chunks */
+	struct ze_journal *journal;
+	size_t journal_bytes;
+	int journal_fd;
 };
 
 /* Byte offsets of a state's arrays in one region of `elements` elements each (state.c). */
@@ -187,6 +207,12 @@ bool ze_format_supports(enum zk_state_format f, enum zk_optim optim);
 
 /* tensor.c */
 void ze_tensor_unbusy(struct ze_tensor *t);
+void ze_tensor_destroy(struct ze_tensor *t);
+void ze_tensor_charge(struct ze_tensor *t, struct ze_account *job, struct ze_account *uid,
+    bool pinned, uint64_t bytes);
+/* master, m, v and the param store from t->state, as placement lays them out. */
+void ze_tensor_point_state(struct ze_tensor *t);
+uint64_t ze_tensor_pinned_bytes(const struct ze_tensor *t);
 /* The param slot mirrors master: elements [offset, offset + count) from src. */
 void ze_tensor_write_param(struct ze_tensor *t, uint64_t offset, uint64_t count,
     const float *src);
@@ -219,5 +245,36 @@ void ze_step_completions(struct ze_engine *e);
 
 /* param.c */
 void ze_param_drop_pages(struct ze_tensor *t);
+/* Sets both flags, kept in the tensor's record as they change. */
+void ze_param_flags(struct ze_tensor *t, bool resident, bool dirty);
+
+/* shm.c: a kept memfd of bytes (page-rounded) mapped as a slot again. */
+int ze_shm_adopt(struct ze_engine *e, int fd, size_t bytes, struct ze_shm *ret);
+/* ze_shm_create with src's first bytes copied in before it is sealed (src -1: zeros). */
+int ze_shm_create_from(struct ze_engine *e, const char *name, size_t bytes,
+    bool client_read_only, int src, struct ze_shm *ret);
+
+/* recover.c */
+/* The record for a tensor just placed (units and chunks known); -errno. */
+int ze_record_create(struct ze_tensor *t);
+void ze_record_initialized(struct ze_tensor *t);
+void ze_record_destroy(struct ze_tensor *t);
+int ze_journal_start(struct ze_engine *e, int kept_fd);
+void ze_journal_stop(struct ze_engine *e);
+/* The journal names the engine's staging buffers from now on. */
+void ze_journal_set_staging(struct ze_engine *e);
+/*
+ * Stepper thread: a pinned slice stepped in place with its undo copy made
+ * block by block as it goes (zk_pool_step's result, bit for bit).
+ */
+struct zk_pool;
+int ze_journal_step(struct ze_engine *e, struct zk_pool *pool, enum zk_isa isa,
+    const struct zk_hparams *hp, const struct ze_task *task);
+/* An NVMe chunk computed in staging buffer i is about to be written / has landed. */
+void ze_journal_staging(struct ze_engine *e, unsigned i, const struct ze_tensor *t,
+    uint64_t chunk, uint64_t step);
+void ze_journal_staging_clear(struct ze_engine *e, unsigned i);
+/* nvme.c: a computed chunk from a kept staging buffer written again, synchronously. */
+int ze_nvme_rewrite(struct ze_engine *e, struct ze_tensor *t, uint64_t chunk, const void *buf);
 
 #endif

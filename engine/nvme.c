@@ -2,6 +2,7 @@
 #include <errno.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "engine_impl.h"
 #include "stepper.h"
@@ -143,7 +144,10 @@ ze_nvme_start(struct ze_engine *e)
 	for (unsigned i = 0; i < e->cfg.staging_buffers; i++) {
 		struct ze_staging *sb = &e->staging[i];
 
-		r = zt_arena_alloc(e->staging_arena, bytes, &sb->buf, &sb->pinned);
+		sb->index = i;
+		r = zt_arena_alloc_fd(e->staging_arena, bytes, "zoffload-staging",
+		    i < e->cfg.nkept_staging ? e->cfg.kept_staging_fds[i] : -1, &sb->buf, &sb->pinned,
+		    &sb->fd);
 		if (r < 0)
 			return r;
 		sb->bytes = bytes;
@@ -159,9 +163,11 @@ ze_nvme_start(struct ze_engine *e)
 void
 ze_nvme_stop(struct ze_engine *e)
 {
-	for (unsigned i = 0; i < e->nstaging; i++)
+	for (unsigned i = 0; i < e->nstaging; i++) {
 		zt_arena_release(e->staging_arena, e->staging[i].buf, e->staging[i].bytes,
 		    e->staging[i].pinned);
+		close(e->staging[i].fd);
+	}
 	free(e->staging);
 	e->staging = NULL;
 	e->nstaging = 0;
@@ -179,9 +185,9 @@ ze_nvme_place(struct ze_engine *e, struct ze_tensor *t)
 	if (t->numel < c)
 		c = (t->numel + 1023) / 1024 * 1024;
 	t->chunk_elements = c;
+	/* Its chunks_written bits are in its record (recover.c), made once it is placed. */
 	t->extent = calloc(1, sizeof(*t->extent));
-	t->chunks_written = calloc((chunk_count(t) + 7) / 8, 1);
-	if (t->extent == NULL || t->chunks_written == NULL) {
+	if (t->extent == NULL) {
 		r = -ENOMEM;
 		goto fail;
 	}
@@ -203,9 +209,7 @@ ze_nvme_place(struct ze_engine *e, struct ze_tensor *t)
 	return 0;
 fail:
 	free(t->extent);
-	free(t->chunks_written);
 	t->extent = NULL;
-	t->chunks_written = NULL;
 	return r;
 }
 
@@ -216,9 +220,7 @@ ze_nvme_release(struct ze_engine *e, struct ze_tensor *t)
 		return;
 	zs_extent_free(e->swap, t->extent);
 	free(t->extent);
-	free(t->chunks_written);
 	t->extent = NULL;
-	t->chunks_written = NULL;
 	t->on_nvme = false;
 }
 
@@ -282,6 +284,9 @@ work_chunk_finished(struct ze_engine *e, struct chunk_io *io, int error)
 		if (w->error == 0)
 			w->error = error;
 	}
+	/* Stamped by write_done (or failed): the buffer's chunk is nothing to keep now. */
+	if (w->kind == WORK_STEP)
+		ze_journal_staging_clear(e, io->staging->index);
 	TAILQ_INSERT_TAIL(&e->staging_free, io->staging, entry);
 	free(io);
 	w->outstanding--;
@@ -320,6 +325,9 @@ write_done(int result, void *arg)
 
 	if (result == 0) {
 		t->chunks_written[io->chunk / 8] |= (uint8_t)(1u << (io->chunk % 8));
+		/* Landed: stamped before its journal entry goes (ze_step_unit_done agrees). */
+		if (w->kind == WORK_STEP)
+			t->unit_step[io->chunk] = w->batch->hp.step;
 		io->e->stats.chunks_written++;
 		io->e->stats.bytes_written += chunk_io_bytes(t, io->chunk);
 		if ((w->kind == WORK_WRITE && w->state == ZE_STATE_MASTER) ||
@@ -519,6 +527,9 @@ ze_nvme_step_computed(struct ze_engine *e, struct ze_task *task)
 		work_chunk_finished(e, io, task->result);
 		return;
 	}
+	/* From here until it is stamped the chunk on disk may be old, new or torn: keep it. */
+	ze_journal_staging(e, io->staging->index, io->work->tensor, io->chunk,
+	    io->work->batch->hp.step);
 	write_back(e, io);
 }
 
@@ -639,6 +650,7 @@ ze_nvme_queue_step(struct ze_engine *e, struct ze_batch *b, size_t i)
 			b->landed[i] += chunk_len(t, c);
 			e->stats.chunks_skipped++;
 		} else {
+			t->unit_pend[c] = b->hp.step;
 			needed++;
 		}
 	}
@@ -726,4 +738,27 @@ ze_nvme_cancel_lane(struct ze_engine *e, uint32_t lane)
 	TAILQ_FOREACH(w, &e->xfer_works, xfer_entry)
 		if (w->lane == lane)
 			w->buf = NULL;
+}
+
+static void
+rewrite_done(int result, void *arg)
+{
+	*(int *)arg = result == 0 ? 1 : result;
+}
+
+int
+ze_nvme_rewrite(struct ze_engine *e, struct ze_tensor *t, uint64_t chunk, const void *buf)
+{
+	int done = 0, r;
+
+	r = zs_write(e->swap, t->extent, chunk * chunk_bytes(t), buf, chunk_io_bytes(t, chunk),
+	    rewrite_done, &done);
+	while (r == 0 && done == 0)
+		r = zs_engine_wait(e->swap, -1) < 0 ? -EIO : 0;
+	if (r < 0)
+		return r;
+	if (done < 0)
+		return done;
+	t->chunks_written[chunk / 8] |= (uint8_t)(1u << (chunk % 8));
+	return 0;
 }

@@ -29,9 +29,10 @@ struct param_io {
 void
 ze_param_drop_pages(struct ze_tensor *t)
 {
+	/* Not resident before the pages go: a crash in between must not trust them. */
+	ze_param_flags(t, false, t->param_dirty);
 	(void)fallocate(t->param_slot.fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, 0,
 	    (off_t)t->param_slot.bytes);
-	t->param_resident = false;
 }
 
 static void
@@ -60,8 +61,7 @@ param_io_done(int result, void *arg)
 		e->stats.io_errors++;
 	if (io->fetch) {
 		if (result == 0) {
-			t->param_resident = true;
-			t->param_dirty = false;
+			ze_param_flags(t, true, false);
 			e->stats.param_bytes_staged += t->param_store_bytes;
 		}
 		e->xfers--;
@@ -70,7 +70,7 @@ param_io_done(int result, void *arg)
 	} else {
 		if (result == 0) {
 			e->stats.param_bytes_written += t->param_store_bytes;
-			t->param_dirty = false;
+			ze_param_flags(t, t->param_resident, false);
 			ze_param_drop_pages(t);
 		} else if (io->release->error == 0) {
 			io->release->error = result;
@@ -122,8 +122,7 @@ ze_param_fetch(struct ze_tensor *t, uint32_t lane, uint64_t id)
 	e->stats.param_misses++;
 	if (!t->on_nvme) {
 		memcpy(t->param_slot.map, t->param_store, t->param_store_bytes);
-		t->param_resident = true;
-		t->param_dirty = false;
+		ze_param_flags(t, true, false);
 		e->stats.param_bytes_staged += t->param_store_bytes;
 		return 1;
 	}
@@ -162,7 +161,7 @@ ze_param_release(struct ze_engine *e, struct ze_tensor *const *ts, size_t n, uin
 		} else if (!t->on_nvme) {
 			memcpy(t->param_store, t->param_slot.map, t->param_store_bytes);
 			e->stats.param_bytes_written += t->param_store_bytes;
-			t->param_dirty = false;
+			ze_param_flags(t, t->param_resident, false);
 			ze_param_drop_pages(t);
 		} else {
 			r = start_io(t, lane, id, false, rel);

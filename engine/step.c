@@ -92,6 +92,12 @@ batch_take(struct ze_batch *b, uint64_t step, enum zk_optim hp_optim,
 			    (unsigned long long)step, t->name);
 			return -EBUSY;
 		}
+		if (stepping && t->torn_step != 0) {
+			snprintf(err, errlen, "step %llu: tensor '%s' was left half way through step "
+			    "%llu by a daemon crash; restore it from a checkpoint", (unsigned long long)step,
+			    t->name, (unsigned long long)t->torn_step);
+			return -EIO;
+		}
 		if (stepping && step <= t->last_step) {
 			snprintf(err, errlen, "step %llu: tensor '%s' is already at step %llu",
 			    (unsigned long long)step, t->name, (unsigned long long)t->last_step);
@@ -262,8 +268,7 @@ tensor_done(struct ze_engine *e, struct ze_batch *b, size_t i, enum ze_step_stat
 		t->last_step = b->hp.step;
 		t->partial_step = 0;
 		/* The step wrote every parameter into the slot. */
-		t->param_resident = true;
-		t->param_dirty = true;
+		ze_param_flags(t, true, true);
 		if (t->on_nvme) {
 			e->stats.nvme_steps++;
 			e->stats.nvme_step_bytes += zk_state_bytes(t->format, t->numel);
@@ -410,6 +415,10 @@ batch_run(struct ze_engine *e, struct ze_batch *b)
 			task->batch = b;
 			task->index = i;
 			task->unit = k;
+			task->e = e;
+			task->tensor_id = t->id;
+			task->stamp = &t->unit_step[k];
+			t->unit_pend[k] = b->hp.step;
 			if (t->format != ZK_STATE_FP32) {
 				/* Slices start on ZE_QUANTUM_ELEMENTS: whole q8 blocks. */
 				(void)zk_qtensor_slice(&q, off, ze_unit_len(t, k), &task->qview);

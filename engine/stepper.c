@@ -47,10 +47,15 @@ run_task(struct ze_stepper *st, struct ze_task *task)
 		b->check = (struct zk_grad_stats){ 0 };
 		task->result = zk_pool_grad_check(st->pool, b->isa, b->views, b->count,
 		    b->hp.grad_scale, &b->check);
-	} else if (task->qview.format != ZK_STATE_FP32) {
-		task->result = zk_pool_qstep(st->pool, b->isa, &b->hp_run, &task->qview, 1);
+	} else if (task->stamp == NULL) {
+		task->result = task->qview.format != ZK_STATE_FP32 ?
+		    zk_pool_qstep(st->pool, b->isa, &b->hp_run, &task->qview, 1) :
+		    zk_pool_step(st->pool, b->isa, &b->hp_run, &task->view, 1);
 	} else {
-		task->result = zk_pool_step(st->pool, b->isa, &b->hp_run, &task->view, 1);
+		task->result = ze_journal_step(task->e, st->pool, b->isa, &b->hp_run, task);
+		/* Landed: stamped before the next slice's undo copy replaces this one's. */
+		if (task->stamp != NULL && task->result == 0)
+			__atomic_store_n(task->stamp, task->step, __ATOMIC_RELEASE);
 	}
 	task->compute_ns = zu_now_ns() - t0;
 }

@@ -11,6 +11,7 @@
 #include "quant.h"
 
 struct ze_batch;
+struct ze_engine;
 struct ze_staging;
 struct ze_stepper;
 struct zk_pool;
@@ -36,6 +37,14 @@ struct ze_task {
 	struct zk_tensor view;		/* STEP: the unit, in place or in a staging buffer (fp32) */
 	struct zk_qtensor qview;	/* ... in a compressed format: used when its format is not fp32 */
 	struct ze_staging *staging;	/* NVMe chunk being stepped, NULL in place */
+	/*
+	 * In place: the tensor's id and stamp for the unit.  The stepper keeps
+	 * an undo copy of the slice while it runs and stamps it when it lands,
+	 * so a crash at any instant leaves it recoverable (recover.c).
+	 */
+	struct ze_engine *e;
+	uint64_t tensor_id;
+	uint64_t *stamp;
 	uint64_t io_start_ns;		/* NVMe: when its read was issued */
 	int result;
 	uint64_t compute_ns;

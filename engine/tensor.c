@@ -3,6 +3,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "convert.h"
 #include "engine_impl.h"
@@ -27,8 +28,8 @@ over(const struct ze_account *a, bool pinned, uint64_t bytes)
 }
 
 /* The charge: taken from both accounts here, given back by tensor_destroy alone. */
-static void
-charge(struct ze_tensor *t, struct ze_account *job, struct ze_account *uid, bool pinned,
+void
+ze_tensor_charge(struct ze_tensor *t, struct ze_account *job, struct ze_account *uid, bool pinned,
     uint64_t bytes)
 {
 	struct ze_account *acc[2] = { job, uid };
@@ -118,8 +119,37 @@ place_nvme(struct ze_engine *e, struct ze_tensor *t, struct ze_account *job,
 		    full->limits.swap_what != NULL ? full->limits.swap_what : "swap budget");
 		return -EDQUOT;
 	}
-	charge(t, job, uid, false, t->state_bytes);
+	ze_tensor_charge(t, job, uid, false, t->state_bytes);
 	return 0;
+}
+
+/* Points t's arrays into its pinned allocation, laid out for its format. */
+void
+ze_tensor_point_state(struct ze_tensor *t)
+{
+	struct zk_qtensor q;
+	struct ze_layout l;
+
+	ze_layout_of(t->format, t->numel, true, &l);
+	if (t->param_offload) {
+		t->param_store = (char *)t->state + l.bytes;
+		t->param_store_bytes = param_store_bytes(t);
+	}
+	ze_state_view(t->format, t->state, &l, t->numel, &q);
+	t->master = q.master;
+	t->m = q.m;
+	t->v = q.v;
+	t->m_scale = q.m_scale;
+	t->v_scale = q.v_scale;
+}
+
+uint64_t
+ze_tensor_pinned_bytes(const struct ze_tensor *t)
+{
+	struct ze_layout l;
+
+	ze_layout_of(t->format, t->numel, true, &l);
+	return l.bytes + (t->param_offload ? param_store_bytes(t) : 0);
 }
 
 /*
@@ -133,15 +163,12 @@ static int
 place(struct ze_engine *e, struct ze_tensor *t, enum ze_policy policy, struct ze_account *job,
     struct ze_account *uid, char *err, size_t errlen)
 {
-	struct ze_layout l;
-	uint64_t pinned;
+	uint64_t pinned = ze_tensor_pinned_bytes(t);
 	const struct ze_account *full;
 	struct zt_arena_stats as;
 	char a[32], b[32], c[32];
 	int r;
 
-	ze_layout_of(t->format, t->numel, true, &l);
-	pinned = l.bytes + (t->param_offload ? param_store_bytes(t) : 0);
 	if (policy == ZE_POLICY_AUTO && e->swap == NULL)
 		policy = ZE_POLICY_CPU;
 	full = over(job, true, pinned) ? job : over(uid, true, pinned) ? uid : NULL;
@@ -155,23 +182,13 @@ place(struct ze_engine *e, struct ze_tensor *t, enum ze_policy policy, struct ze
 		    full->limits.pinned_what : "pinned budget");
 		return -EDQUOT;
 	}
-	/* Offloaded params of a pinned tensor are kept pinned after its state. */
-	r = zt_arena_alloc(e->arena, pinned, &t->state, &t->state_pinned);
+	/* Offloaded params of a pinned tensor are kept pinned after its state; in a memfd, kept. */
+	r = zt_arena_alloc_fd(e->arena, pinned, "zoffload-state", -1, &t->state, &t->state_pinned,
+	    &t->state_fd);
 	if (r == 0) {
-		struct zk_qtensor q;
-
 		t->state_bytes = pinned;
-		if (t->param_offload) {
-			t->param_store = (char *)t->state + l.bytes;
-			t->param_store_bytes = param_store_bytes(t);
-		}
-		ze_state_view(t->format, t->state, &l, t->numel, &q);
-		t->master = q.master;
-		t->m = q.m;
-		t->v = q.v;
-		t->m_scale = q.m_scale;
-		t->v_scale = q.v_scale;
-		charge(t, job, uid, true, pinned);
+		ze_tensor_point_state(t);
+		ze_tensor_charge(t, job, uid, true, pinned);
 		return 0;
 	}
 	t->state = NULL;
@@ -196,8 +213,8 @@ place(struct ze_engine *e, struct ze_tensor *t, enum ze_policy policy, struct ze
 	return r;
 }
 
-static void
-tensor_destroy(struct ze_tensor *t)
+void
+ze_tensor_destroy(struct ze_tensor *t)
 {
 	struct ze_engine *e = t->e;
 
@@ -207,9 +224,10 @@ tensor_destroy(struct ze_tensor *t)
 		ze_nvme_release(e, t);
 	else if (t->state != NULL)
 		zt_arena_release(e->arena, t->state, t->state_bytes, t->state_pinned);
+	if (t->state_fd >= 0)
+		close(t->state_fd);
 	refund(t);
-	free(t->unit_step);
-	free(t->init_bits);
+	ze_record_destroy(t);
 	free(t);
 }
 
@@ -235,6 +253,8 @@ ze_tensor_new(struct ze_engine *e, const struct ze_tensor_desc *desc,
 	t->e = e;
 	t->user = user;
 	t->grad_slot.fd = t->param_slot.fd = -1;
+	t->state_fd = t->rec_fd = -1;
+	t->id = ++e->next_tensor_id;
 	snprintf(t->name, sizeof(t->name), "%s", desc->name);
 	t->numel = desc->numel;
 	t->grad_dtype = desc->grad_dtype;
@@ -270,18 +290,18 @@ ze_tensor_new(struct ze_engine *e, const struct ze_tensor_desc *desc,
 	/* Units: NVMe chunks as placed, else pinned slices. */
 	t->unit_elements = t->on_nvme ? t->chunk_elements : ZE_QUANTUM_ELEMENTS;
 	t->nunits = (t->numel + t->unit_elements - 1) / t->unit_elements;
-	t->unit_step = calloc(t->nunits, sizeof(*t->unit_step));
-	t->init_bits = calloc((t->numel + 63) / 64, sizeof(uint64_t));
 	t->init_missing = t->numel;
-	if (t->unit_step == NULL || t->init_bits == NULL) {
-		snprintf(err, errlen, "out of memory");
-		r = -ENOMEM;
+	/* Stamps and bits live in the record, so that they outlive the process. */
+	r = ze_record_create(t);
+	if (r < 0) {
+		snprintf(err, errlen, "tensor '%s': cannot create its record: %s", t->name,
+		    ze_strerror(r));
 		goto fail;
 	}
 	*ret = t;
 	return 0;
 fail:
-	tensor_destroy(t);
+	ze_tensor_destroy(t);
 	return r;
 }
 
@@ -293,7 +313,7 @@ ze_tensor_free(struct ze_tensor *t)
 	t->user = NULL;
 	t->freed = true;
 	if (!t->busy)
-		tensor_destroy(t);
+		ze_tensor_destroy(t);
 }
 
 void
@@ -301,7 +321,7 @@ ze_tensor_unbusy(struct ze_tensor *t)
 {
 	t->busy = false;
 	if (t->freed)
-		tensor_destroy(t);
+		ze_tensor_destroy(t);
 }
 
 void
@@ -353,8 +373,9 @@ ze_tensor_set_step(struct ze_tensor *t, uint64_t step)
 		return -EBUSY;
 	t->last_step = step;
 	t->partial_step = 0;
+	t->torn_step = 0;
 	for (uint64_t u = 0; u < t->nunits; u++)
-		t->unit_step[u] = step;
+		t->unit_step[u] = t->unit_pend[u] = step;
 	return 0;
 }
 
@@ -384,7 +405,7 @@ ze_tensor_mark_init(struct ze_tensor *t, uint64_t offset, uint64_t count)
 		i += n;
 	}
 	if (t->init_missing == 0) {
-		free(t->init_bits);
+		ze_record_initialized(t);
 		t->init_bits = NULL;
 	}
 }
@@ -392,7 +413,7 @@ ze_tensor_mark_init(struct ze_tensor *t, uint64_t offset, uint64_t count)
 void
 ze_tensor_write_param(struct ze_tensor *t, uint64_t offset, uint64_t count, const float *src)
 {
-	t->param_dirty = true;
+	ze_param_flags(t, t->param_resident, true);
 	switch (t->param_dtype) {
 	case ZK_DTYPE_F32:
 		memcpy((float *)t->param_slot.map + offset, src, count * sizeof(float));

@@ -35,6 +35,14 @@ void zt_arena_free(struct zt_arena *arena);
  * *ret_pinned says whether it is mlocked.
  */
 int zt_arena_alloc(struct zt_arena *arena, size_t size, void **ret, bool *ret_pinned);
+/*
+ * The same in a sealed memfd named name (fd -1: made here, *ret_fd is it), or
+ * in fd as it is (a file kept from an earlier process: -EBADFD unless it
+ * is exactly the page-rounded size), so the memory can outlive the process.
+ * The caller owns *ret_fd; releasing the allocation leaves it open.
+ */
+int zt_arena_alloc_fd(struct zt_arena *arena, size_t size, const char *name, int fd,
+    void **ret, bool *ret_pinned, int *ret_fd);
 /* size and pinned as the allocation returned them. */
 void zt_arena_release(struct zt_arena *arena, void *ptr, size_t size, bool pinned);
 /* Budget may shrink below use: new allocations fail until enough is released. */

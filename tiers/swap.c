@@ -754,3 +754,10 @@ zs_engine_stats(const struct zs_engine *e, struct zs_engine_stats *ret)
 		.buffers_registered = e->buffers_registered,
 	};
 }
+
+void
+zs_engine_path_fds(const struct zs_engine *e, unsigned i, int *ret_fd, int *ret_lock_fd)
+{
+	*ret_fd = i < e->npaths ? e->files[i].fd : -1;
+	*ret_lock_fd = i < e->npaths ? e->files[i].lock_fd : -1;
+}

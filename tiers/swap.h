@@ -51,6 +51,13 @@ struct zs_path {
 	 */
 	const char *path;
 	uint64_t capacity;	/* bytes; 0: the config's default (a block device: all of it) */
+	/*
+	 * Descriptors kept from an earlier process (> 2; 0: none): the swap file
+	 * (and a directory's lock) as it left them, taken over as they are:
+	 * neither created, preallocated nor locked again (its lock is theirs).
+	 */
+	int kept_fd;
+	int kept_lock_fd;
 };
 
 /*
@@ -149,6 +156,15 @@ struct zs_extent {
 };
 
 int zs_extent_alloc(struct zs_engine *engine, uint64_t size, struct zs_extent *ret);
+/*
+ * Takes an extent an earlier engine on the same files handed out (kept in
+ * a record) back out of the free space: -EINVAL when it does not fit this
+ * engine's paths, -EEXIST when part of it is taken already.
+ */
+int zs_extent_reserve(struct zs_engine *engine, const struct zs_extent *extent);
+/* Path i's swap file descriptor and its lock's (-1: none), for keeping them. */
+void zs_engine_path_fds(const struct zs_engine *engine, unsigned i, int *ret_fd,
+    int *ret_lock_fd);
 /* No I/O on it may be in flight. */
 void zs_extent_free(struct zs_engine *engine, const struct zs_extent *extent);
 

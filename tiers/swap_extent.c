@@ -210,3 +210,69 @@ zs_extent_free(struct zs_engine *e, const struct zs_extent *x)
 			    share);
 	}
 }
+
+/* Takes [off, off + len) out of the free ranges: it must lie within one of them. */
+static int
+space_take(struct zs_space *s, uint64_t off, uint64_t len)
+{
+	for (unsigned i = 0; i < s->nfree; i++) {
+		struct zs_range *r = &s->free[i];
+		uint64_t end = r->off + r->len;
+
+		if (off < r->off || off + len > end)
+			continue;
+		if (off == r->off) {
+			r->off += len;
+			r->len -= len;
+			if (r->len == 0) {
+				memmove(r, r + 1, (s->nfree - i - 1) * sizeof(*r));
+				s->nfree--;
+			}
+		} else if (off + len == end) {
+			r->len -= len;
+		} else {
+			if (s->nfree == s->cap && space_grow(s) < 0)
+				return -ENOMEM;
+			r = &s->free[i];
+			memmove(r + 2, r + 1, (s->nfree - i - 1) * sizeof(*r));
+			s->free[i + 1] = (struct zs_range){ .off = off + len, .len = end - off - len };
+			r->len = off - r->off;
+			s->nfree++;
+		}
+		s->used += len;
+		return 0;
+	}
+	return -EEXIST;
+}
+
+int
+zs_extent_reserve(struct zs_engine *e, const struct zs_extent *x)
+{
+	unsigned s;
+	int r = 0;
+
+	if (x->size == 0 || x->size % e->granule != 0 || x->npaths != e->npaths ||
+	    x->nslots == 0 || x->nslots > e->npaths || x->first_slot >= x->nslots)
+		return -EINVAL;
+	for (s = 0; s < x->nslots; s++)
+		if (x->paths[s] >= e->npaths)
+			return -EINVAL;
+	for (s = 0; s < x->nslots; s++) {
+		uint64_t share = extent_share(e, x->size, x->nslots, x->first_slot, s);
+
+		if (share == 0)
+			continue;
+		r = space_take(&e->files[x->paths[s]].space, x->offset[x->paths[s]], share);
+		if (r < 0)
+			break;
+	}
+	if (r == 0)
+		return 0;
+	while (s-- > 0) {
+		uint64_t share = extent_share(e, x->size, x->nslots, x->first_slot, s);
+
+		if (share != 0)
+			zs_space_release(&e->files[x->paths[s]].space, x->offset[x->paths[s]], share);
+	}
+	return r;
+}

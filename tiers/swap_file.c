@@ -219,6 +219,22 @@ zs_file_open(const struct zs_path *path, uint64_t capacity, struct zs_file *f,
 	if (path->path == NULL || path->path[0] == '\0')
 		return fail(info, "path", -EINVAL, -EINVAL);
 
+	if (path->kept_fd > 2) {
+		/* Kept: already locked (the lock is the kept description's) and preallocated. */
+		f->fd = path->kept_fd;
+		f->lock_fd = path->kept_lock_fd > 2 ? path->kept_lock_fd : -1;
+		if (fstat(f->fd, &st) < 0) {
+			r = fail(info, "fstat", -errno, -errno);
+			goto err;
+		}
+		blockdev = S_ISBLK(st.st_mode);
+		f->regular = S_ISREG(st.st_mode);
+		if (blockdev && capacity == 0 && ioctl(f->fd, BLKGETSIZE64, &capacity) < 0) {
+			r = fail(info, "BLKGETSIZE64", -errno, -errno);
+			goto err;
+		}
+		goto opened;
+	}
 	if (stat(path->path, &st) == 0 && S_ISDIR(st.st_mode)) {
 		f->lock_fd = open(path->path, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
 		if (f->lock_fd < 0)
@@ -285,6 +301,7 @@ zs_file_open(const struct zs_path *path, uint64_t capacity, struct zs_file *f,
 		}
 	}
 
+opened:
 	dio_alignment(f, blockdev);
 	if (f->dio_offset_align == 0 || f->dio_mem_align == 0) {
 		r = fail(info, "statx", -EINVAL, -ZS_E_NODIRECT);

@@ -79,7 +79,8 @@ fi
 # What the daemon needs from its unit, and the hardening it is meant to run under.
 for line in 'Type=notify' 'NoNewPrivileges=yes' 'ProtectSystem=strict' 'PrivateTmp=yes' \
     'RestrictAddressFamilies=AF_UNIX' 'SystemCallArchitectures=native' 'LimitMEMLOCK=infinity' \
-    'ReadWritePaths=/var/lib/zoffload' 'RuntimeDirectory=zoffload' 'ExecReload=/bin/kill -HUP $MAINPID'; do
+    'ReadWritePaths=/var/lib/zoffload' 'RuntimeDirectory=zoffload' 'ExecReload=/bin/kill -HUP $MAINPID' \
+    'Restart=on-failure' 'FileDescriptorStoreMax=65536'; do
 	if ! grep -qxF "$line" "$unit"; then
 		echo "FAIL: $unit lacks '$line'"
 		status=1

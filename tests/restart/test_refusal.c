@@ -1,0 +1,249 @@
+/* A kept state that does not add up is refused, by name, with nothing overwritten; --start-empty sets it aside. */
+#include <criterion/criterion.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <glob.h>
+#include <signal.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include "trainer.h"
+
+static struct zrt run_;
+/* The inodes of every tensor's grad and param slot mappings, before the daemon died. */
+static unsigned long inodes[ZRT_JOBS][ZRT_TENSORS][2];
+
+/* The inode of the file mapped at addr in this process (/proc/self/maps), 0 if none. */
+static unsigned long
+mapped_inode(const void *addr)
+{
+	unsigned long start, end, ino = 0, found = 0;
+	char line[512];
+	FILE *f = fopen("/proc/self/maps", "r");
+
+	while (f != NULL && fgets(line, sizeof(line), f) != NULL)
+		if (sscanf(line, "%lx-%lx %*s %*s %*s %lu", &start, &end, &ino) == 3 &&
+		    (uintptr_t)addr >= start && (uintptr_t)addr < end)
+			found = ino;
+	if (f != NULL)
+		fclose(f);
+	return found;
+}
+
+static void
+slot_inodes(unsigned long ret[ZRT_JOBS][ZRT_TENSORS][2])
+{
+	for (int j = 0; j < ZRT_JOBS; j++)
+		for (int k = 0; k < ZRT_TENSORS; k++) {
+			ret[j][k][0] = mapped_inode(zc_tensor_grad_slot(run_.j[j].t[k], NULL));
+			ret[j][k][1] = mapped_inode(zc_tensor_param_slot(run_.j[j].t[k], NULL));
+		}
+}
+
+static void
+teardown(void)
+{
+	zrt_teardown(&run_);
+}
+
+TestSuite(refusal, .fini = teardown, .timeout = 120);
+
+/* A few steps on a named swap file, then the daemon dies with its state in the store. */
+static void
+kept_state(void)
+{
+	char err[20000] = "";
+	int status;
+
+	cr_assert_eq(zrt_setup(&run_, true, err, sizeof(err)), 0, "%s", err);
+	run_.steps = 3;
+	cr_assert_eq(zrt_attach(&run_, false, err, sizeof(err)), 0, "%s", err);
+	cr_assert_eq(zrt_train(&run_, ZRT_NONE, 0, 0, err, sizeof(err)), 0, "%s", err);
+	slot_inodes(inodes);
+	zrt_detach(&run_);
+	kill(run_.st.pid, SIGKILL);
+	status = zst_wait_exit(&run_.st, 30);
+	cr_assert(WIFSIGNALED(status), "status 0x%x", status);
+}
+
+/* FNV-1a over every byte of fd. */
+static uint64_t
+digest(int fd)
+{
+	uint64_t h = 1469598103934665603ull;
+	char buf[65536];
+	off_t off = 0;
+	ssize_t n;
+
+	cr_assert_geq(fd, 0);
+	while ((n = pread(fd, buf, sizeof(buf), off)) > 0) {
+		for (ssize_t i = 0; i < n; i++)
+			h = (h ^ (unsigned char)buf[i]) * 1099511628211ull;
+		off += n;
+	}
+	return h;
+}
+
+/* The daemon refuses to start, saying `why`; the store and the swap file are as they were. */
+static void
+expect_refusal(const char *why)
+{
+	uint64_t table = digest(zst_fd(&run_.st, "table"));
+	uint64_t swap = digest(zst_fd(&run_.st, "swap0"));
+	unsigned removes = run_.st.removes, stores = run_.st.stores;
+	size_t nfds = run_.st.nfds;
+	int status;
+
+	cr_assert_eq(zst_start(&run_.st, run_.argv), 0);
+	cr_assert_eq(zst_wait_ready(&run_.st, run_.st.readies + 1, 30), -ECHILD,
+	    "zoffloadd started on a kept state that should be refused:\n%s", zst_log(&run_.st));
+	zst_drain(&run_.st);
+	(void)status;
+	cr_assert(strstr(zst_log(&run_.st), "refusing to start") != NULL, "%s", zst_log(&run_.st));
+	cr_assert(strstr(zst_log(&run_.st), why) != NULL, "wanted '%s' in:\n%s", why,
+	    zst_log(&run_.st));
+	cr_assert_eq(run_.st.removes, removes, "the refusing daemon dropped kept descriptors");
+	cr_assert_eq(run_.st.stores, stores, "the refusing daemon stored descriptors");
+	cr_assert_eq(run_.st.nfds, nfds);
+	cr_assert_eq(digest(zst_fd(&run_.st, "table")), table, "the table was written");
+	cr_assert_eq(digest(zst_fd(&run_.st, "swap0")), swap, "the swap file was written");
+}
+
+static void
+poke(const char *name, off_t off, const void *bytes, size_t n)
+{
+	int fd = zst_fd(&run_.st, name);
+
+	cr_assert_geq(fd, 0, "no %s kept", name);
+	cr_assert_eq(pwrite(fd, bytes, n, off), (ssize_t)n, "%s", strerror(errno));
+}
+
+Test(refusal, intact_state_is_taken_back)
+{
+	unsigned long now[ZRT_JOBS][ZRT_TENSORS][2];
+	char err[20000] = "";
+
+	kept_state();
+	cr_assert_eq(zst_start(&run_.st, run_.argv), 0);
+	cr_assert_eq(zst_wait_ready(&run_.st, run_.st.readies + 1, 30), 0, "%s",
+	    zst_log(&run_.st));
+	cr_assert_eq(zrt_attach(&run_, true, err, sizeof(err)), 0, "%s", err);
+	for (int j = 0; j < ZRT_JOBS; j++)
+		for (int k = 0; k < ZRT_TENSORS; k++)
+			cr_assert_eq(zc_tensor_last_step(run_.j[j].t[k]), 3, "%s", zst_log(&run_.st));
+	cr_assert(strstr(zst_log(&run_.st), "recovered 2 job(s), 4 tensor(s)") != NULL, "%s",
+	    zst_log(&run_.st));
+	/*
+	 * What a reconnecting client gets: the same grad slot memfd (gradients written before
+	 * the death are there), the same param slot when params are offloaded (tensor 1 of each
+	 * job); a param slot sealed against writable mappings (tensor 0) is a new memfd, its
+	 * contents copied, since not even the daemon can map the old one writable again.
+	 */
+	slot_inodes(now);
+	for (int j = 0; j < ZRT_JOBS; j++) {
+		for (int k = 0; k < ZRT_TENSORS; k++) {
+			cr_assert_neq(now[j][k][0], 0);
+			cr_assert_eq(now[j][k][0], inodes[j][k][0], "job %d tensor %d: another grad slot",
+			    j, k);
+			if (k == 1)
+				cr_assert_eq(now[j][k][1], inodes[j][k][1], "job %d tensor %d: another "
+				    "param slot", j, k);
+			else
+				cr_assert_neq(now[j][k][1], inodes[j][k][1]);
+		}
+	}
+}
+
+Test(refusal, corrupted_table)
+{
+	uint32_t x = 0xdeadbeef;
+
+	kept_state();
+	poke("table", 200, &x, sizeof(x));
+	expect_refusal("the recovery table's checksum fails");
+}
+
+Test(refusal, unknown_table_version)
+{
+	uint32_t v = 99;
+
+	kept_state();
+	poke("table", 8, &v, sizeof(v));
+	expect_refusal("the recovery table is version 99; this zoffloadd knows version 1");
+}
+
+Test(refusal, corrupted_tensor_record)
+{
+	uint32_t x = 0x12345678;
+
+	kept_state();
+	poke("zt1.rec", 100, &x, sizeof(x));
+	expect_refusal("tensor record zt1.rec: checksum mismatch");
+}
+
+Test(refusal, missing_swap_file)
+{
+	char want[300];
+
+	kept_state();
+	cr_assert_eq(unlink(run_.swap), 0);
+	snprintf(want, sizeof(want), "swap file %s is missing", run_.swap);
+	expect_refusal(want);
+}
+
+Test(refusal, wrong_size_swap_file)
+{
+	char want[300];
+
+	kept_state();
+	cr_assert_eq(truncate(run_.swap, (64 << 20) + 4096), 0);
+	snprintf(want, sizeof(want), "swap file %s is %u bytes, the state was kept in one of %u "
+	    "bytes", run_.swap, (64u << 20) + 4096, 64u << 20);
+	expect_refusal(want);
+}
+
+Test(refusal, replaced_swap_file)
+{
+	char want[300];
+	int fd;
+
+	kept_state();
+	cr_assert_eq(unlink(run_.swap), 0);
+	fd = open(run_.swap, O_WRONLY | O_CREAT, 0600);
+	cr_assert_geq(fd, 0);
+	cr_assert_eq(ftruncate(fd, 64 << 20), 0);
+	close(fd);
+	snprintf(want, sizeof(want), "swap file %s is not the one the state was kept in",
+	    run_.swap);
+	expect_refusal(want);
+}
+
+Test(refusal, start_empty_sets_it_aside)
+{
+	const char *argv[8];
+	uint32_t x = 0xdeadbeef;
+	char err[20000] = "", pattern[200];
+	glob_t g;
+
+	kept_state();
+	poke("table", 200, &x, sizeof(x));
+	expect_refusal("checksum fails");
+	memcpy(argv, run_.argv, sizeof(argv));
+	argv[5] = "--start-empty";
+	argv[6] = NULL;
+	cr_assert_eq(zst_start(&run_.st, argv), 0);
+	cr_assert_eq(zst_wait_ready(&run_.st, run_.st.readies + 1, 30), 0, "%s",
+	    zst_log(&run_.st));
+	cr_assert(strstr(zst_log(&run_.st), "starting empty") != NULL, "%s", zst_log(&run_.st));
+	snprintf(pattern, sizeof(pattern), "%s.aside-*", run_.swap);
+	cr_assert_eq(glob(pattern, 0, NULL, &g), 0, "the old swap file was not kept aside");
+	globfree(&g);
+	/* Fresh: the tensors are new, at step 0. */
+	cr_assert_eq(zrt_attach(&run_, false, err, sizeof(err)), 0, "%s", err);
+	cr_assert_eq(zc_tensor_last_step(run_.j[0].t[0]), 0);
+}

@@ -1,0 +1,67 @@
+/* A trainer that survives its daemon: two jobs (pinned, NVMe, param offload), reconnecting by hand. */
+#ifndef ZRT_TRAINER_H
+#define ZRT_TRAINER_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "standin.h"
+#include "zclient.h"
+
+#define ZRT_JOBS 2
+#define ZRT_TENSORS 2
+
+/* What the daemon is told to do while the trainer steps, from a thread of its own. */
+enum zrt_disturb { ZRT_NONE, ZRT_SIGKILL, ZRT_SIGTERM, ZRT_UPGRADE };
+
+struct zrt_job {
+	struct zc_conn *c;
+	struct zc_tensor *t[ZRT_TENSORS];
+};
+
+struct zrt {
+	struct zst st;
+	char swap[160];			/* a directory (unnamed swap file) or a file */
+	char config[160];
+	char socket[160];
+	char exe[160];			/* the binary the service runs */
+	const char *argv[10];
+	struct zrt_job j[ZRT_JOBS];
+	unsigned steps;
+	/*
+	 * libzclient reconnects on its own (the trainer sees no error; reconnects
+	 * counts them, the fewest of any connection), else by hand: reconnects
+	 * off, the trainer attaches again after each failure.
+	 */
+	bool auto_reconnect;
+	const char *state_format;	/* both jobs' (NULL: the daemon's default) */
+	uint64_t reconnects;
+	unsigned restarts;		/* daemon deaths the trainer went through */
+	unsigned resumed;		/* tensors taken back resumed after one */
+	unsigned resubmits;		/* steps submitted again after one */
+	uint64_t final_ns;
+};
+
+/*
+ * swap_file: a named swap file (else a directory).  Starts the daemon under
+ * the stand-in, with the binary copied to exe so an upgrade can replace it.
+ * 0 or an error with why in err.
+ */
+int zrt_setup(struct zrt *r, bool swap_file, char *err, size_t errlen);
+/* Connects, opens both jobs and registers their tensors with initial values. */
+int zrt_attach(struct zrt *r, bool expect_resumed, char *err, size_t errlen);
+/*
+ * Steps 1..steps, with `disturbances` of kind done at random moments (seed);
+ * $ZRT_DEBUG set: each failure the trainer goes through is printed;
+ * after each the trainer reconnects, registers its tensors again (they must
+ * come back resumed) and submits again what had not landed.
+ */
+int zrt_train(struct zrt *r, enum zrt_disturb kind, unsigned disturbances, uint64_t seed,
+    char *err, size_t errlen);
+/* Master, m and v of every tensor, then its param slot: into buf (NULL: the size). */
+size_t zrt_snapshot(struct zrt *r, void *buf);
+void zrt_detach(struct zrt *r);
+void zrt_teardown(struct zrt *r);
+
+#endif
