@@ -5,14 +5,52 @@
 #include "simd.h"
 
 /*
- * Bit-exact with zk_qstep_scalar (optim_q8.c): the fp32 step's operations in
- * its order, the codecs of quant_impl.h as integer and float vector ops, no
- * FMA.  q8 runs a block in two passes: the step, leaving the block's new m
+ * Bit-exact with zk_qstep_scalar (optim_q8.c): the same operations in the
+ * same order (bf16-moments: the fp32 step's, no FMA; q8-moments: fused as
+ * quant.h writes them, the codecs of quant_impl.h as integer and float
+ * vector ops; explicit fma intrinsics, which -ffp-contract=off leaves
+ * alone).  q8 runs a block in two passes: the step, leaving the block's new m
  * and sqrt(v) in L1 buffers while master and param stream through; then the
  * encode, once the block's maxima are known.
  */
 
 #define ZK_NO_PARAM ZK_DTYPE_COUNT
+
+/* The AVX512_BF16 build (meson.build) names its entry zk_qstep_avx512bf16. */
+#ifdef ZK_Q8_BF16
+#define ZK_QFN(name) name##_avx512bf16
+#else
+#define ZK_QFN(name) ZK_FN(name)
+#endif
+
+/*
+ * bf16 rounding of the stores: vcvtneps2bf16 rounds to nearest even and
+ * quiets NaNs as zk__f32_to_bf16 does, but takes subnormal inputs as zero;
+ * a vector holding one (rare: |x| < 2^-126) goes the integer way.
+ */
+#ifdef ZK_Q8_BF16
+ZK_INLINE vh q_bf16(vf x)
+{
+	vh r = (vh)_mm512_cvtneps_pbh(x);
+
+	if (__builtin_expect(_mm512_fpclass_ps_mask(x, 0x20) != 0, 0))
+		r = vf_to_bf16(x);
+	return r;
+}
+#else
+#define q_bf16 vf_to_bf16
+#endif
+ZK_INLINE void q_store_param(void *p, int dt, vf x, bool nt)
+{
+	if (dt == ZK_DTYPE_BF16) {
+		if (nt)
+			vh_stream(p, q_bf16(x));
+		else
+			vh_store(p, q_bf16(x));
+	} else {
+		store_param(p, dt, x, nt);
+	}
+}
 
 #if ZK_VEC_BITS == 512
 ZK_INLINE vi vi_load_u8(const uint8_t *p) { return _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p)); }
@@ -28,6 +66,14 @@ ZK_INLINE vi vi_or_and(vi a, vi b, vi c) { return _mm512_ternarylogic_epi32(a, b
 ZK_INLINE vi vi_zero(void) { return _mm512_setzero_si512(); }
 ZK_INLINE vi vi_loadu(const uint32_t *p) { return _mm512_loadu_si512(p); }
 ZK_INLINE vf vf_cast(vi x) { return _mm512_castsi512_ps(x); }
+ZK_INLINE vf vf_fma(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
+ZK_INLINE vi vi_xor(vi a, vi b) { return _mm512_xor_si512(a, b); }
+/* Sign-extended bytes: the sign of m lands on bit 31 after the shift by 24. */
+ZK_INLINE vi vi_load_s8(const uint8_t *p) { return _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)); }
+/* (a & ~mask) | (b & mask) in one vpternlogd */
+ZK_INLINE vi vi_blend_bits(vi a, vi b, vi mask) { return _mm512_ternarylogic_epi32(mask, b, a, 0xca); }
+/* a ^ (b & c) in one vpternlogd */
+ZK_INLINE vi vi_xor_and(vi a, vi b, vi c) { return _mm512_ternarylogic_epi32(a, b, c, 0x78); }
 #define vi_srli(x, n) _mm512_srli_epi32((x), (n))
 #define vi_slli(x, n) _mm512_slli_epi32((x), (n))
 typedef __m128i vb;		/* ZK_W bytes */
@@ -35,11 +81,15 @@ ZK_INLINE vb vb_load(const uint8_t *p) { return _mm_loadu_si128((const __m128i *
 ZK_INLINE void vb_store(uint8_t *p, vb x) { _mm_storeu_si128((__m128i *)p, x); }
 #else
 ZK_INLINE vi vi_load_u8(const uint8_t *p) { return _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p)); }
+/* The low byte of each lane, as vpmovdb keeps it (codes are not clamped: quant_impl.h). */
 ZK_INLINE void vi_store_u8(uint8_t *p, vi x)
 {
-	__m128i w = _mm_packus_epi32(_mm256_castsi256_si128(x), _mm256_extracti128_si256(x, 1));
+	const __m256i lo8 = _mm256_setr_epi8(0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1,
+	    0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1);
+	__m256i b = _mm256_shuffle_epi8(x, lo8);
 
-	_mm_storel_epi64((__m128i *)p, _mm_packus_epi16(w, w));
+	_mm_storel_epi64((__m128i *)p, _mm_unpacklo_epi32(_mm256_castsi256_si128(b),
+	    _mm256_extracti128_si256(b, 1)));
 }
 ZK_INLINE vi vi_set1(uint32_t x) { return _mm256_set1_epi32((int)x); }
 ZK_INLINE vi vi_add(vi a, vi b) { return _mm256_add_epi32(a, b); }
@@ -51,6 +101,14 @@ ZK_INLINE vi vi_or_and(vi a, vi b, vi c) { return _mm256_or_si256(a, _mm256_and_
 ZK_INLINE vi vi_zero(void) { return _mm256_setzero_si256(); }
 ZK_INLINE vi vi_loadu(const uint32_t *p) { return _mm256_loadu_si256((const __m256i *)p); }
 ZK_INLINE vf vf_cast(vi x) { return _mm256_castsi256_ps(x); }
+ZK_INLINE vf vf_fma(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
+ZK_INLINE vi vi_xor(vi a, vi b) { return _mm256_xor_si256(a, b); }
+ZK_INLINE vi vi_load_s8(const uint8_t *p) { return _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)); }
+ZK_INLINE vi vi_blend_bits(vi a, vi b, vi mask)
+{
+	return _mm256_or_si256(_mm256_andnot_si256(mask, a), _mm256_and_si256(b, mask));
+}
+ZK_INLINE vi vi_xor_and(vi a, vi b, vi c) { return _mm256_xor_si256(a, _mm256_and_si256(b, c)); }
 #define vi_srli(x, n) _mm256_srli_epi32((x), (n))
 #define vi_slli(x, n) _mm256_slli_epi32((x), (n))
 typedef __m128i vb;		/* ZK_W bytes in the low half */
@@ -66,7 +124,7 @@ ZK_INLINE size_t dsize(int dt)
 struct qconsts {
 	vf inv_scale, clip, decay, wd, lerp_w, lerp_omw, beta2, omb2, inv_bc2, eps, neg_step;
 	vf offset;
-	vi bias, absmask, m7f, sign80;
+	vi bias, absmask, m87f, sign80, lo80, km, kv;
 	bool l2, lerp_small, bc2_one, scale_one, clip_one;
 };
 
@@ -88,7 +146,10 @@ static void qconsts_init(const struct zk_qconsts *qc, struct qconsts *k)
 	k->offset = vf_set1(ZK_Q8_OFFSET);
 	k->bias = vi_set1(ZK_Q8_BIAS);
 	k->absmask = vi_set1(0x7fffffffu);
-	k->m7f = vi_set1(0x7fu << 20);
+	k->m87f = vi_set1(0x87f00000u);
+	k->lo80 = vi_set1(0x80);
+	k->km = vi_set1((1u << 19) - ZK_Q8_BIAS);
+	k->kv = vi_set1((1u << 18) - ZK_Q8_BIAS);
 	k->sign80 = vi_set1(0x80000000u);
 	k->l2 = c->l2;
 	k->lerp_small = c->lerp_small;
@@ -134,7 +195,7 @@ ZK_INLINE struct moments adam(const struct qconsts *k, bool common, int optim, i
 	d = vf_add(d, k->eps);
 	p = vf_add(p, vf_div(vf_mul(k->neg_step, o.mi), d));
 	vf_store(master, p);
-	store_param(param, pdt, p, nt);
+	q_store_param(param, pdt, p, nt);
 	return o;
 }
 
@@ -146,8 +207,8 @@ ZK_INLINE void bf16_body(const struct qconsts *k, bool common, int optim, int gd
 	struct moments o = adam(k, common, optim, gdt, pdt, nt, master, grad, param,
 	    vf_from_bf16(vh_load(m)), vf_from_bf16(vh_load(v)));
 
-	vh_store(m, vf_to_bf16(o.mi));
-	vh_store(v, vf_to_bf16(o.vi));
+	vh_store(m, q_bf16(o.mi));
+	vh_store(v, q_bf16(o.vi));
 }
 
 /* Whole vectors from b on; the last few elements on zero-padded copies, like optim_simd.c. */
@@ -182,37 +243,79 @@ ZK_INLINE void bf16_run(const struct qconsts *k, bool common, int optim, int gdt
 
 /* ---- q8-moments ---- */
 
-ZK_INLINE vf dec_m(const struct qconsts *k, vi c, vf um)
+/*
+ * The step of the 8-bit formats (adam_elem_q8 in optim_q8.c): the fp32
+ * step's formulas with the multiply-adds fused.  Returns the new master
+ * value (not stored); the new m and sqrt(v) come back in *mi and *r.
+ */
+ZK_INLINE vf adam_q8(const struct qconsts *k, bool common, int optim, vf g, vf p, vf mo, vf ro,
+    vf *mi, vf *r)
 {
-	/* The magnitude bits (20-26) and the bias (27-29) do not overlap: an or does the add. */
-	vf a = vf_sub(vf_cast(vi_or_and(k->bias, vi_slli(c, 20), k->m7f)), k->offset);
+	vf vi_;
 
-	a = vf_mul(a, um);
-	return vf_cast(vi_or_and(vf_bits(a), vi_slli(c, 24), k->sign80));
+	if (!common && !k->scale_one)
+		g = vf_mul(g, k->inv_scale);
+	if (!common && !k->clip_one)
+		g = vf_mul(g, k->clip);
+	if (optim == ZK_OPTIM_ADAM && k->l2)
+		g = vf_fma(k->wd, p, g);
+	if (common || k->lerp_small)
+		*mi = vf_fma(k->lerp_w, vf_sub(g, mo), mo);
+	else
+		*mi = vf_fma(vf_sub(mo, g), k->lerp_omw, g);
+	vi_ = vf_fma(vf_mul(ro, ro), k->beta2, vf_mul(vf_mul(k->omb2, g), g));
+	*r = vf_sqrt(vi_);
+	/* fma(r, 1, eps) is r + eps: the late-training shortcut keeps the bits. */
+	g = k->bc2_one ? vf_add(*r, k->eps) : vf_fma(*r, k->inv_bc2, k->eps);
+	g = vf_div(vf_mul(k->neg_step, *mi), g);
+	return optim == ZK_OPTIM_ADAMW ? vf_fma(p, k->decay, g) : vf_add(p, g);
 }
 
-ZK_INLINE vf dec_r(const struct qconsts *k, vi c, vf ur)
+/* A block's decode constants as quant_impl.h has them: u and c0 (m's with the sign bit set). */
+struct qblk {
+	vf um, ur, cr_neg;
+	vi cm_signed;
+};
+
+ZK_INLINE struct qblk qblk_init(float sm, float sr)
 {
-	return vf_mul(vf_sub(vf_cast(vi_add(vi_slli(c, 19), k->bias)), k->offset), ur);
+	float um = zk__q8_decode_mul(ZK_Q8_RCP_VMAX_M, sm), ur = zk__q8_decode_mul(ZK_Q8_RCP_VMAX_V, sr);
+	struct qblk q;
+
+	q.um = vf_set1(um);
+	q.ur = vf_set1(ur);
+	q.cr_neg = vf_set1(-(ZK_Q8_OFFSET * ur));
+	q.cm_signed = vi_set1(zk__f32_bits(ZK_Q8_OFFSET * um) | 0x80000000u);
+	return q;
 }
 
-/* zk__q8_code on a vector: round z's bits at bit sh and unbias in one add, clamp. */
-ZK_INLINE vi code(const struct qconsts *k, vf y, unsigned sh, uint32_t cmax)
+/*
+ * zk__q8_decode_m: sign-extended, the byte shifted by 20 has the sign on
+ * bit 31 and the magnitude on bits 20-26; one ternlog keeps those and puts
+ * in the exponent bias, another gives -c0 the opposite sign.
+ */
+ZK_INLINE vf dec_m(const struct qconsts *k, const struct qblk *q, const uint8_t *p)
 {
-	vi b = vf_bits(vf_add(y, k->offset));
+	vi t = vi_or_and(k->bias, vi_slli(vi_load_s8(p), 20), k->m87f);
 
-	return vi_minu(vi_srli(vi_add(b, vi_set1((1u << (sh - 1)) - ZK_Q8_BIAS)), sh), vi_set1(cmax));
+	return vf_fma(vf_cast(t), q->um, vf_cast(vi_xor_and(q->cm_signed, t, k->sign80)));
 }
 
-/* One vector of pass 1: decode, step; the caller keeps the new m and r and their maxima. */
-ZK_INLINE struct moments q8_step(const struct qconsts *k, bool common, int optim, int gdt,
-    int pdt, bool nt, float *master, const uint8_t *m, const uint8_t *v, const void *grad,
-    void *param, vf um, vf ur)
+ZK_INLINE vf dec_r(const struct qconsts *k, const struct qblk *q, const uint8_t *p)
 {
-	vf ro = dec_r(k, vi_load_u8(v), ur);
+	return vf_fma(vf_cast(vi_add(vi_slli(vi_load_u8(p), 19), k->bias)), q->ur, q->cr_neg);
+}
 
-	return adam(k, common, optim, gdt, pdt, nt, master, grad, param,
-	    dec_m(k, vi_load_u8(m), um), vf_mul(ro, ro));
+/* One vector of pass 1: decode, step, master and param written; new m and r returned. */
+ZK_INLINE void q8_step(const struct qconsts *k, const struct qblk *q, bool common, int optim,
+    int gdt, int pdt, bool nt, float *master, const uint8_t *m, const uint8_t *v,
+    const void *grad, void *param, vf *mi, vf *r)
+{
+	vf p = adam_q8(k, common, optim, load_grad(grad, gdt), vf_load(master), dec_m(k, q, m),
+	    dec_r(k, q, v), mi, r);
+
+	vf_store(master, p);
+	q_store_param(param, pdt, p, nt);
 }
 
 ZK_INLINE uint32_t hmax(vi x)
@@ -228,15 +331,16 @@ ZK_INLINE uint32_t hmax(vi x)
 #endif
 }
 
-/* Pass 2 for one vector: new m and r from the buffers into codes. */
+/* Pass 2 for one vector: zk__q8_encode_m and _r, the low byte of each lane kept. */
 ZK_INLINE void q8_encode1(const struct qconsts *k, const float *bm, const float *br,
     uint8_t *m, uint8_t *v, vf qm, vf qr)
 {
 	vi x = vf_bits(vf_load(bm));
-	vi cm = code(k, vf_mul(vf_cast(vi_and(x, k->absmask)), qm), 20, 127);
+	vi cm = vi_srli(vi_add(vf_bits(vf_fma(vf_cast(vi_and(x, k->absmask)), qm, k->offset)), k->km), 20);
+	vi cv = vi_srli(vi_add(vf_bits(vf_fma(vf_load(br), qr, k->offset)), k->kv), 19);
 
-	vi_store_u8(m, vi_or_and(cm, vi_srli(x, 24), vi_set1(0x80)));
-	vi_store_u8(v, code(k, vf_mul(vf_load(br), qr), 19, 255));
+	vi_store_u8(m, vi_blend_bits(cm, vi_srli(x, 24), k->lo80));
+	vi_store_u8(v, cv);
 }
 
 ZK_INLINE void q8_encode(const struct qconsts *k, const float *bm, const float *br,
@@ -257,27 +361,25 @@ ZK_INLINE void q8_run(const struct qconsts *k, bool common, int optim, int gdt, 
 	size_t gs = dsize(gdt), ps = dsize(pdt);
 	const char *g = t->grad;
 	char *param = t->param;
+	float *master = t->master;
 	float bm[ZK_Q8_BLOCK], br[ZK_Q8_BLOCK];
 
 	for (size_t blk = b; blk < e; blk += ZK_Q8_BLOCK) {
 		size_t kb = blk / ZK_Q8_BLOCK, len = e - blk < ZK_Q8_BLOCK ? e - blk : ZK_Q8_BLOCK;
 		uint8_t *m = (uint8_t *)t->m + blk, *v = (uint8_t *)t->v + blk;
-		vf um = vf_set1(zk__q8_decode_mul(ZK_Q8_RCP_VMAX_M, t->m_scale[kb]));
-		vf ur = vf_set1(zk__q8_decode_mul(ZK_Q8_RCP_VMAX_V, t->v_scale[kb]));
+		struct qblk q = qblk_init(t->m_scale[kb], t->v_scale[kb]);
 		vi mx_m = vi_zero(), mx_r = vi_zero();
 		size_t j = 0;
 		float sm, sr;
-		vf qm, qr;
+		vf qm, qr, mi, r;
 
 		for (; j + ZK_W <= len; j += ZK_W) {
-			struct moments o = q8_step(k, common, optim, gdt, pdt, nt, t->master + blk + j,
-			    m + j, v + j, g + (blk + j) * gs,
-			    pdt != ZK_NO_PARAM ? param + (blk + j) * ps : NULL, um, ur);
-
-			vf_store(bm + j, o.mi);
-			vf_store(br + j, o.r);
-			mx_m = vi_maxs(mx_m, vi_and(vf_bits(o.mi), k->absmask));
-			mx_r = vi_maxu(mx_r, vf_bits(o.r));
+			q8_step(k, &q, common, optim, gdt, pdt, nt, master + blk + j, m + j, v + j,
+			    g + (blk + j) * gs, pdt != ZK_NO_PARAM ? param + (blk + j) * ps : NULL, &mi, &r);
+			vf_store(bm + j, mi);
+			vf_store(br + j, r);
+			mx_m = vi_maxs(mx_m, vi_and(vf_bits(mi), k->absmask));
+			mx_r = vi_maxu(mx_r, vf_bits(r));
 		}
 		if (j < len) {
 			/* The tensor's last few elements: padded copies, the padding kept out of the maxima. */
@@ -285,21 +387,20 @@ ZK_INLINE void q8_run(const struct qconsts *k, bool common, int optim, int gdt, 
 			uint8_t lm[ZK_W] = { 0 }, lv[ZK_W] = { 0 };
 			uint32_t mask[ZK_W] = { 0 };
 			size_t cnt = len - j;
-			struct moments o;
 			vi lanes;
 
 			memset(mask, 0xff, cnt * sizeof(uint32_t));
 			lanes = vi_loadu(mask);
-			memcpy(lmaster, t->master + blk + j, cnt * 4);
+			memcpy(lmaster, master + blk + j, cnt * 4);
 			memcpy(lm, m + j, cnt);
 			memcpy(lv, v + j, cnt);
 			memcpy(lg, g + (blk + j) * gs, cnt * gs);
-			o = q8_step(k, common, optim, gdt, pdt, false, lmaster, lm, lv, lg, lp, um, ur);
-			vf_store(bm + j, o.mi);
-			vf_store(br + j, o.r);
-			mx_m = vi_maxs(mx_m, vi_and(vi_and(vf_bits(o.mi), k->absmask), lanes));
-			mx_r = vi_maxu(mx_r, vi_and(vf_bits(o.r), lanes));
-			memcpy(t->master + blk + j, lmaster, cnt * 4);
+			q8_step(k, &q, common, optim, gdt, pdt, false, lmaster, lm, lv, lg, lp, &mi, &r);
+			vf_store(bm + j, mi);
+			vf_store(br + j, r);
+			mx_m = vi_maxs(mx_m, vi_and(vi_and(vf_bits(mi), k->absmask), lanes));
+			mx_r = vi_maxu(mx_r, vi_and(vf_bits(r), lanes));
+			memcpy(master + blk + j, lmaster, cnt * 4);
 			if (pdt != ZK_NO_PARAM)
 				memcpy(param + (blk + j) * ps, lp, cnt * ps);
 		}
@@ -382,7 +483,7 @@ ZK_DEFS(ZK_OPTIM_ADAM)
 #define ZK_CASES(O) \
 	ZK_CASES_P(O, ZK_DTYPE_F32); ZK_CASES_P(O, ZK_DTYPE_BF16); ZK_CASES_P(O, ZK_DTYPE_F16)
 
-void ZK_FN(zk_qstep)(const struct zk_qconsts *c, enum zk_optim optim, const struct zk_qtensor *t,
+void ZK_QFN(zk_qstep)(const struct zk_qconsts *c, enum zk_optim optim, const struct zk_qtensor *t,
     size_t b, size_t e)
 {
 	int sel = (int)t->grad_dtype * 4 + (t->param ? (int)t->param_dtype : ZK_NO_PARAM);
@@ -395,6 +496,8 @@ void ZK_FN(zk_qstep)(const struct zk_qconsts *c, enum zk_optim optim, const stru
 		switch (sel) { ZK_CASES(ZK_OPTIM_ADAM); default: break; }
 	}
 }
+
+#ifndef ZK_Q8_BF16	/* the probe has no bf16 rounding to speed up: built once per ISA */
 
 /* ---- memory-only probe: the same loads and stores, no arithmetic ---- */
 
@@ -486,3 +589,5 @@ void ZK_FN(zk_qmemonly)(const struct zk_qtensor *t, size_t b, size_t e)
 		break;
 	}
 }
+
+#endif

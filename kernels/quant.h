@@ -22,28 +22,30 @@
  *   m: byte = sign << 7 | c, c in 0..127 an "offset E4M3" magnitude:
  *        Fm(c) = float with bits (c << 20) + (112 << 23), i.e. 2^(e-15) (1 + f/8)
  *                for c = e << 3 | f; Fm(0) = 2^-15
- *        |m| = (Fm(c) - 2^-15) * (sm * RCP_M),  VMAX_M = Fm(127) - 2^-15 = 1.875 - 2^-15,
- *                                              RCP_M = 1 / VMAX_M rounded to fp32
+ *        u = sm * RCP_M, c0 = 2^-15 * u,  |m| = fma(Fm(c), u, -c0)
+ *        VMAX_M = Fm(127) - 2^-15 = 1.875 - 2^-15, RCP_M = 1 / VMAX_M rounded to fp32
+ *      (a negative m is fma(-Fm(c), u, c0), exactly the negation).
  *      sm = the block's max |m|.  16 binades at 3 mantissa bits, then a
  *      linear bottom (steps of 2^-18 sm/VMAX_M) down to an exact zero.
  *   v: byte = c in 0..255, an "offset E4M4" code of r = sqrt(v):
  *        Fv(c) = float with bits (c << 19) + (112 << 23);  Fv(0) = 2^-15
- *        r = (Fv(c) - 2^-15) * (sr * RCP_V),  VMAX_V = Fv(255) - 2^-15 = 1.9375 - 2^-15,
- *                                             RCP_V = 1 / VMAX_V rounded to fp32
- *        v = r * r
+ *        u = sr * RCP_V, c0 = 2^-15 * u,  r = fma(Fv(c), u, -c0),  v = r * r
+ *        VMAX_V = Fv(255) - 2^-15 = 1.9375 - 2^-15, RCP_V = 1 / VMAX_V rounded to fp32
  *      sr = the block's max sqrt(v).  The step needs sqrt(v) anyway, and in
  *      the square-root domain 16 binades of r are 32 of v at 4 mantissa bits.
  *
- *   All products above are fp32 operations in the order written.
- *   Encoding x (|m| or r) in a block of scale s: q = VMAX / s (0 when that is
- *   not finite: s = 0, inf, NaN or subnormal), y = |x| * q, z = y + 2^-15,
- *   then z's fp32 bits rounded to nearest at bit 20 (m) or 19 (v), ties away
- *   from zero (add 2^19 or 2^18 to the bits, truncate), less the 112 << 23
- *   offset, clamped to 127 (m) / 255 (v).  Each is one fp32 or integer
- *   operation, so the code is the nearest one to y, found without a table or
- *   a search; decoding is a shift, an integer add and a subtract.
- *   All-zero bytes and scales decode to zero state.  A non-finite scale makes
- *   the whole block NaN (fp32 state would poison the element alone).
+ *   All operations above are fp32 operations (fma: one rounding) in the
+ *   order written.  Encoding x (|m| or r) in a block of scale s:
+ *   q = VMAX / s (0 when that is not finite: s = 0, inf, NaN or subnormal),
+ *   z = fma(|x|, q, 2^-15), then z's fp32 bits rounded to nearest at bit 20
+ *   (m) or 19 (v), ties away from zero (add 2^19 or 2^18 to the bits,
+ *   truncate), less the 112 << 23 offset; the low 7 (m) or 8 (v) bits are
+ *   the code.  Each is one fp32 or integer operation, so the code is the
+ *   nearest one to |x| q, found without a table or a search; decoding is a
+ *   shift, an integer add and an fma.  No clamp is needed: a block's maximum
+ *   codes to the top code, and a NaN or infinite element makes the block's
+ *   scale NaN or inf, whose every code decodes to NaN (inf - inf).
+ *   All-zero bytes and scales decode to zero state.
  *
  *   Why 256-element blocks: one outlier costs resolution only in its own 256
  *   elements (Dettmers et al. use 2048 on a GPU), the two fp32 scales add
@@ -51,9 +53,17 @@
  *   step and the encode.  Slices and chunks of a tensor must start on a block
  *   boundary (4 Mi-element engine units and the pool's slices do).
  *
- * The step is the fp32 step (zk_step_scalar) on the decoded moments, except
- * that it multiplies by 1/sqrt(1 - beta2^step) (rounded once from double)
- * where PyTorch divides by its square root: one division fewer per element.
+ * bf16-moments' step is the fp32 step (zk_step_scalar) on the decoded
+ * moments, except that it multiplies by 1/sqrt(1 - beta2^step) (rounded
+ * once from double) where PyTorch divides by its square root: one division
+ * fewer per element.  q8-moments' step is the same with every multiply-add
+ * fused (the decode and encode make the 8-bit step compute-bound, and one
+ * rounding per fma is no worse than two):
+ *   g' = g * inv_scale * clip;  Adam with L2: g' = fma(wd, p, g')
+ *   m' = fma(1 - beta1, g' - m, m)  (beta1 <= 0.5: fma(m - g', beta1, g'))
+ *   v' = fma(r * r, beta2, (1 - beta2) * g' * g');  r' = sqrt(v')
+ *   u = (-lr / bc1) * m' / fma(r', 1 / sqrt(bc2), eps)
+ *   p' = AdamW: fma(p, 1 - lr * wd, u);  Adam: p + u
  * The parameter update uses the new moments before they are rounded for
  * storage (as bitsandbytes' 8-bit optimizers do).
  * SIMD variants give the scalar reference's bits.  AdamW and Adam only.

@@ -8,6 +8,7 @@
 #include "helpers.h"
 #include "pool.h"
 #include "quant.h"
+#include "quant_impl.h"
 
 #define MAXN 1100
 #define PAD 64
@@ -222,6 +223,16 @@ static void simd_vs_scalar(enum zk_isa isa, enum zk_state_format f)
 
 Test(qstep, avx2_q8_matches_scalar) { simd_vs_scalar(ZK_ISA_AVX2, ZK_STATE_Q8); }
 Test(qstep, avx512_q8_matches_scalar) { simd_vs_scalar(ZK_ISA_AVX512, ZK_STATE_Q8); }
+/* Where the CPU has AVX512_BF16, the baseline AVX-512 body as well (on others it is the one above). */
+static void plain_avx512(enum zk_state_format f)
+{
+	zk__q8_no_avx512bf16 = true;
+	simd_vs_scalar(ZK_ISA_AVX512, f);
+	zk__q8_no_avx512bf16 = false;
+}
+
+Test(qstep, avx512_plain_q8_matches_scalar) { plain_avx512(ZK_STATE_Q8); }
+Test(qstep, avx512_plain_bf16_matches_scalar) { plain_avx512(ZK_STATE_BF16); }
 Test(qstep, avx2_bf16_matches_scalar) { simd_vs_scalar(ZK_ISA_AVX2, ZK_STATE_BF16); }
 Test(qstep, avx512_bf16_matches_scalar) { simd_vs_scalar(ZK_ISA_AVX512, ZK_STATE_BF16); }
 
