@@ -17,6 +17,7 @@ static const char *const format_names[ZK_STATE_COUNT] = {
 	[ZK_STATE_FP32] = "fp32",
 	[ZK_STATE_BF16] = "bf16-moments",
 	[ZK_STATE_Q8] = "q8-moments",
+	[ZK_STATE_BF16_Q8] = "bf16-master+q8",
 };
 
 static zk_qstep_fn *const qstep_fns[ZK_ISA_COUNT] = {
@@ -73,6 +74,10 @@ int zk_state_format_parse(const char *name, enum zk_state_format *ret)
 		*ret = ZK_STATE_Q8;
 		return 0;
 	}
+	if (!strcasecmp(name, "bf16-q8")) {
+		*ret = ZK_STATE_BF16_Q8;
+		return 0;
+	}
 	return -EINVAL;
 }
 
@@ -84,6 +89,7 @@ size_t zk_state_moment_bytes(enum zk_state_format f, size_t n)
 	case ZK_STATE_BF16:
 		return 2 * n;
 	case ZK_STATE_Q8:
+	case ZK_STATE_BF16_Q8:
 		return n;
 	case ZK_STATE_COUNT:
 		break;
@@ -91,19 +97,30 @@ size_t zk_state_moment_bytes(enum zk_state_format f, size_t n)
 	return 0;
 }
 
+size_t zk_state_master_bytes(enum zk_state_format f, size_t n)
+{
+	return f == ZK_STATE_BF16_Q8 ? 2 * n : 4 * n;
+}
+
+static bool blocked(enum zk_state_format f)
+{
+	return f == ZK_STATE_Q8 || f == ZK_STATE_BF16_Q8;
+}
+
 size_t zk_state_blocks(enum zk_state_format f, size_t n)
 {
-	return f == ZK_STATE_Q8 ? (n + ZK_Q8_BLOCK - 1) / ZK_Q8_BLOCK : 0;
+	return blocked(f) ? (n + ZK_Q8_BLOCK - 1) / ZK_Q8_BLOCK : 0;
 }
 
 size_t zk_state_bytes(enum zk_state_format f, size_t n)
 {
-	return 4 * n + 2 * zk_state_moment_bytes(f, n) + 2 * sizeof(float) * zk_state_blocks(f, n);
+	return zk_state_master_bytes(f, n) + 2 * zk_state_moment_bytes(f, n) +
+	    2 * sizeof(float) * zk_state_blocks(f, n);
 }
 
 static bool format_ok(enum zk_state_format f)
 {
-	return f == ZK_STATE_BF16 || f == ZK_STATE_Q8;
+	return f == ZK_STATE_BF16 || blocked(f);
 }
 
 int zk_qtensor_slice(const struct zk_qtensor *t, size_t off, size_t len, struct zk_qtensor *ret)
@@ -112,15 +129,19 @@ int zk_qtensor_slice(const struct zk_qtensor *t, size_t off, size_t len, struct 
 
 	if (!t || !ret || !format_ok(t->format) || off > t->n || len > t->n - off)
 		return -EINVAL;
-	if (t->format == ZK_STATE_Q8 && off % ZK_Q8_BLOCK)
+	if (blocked(t->format) && off % ZK_Q8_BLOCK)
 		return -EINVAL;
 	ms = zk_state_moment_bytes(t->format, 1);
 	*ret = *t;
 	ret->n = len;
-	ret->master = t->master ? t->master + off : NULL;
+	ret->base = t->base + off;
+	if (t->format == ZK_STATE_BF16_Q8)
+		ret->master_bf16 = t->master_bf16 ? t->master_bf16 + off : NULL;
+	else
+		ret->master = t->master ? t->master + off : NULL;
 	ret->m = t->m ? (char *)t->m + off * ms : NULL;
 	ret->v = t->v ? (char *)t->v + off * ms : NULL;
-	if (t->format == ZK_STATE_Q8) {
+	if (blocked(t->format)) {
 		ret->m_scale = t->m_scale ? t->m_scale + off / ZK_Q8_BLOCK : NULL;
 		ret->v_scale = t->v_scale ? t->v_scale + off / ZK_Q8_BLOCK : NULL;
 	}
@@ -136,7 +157,7 @@ static int check_qtensor(enum zk_isa isa, const struct zk_qtensor *t, size_t beg
 		return -EINVAL;
 	if (!t->master || !t->grad || !t->m || !t->v)
 		return -EINVAL;
-	if (t->format == ZK_STATE_Q8 && (!t->m_scale || !t->v_scale))
+	if (blocked(t->format) && (!t->m_scale || !t->v_scale))
 		return -EINVAL;
 	if ((unsigned)t->grad_dtype >= ZK_DTYPE_COUNT)
 		return -EINVAL;
@@ -145,7 +166,7 @@ static int check_qtensor(enum zk_isa isa, const struct zk_qtensor *t, size_t beg
 	if (begin > end || end > t->n)
 		return -EINVAL;
 	/* A block's scale covers all of it: a range must own its blocks whole. */
-	if (t->format == ZK_STATE_Q8 &&
+	if (blocked(t->format) &&
 	    (begin % ZK_Q8_BLOCK || (end % ZK_Q8_BLOCK && end != t->n)))
 		return -EINVAL;
 	if (!zk_isa_supported(isa))
@@ -174,6 +195,7 @@ int zk_qstep(enum zk_isa isa, const struct zk_hparams *hp, const struct zk_qtens
 	if (hp->bias_correction)
 		bc2 = 1.0 - pow(hp->beta2, (double)hp->step);
 	qc.inv_bc2_sqrt = (float)(1.0 / sqrt(bc2));
+	qc.sr_key = zk__sr_key(hp->step);
 	if (!isfinite(qc.inv_bc2_sqrt))
 		return -EINVAL;
 	if (begin < end)
@@ -232,7 +254,7 @@ int zk_qstate_decode(const struct zk_qtensor *t, float *m, float *v)
 {
 	if (!t || !format_ok(t->format) || !t->m || !t->v || !m || !v)
 		return -EINVAL;
-	if (t->format == ZK_STATE_Q8 && (!t->m_scale || !t->v_scale))
+	if (blocked(t->format) && (!t->m_scale || !t->v_scale))
 		return -EINVAL;
 	for (size_t i = 0; i < t->n; i++) {
 		if (t->format == ZK_STATE_BF16) {
@@ -247,6 +269,28 @@ int zk_qstate_decode(const struct zk_qtensor *t, float *m, float *v)
 			v[i] = r * r;
 		}
 	}
+	return 0;
+}
+
+int zk_qstate_master_encode(const struct zk_qtensor *t, const float *master)
+{
+	if (!t || !format_ok(t->format) || !t->master || !master)
+		return -EINVAL;
+	for (size_t i = 0; i < t->n; i++) {
+		if (t->format == ZK_STATE_BF16_Q8)
+			t->master_bf16[i] = zk__f32_to_bf16(master[i]);
+		else
+			t->master[i] = master[i];
+	}
+	return 0;
+}
+
+int zk_qstate_master_decode(const struct zk_qtensor *t, float *master)
+{
+	if (!t || !format_ok(t->format) || !t->master || !master)
+		return -EINVAL;
+	for (size_t i = 0; i < t->n; i++)
+		master[i] = t->format == ZK_STATE_BF16_Q8 ? zk__bf16_to_f32(t->master_bf16[i]) : t->master[i];
 	return 0;
 }
 
@@ -336,6 +380,8 @@ void zk_qstep_scalar(const struct zk_qconsts *c, enum zk_optim optim, const stru
 		}
 		return;
 	}
+	bool bf16m = t->format == ZK_STATE_BF16_Q8;
+
 	for (size_t b = begin; b < end; b += ZK_Q8_BLOCK) {
 		uint8_t *m = (uint8_t *)t->m + b, *v = (uint8_t *)t->v + b;
 		size_t k = b / ZK_Q8_BLOCK, len = end - b < ZK_Q8_BLOCK ? end - b : ZK_Q8_BLOCK;
@@ -343,13 +389,22 @@ void zk_qstep_scalar(const struct zk_qconsts *c, enum zk_optim optim, const stru
 		float bm[ZK_Q8_BLOCK], br[ZK_Q8_BLOCK], qm, qr;
 		uint32_t mm = 0, mr = 0;
 
+		uint32_t hk = zk__sr_block_key(c->sr_key, t->base + b);
+
 		for (size_t j = 0; j < len; j++) {
 			size_t i = b + j;
-			float p = adam_elem_q8(c, optim, zk_load_grad(t->grad, t->grad_dtype, i),
-			    t->master[i], zk__q8_decode_m(m[j], q.um, q.cm),
-			    zk__q8_decode_r(v[j], q.ur, q.cr), &bm[j], &br[j]);
+			float p = bf16m ? zk__bf16_to_f32(t->master_bf16[i]) : t->master[i];
 
-			t->master[i] = p;
+			p = adam_elem_q8(c, optim, zk_load_grad(t->grad, t->grad_dtype, i), p,
+			    zk__q8_decode_m(m[j], q.um, q.cm), zk__q8_decode_r(v[j], q.ur, q.cr),
+			    &bm[j], &br[j]);
+			if (bf16m) {
+				/* param is the stored master: bf16 exactly, other dtypes from its value */
+				t->master_bf16[i] = zk__sr_bf16(p, zk__sr_bits(hk, t->base + i));
+				p = zk__bf16_to_f32(t->master_bf16[i]);
+			} else {
+				t->master[i] = p;
+			}
 			if (t->param != NULL)
 				zk_store_param(t->param, t->param_dtype, i, p);
 			mm = zk__absbits(bm[j]) > mm ? zk__absbits(bm[j]) : mm;
@@ -368,14 +423,21 @@ void zk_qstep_scalar(const struct zk_qconsts *c, enum zk_optim optim, const stru
 
 void zk_qmemonly_scalar(const struct zk_qtensor *t, size_t begin, size_t end)
 {
-	size_t ms = zk_state_moment_bytes(t->format, 1);
-	struct zk_tensor ft = {
-		.master = t->master, .grad = t->grad, .grad_dtype = t->grad_dtype,
-		.param = t->param, .param_dtype = t->param_dtype, .n = t->n,
-	};
-	unsigned char *m = t->m, *v = t->v;
+	size_t ms = zk_state_moment_bytes(t->format, 1), mb = zk_state_master_bytes(t->format, 1);
+	size_t gs = zk_dtype_size(t->grad_dtype), ps = zk_dtype_size(t->param_dtype);
+	unsigned char *m = t->m, *v = t->v, *master = (unsigned char *)t->master, *param = t->param;
+	const unsigned char *g = t->grad;
 
-	zk_memonly_scalar(&ft, begin, end);
+	for (size_t i = begin; i < end; i++) {
+		uint32_t x = 0, gx = 0;
+
+		memcpy(&x, master + i * mb, mb);
+		memcpy(&gx, g + i * gs, gs);
+		__asm__ volatile("" : "+r"(x), "+r"(gx));
+		memcpy(master + i * mb, &x, mb);
+		if (param)
+			memcpy(param + i * ps, &gx, ps);
+	}
 	for (size_t i = begin * ms; i < end * ms; i++) {
 		unsigned char x = m[i], y = v[i];
 
@@ -383,7 +445,7 @@ void zk_qmemonly_scalar(const struct zk_qtensor *t, size_t begin, size_t end)
 		m[i] = x;
 		v[i] = y;
 	}
-	if (t->format == ZK_STATE_Q8) {
+	if (blocked(t->format)) {
 		for (size_t k = begin / ZK_Q8_BLOCK; k < (end + ZK_Q8_BLOCK - 1) / ZK_Q8_BLOCK; k++) {
 			float x = t->m_scale[k], y = t->v_scale[k];
 

@@ -33,11 +33,11 @@ ZK_INLINE void prefetch_line(const void *p, size_t off)
 	_mm_prefetch((const char *)((uintptr_t)p + off), _MM_HINT_T0);
 }
 
-ZK_INLINE void prefetch_ahead(const float *master, const void *m, const void *v, const void *g,
-    size_t gs, size_t ms)
+ZK_INLINE void prefetch_ahead(const void *master, size_t mb, const void *m, const void *v,
+    const void *g, size_t gs, size_t ms)
 {
-	for (size_t b = 0; b < ZK_PF_EVERY * 4; b += 64)
-		prefetch_line(master, ZK_PF_AHEAD * 4 + b);
+	for (size_t b = 0; b < ZK_PF_EVERY * mb; b += 64)
+		prefetch_line(master, ZK_PF_AHEAD * mb + b);
 	for (size_t b = 0; b < ZK_PF_EVERY * gs; b += 64)
 		prefetch_line(g, ZK_PF_AHEAD * gs + b);
 	for (size_t b = 0; b < ZK_PF_EVERY * ms; b += 64) {
@@ -98,6 +98,16 @@ ZK_INLINE vi vi_loadu(const uint32_t *p) { return _mm512_loadu_si512(p); }
 ZK_INLINE vf vf_cast(vi x) { return _mm512_castsi512_ps(x); }
 ZK_INLINE vf vf_fma(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
 ZK_INLINE vi vi_xor(vi a, vi b) { return _mm512_xor_si512(a, b); }
+ZK_INLINE vi vi_mullo(vi a, vi b) { return _mm512_mullo_epi32(a, b); }
+ZK_INLINE vi vi_iota(void) { return _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15); }
+/* Low halves of the lanes (values below 2^16), NaN lanes of p as zk__sr_bf16 has them. */
+ZK_INLINE vh vi_pack_sr(vi r, vi u, vf p)
+{
+	__mmask16 nan = _mm512_cmp_ps_mask(p, p, _CMP_UNORD_Q);
+
+	r = _mm512_mask_or_epi32(r, nan, _mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
+	return _mm512_cvtepi32_epi16(r);
+}
 /* Sign-extended bytes: the sign of m lands on bit 31 after the shift by 24. */
 ZK_INLINE vi vi_load_s8(const uint8_t *p) { return _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)); }
 /* (a & ~mask) | (b & mask) in one vpternlogd */
@@ -133,6 +143,16 @@ ZK_INLINE vi vi_loadu(const uint32_t *p) { return _mm256_loadu_si256((const __m2
 ZK_INLINE vf vf_cast(vi x) { return _mm256_castsi256_ps(x); }
 ZK_INLINE vf vf_fma(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
 ZK_INLINE vi vi_xor(vi a, vi b) { return _mm256_xor_si256(a, b); }
+ZK_INLINE vi vi_mullo(vi a, vi b) { return _mm256_mullo_epi32(a, b); }
+ZK_INLINE vi vi_iota(void) { return _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7); }
+ZK_INLINE vh vi_pack_sr(vi r, vi u, vf p)
+{
+	vi nan = _mm256_castps_si256(_mm256_cmp_ps(p, p, _CMP_UNORD_Q));
+	vi q = _mm256_or_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(0x40));
+
+	r = _mm256_packus_epi32(_mm256_blendv_epi8(r, q, nan), r);
+	return _mm256_castsi256_si128(_mm256_permute4x64_epi64(r, 0x08));
+}
 ZK_INLINE vi vi_load_s8(const uint8_t *p) { return _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)); }
 ZK_INLINE vi vi_blend_bits(vi a, vi b, vi mask)
 {
@@ -155,6 +175,7 @@ struct qconsts {
 	vf inv_scale, clip, decay, wd, lerp_w, lerp_omw, beta2, omb2, inv_bc2, eps, neg_step;
 	vf offset;
 	vi bias, absmask, m87f, sign80, lo80, km, kv;
+	uint32_t sr_key;
 	bool l2, lerp_small, bc2_one, scale_one, clip_one;
 };
 
@@ -181,6 +202,7 @@ static void qconsts_init(const struct zk_qconsts *qc, struct qconsts *k)
 	k->km = vi_set1((1u << 19) - ZK_Q8_BIAS);
 	k->kv = vi_set1((1u << 18) - ZK_Q8_BIAS);
 	k->sign80 = vi_set1(0x80000000u);
+	k->sr_key = qc->sr_key;
 	k->l2 = c->l2;
 	k->lerp_small = c->lerp_small;
 	k->bc2_one = qc->inv_bc2_sqrt == 1.0f;
@@ -252,7 +274,7 @@ ZK_INLINE void bf16_run(const struct qconsts *k, bool common, int optim, int gdt
 
 	for (; i + ZK_W <= e; i += ZK_W) {
 		if (i % ZK_PF_EVERY == 0)
-			prefetch_ahead(t->master + i, m + i, v + i, g + i * gs, gs, 2);
+			prefetch_ahead(t->master + i, 4, m + i, v + i, g + i * gs, gs, 2);
 		bf16_body(k, common, optim, gdt, pdt, nt, t->master + i, m + i, v + i, g + i * gs,
 		    pdt != ZK_NO_PARAM ? param + i * ps : NULL);
 	}
@@ -339,16 +361,52 @@ ZK_INLINE vf dec_r(const struct qconsts *k, const struct qblk *q, const uint8_t 
 	return vf_fma(vf_cast(vi_add(vi_slli(vi_load_u8(p), 19), k->bias)), q->ur, q->cr_neg);
 }
 
-/* One vector of pass 1: decode, step, master and param written; new m and r returned. */
-ZK_INLINE void q8_step(const struct qconsts *k, const struct qblk *q, bool common, int optim,
-    int gdt, int pdt, bool nt, float *master, const uint8_t *m, const uint8_t *v,
-    const void *grad, void *param, vf *mi, vf *r)
+/* zk__mix32 on every lane. */
+ZK_INLINE vi mix32(vi x)
 {
-	vf p = adam_q8(k, common, optim, load_grad(grad, gdt), vf_load(master), dec_m(k, q, m),
-	    dec_r(k, q, v), mi, r);
+	x = vi_xor(x, vi_srli(x, 16));
+	x = vi_mullo(x, vi_set1(0x7feb352du));
+	x = vi_xor(x, vi_srli(x, 15));
+	x = vi_mullo(x, vi_set1(0x846ca68bu));
+	return vi_xor(x, vi_srli(x, 16));
+}
 
-	vf_store(master, p);
-	q_store_param(param, pdt, p, nt);
+/* zk__sr_bf16 with zk__sr_bits(hk, j) for the lanes' indices lo32(j) in idx. */
+ZK_INLINE vh sr_bf16(vf p, vi hk, vi idx)
+{
+	vi u = vf_bits(p), r = vi_srli(mix32(vi_xor(idx, hk)), 16);
+
+	return vi_pack_sr(vi_srli(vi_add(u, r), 16), u, p);
+}
+
+/*
+ * One vector of pass 1: decode, step, master and param written; new m and r
+ * returned.  bm16 (bf16-master+q8): master is bf16, rounded stochastically,
+ * and param is the stored master's value.
+ */
+ZK_INLINE void q8_step(const struct qconsts *k, const struct qblk *q, bool common, int optim,
+    int gdt, int pdt, bool nt, bool bm16, void *master, const uint8_t *m, const uint8_t *v,
+    const void *grad, void *param, vi hk, vi idx, vf *mi, vf *r)
+{
+	vf p = bm16 ? vf_from_bf16(vh_load(master)) : vf_load(master);
+
+	p = adam_q8(k, common, optim, load_grad(grad, gdt), p, dec_m(k, q, m), dec_r(k, q, v), mi, r);
+	if (!bm16) {
+		vf_store(master, p);
+		q_store_param(param, pdt, p, nt);
+		return;
+	}
+	vh h = sr_bf16(p, hk, idx);
+
+	vh_store(master, h);
+	if (pdt == ZK_DTYPE_BF16) {
+		if (nt)
+			vh_stream(param, h);
+		else
+			vh_store(param, h);
+	} else {
+		store_param(param, pdt, vf_from_bf16(h), nt);
+	}
 }
 
 ZK_INLINE uint32_t hmax(vi x)
@@ -389,28 +447,34 @@ ZK_INLINE void q8_encode(const struct qconsts *k, const float *bm, const float *
  * block's new scales.
  */
 ZK_INLINE void q8_run(const struct qconsts *k, bool common, int optim, int gdt, int pdt,
-    bool nt, const struct zk_qtensor *t, size_t b, size_t e)
+    bool nt, bool bm16, const struct zk_qtensor *t, size_t b, size_t e)
 {
-	size_t gs = dsize(gdt), ps = dsize(pdt);
+	size_t gs = dsize(gdt), ps = dsize(pdt), mb = bm16 ? 2 : 4;
 	const char *g = t->grad;
-	char *param = t->param;
-	float *master = t->master;
+	char *param = t->param, *master = (char *)t->master;
 	float bm[ZK_Q8_BLOCK], br[ZK_Q8_BLOCK];
 
 	for (size_t blk = b; blk < e; blk += ZK_Q8_BLOCK) {
 		size_t kb = blk / ZK_Q8_BLOCK, len = e - blk < ZK_Q8_BLOCK ? e - blk : ZK_Q8_BLOCK;
 		uint8_t *m = (uint8_t *)t->m + blk, *v = (uint8_t *)t->v + blk;
 		struct qblk q = qblk_init(t->m_scale[kb], t->v_scale[kb]);
-		vi mx_m = vi_zero(), mx_r = vi_zero();
+		vi mx_m = vi_zero(), mx_r = vi_zero(), hk = vi_zero(), idx = vi_zero();
 		size_t j = 0;
 		float sm, sr;
 		vf qm, qr, mi, r;
 
+		if (bm16) {
+			hk = vi_set1(zk__sr_block_key(k->sr_key, t->base + blk));
+			idx = vi_add(vi_set1((uint32_t)(t->base + blk)), vi_iota());
+		}
 		for (; j + ZK_W <= len; j += ZK_W) {
 			if (j % ZK_PF_EVERY == 0)
-				prefetch_ahead(master + blk + j, m + j, v + j, g + (blk + j) * gs, gs, 1);
-			q8_step(k, &q, common, optim, gdt, pdt, nt, master + blk + j, m + j, v + j,
-			    g + (blk + j) * gs, pdt != ZK_NO_PARAM ? param + (blk + j) * ps : NULL, &mi, &r);
+				prefetch_ahead(master + (blk + j) * mb, mb, m + j, v + j, g + (blk + j) * gs, gs, 1);
+			q8_step(k, &q, common, optim, gdt, pdt, nt, bm16, master + (blk + j) * mb, m + j,
+			    v + j, g + (blk + j) * gs, pdt != ZK_NO_PARAM ? param + (blk + j) * ps : NULL,
+			    hk, idx, &mi, &r);
+			if (bm16)
+				idx = vi_add(idx, vi_set1(ZK_W));
 			vf_store(bm + j, mi);
 			vf_store(br + j, r);
 			mx_m = vi_maxs(mx_m, vi_and(vf_bits(mi), k->absmask));
@@ -426,16 +490,17 @@ ZK_INLINE void q8_run(const struct qconsts *k, bool common, int optim, int gdt, 
 
 			memset(mask, 0xff, cnt * sizeof(uint32_t));
 			lanes = vi_loadu(mask);
-			memcpy(lmaster, master + blk + j, cnt * 4);
+			memcpy(lmaster, master + (blk + j) * mb, cnt * mb);
 			memcpy(lm, m + j, cnt);
 			memcpy(lv, v + j, cnt);
 			memcpy(lg, g + (blk + j) * gs, cnt * gs);
-			q8_step(k, &q, common, optim, gdt, pdt, false, lmaster, lm, lv, lg, lp, &mi, &r);
+			q8_step(k, &q, common, optim, gdt, pdt, false, bm16, lmaster, lm, lv, lg, lp, hk,
+			    idx, &mi, &r);
 			vf_store(bm + j, mi);
 			vf_store(br + j, r);
 			mx_m = vi_maxs(mx_m, vi_and(vi_and(vf_bits(mi), k->absmask), lanes));
 			mx_r = vi_maxu(mx_r, vi_and(vf_bits(r), lanes));
-			memcpy(master + blk + j, lmaster, cnt * 4);
+			memcpy(master + (blk + j) * mb, lmaster, cnt * mb);
 			if (pdt != ZK_NO_PARAM)
 				memcpy(param + (blk + j) * ps, lp, cnt * ps);
 		}
@@ -476,16 +541,18 @@ ZK_INLINE void qrun(const struct qconsts *kp, int optim, int gdt, int pdt,
 
 	bool common = k->scale_one && k->clip_one && k->lerp_small;
 
-#define ZK_RUN(FN) do { \
-		if (common && nt) FN(k, true, optim, gdt, pdt, true, t, b, e); \
-		else if (common) FN(k, true, optim, gdt, pdt, false, t, b, e); \
-		else if (nt) FN(k, false, optim, gdt, pdt, true, t, b, e); \
-		else FN(k, false, optim, gdt, pdt, false, t, b, e); \
+#define ZK_RUN(FN, ...) do { \
+		if (common && nt) FN(k, true, optim, gdt, pdt, true, __VA_ARGS__ t, b, e); \
+		else if (common) FN(k, true, optim, gdt, pdt, false, __VA_ARGS__ t, b, e); \
+		else if (nt) FN(k, false, optim, gdt, pdt, true, __VA_ARGS__ t, b, e); \
+		else FN(k, false, optim, gdt, pdt, false, __VA_ARGS__ t, b, e); \
 	} while (0)
 	if (t->format == ZK_STATE_BF16)
-		ZK_RUN(bf16_run);
+		ZK_RUN(bf16_run, );
+	else if (t->format == ZK_STATE_Q8)
+		ZK_RUN(q8_run, false, );
 	else
-		ZK_RUN(q8_run);
+		ZK_RUN(q8_run, true, );
 #undef ZK_RUN
 	/* Streaming stores are weakly ordered: fence before the pool reports completion. */
 	if (nt)
@@ -536,11 +603,22 @@ void ZK_QFN(zk_qstep)(const struct zk_qconsts *c, enum zk_optim optim, const str
 
 /* ---- memory-only probe: the same loads and stores, no arithmetic ---- */
 
-ZK_INLINE void qmem_body(int gdt, int pdt, int ms, bool nt, float *master, uint8_t *m,
+ZK_INLINE void qmem_body(int gdt, int pdt, int ms, int mb, bool nt, void *master, uint8_t *m,
     uint8_t *v, const void *grad, void *param)
 {
-	vf x = vf_load(master);
+	vf x;
 
+	if (mb == 4) {
+		x = vf_load(master);
+		ZK_OPAQUE_V(x);
+		vf_store(master, x);
+	} else {
+		vh h = vh_load(master);
+
+		ZK_OPAQUE_V(h);
+		vh_store(master, h);
+		x = vf_from_bf16(h);	/* what a bf16 master gives an fp32 param */
+	}
 	if (gdt == ZK_DTYPE_F32) {
 		vf gx = vf_load(grad);
 
@@ -550,8 +628,6 @@ ZK_INLINE void qmem_body(int gdt, int pdt, int ms, bool nt, float *master, uint8
 
 		ZK_OPAQUE_V(gx);
 	}
-	ZK_OPAQUE_V(x);
-	vf_store(master, x);
 	if (ms == 2) {
 		vh a = vh_load((uint16_t *)m), c = vh_load((uint16_t *)v);
 
@@ -580,7 +656,8 @@ ZK_INLINE void qmem_body(int gdt, int pdt, int ms, bool nt, float *master, uint8
 	}
 }
 
-ZK_INLINE void qmem_run(int gdt, int pdt, int ms, const struct zk_qtensor *t, size_t b, size_t e)
+ZK_INLINE void qmem_run(int gdt, int pdt, int ms, int mb, const struct zk_qtensor *t, size_t b,
+    size_t e)
 {
 	size_t gs = dsize(gdt), ps = dsize(pdt), i = b;
 	const char *g = t->grad;
@@ -596,7 +673,7 @@ ZK_INLINE void qmem_run(int gdt, int pdt, int ms, const struct zk_qtensor *t, si
 			t->m_scale[kb] = sm;
 			t->v_scale[kb] = sr;
 		}
-		qmem_body(gdt, pdt, ms, nt, t->master + i, (uint8_t *)m + i * ms,
+		qmem_body(gdt, pdt, ms, mb, nt, (char *)t->master + i * mb, (uint8_t *)m + i * ms,
 		    (uint8_t *)v + i * ms, g + i * gs, pdt != ZK_NO_PARAM ? param + i * ps : NULL);
 	}
 	if (i < e)
@@ -606,7 +683,9 @@ ZK_INLINE void qmem_run(int gdt, int pdt, int ms, const struct zk_qtensor *t, si
 }
 
 #define ZK_MCASE(G, P) case (G) * 4 + (P): \
-	if (t->format == ZK_STATE_Q8) qmem_run(G, P, 1, t, b, e); else qmem_run(G, P, 2, t, b, e); \
+	if (t->format == ZK_STATE_Q8) qmem_run(G, P, 1, 4, t, b, e); \
+	else if (t->format == ZK_STATE_BF16) qmem_run(G, P, 2, 4, t, b, e); \
+	else qmem_run(G, P, 1, 2, t, b, e); \
 	break
 #define ZK_MCASES_P(G) \
 	ZK_MCASE(G, ZK_DTYPE_F32); ZK_MCASE(G, ZK_DTYPE_BF16); \

@@ -66,12 +66,31 @@
  *   p' = AdamW: fma(p, 1 - lr * wd, u);  Adam: p + u
  * The parameter update uses the new moments before they are rounded for
  * storage (as bitsandbytes' 8-bit optimizers do).
+ *
+ * ZK_STATE_BF16_Q8 ("bf16-master+q8"): m and v as q8-moments, master in
+ *   bf16 (uint16_t, through master_bf16): 12.06 B/param moved per step with
+ *   bf16 grad and param.  The step is q8-moments' on the widened master; the
+ *   new master is rounded to bf16 stochastically, and param (any dtype) is
+ *   that bf16 value.  Stochastic, not Kahan-compensated: a bf16 compensation
+ *   term would bring master back to 4 bytes, the bytes this format exists to
+ *   save; rounding up with probability equal to the remainder keeps updates
+ *   far below a bf16 ulp (lr 1e-4 on weights near 1: ulp 2^-7) from being
+ *   lost, unbiased, at 2 bytes.  The random bits are a hash of the step and
+ *   the element's index, so every variant and any split give the same bits:
+ *     mix(x) = x ^= x >> 16, x *= 0x7feb352d, x ^= x >> 15, x *= 0x846ca68b,
+ *              x ^= x >> 16  (32-bit unsigned arithmetic)
+ *     S = mix(mix(lo32(step) + 0x9e3779b9) + hi32(step))
+ *     j = base + i (the element's index in the whole tensor: struct zk_qtensor)
+ *     R = mix(lo32(j) ^ mix(hi32(j) + S)) >> 16
+ *     bf16 = (bits(p') + R) >> 16, a NaN quieted as zk_f32_to_bf16 does
+ *   (the largest finite floats may round up to inf, as the next bf16 is).
  * SIMD variants give the scalar reference's bits.  AdamW and Adam only.
  */
 enum zk_state_format {
 	ZK_STATE_FP32 = 0,	/* "fp32": struct zk_tensor / zk_step */
 	ZK_STATE_BF16 = 1,	/* "bf16-moments" */
 	ZK_STATE_Q8 = 2,	/* "q8-moments" */
+	ZK_STATE_BF16_Q8 = 3,	/* "bf16-master+q8" */
 	ZK_STATE_COUNT
 };
 
@@ -79,13 +98,20 @@ enum zk_state_format {
 
 /*
  * One tensor (or a block-aligned piece of one) in a compressed format.
- * m/v: uint16_t[n] (BF16) or uint8_t[n] (Q8).  m_scale/v_scale: Q8 only,
- * float[zk_state_blocks(Q8, n)], block j covering elements [256j, 256j + 256);
- * NULL for BF16.  Other fields as in struct zk_tensor.
+ * master: float[n], or uint16_t[n] bf16 through master_bf16 (BF16_Q8).
+ * m/v: uint16_t[n] (BF16) or uint8_t[n] (Q8, BF16_Q8).  m_scale/v_scale:
+ * Q8 and BF16_Q8, float[zk_state_blocks(format, n)], block j covering
+ * elements [256j, 256j + 256); NULL for BF16.  base: the index of element 0
+ * in the whole tensor, which seeds BF16_Q8's rounding (0 for a whole tensor;
+ * zk_qtensor_slice keeps it, so a piece stepped on its own gets the bits it
+ * would get in the whole).  Other fields as in struct zk_tensor.
  */
 struct zk_qtensor {
 	enum zk_state_format format;
-	float *master;
+	union {
+		float *master;
+		uint16_t *master_bf16;
+	};
 	void *m;
 	void *v;
 	float *m_scale;
@@ -95,15 +121,18 @@ struct zk_qtensor {
 	void *param;
 	enum zk_dtype param_dtype;
 	size_t n;
+	size_t base;
 };
 
 const char *zk_state_format_name(enum zk_state_format f);
-/* "fp32", "bf16-moments", "q8-moments" (also "bf16", "q8"). */
+/* "fp32", "bf16-moments", "q8-moments", "bf16-master+q8" (also "bf16", "q8", "bf16-q8"). */
 int zk_state_format_parse(const char *name, enum zk_state_format *ret);
 
 /* Bytes of one moment array (m or v) of n elements: 4n, 2n or n. */
 size_t zk_state_moment_bytes(enum zk_state_format f, size_t n);
-/* Scales per moment array: ceil(n / ZK_Q8_BLOCK) for Q8, else 0. */
+/* Bytes of the master array of n elements: 2n for BF16_Q8, else 4n. */
+size_t zk_state_master_bytes(enum zk_state_format f, size_t n);
+/* Scales per moment array: ceil(n / ZK_Q8_BLOCK) for Q8 and BF16_Q8, else 0. */
 size_t zk_state_blocks(enum zk_state_format f, size_t n);
 /* Optimizer state bytes per element set, all of master, m, v and scales. */
 size_t zk_state_bytes(enum zk_state_format f, size_t n);
@@ -111,14 +140,15 @@ size_t zk_state_bytes(enum zk_state_format f, size_t n);
 /*
  * Elements [off, off + len) of t as a tensor of its own (what the engine
  * does to a view for a pinned slice, an NVMe chunk or a pool slice).
- * -EINVAL unless off is a multiple of ZK_Q8_BLOCK (Q8) and the range fits.
+ * -EINVAL unless off is a multiple of ZK_Q8_BLOCK (Q8, BF16_Q8) and the
+ * range fits.
  */
 int zk_qtensor_slice(const struct zk_qtensor *t, size_t off, size_t len,
     struct zk_qtensor *ret);
 
 /*
- * Fused dequantize -> step -> requantize over [begin, end) of t.  For Q8,
- * begin must be a multiple of ZK_Q8_BLOCK and end a multiple of it or t->n.
+ * Fused dequantize -> step -> requantize over [begin, end) of t.  For Q8
+ * and BF16_Q8, begin must be a multiple of ZK_Q8_BLOCK and end a multiple of it or t->n.
  * Any such split gives the same bits.  -EINVAL on bad arguments or a
  * misaligned range, -ENOTSUP for an optimizer other than AdamW/Adam or an
  * ISA the CPU lacks.
@@ -136,5 +166,13 @@ int zk_qstep_memonly(enum zk_isa isa, const struct zk_qtensor *t, size_t begin, 
  */
 int zk_qstate_encode(const struct zk_qtensor *t, const float *m, const float *v);
 int zk_qstate_decode(const struct zk_qtensor *t, float *m, float *v);
+
+/*
+ * The master array the same way: fp32 in and out for every format but
+ * BF16_Q8, whose master encode rounds to nearest even (a conversion, not a
+ * step: no stochastic rounding) and decode widens exactly.
+ */
+int zk_qstate_master_encode(const struct zk_qtensor *t, const float *master);
+int zk_qstate_master_decode(const struct zk_qtensor *t, float *master);
 
 #endif

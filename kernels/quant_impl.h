@@ -110,7 +110,45 @@ static inline uint32_t zk__absbits(float x)
 struct zk_qconsts {
 	struct zk_consts c;
 	float inv_bc2_sqrt;
+	uint32_t sr_key;	/* bf16-master+q8: S of quant.h, from the step */
 };
+
+/* bf16-master+q8's stochastic rounding (quant.h): the hash, its keys, the rounding. */
+static inline uint32_t zk__mix32(uint32_t x)
+{
+	x ^= x >> 16;
+	x *= 0x7feb352du;
+	x ^= x >> 15;
+	x *= 0x846ca68bu;
+	x ^= x >> 16;
+	return x;
+}
+
+static inline uint32_t zk__sr_key(uint64_t step)
+{
+	return zk__mix32(zk__mix32((uint32_t)step + 0x9e3779b9u) + (uint32_t)(step >> 32));
+}
+
+/* mix(hi32(j) + S): the same for every element of a block (blocks never straddle 2^32). */
+static inline uint32_t zk__sr_block_key(uint32_t key, uint64_t j)
+{
+	return zk__mix32((uint32_t)(j >> 32) + key);
+}
+
+/* R of element j, 16 random bits. */
+static inline uint32_t zk__sr_bits(uint32_t block_key, uint64_t j)
+{
+	return zk__mix32((uint32_t)j ^ block_key) >> 16;
+}
+
+static inline uint16_t zk__sr_bf16(float p, uint32_t r)
+{
+	uint32_t u = zk__f32_bits(p);
+
+	if ((u & 0x7fffffffu) > 0x7f800000u)
+		return (uint16_t)((u >> 16) | 0x0040u);
+	return (uint16_t)((u + r) >> 16);
+}
 
 /* Ranges were validated by zk_qstep; optim is AdamW or Adam. */
 typedef void zk_qstep_fn(const struct zk_qconsts *qc, enum zk_optim optim,

@@ -49,6 +49,7 @@ static unsigned nearest(unsigned mant, double y)
 
 struct qbufs {
 	float master[MAXN + PAD];
+	uint16_t master16[MAXN + PAD];	/* bf16-master+q8 */
 	uint32_t grad[MAXN + PAD], param[MAXN + PAD];
 	uint8_t m8[MAXN + PAD], v8[MAXN + PAD];
 	uint16_t m16[MAXN + PAD], v16[MAXN + PAD];
@@ -73,6 +74,7 @@ static void fill_state(struct qbufs *b, struct rng *r, bool extreme)
 {
 	for (size_t i = 0; i < MAXN + PAD; i++) {
 		b->master[i] = pick(r, extreme, -1, 1);
+		b->master16[i] = zk_f32_to_bf16(pick(r, extreme, -1, 1));
 		b->m8[i] = (uint8_t)rng_next(r);
 		b->v8[i] = (uint8_t)rng_next(r);
 		b->m16[i] = zk_f32_to_bf16(pick(r, extreme, -0.1f, 0.1f));
@@ -107,11 +109,14 @@ static struct zk_qtensor view(struct qbufs *b, enum zk_state_format f, size_t sh
 {
 	size_t gs = zk_dtype_size((enum zk_dtype)gdt), ps = zk_dtype_size((enum zk_dtype)pdt);
 
+	bool q8 = f != ZK_STATE_BF16;
+
 	return (struct zk_qtensor){
-		.format = f, .master = b->master + shift,
-		.m = f == ZK_STATE_Q8 ? (void *)(b->m8 + shift) : (void *)(b->m16 + shift),
-		.v = f == ZK_STATE_Q8 ? (void *)(b->v8 + shift) : (void *)(b->v16 + shift),
-		.m_scale = f == ZK_STATE_Q8 ? b->ms : NULL, .v_scale = f == ZK_STATE_Q8 ? b->vs : NULL,
+		.format = f, .master = f == ZK_STATE_BF16_Q8 ? (float *)(void *)(b->master16 + shift) :
+		    b->master + shift,
+		.m = q8 ? (void *)(b->m8 + shift) : (void *)(b->m16 + shift),
+		.v = q8 ? (void *)(b->v8 + shift) : (void *)(b->v16 + shift),
+		.m_scale = q8 ? b->ms : NULL, .v_scale = q8 ? b->vs : NULL,
 		.grad = (char *)b->grad + shift * gs, .grad_dtype = (enum zk_dtype)gdt,
 		.param = pdt < ZK_DTYPE_COUNT ? (char *)b->param + shift * ps : NULL,
 		.param_dtype = pdt < ZK_DTYPE_COUNT ? (enum zk_dtype)pdt : ZK_DTYPE_F32, .n = n,
@@ -149,6 +154,9 @@ static void compare(const struct qbufs *a, const struct qbufs *b, enum zk_state_
 
 	cr_assert_eq(i, -1, "%s: master[%ld] %a vs %a", what, i, i < 0 ? 0 : a->master[i],
 	    i < 0 ? 0 : b->master[i]);
+	i = first_mismatch(a->master16, b->master16, ZK_DTYPE_BF16, MAXN + PAD);
+	cr_assert_eq(i, -1, "%s: bf16 master[%ld] %04x vs %04x", what, i, i < 0 ? 0 : a->master16[i],
+	    i < 0 ? 0 : b->master16[i]);
 	if (pdt < ZK_DTYPE_COUNT) {
 		i = first_mismatch(a->param, b->param, (enum zk_dtype)pdt, MAXN + PAD);
 		cr_assert_eq(i, -1, "%s: param[%ld]", what, i);
@@ -207,6 +215,20 @@ static void simd_vs_scalar(enum zk_isa isa, enum zk_state_format f)
 				struct zk_qtensor t = view(b, f, shift, gdt, pdt, n);
 				enum zk_isa use = b == &ref ? ZK_ISA_SCALAR : isa;
 
+				/* A piece of a larger tensor whose second block starts at index 2^32. */
+				if (li % 3 == 0)
+					t.base = 0xffffff00u;
+
+				/* A piece stepped as its own slice (base = split) gives the same bits too. */
+				if (split && b == &out && (li & 2)) {
+					struct zk_qtensor s0, s1;
+
+					cr_assert_eq(zk_qtensor_slice(&t, 0, split, &s0), 0);
+					cr_assert_eq(zk_qtensor_slice(&t, split, n - split, &s1), 0);
+					cr_assert_eq(zk_qstep(use, &h, &s0, 0, split), 0);
+					cr_assert_eq(zk_qstep(use, &h, &s1, 0, n - split), 0);
+					continue;
+				}
 				if (split)
 					cr_assert_eq(zk_qstep(use, &h, &t, 0, split), 0);
 				cr_assert_eq(zk_qstep(use, &h, &t, split, n), 0);
@@ -223,6 +245,8 @@ static void simd_vs_scalar(enum zk_isa isa, enum zk_state_format f)
 
 Test(qstep, avx2_q8_matches_scalar) { simd_vs_scalar(ZK_ISA_AVX2, ZK_STATE_Q8); }
 Test(qstep, avx512_q8_matches_scalar) { simd_vs_scalar(ZK_ISA_AVX512, ZK_STATE_Q8); }
+Test(qstep, avx2_bf16q8_matches_scalar) { simd_vs_scalar(ZK_ISA_AVX2, ZK_STATE_BF16_Q8); }
+Test(qstep, avx512_bf16q8_matches_scalar) { simd_vs_scalar(ZK_ISA_AVX512, ZK_STATE_BF16_Q8); }
 /* Where the CPU has AVX512_BF16, the baseline AVX-512 body as well (on others it is the one above). */
 static void plain_avx512(enum zk_state_format f)
 {
@@ -233,6 +257,7 @@ static void plain_avx512(enum zk_state_format f)
 
 Test(qstep, avx512_plain_q8_matches_scalar) { plain_avx512(ZK_STATE_Q8); }
 Test(qstep, avx512_plain_bf16_matches_scalar) { plain_avx512(ZK_STATE_BF16); }
+Test(qstep, avx512_plain_bf16q8_matches_scalar) { plain_avx512(ZK_STATE_BF16_Q8); }
 Test(qstep, avx2_bf16_matches_scalar) { simd_vs_scalar(ZK_ISA_AVX2, ZK_STATE_BF16); }
 Test(qstep, avx512_bf16_matches_scalar) { simd_vs_scalar(ZK_ISA_AVX512, ZK_STATE_BF16); }
 
