@@ -47,6 +47,21 @@ static unsigned nearest(unsigned mant, double y)
 	return best;
 }
 
+/* bf16-master+q8's random bits, from quant.h's definition. */
+static uint32_t sr_mix(uint32_t x)
+{
+	x = (x ^ (x >> 16)) * 0x7feb352du;
+	x = (x ^ (x >> 15)) * 0x846ca68bu;
+	return x ^ (x >> 16);
+}
+
+static uint32_t sr_random(uint64_t step, uint64_t j)
+{
+	uint32_t key = sr_mix(sr_mix((uint32_t)step + 0x9e3779b9u) + (uint32_t)(step >> 32));
+
+	return sr_mix((uint32_t)j ^ sr_mix((uint32_t)(j >> 32) + key)) >> 16;
+}
+
 struct qbufs {
 	float master[MAXN + PAD];
 	uint16_t master16[MAXN + PAD];	/* bf16-master+q8 */
@@ -284,6 +299,35 @@ static void check_code(unsigned mant, double y, unsigned k, double tol, const ch
 	    y, k, grid(mant, k), kn, grid(mant, kn));
 }
 
+struct sr_tally {
+	size_t decided, total;
+	double err;	/* sum of (stored - exact) in ulps */
+};
+
+/*
+ * bf16-master+q8: the stored master is one of the two bf16 values around the
+ * exact p (within tol, the fp32 step's error), the upper one exactly when
+ * frac * 2^16 + R >= 2^16 (frac: p's place between them), checked where tol
+ * cannot move it across; param holds the same bf16.
+ */
+static void check_sr(const struct qbufs *b, size_t i, double p, uint64_t step, double tol,
+    struct sr_tally *sr, const char *what)
+{
+	double a = fabs(p), ulp = ldexp(1.0, ilogb(a) - 7), lo = floor(a / ulp) * ulp;
+	double got = zk_bf16_to_f32(b->master16[i]), frac = (a - lo) / ulp;
+	double x = frac * 65536 + sr_random(step, i) - 65536, margin = tol / ulp * 65536 + 2;
+
+	cr_assert(((const uint16_t *)b->param)[i] == b->master16[i], "%s: param[%zu] is not master", what, i);
+	cr_assert(fabs(got - p) <= ulp + tol, "%s: master[%zu] %.9g vs exact %.9g", what, i, got, p);
+	sr->total++;
+	sr->err += (fabs(got) - a) / ulp;
+	if (fabs(x) < margin)
+		return;
+	sr->decided++;
+	cr_assert(fabs(fabs(got) - (x >= 0 ? lo + ulp : lo)) <= tol, "%s: master[%zu] %.9g, exact %.9g, "
+	    "frac %.4f, R %u: rounded the wrong way", what, i, got, p, frac, sr_random(step, i));
+}
+
 /*
  * Each step of the kernel from its own previous state, against the step in
  * double: decode, AdamW/Adam, block maxima, nearest code.
@@ -296,6 +340,7 @@ static void vs_double(enum zk_state_format f, enum zk_optim optim, int set, enum
 	struct rng r = { 77 + (uint64_t)set };
 	size_t n = 1000;
 	size_t exact = 0, total = 0;
+	struct sr_tally tally = { 0 };
 	char what[160];
 
 	snprintf(what, sizeof(what), "%s %s %s set %d grad %s", zk_isa_name(isa), zk_state_format_name(f),
@@ -316,7 +361,7 @@ static void vs_double(enum zk_state_format f, enum zk_optim optim, int set, enum
 			size_t k = i / ZK_Q8_BLOCK;
 			double g;
 
-			if (f == ZK_STATE_Q8) {
+			if (f != ZK_STATE_BF16) {
 				double um = b.ms[k] / vmax(3), ur = b.vs[k] / vmax(4);
 				double rr = grid(4, b.v8[i]) * ur;
 
@@ -328,7 +373,7 @@ static void vs_double(enum zk_state_format f, enum zk_optim optim, int set, enum
 			}
 			g = gdt == ZK_DTYPE_F32 ? bits_f32(b.grad[i]) : zk_bf16_to_f32(((uint16_t *)b.grad)[i]);
 			g = g / h.grad_scale * h.clip_coef;
-			po[i] = b.master[i];
+			po[i] = f == ZK_STATE_BF16_Q8 ? zk_bf16_to_f32(b.master16[i]) : b.master[i];
 			if (optim == ZK_OPTIM_ADAMW)
 				po[i] *= 1 - h.lr * h.weight_decay;
 			else
@@ -339,7 +384,9 @@ static void vs_double(enum zk_state_format f, enum zk_optim optim, int set, enum
 			pn[i] = po[i] - h.lr / bc1 * mi[i] / (sqrt(vi[i]) / sqrt(bc2) + h.eps);
 		}
 		cr_assert_eq(zk_qstep(isa, &h, &t, 0, n), 0);
-		for (size_t i = 0; i < n; i++)
+		for (size_t i = 0; i < n && f == ZK_STATE_BF16_Q8; i++)
+			check_sr(&b, i, pn[i], h.step, 1e-6 * (fabs(pn[i]) + h.lr), &tally, what);
+		for (size_t i = 0; i < n && f != ZK_STATE_BF16_Q8; i++)
 			cr_assert(fabs(b.master[i] - pn[i]) <= 1e-6 * (fabs(pn[i]) + h.lr),
 			    "%s step %d: master[%zu] %.9g vs %.9g", what, s, i, b.master[i], pn[i]);
 		for (size_t blk = 0; blk < n; blk += ZK_Q8_BLOCK) {
@@ -380,13 +427,22 @@ static void vs_double(enum zk_state_format f, enum zk_optim optim, int set, enum
 			}
 		}
 	}
+	if (f == ZK_STATE_BF16_Q8) {
+		/* Most decisions far enough from the fp32 step's rounding to be checked; no bias. */
+		cr_assert(tally.decided >= tally.total * 9 / 10, "%s: %zu of %zu roundings checked", what,
+		    tally.decided, tally.total);
+		cr_assert(fabs(tally.err / (double)tally.total) < 0.05, "%s: mean rounding error %.4f ulp", what,
+		    tally.err / (double)tally.total);
+	}
 	/* The tolerance only lets codes next to a midpoint go either way. */
-	if (f == ZK_STATE_Q8)
+	if (f != ZK_STATE_BF16)
 		cr_assert(exact >= total * 99 / 100, "%s: %zu of %zu codes the nearest", what, exact, total);
 }
 
 Test(qnumerics, q8_adamw_vs_double) { vs_double(ZK_STATE_Q8, ZK_OPTIM_ADAMW, 0, ZK_DTYPE_BF16); }
 Test(qnumerics, q8_adam_vs_double) { vs_double(ZK_STATE_Q8, ZK_OPTIM_ADAM, 0, ZK_DTYPE_F32); }
+Test(qnumerics, bf16q8_adamw_vs_double) { vs_double(ZK_STATE_BF16_Q8, ZK_OPTIM_ADAMW, 0, ZK_DTYPE_BF16); }
+Test(qnumerics, bf16q8_adam_vs_double) { vs_double(ZK_STATE_BF16_Q8, ZK_OPTIM_ADAM, 1, ZK_DTYPE_F32); }
 Test(qnumerics, q8_adamw_other_branch_vs_double) { vs_double(ZK_STATE_Q8, ZK_OPTIM_ADAMW, 1, ZK_DTYPE_F32); }
 Test(qnumerics, bf16_adamw_vs_double) { vs_double(ZK_STATE_BF16, ZK_OPTIM_ADAMW, 0, ZK_DTYPE_BF16); }
 Test(qnumerics, bf16_adam_vs_double) { vs_double(ZK_STATE_BF16, ZK_OPTIM_ADAM, 1, ZK_DTYPE_F32); }
