@@ -100,14 +100,8 @@ ZK_INLINE vf vf_fma(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
 ZK_INLINE vi vi_xor(vi a, vi b) { return _mm512_xor_si512(a, b); }
 ZK_INLINE vi vi_mullo(vi a, vi b) { return _mm512_mullo_epi32(a, b); }
 ZK_INLINE vi vi_iota(void) { return _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15); }
-/* Low halves of the lanes (values below 2^16), NaN lanes of p as zk__sr_bf16 has them. */
-ZK_INLINE vh vi_pack_sr(vi r, vi u, vf p)
-{
-	__mmask16 nan = _mm512_cmp_ps_mask(p, p, _CMP_UNORD_Q);
-
-	r = _mm512_mask_or_epi32(r, nan, _mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
-	return _mm512_cvtepi32_epi16(r);
-}
+/* Lanes below 2^16 to 16 bits. */
+ZK_INLINE vh vi_pack16(vi r) { return _mm512_cvtepi32_epi16(r); }
 /* Sign-extended bytes: the sign of m lands on bit 31 after the shift by 24. */
 ZK_INLINE vi vi_load_s8(const uint8_t *p) { return _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)); }
 /* (a & ~mask) | (b & mask) in one vpternlogd */
@@ -145,12 +139,9 @@ ZK_INLINE vf vf_fma(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
 ZK_INLINE vi vi_xor(vi a, vi b) { return _mm256_xor_si256(a, b); }
 ZK_INLINE vi vi_mullo(vi a, vi b) { return _mm256_mullo_epi32(a, b); }
 ZK_INLINE vi vi_iota(void) { return _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7); }
-ZK_INLINE vh vi_pack_sr(vi r, vi u, vf p)
+ZK_INLINE vh vi_pack16(vi r)
 {
-	vi nan = _mm256_castps_si256(_mm256_cmp_ps(p, p, _CMP_UNORD_Q));
-	vi q = _mm256_or_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(0x40));
-
-	r = _mm256_packus_epi32(_mm256_blendv_epi8(r, q, nan), r);
+	r = _mm256_packus_epi32(r, r);
 	return _mm256_castsi256_si128(_mm256_permute4x64_epi64(r, 0x08));
 }
 ZK_INLINE vi vi_load_s8(const uint8_t *p) { return _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)); }
@@ -361,22 +352,13 @@ ZK_INLINE vf dec_r(const struct qconsts *k, const struct qblk *q, const uint8_t 
 	return vf_fma(vf_cast(vi_add(vi_slli(vi_load_u8(p), 19), k->bias)), q->ur, q->cr_neg);
 }
 
-/* zk__mix32 on every lane. */
-ZK_INLINE vi mix32(vi x)
-{
-	x = vi_xor(x, vi_srli(x, 16));
-	x = vi_mullo(x, vi_set1(0x7feb352du));
-	x = vi_xor(x, vi_srli(x, 15));
-	x = vi_mullo(x, vi_set1(0x846ca68bu));
-	return vi_xor(x, vi_srli(x, 16));
-}
-
 /* zk__sr_bf16 with zk__sr_bits(hk, j) for the lanes' indices lo32(j) in idx. */
 ZK_INLINE vh sr_bf16(vf p, vi hk, vi idx)
 {
-	vi u = vf_bits(p), r = vi_srli(mix32(vi_xor(idx, hk)), 16);
+	vi h = vi_mullo(vi_xor(idx, hk), vi_set1(0x7feb352du));
 
-	return vi_pack_sr(vi_srli(vi_add(u, r), 16), u, p);
+	h = vi_mullo(vi_xor(h, vi_srli(h, 15)), vi_set1(0x846ca68bu));
+	return vi_pack16(vi_srli(vi_add(vf_bits(p), vi_srli(h, 16)), 16));
 }
 
 /*

@@ -76,14 +76,17 @@
  *   save; rounding up with probability equal to the remainder keeps updates
  *   far below a bf16 ulp (lr 1e-4 on weights near 1: ulp 2^-7) from being
  *   lost, unbiased, at 2 bytes.  The random bits are a hash of the step and
- *   the element's index, so every variant and any split give the same bits:
+ *   the element's index, so every variant and any split give the same bits
+ *   (32-bit unsigned arithmetic):
  *     mix(x) = x ^= x >> 16, x *= 0x7feb352d, x ^= x >> 15, x *= 0x846ca68b,
- *              x ^= x >> 16  (32-bit unsigned arithmetic)
+ *              x ^= x >> 16
  *     S = mix(mix(lo32(step) + 0x9e3779b9) + hi32(step))
  *     j = base + i (the element's index in the whole tensor: struct zk_qtensor)
- *     R = mix(lo32(j) ^ mix(hi32(j) + S)) >> 16
- *     bf16 = (bits(p') + R) >> 16, a NaN quieted as zk_f32_to_bf16 does
- *   (the largest finite floats may round up to inf, as the next bf16 is).
+ *     K = mix(hi32(j) + S)  (one per block: blocks never straddle 2^32)
+ *     h = (lo32(j) ^ K) * 0x7feb352d, h ^= h >> 15, h *= 0x846ca68b, R = h >> 16
+ *     bf16 = (bits(p') + R) >> 16
+ *   p' is an arithmetic result, so a NaN is quiet and stays a NaN; the
+ *   largest finite floats may round up to inf, as the next bf16 is.
  * SIMD variants give the scalar reference's bits.  AdamW and Adam only.
  */
 enum zk_state_format {

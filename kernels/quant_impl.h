@@ -135,19 +135,19 @@ static inline uint32_t zk__sr_block_key(uint32_t key, uint64_t j)
 	return zk__mix32((uint32_t)(j >> 32) + key);
 }
 
-/* R of element j, 16 random bits. */
+/* R of element j, 16 random bits: two multiply-xorshift rounds, the top half kept. */
 static inline uint32_t zk__sr_bits(uint32_t block_key, uint64_t j)
 {
-	return zk__mix32((uint32_t)j ^ block_key) >> 16;
+	uint32_t h = ((uint32_t)j ^ block_key) * 0x7feb352du;
+
+	h = (h ^ (h >> 15)) * 0x846ca68bu;
+	return h >> 16;
 }
 
+/* p is an arithmetic result: a NaN has its quiet bit, which the add cannot clear. */
 static inline uint16_t zk__sr_bf16(float p, uint32_t r)
 {
-	uint32_t u = zk__f32_bits(p);
-
-	if ((u & 0x7fffffffu) > 0x7f800000u)
-		return (uint16_t)((u >> 16) | 0x0040u);
-	return (uint16_t)((u + r) >> 16);
+	return (uint16_t)((zk__f32_bits(p) + r) >> 16);
 }
 
 /* Ranges were validated by zk_qstep; optim is AdamW or Adam. */

@@ -58,8 +58,9 @@ static uint32_t sr_mix(uint32_t x)
 static uint32_t sr_random(uint64_t step, uint64_t j)
 {
 	uint32_t key = sr_mix(sr_mix((uint32_t)step + 0x9e3779b9u) + (uint32_t)(step >> 32));
+	uint32_t h = ((uint32_t)j ^ sr_mix((uint32_t)(j >> 32) + key)) * 0x7feb352du;
 
-	return sr_mix((uint32_t)j ^ sr_mix((uint32_t)(j >> 32) + key)) >> 16;
+	return ((h ^ (h >> 15)) * 0x846ca68bu) >> 16;
 }
 
 struct qbufs {
