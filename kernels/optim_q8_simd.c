@@ -647,6 +647,9 @@ ZK_INLINE void qmem_run(int gdt, int pdt, int ms, int mb, const struct zk_qtenso
 	bool nt = pdt != ZK_NO_PARAM && nt_ok(param + b * ps, ps);
 
 	for (; i + ZK_W <= e; i += ZK_W) {
+		/* The steps' prefetches too: the limit is for the same memory traffic, hints included. */
+		if (i % ZK_PF_EVERY == 0)
+			prefetch_ahead((char *)t->master + i * mb, mb, m + i * ms, v + i * ms, g + i * gs, gs, ms);
 		if (ms == 1 && i % ZK_Q8_BLOCK == 0) {
 			size_t kb = i / ZK_Q8_BLOCK;
 			float sm = t->m_scale[kb], sr = t->v_scale[kb];
