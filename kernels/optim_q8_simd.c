@@ -88,7 +88,6 @@ ZK_INLINE void vi_store_u8(uint8_t *p, vi x) { _mm_storeu_si128((__m128i *)p, _m
 ZK_INLINE vi vi_set1(uint32_t x) { return _mm512_set1_epi32((int)x); }
 ZK_INLINE vi vi_add(vi a, vi b) { return _mm512_add_epi32(a, b); }
 ZK_INLINE vi vi_and(vi a, vi b) { return _mm512_and_si512(a, b); }
-ZK_INLINE vi vi_minu(vi a, vi b) { return _mm512_min_epu32(a, b); }
 ZK_INLINE vi vi_maxs(vi a, vi b) { return _mm512_max_epi32(a, b); }
 ZK_INLINE vi vi_maxu(vi a, vi b) { return _mm512_max_epu32(a, b); }
 /* a | (b & c) in one vpternlogd */
@@ -110,9 +109,6 @@ ZK_INLINE vi vi_blend_bits(vi a, vi b, vi mask) { return _mm512_ternarylogic_epi
 ZK_INLINE vi vi_xor_and(vi a, vi b, vi c) { return _mm512_ternarylogic_epi32(a, b, c, 0x78); }
 #define vi_srli(x, n) _mm512_srli_epi32((x), (n))
 #define vi_slli(x, n) _mm512_slli_epi32((x), (n))
-typedef __m128i vb;		/* ZK_W bytes */
-ZK_INLINE vb vb_load(const uint8_t *p) { return _mm_loadu_si128((const __m128i *)p); }
-ZK_INLINE void vb_store(uint8_t *p, vb x) { _mm_storeu_si128((__m128i *)p, x); }
 #else
 ZK_INLINE vi vi_load_u8(const uint8_t *p) { return _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p)); }
 /* The low byte of each lane, as vpmovdb keeps it (codes are not clamped: quant_impl.h). */
@@ -128,7 +124,6 @@ ZK_INLINE void vi_store_u8(uint8_t *p, vi x)
 ZK_INLINE vi vi_set1(uint32_t x) { return _mm256_set1_epi32((int)x); }
 ZK_INLINE vi vi_add(vi a, vi b) { return _mm256_add_epi32(a, b); }
 ZK_INLINE vi vi_and(vi a, vi b) { return _mm256_and_si256(a, b); }
-ZK_INLINE vi vi_minu(vi a, vi b) { return _mm256_min_epu32(a, b); }
 ZK_INLINE vi vi_maxs(vi a, vi b) { return _mm256_max_epi32(a, b); }
 ZK_INLINE vi vi_maxu(vi a, vi b) { return _mm256_max_epu32(a, b); }
 ZK_INLINE vi vi_or_and(vi a, vi b, vi c) { return _mm256_or_si256(a, _mm256_and_si256(b, c)); }
@@ -152,9 +147,6 @@ ZK_INLINE vi vi_blend_bits(vi a, vi b, vi mask)
 ZK_INLINE vi vi_xor_and(vi a, vi b, vi c) { return _mm256_xor_si256(a, _mm256_and_si256(b, c)); }
 #define vi_srli(x, n) _mm256_srli_epi32((x), (n))
 #define vi_slli(x, n) _mm256_slli_epi32((x), (n))
-typedef __m128i vb;		/* ZK_W bytes in the low half */
-ZK_INLINE vb vb_load(const uint8_t *p) { return _mm_loadl_epi64((const __m128i *)p); }
-ZK_INLINE void vb_store(uint8_t *p, vb x) { _mm_storel_epi64((__m128i *)p, x); }
 #endif
 
 ZK_INLINE size_t dsize(int dt)
@@ -584,6 +576,16 @@ void ZK_QFN(zk_qstep)(const struct zk_qconsts *c, enum zk_optim optim, const str
 #ifndef ZK_Q8_BF16	/* the probe has no bf16 rounding to speed up: built once per ISA */
 
 /* ---- memory-only probe: the same loads and stores, no arithmetic ---- */
+
+#if ZK_VEC_BITS == 512
+typedef __m128i vb;		/* ZK_W bytes */
+ZK_INLINE vb vb_load(const uint8_t *p) { return _mm_loadu_si128((const __m128i *)p); }
+ZK_INLINE void vb_store(uint8_t *p, vb x) { _mm_storeu_si128((__m128i *)p, x); }
+#else
+typedef __m128i vb;		/* ZK_W bytes in the low half */
+ZK_INLINE vb vb_load(const uint8_t *p) { return _mm_loadl_epi64((const __m128i *)p); }
+ZK_INLINE void vb_store(uint8_t *p, vb x) { _mm_storel_epi64((__m128i *)p, x); }
+#endif
 
 ZK_INLINE void qmem_body(int gdt, int pdt, int ms, int mb, bool nt, void *master, uint8_t *m,
     uint8_t *v, const void *grad, void *param)
