@@ -127,9 +127,8 @@ static struct zk_qtensor view(struct qbufs *b, enum zk_state_format f, size_t sh
 
 	bool q8 = f != ZK_STATE_BF16;
 
-	return (struct zk_qtensor){
-		.format = f, .master = f == ZK_STATE_BF16_Q8 ? (float *)(void *)(b->master16 + shift) :
-		    b->master + shift,
+	struct zk_qtensor t = {
+		.format = f, .master = b->master + shift,
 		.m = q8 ? (void *)(b->m8 + shift) : (void *)(b->m16 + shift),
 		.v = q8 ? (void *)(b->v8 + shift) : (void *)(b->v16 + shift),
 		.m_scale = q8 ? b->ms : NULL, .v_scale = q8 ? b->vs : NULL,
@@ -137,6 +136,10 @@ static struct zk_qtensor view(struct qbufs *b, enum zk_state_format f, size_t sh
 		.param = pdt < ZK_DTYPE_COUNT ? (char *)b->param + shift * ps : NULL,
 		.param_dtype = pdt < ZK_DTYPE_COUNT ? (enum zk_dtype)pdt : ZK_DTYPE_F32, .n = n,
 	};
+
+	if (f == ZK_STATE_BF16_Q8)
+		t.master_bf16 = b->master16 + shift;
+	return t;
 }
 
 static struct zk_hparams hparams(enum zk_optim optim, int set)
