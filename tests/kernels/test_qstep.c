@@ -515,6 +515,7 @@ Test(qapi, errors_names_sizes)
 {
 	static float master[600], ms[3], vs[3];
 	static uint8_t m[600], v[600];
+	static uint16_t m16[600];
 	static uint16_t g[600];
 	struct zk_qtensor t = { .format = ZK_STATE_Q8, .master = master, .m = m, .v = v, .m_scale = ms,
 		.v_scale = vs, .grad = g, .grad_dtype = ZK_DTYPE_BF16, .n = 600 }, s;
@@ -557,6 +558,28 @@ Test(qapi, errors_names_sizes)
 	cr_assert_eq(zk_state_bytes(ZK_STATE_Q8, 1000), 6000 + 4 * 8);
 	cr_assert_eq(zk_state_blocks(ZK_STATE_Q8, 512), 2);
 	cr_assert_eq(zk_state_blocks(ZK_STATE_Q8, 513), 3);
+
+	cr_assert_eq(zk_state_format_parse("bf16-master+q8", &f), 0);
+	cr_assert_eq(f, ZK_STATE_BF16_Q8);
+	cr_assert_eq(zk_state_format_parse("bf16-q8", &f), 0);
+	cr_assert_eq(f, ZK_STATE_BF16_Q8);
+	cr_assert_str_eq(zk_state_format_name(ZK_STATE_BF16_Q8), "bf16-master+q8");
+	cr_assert_eq(zk_state_master_bytes(ZK_STATE_BF16_Q8, 1000), 2000);
+	cr_assert_eq(zk_state_master_bytes(ZK_STATE_Q8, 1000), 4000);
+	cr_assert_eq(zk_state_bytes(ZK_STATE_BF16_Q8, 1000), 4000 + 4 * 8);
+	cr_assert_eq(zk_state_blocks(ZK_STATE_BF16_Q8, 513), 3);
+	t.format = ZK_STATE_BF16_Q8;
+	t.master_bf16 = (uint16_t *)m16;
+	t.v_scale = vs;
+	t.base = 1u << 20;
+	cr_assert_eq(zk_qtensor_slice(&t, 100, 10, &s), -EINVAL, "off a block boundary");
+	cr_assert_eq(zk_qtensor_slice(&t, 512, 88, &s), 0);
+	cr_assert(s.master_bf16 == (uint16_t *)m16 + 512 && s.base == (1u << 20) + 512 &&
+	    (uint8_t *)s.m == m + 512 && s.m_scale == ms + 2);
+	cr_assert_eq(zk_qstep(ZK_ISA_SCALAR, &h, &t, 0, 600), 0);
+	cr_assert_eq(zk_qstep(ZK_ISA_SCALAR, &h, &t, 0, 300), -EINVAL, "end inside a block");
+	h.optim = ZK_OPTIM_ADAGRAD;
+	cr_assert_eq(zk_qstep(ZK_ISA_SCALAR, &h, &t, 0, 600), -ENOTSUP);
 }
 
 /* The pool splits on block boundaries: 1-3 threads give the bits of one call. */
