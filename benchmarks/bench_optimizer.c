@@ -154,37 +154,55 @@ static void triad_slice(void *arg, unsigned idx, unsigned nthreads)
 /*
  * Compressed state (quant.h) on the headline mix, AdamW with bf16 grad and
  * param: each format's step beside the fp32 step and beside its own
- * memory-only probe, all interleaved per rep so drift hits them alike.
- * `<format>/speedup` is that format's step over the fp32 step of the same run.
+ * memory-only probe (the same bytes: its limit), all interleaved per rep so
+ * drift hits them alike.  `<format>/speedup` is that format's step over the
+ * fp32 step of the same run.
  */
+#define NFMT 3
+
 static int bench_formats(const struct opts *o, struct arrays *a, struct zk_pool *pool,
     unsigned threads)
 {
-	static const enum zk_state_format fmts[] = { ZK_STATE_BF16, ZK_STATE_Q8 };
-	size_t n = a->n, nb = zk_state_blocks(ZK_STATE_Q8, n);
-	size_t len = 6 * n + 2 * nb * sizeof(float) + 4 * 4096;
-	char *p = mmap(NULL, len, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-	struct zk_qtensor qt[2];
-	char name[128];
+	static const enum zk_state_format fmts[NFMT] = { ZK_STATE_BF16, ZK_STATE_Q8, ZK_STATE_BF16_Q8 };
+	const size_t pad = 4096 + 64;
+	size_t n = a->n, off[NFMT][4], len = 0;
+	struct zk_qtensor qt[NFMT];
+	char name[128], *p;
 	int r = 0;
 
+	/* master (bf16-master+q8 only: the others share a->master), m, v and the scales of each format */
+	for (int f = 0; f < NFMT; f++) {
+		size_t sizes[4] = {
+			fmts[f] == ZK_STATE_BF16_Q8 ? zk_state_master_bytes(fmts[f], n) : 0,
+			zk_state_moment_bytes(fmts[f], n), zk_state_moment_bytes(fmts[f], n),
+			2 * sizeof(float) * zk_state_blocks(fmts[f], n),
+		};
+
+		for (int k = 0; k < 4; k++) {
+			/* Arrays a page and a line apart, as arrays_new places them, against aliasing. */
+			len += pad;
+			off[f][k] = len;
+			len += sizes[k];
+		}
+	}
+	p = mmap(NULL, len, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
 	if (p == MAP_FAILED)
 		return -errno;
 	madvise(p, len, MADV_HUGEPAGE);
 	fill_grad(a, ZK_DTYPE_BF16);
-	for (int f = 0; f < 2; f++) {
-		size_t ms = zk_state_moment_bytes(fmts[f], 1);
-		/* Offsets a page and a line apart, as arrays_new does, against aliasing. */
-		char *base = p + (f ? 4 * n + 2 * (4096 + 64) : 0);
-
-		qt[f] = (struct zk_qtensor){ .format = fmts[f], .master = a->master, .m = base,
-			.v = base + ms * n + 4096 + 64, .grad = a->grad, .grad_dtype = ZK_DTYPE_BF16,
+	for (int f = 0; f < NFMT; f++) {
+		qt[f] = (struct zk_qtensor){ .format = fmts[f], .master = a->master, .m = p + off[f][1],
+			.v = p + off[f][2], .grad = a->grad, .grad_dtype = ZK_DTYPE_BF16,
 			.param = a->param, .param_dtype = ZK_DTYPE_BF16, .n = n };
-		if (fmts[f] == ZK_STATE_Q8) {
-			qt[f].m_scale = (float *)(void *)(p + 6 * n + 3 * 4096);
-			qt[f].v_scale = qt[f].m_scale + nb;
+		if (fmts[f] == ZK_STATE_BF16_Q8)
+			qt[f].master_bf16 = (uint16_t *)(void *)(p + off[f][0]);
+		if (zk_state_blocks(fmts[f], n)) {
+			qt[f].m_scale = (float *)(void *)(p + off[f][3]);
+			qt[f].v_scale = qt[f].m_scale + zk_state_blocks(fmts[f], n);
 		}
 		r = zk_qstate_encode(&qt[f], a->m, a->v);
+		if (r == 0 && fmts[f] == ZK_STATE_BF16_Q8)
+			r = zk_qstate_master_encode(&qt[f], a->master);
 		if (r < 0)
 			goto out;
 	}
@@ -196,10 +214,12 @@ static int bench_formats(const struct opts *o, struct arrays *a, struct zk_pool 
 			.eps = 1e-8, .weight_decay = 0.01, .step = 1, .bias_correction = true,
 			.grad_scale = 1, .clip_coef = 1,
 		};
-		double b32 = 1e30, m32 = 1e30, bq[2] = { 1e30, 1e30 }, mq[2] = { 1e30, 1e30 };
+		double b32 = 1e30, m32 = 1e30, bq[NFMT], mq[NFMT];
 
 		if (!zk_isa_supported((enum zk_isa)isa) || (o->isa >= 0 && isa != o->isa))
 			continue;
+		for (int f = 0; f < NFMT; f++)
+			bq[f] = mq[f] = 1e30;
 		for (int rep = 0; rep < o->reps; rep++) {
 			double t0 = bench_now();
 
@@ -212,7 +232,7 @@ static int bench_formats(const struct opts *o, struct arrays *a, struct zk_pool 
 				goto out;
 			m32 = t1 - t0 < m32 ? t1 - t0 : m32;
 			b32 = t2 - t1 < b32 ? t2 - t1 : b32;
-			for (int f = 0; f < 2; f++) {
+			for (int f = 0; f < NFMT; f++) {
 				t0 = bench_now();
 				r = zk_pool_qmemonly(pool, (enum zk_isa)isa, &qt[f], 1);
 				t1 = bench_now();
@@ -229,7 +249,7 @@ static int bench_formats(const struct opts *o, struct arrays *a, struct zk_pool 
 		snprintf(name, sizeof(name), "fp32/adamw/%s/g=bf16/p=bf16/t=%u/n=%zuM",
 		    zk_isa_name((enum zk_isa)isa), threads, n >> 20);
 		report(o, name, (double)n / b32, "params/s", (double)n / m32);
-		for (int f = 0; f < 2; f++) {
+		for (int f = 0; f < NFMT; f++) {
 			const char *fn = zk_state_format_name(fmts[f]);
 
 			snprintf(name, sizeof(name), "%s/adamw/%s/g=bf16/p=bf16/t=%u/n=%zuM", fn,

@@ -1,4 +1,5 @@
 /* Compressed-state front end (names, sizes, checks, dispatch) and its scalar reference step. */
+#include <cpuid.h>
 #include <errno.h>
 #include <math.h>
 #include <string.h>
@@ -16,6 +17,7 @@ static const char *const format_names[ZK_STATE_COUNT] = {
 	[ZK_STATE_FP32] = "fp32",
 	[ZK_STATE_BF16] = "bf16-moments",
 	[ZK_STATE_Q8] = "q8-moments",
+	[ZK_STATE_BF16_Q8] = "bf16-master+q8",
 };
 
 static zk_qstep_fn *const qstep_fns[ZK_ISA_COUNT] = {
@@ -25,6 +27,29 @@ static zk_qstep_fn *const qstep_fns[ZK_ISA_COUNT] = {
 static zk_qmemonly_fn *const qmemonly_fns[ZK_ISA_COUNT] = {
 	zk_qmemonly_scalar, zk_qmemonly_avx2, zk_qmemonly_avx512,
 };
+
+bool zk__q8_no_avx512bf16;
+
+/* CPUID.(7,1):EAX bit 5; asked once (cpuid traps in a VM), like cpu_has_f16c in optim.c. */
+static bool cpu_has_avx512bf16(void)
+{
+	static int known = -1;
+	int v = __atomic_load_n(&known, __ATOMIC_RELAXED);
+	unsigned a, b, c, d;
+
+	if (v < 0) {
+		v = __get_cpuid_count(7, 1, &a, &b, &c, &d) && (a & (1u << 5)) != 0;
+		__atomic_store_n(&known, v, __ATOMIC_RELAXED);
+	}
+	return v;
+}
+
+static zk_qstep_fn *qstep_fn(enum zk_isa isa)
+{
+	if (isa == ZK_ISA_AVX512 && !zk__q8_no_avx512bf16 && cpu_has_avx512bf16())
+		return zk_qstep_avx512bf16;
+	return qstep_fns[isa];
+}
 
 const char *zk_state_format_name(enum zk_state_format f)
 {
@@ -49,6 +74,10 @@ int zk_state_format_parse(const char *name, enum zk_state_format *ret)
 		*ret = ZK_STATE_Q8;
 		return 0;
 	}
+	if (!strcasecmp(name, "bf16-q8")) {
+		*ret = ZK_STATE_BF16_Q8;
+		return 0;
+	}
 	return -EINVAL;
 }
 
@@ -60,6 +89,7 @@ size_t zk_state_moment_bytes(enum zk_state_format f, size_t n)
 	case ZK_STATE_BF16:
 		return 2 * n;
 	case ZK_STATE_Q8:
+	case ZK_STATE_BF16_Q8:
 		return n;
 	case ZK_STATE_COUNT:
 		break;
@@ -67,19 +97,30 @@ size_t zk_state_moment_bytes(enum zk_state_format f, size_t n)
 	return 0;
 }
 
+size_t zk_state_master_bytes(enum zk_state_format f, size_t n)
+{
+	return f == ZK_STATE_BF16_Q8 ? 2 * n : 4 * n;
+}
+
+static bool blocked(enum zk_state_format f)
+{
+	return f == ZK_STATE_Q8 || f == ZK_STATE_BF16_Q8;
+}
+
 size_t zk_state_blocks(enum zk_state_format f, size_t n)
 {
-	return f == ZK_STATE_Q8 ? (n + ZK_Q8_BLOCK - 1) / ZK_Q8_BLOCK : 0;
+	return blocked(f) ? (n + ZK_Q8_BLOCK - 1) / ZK_Q8_BLOCK : 0;
 }
 
 size_t zk_state_bytes(enum zk_state_format f, size_t n)
 {
-	return 4 * n + 2 * zk_state_moment_bytes(f, n) + 2 * sizeof(float) * zk_state_blocks(f, n);
+	return zk_state_master_bytes(f, n) + 2 * zk_state_moment_bytes(f, n) +
+	    2 * sizeof(float) * zk_state_blocks(f, n);
 }
 
 static bool format_ok(enum zk_state_format f)
 {
-	return f == ZK_STATE_BF16 || f == ZK_STATE_Q8;
+	return f == ZK_STATE_BF16 || blocked(f);
 }
 
 int zk_qtensor_slice(const struct zk_qtensor *t, size_t off, size_t len, struct zk_qtensor *ret)
@@ -88,15 +129,19 @@ int zk_qtensor_slice(const struct zk_qtensor *t, size_t off, size_t len, struct 
 
 	if (!t || !ret || !format_ok(t->format) || off > t->n || len > t->n - off)
 		return -EINVAL;
-	if (t->format == ZK_STATE_Q8 && off % ZK_Q8_BLOCK)
+	if (blocked(t->format) && off % ZK_Q8_BLOCK)
 		return -EINVAL;
 	ms = zk_state_moment_bytes(t->format, 1);
 	*ret = *t;
 	ret->n = len;
-	ret->master = t->master ? t->master + off : NULL;
+	ret->base = t->base + off;
+	if (t->format == ZK_STATE_BF16_Q8)
+		ret->master_bf16 = t->master_bf16 ? t->master_bf16 + off : NULL;
+	else
+		ret->master = t->master ? t->master + off : NULL;
 	ret->m = t->m ? (char *)t->m + off * ms : NULL;
 	ret->v = t->v ? (char *)t->v + off * ms : NULL;
-	if (t->format == ZK_STATE_Q8) {
+	if (blocked(t->format)) {
 		ret->m_scale = t->m_scale ? t->m_scale + off / ZK_Q8_BLOCK : NULL;
 		ret->v_scale = t->v_scale ? t->v_scale + off / ZK_Q8_BLOCK : NULL;
 	}
@@ -112,7 +157,7 @@ static int check_qtensor(enum zk_isa isa, const struct zk_qtensor *t, size_t beg
 		return -EINVAL;
 	if (!t->master || !t->grad || !t->m || !t->v)
 		return -EINVAL;
-	if (t->format == ZK_STATE_Q8 && (!t->m_scale || !t->v_scale))
+	if (blocked(t->format) && (!t->m_scale || !t->v_scale))
 		return -EINVAL;
 	if ((unsigned)t->grad_dtype >= ZK_DTYPE_COUNT)
 		return -EINVAL;
@@ -121,7 +166,7 @@ static int check_qtensor(enum zk_isa isa, const struct zk_qtensor *t, size_t beg
 	if (begin > end || end > t->n)
 		return -EINVAL;
 	/* A block's scale covers all of it: a range must own its blocks whole. */
-	if (t->format == ZK_STATE_Q8 &&
+	if (blocked(t->format) &&
 	    (begin % ZK_Q8_BLOCK || (end % ZK_Q8_BLOCK && end != t->n)))
 		return -EINVAL;
 	if (!zk_isa_supported(isa))
@@ -150,10 +195,11 @@ int zk_qstep(enum zk_isa isa, const struct zk_hparams *hp, const struct zk_qtens
 	if (hp->bias_correction)
 		bc2 = 1.0 - pow(hp->beta2, (double)hp->step);
 	qc.inv_bc2_sqrt = (float)(1.0 / sqrt(bc2));
+	qc.sr_key = zk__sr_key(hp->step);
 	if (!isfinite(qc.inv_bc2_sqrt))
 		return -EINVAL;
 	if (begin < end)
-		qstep_fns[isa](&qc, hp->optim, t, begin, end);
+		qstep_fn(isa)(&qc, hp->optim, t, begin, end);
 	return 0;
 }
 
@@ -208,7 +254,7 @@ int zk_qstate_decode(const struct zk_qtensor *t, float *m, float *v)
 {
 	if (!t || !format_ok(t->format) || !t->m || !t->v || !m || !v)
 		return -EINVAL;
-	if (t->format == ZK_STATE_Q8 && (!t->m_scale || !t->v_scale))
+	if (blocked(t->format) && (!t->m_scale || !t->v_scale))
 		return -EINVAL;
 	for (size_t i = 0; i < t->n; i++) {
 		if (t->format == ZK_STATE_BF16) {
@@ -217,12 +263,34 @@ int zk_qstate_decode(const struct zk_qtensor *t, float *m, float *v)
 		} else {
 			float um = zk__q8_decode_mul(ZK_Q8_RCP_VMAX_M, t->m_scale[i / ZK_Q8_BLOCK]);
 			float ur = zk__q8_decode_mul(ZK_Q8_RCP_VMAX_V, t->v_scale[i / ZK_Q8_BLOCK]);
-			float r = zk__q8_decode_r(((const uint8_t *)t->v)[i], ur);
+			float r = zk__q8_decode_r(((const uint8_t *)t->v)[i], ur, ZK_Q8_OFFSET * ur);
 
-			m[i] = zk__q8_decode_m(((const uint8_t *)t->m)[i], um);
+			m[i] = zk__q8_decode_m(((const uint8_t *)t->m)[i], um, ZK_Q8_OFFSET * um);
 			v[i] = r * r;
 		}
 	}
+	return 0;
+}
+
+int zk_qstate_master_encode(const struct zk_qtensor *t, const float *master)
+{
+	if (!t || !format_ok(t->format) || !t->master || !master)
+		return -EINVAL;
+	for (size_t i = 0; i < t->n; i++) {
+		if (t->format == ZK_STATE_BF16_Q8)
+			t->master_bf16[i] = zk__f32_to_bf16(master[i]);
+		else
+			t->master[i] = master[i];
+	}
+	return 0;
+}
+
+int zk_qstate_master_decode(const struct zk_qtensor *t, float *master)
+{
+	if (!t || !format_ok(t->format) || !t->master || !master)
+		return -EINVAL;
+	for (size_t i = 0; i < t->n; i++)
+		master[i] = t->format == ZK_STATE_BF16_Q8 ? zk__bf16_to_f32(t->master_bf16[i]) : t->master[i];
 	return 0;
 }
 
@@ -230,12 +298,11 @@ int zk_qstate_decode(const struct zk_qtensor *t, float *m, float *v)
 
 /*
  * Element i of the AdamW/Adam step from decoded moments (mo, vo): the new
- * moments come back in *mi and *vi, and sqrt(*vi) (the stored quantity of
- * q8-moments) in *r.  zk_step_scalar's operations, but for the multiply by
- * 1/sqrt(bc2) (struct zk_qconsts).
+ * moments come back in *mi and *vi.  zk_step_scalar's operations, but for
+ * the multiply by 1/sqrt(bc2) (struct zk_qconsts).  bf16-moments.
  */
 static inline void adam_elem(const struct zk_qconsts *qc, enum zk_optim optim,
-    const struct zk_qtensor *t, size_t i, float mo, float vo, float *mi, float *vi, float *r)
+    const struct zk_qtensor *t, size_t i, float mo, float vo, float *mi, float *vi)
 {
 	const struct zk_consts *c = &qc->c;
 	float g = zk_load_grad(t->grad, t->grad_dtype, i) * c->inv_scale * c->clip;
@@ -250,12 +317,52 @@ static inline void adam_elem(const struct zk_qconsts *qc, enum zk_optim optim,
 	else
 		*mi = g - (g - mo) * c->lerp_omw;
 	*vi = vo * c->beta2 + c->omb2 * g * g;
-	*r = sqrtf(*vi);
-	d = *r * qc->inv_bc2_sqrt + c->eps;
+	d = sqrtf(*vi) * qc->inv_bc2_sqrt + c->eps;
 	p = p + c->neg_step * *mi / d;
 	t->master[i] = p;
 	if (t->param != NULL)
 		zk_store_param(t->param, t->param_dtype, i, p);
+}
+
+/*
+ * The 8-bit formats' step (quant.h): the same formulas with every
+ * multiply-add that can be one fused: fewer roundings and, what matters
+ * here, fewer operations per element for the SIMD bodies, which the decode
+ * and encode around the step make compute-bound.  Returns the new master
+ * value; the new m and sqrt(v) come back in *mi and *r.
+ */
+static inline float adam_elem_q8(const struct zk_qconsts *qc, enum zk_optim optim, float gin,
+    float p, float mo, float ro, float *mi, float *r)
+{
+	const struct zk_consts *c = &qc->c;
+	float g = gin * c->inv_scale * c->clip, vi, u;
+
+	if (optim == ZK_OPTIM_ADAM && c->l2)
+		g = fmaf(c->wd, p, g);
+	if (c->lerp_small)
+		*mi = fmaf(c->lerp_w, g - mo, mo);
+	else
+		*mi = fmaf(mo - g, c->lerp_omw, g);
+	vi = fmaf(ro * ro, c->beta2, c->omb2 * g * g);
+	*r = sqrtf(vi);
+	u = c->neg_step * *mi / fmaf(*r, qc->inv_bc2_sqrt, c->eps);
+	return optim == ZK_OPTIM_ADAMW ? fmaf(p, c->decay, u) : p + u;
+}
+
+/* A block's decode constants (quant.h): u = s / VMAX and c0 = 2^-15 u. */
+struct q8blk {
+	float um, cm, ur, cr;
+};
+
+static inline struct q8blk q8blk_init(float sm, float sr)
+{
+	struct q8blk k;
+
+	k.um = zk__q8_decode_mul(ZK_Q8_RCP_VMAX_M, sm);
+	k.ur = zk__q8_decode_mul(ZK_Q8_RCP_VMAX_V, sr);
+	k.cm = ZK_Q8_OFFSET * k.um;
+	k.cr = ZK_Q8_OFFSET * k.ur;
+	return k;
 }
 
 void zk_qstep_scalar(const struct zk_qconsts *c, enum zk_optim optim, const struct zk_qtensor *t,
@@ -265,27 +372,41 @@ void zk_qstep_scalar(const struct zk_qconsts *c, enum zk_optim optim, const stru
 		uint16_t *m = t->m, *v = t->v;
 
 		for (size_t i = begin; i < end; i++) {
-			float mi, vi, r;
+			float mi, vi;
 
-			adam_elem(c, optim, t, i, zk__bf16_to_f32(m[i]), zk__bf16_to_f32(v[i]), &mi, &vi, &r);
+			adam_elem(c, optim, t, i, zk__bf16_to_f32(m[i]), zk__bf16_to_f32(v[i]), &mi, &vi);
 			m[i] = zk__f32_to_bf16(mi);
 			v[i] = zk__f32_to_bf16(vi);
 		}
 		return;
 	}
+	bool bf16m = t->format == ZK_STATE_BF16_Q8;
+
 	for (size_t b = begin; b < end; b += ZK_Q8_BLOCK) {
 		uint8_t *m = (uint8_t *)t->m + b, *v = (uint8_t *)t->v + b;
 		size_t k = b / ZK_Q8_BLOCK, len = end - b < ZK_Q8_BLOCK ? end - b : ZK_Q8_BLOCK;
-		float um = zk__q8_decode_mul(ZK_Q8_RCP_VMAX_M, t->m_scale[k]);
-		float ur = zk__q8_decode_mul(ZK_Q8_RCP_VMAX_V, t->v_scale[k]);
+		struct q8blk q = q8blk_init(t->m_scale[k], t->v_scale[k]);
 		float bm[ZK_Q8_BLOCK], br[ZK_Q8_BLOCK], qm, qr;
 		uint32_t mm = 0, mr = 0;
 
-		for (size_t j = 0; j < len; j++) {
-			float ro = zk__q8_decode_r(v[j], ur), vi;
+		uint32_t hk = zk__sr_block_key(c->sr_key, t->base + b);
 
-			adam_elem(c, optim, t, b + j, zk__q8_decode_m(m[j], um), ro * ro, &bm[j], &vi,
-			    &br[j]);
+		for (size_t j = 0; j < len; j++) {
+			size_t i = b + j;
+			float p = bf16m ? zk__bf16_to_f32(t->master_bf16[i]) : t->master[i];
+
+			p = adam_elem_q8(c, optim, zk_load_grad(t->grad, t->grad_dtype, i), p,
+			    zk__q8_decode_m(m[j], q.um, q.cm), zk__q8_decode_r(v[j], q.ur, q.cr),
+			    &bm[j], &br[j]);
+			if (bf16m) {
+				/* param is the stored master: bf16 exactly, other dtypes from its value */
+				t->master_bf16[i] = zk__sr_bf16(p, zk__sr_bits(hk, t->base + i));
+				p = zk__bf16_to_f32(t->master_bf16[i]);
+			} else {
+				t->master[i] = p;
+			}
+			if (t->param != NULL)
+				zk_store_param(t->param, t->param_dtype, i, p);
 			mm = zk__absbits(bm[j]) > mm ? zk__absbits(bm[j]) : mm;
 			mr = zk__f32_bits(br[j]) > mr ? zk__f32_bits(br[j]) : mr;
 		}
@@ -302,14 +423,21 @@ void zk_qstep_scalar(const struct zk_qconsts *c, enum zk_optim optim, const stru
 
 void zk_qmemonly_scalar(const struct zk_qtensor *t, size_t begin, size_t end)
 {
-	size_t ms = zk_state_moment_bytes(t->format, 1);
-	struct zk_tensor ft = {
-		.master = t->master, .grad = t->grad, .grad_dtype = t->grad_dtype,
-		.param = t->param, .param_dtype = t->param_dtype, .n = t->n,
-	};
-	unsigned char *m = t->m, *v = t->v;
+	size_t ms = zk_state_moment_bytes(t->format, 1), mb = zk_state_master_bytes(t->format, 1);
+	size_t gs = zk_dtype_size(t->grad_dtype), ps = zk_dtype_size(t->param_dtype);
+	unsigned char *m = t->m, *v = t->v, *master = (unsigned char *)t->master, *param = t->param;
+	const unsigned char *g = t->grad;
 
-	zk_memonly_scalar(&ft, begin, end);
+	for (size_t i = begin; i < end; i++) {
+		uint32_t x = 0, gx = 0;
+
+		memcpy(&x, master + i * mb, mb);
+		memcpy(&gx, g + i * gs, gs);
+		__asm__ volatile("" : "+r"(x), "+r"(gx));
+		memcpy(master + i * mb, &x, mb);
+		if (param)
+			memcpy(param + i * ps, &gx, ps);
+	}
 	for (size_t i = begin * ms; i < end * ms; i++) {
 		unsigned char x = m[i], y = v[i];
 
@@ -317,7 +445,7 @@ void zk_qmemonly_scalar(const struct zk_qtensor *t, size_t begin, size_t end)
 		m[i] = x;
 		v[i] = y;
 	}
-	if (t->format == ZK_STATE_Q8) {
+	if (blocked(t->format)) {
 		for (size_t k = begin / ZK_Q8_BLOCK; k < (end + ZK_Q8_BLOCK - 1) / ZK_Q8_BLOCK; k++) {
 			float x = t->m_scale[k], y = t->v_scale[k];
 

@@ -5,14 +5,82 @@
 #include "simd.h"
 
 /*
- * Bit-exact with zk_qstep_scalar (optim_q8.c): the fp32 step's operations in
- * its order, the codecs of quant_impl.h as integer and float vector ops, no
- * FMA.  q8 runs a block in two passes: the step, leaving the block's new m
+ * Bit-exact with zk_qstep_scalar (optim_q8.c): the same operations in the
+ * same order (bf16-moments: the fp32 step's, no FMA; q8-moments: fused as
+ * quant.h writes them, the codecs of quant_impl.h as integer and float
+ * vector ops; explicit fma intrinsics, which -ffp-contract=off leaves
+ * alone).  q8 runs a block in two passes: the step, leaving the block's new m
  * and sqrt(v) in L1 buffers while master and param stream through; then the
  * encode, once the block's maxima are known.
  */
 
 #define ZK_NO_PARAM ZK_DTYPE_COUNT
+
+/*
+ * Software prefetch, ZK_PF_AHEAD elements ahead, one call per ZK_PF_EVERY
+ * elements (whole lines of every stream).  The step alone is near the
+ * memory-only limit only if the loads are in flight while the core works
+ * on the decode and encode; the hardware prefetchers alone left one core
+ * at 0.80-0.88 of its limit (q8-moments), with them 0.95-1.0.  Prefetches
+ * past the end of an array are harmless (they never fault), and the
+ * addresses are formed as integers so no pointer leaves its object.
+ */
+#define ZK_PF_AHEAD 1024
+#define ZK_PF_EVERY 64
+
+ZK_INLINE void prefetch_line(const void *p, size_t off)
+{
+	_mm_prefetch((const char *)((uintptr_t)p + off), _MM_HINT_T0);
+}
+
+ZK_INLINE void prefetch_ahead(const void *master, size_t mb, const void *m, const void *v,
+    const void *g, size_t gs, size_t ms)
+{
+	for (size_t b = 0; b < ZK_PF_EVERY * mb; b += 64)
+		prefetch_line(master, ZK_PF_AHEAD * mb + b);
+	for (size_t b = 0; b < ZK_PF_EVERY * gs; b += 64)
+		prefetch_line(g, ZK_PF_AHEAD * gs + b);
+	for (size_t b = 0; b < ZK_PF_EVERY * ms; b += 64) {
+		prefetch_line(m, ZK_PF_AHEAD * ms + b);
+		prefetch_line(v, ZK_PF_AHEAD * ms + b);
+	}
+}
+
+/* The AVX512_BF16 build (meson.build) names its entry zk_qstep_avx512bf16. */
+#ifdef ZK_Q8_BF16
+#define ZK_QFN(name) name##_avx512bf16
+#else
+#define ZK_QFN(name) ZK_FN(name)
+#endif
+
+/*
+ * bf16 rounding of the stores: vcvtneps2bf16 rounds to nearest even and
+ * quiets NaNs as zk__f32_to_bf16 does, but takes subnormal inputs as zero;
+ * a vector holding one (rare: |x| < 2^-126) goes the integer way.
+ */
+#ifdef ZK_Q8_BF16
+ZK_INLINE vh q_bf16(vf x)
+{
+	vh r = (vh)_mm512_cvtneps_pbh(x);
+
+	if (__builtin_expect(_mm512_fpclass_ps_mask(x, 0x20) != 0, 0))
+		r = vf_to_bf16(x);
+	return r;
+}
+#else
+#define q_bf16 vf_to_bf16
+#endif
+ZK_INLINE void q_store_param(void *p, int dt, vf x, bool nt)
+{
+	if (dt == ZK_DTYPE_BF16) {
+		if (nt)
+			vh_stream(p, q_bf16(x));
+		else
+			vh_store(p, q_bf16(x));
+	} else {
+		store_param(p, dt, x, nt);
+	}
+}
 
 #if ZK_VEC_BITS == 512
 ZK_INLINE vi vi_load_u8(const uint8_t *p) { return _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p)); }
@@ -20,7 +88,6 @@ ZK_INLINE void vi_store_u8(uint8_t *p, vi x) { _mm_storeu_si128((__m128i *)p, _m
 ZK_INLINE vi vi_set1(uint32_t x) { return _mm512_set1_epi32((int)x); }
 ZK_INLINE vi vi_add(vi a, vi b) { return _mm512_add_epi32(a, b); }
 ZK_INLINE vi vi_and(vi a, vi b) { return _mm512_and_si512(a, b); }
-ZK_INLINE vi vi_minu(vi a, vi b) { return _mm512_min_epu32(a, b); }
 ZK_INLINE vi vi_maxs(vi a, vi b) { return _mm512_max_epi32(a, b); }
 ZK_INLINE vi vi_maxu(vi a, vi b) { return _mm512_max_epu32(a, b); }
 /* a | (b & c) in one vpternlogd */
@@ -28,34 +95,58 @@ ZK_INLINE vi vi_or_and(vi a, vi b, vi c) { return _mm512_ternarylogic_epi32(a, b
 ZK_INLINE vi vi_zero(void) { return _mm512_setzero_si512(); }
 ZK_INLINE vi vi_loadu(const uint32_t *p) { return _mm512_loadu_si512(p); }
 ZK_INLINE vf vf_cast(vi x) { return _mm512_castsi512_ps(x); }
+ZK_INLINE vf vf_fma(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
+ZK_INLINE vi vi_xor(vi a, vi b) { return _mm512_xor_si512(a, b); }
+ZK_INLINE vi vi_mullo(vi a, vi b) { return _mm512_mullo_epi32(a, b); }
+ZK_INLINE vi vi_iota(void) { return _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15); }
+/* Lanes below 2^16 to 16 bits. */
+ZK_INLINE vh vi_pack16(vi r) { return _mm512_cvtepi32_epi16(r); }
+/* Sign-extended bytes: the sign of m lands on bit 31 after the shift by 24. */
+ZK_INLINE vi vi_load_s8(const uint8_t *p) { return _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)); }
+/* (a & ~mask) | (b & mask) in one vpternlogd */
+ZK_INLINE vi vi_blend_bits(vi a, vi b, vi mask) { return _mm512_ternarylogic_epi32(mask, b, a, 0xca); }
+/* a ^ (b & c) in one vpternlogd */
+ZK_INLINE vi vi_xor_and(vi a, vi b, vi c) { return _mm512_ternarylogic_epi32(a, b, c, 0x78); }
 #define vi_srli(x, n) _mm512_srli_epi32((x), (n))
 #define vi_slli(x, n) _mm512_slli_epi32((x), (n))
-typedef __m128i vb;		/* ZK_W bytes */
-ZK_INLINE vb vb_load(const uint8_t *p) { return _mm_loadu_si128((const __m128i *)p); }
-ZK_INLINE void vb_store(uint8_t *p, vb x) { _mm_storeu_si128((__m128i *)p, x); }
 #else
 ZK_INLINE vi vi_load_u8(const uint8_t *p) { return _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p)); }
+/* The low byte of each lane, as vpmovdb keeps it (codes are not clamped: quant_impl.h). */
 ZK_INLINE void vi_store_u8(uint8_t *p, vi x)
 {
-	__m128i w = _mm_packus_epi32(_mm256_castsi256_si128(x), _mm256_extracti128_si256(x, 1));
+	const __m256i lo8 = _mm256_setr_epi8(0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1,
+	    0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1);
+	__m256i b = _mm256_shuffle_epi8(x, lo8);
 
-	_mm_storel_epi64((__m128i *)p, _mm_packus_epi16(w, w));
+	_mm_storel_epi64((__m128i *)p, _mm_unpacklo_epi32(_mm256_castsi256_si128(b),
+	    _mm256_extracti128_si256(b, 1)));
 }
 ZK_INLINE vi vi_set1(uint32_t x) { return _mm256_set1_epi32((int)x); }
 ZK_INLINE vi vi_add(vi a, vi b) { return _mm256_add_epi32(a, b); }
 ZK_INLINE vi vi_and(vi a, vi b) { return _mm256_and_si256(a, b); }
-ZK_INLINE vi vi_minu(vi a, vi b) { return _mm256_min_epu32(a, b); }
 ZK_INLINE vi vi_maxs(vi a, vi b) { return _mm256_max_epi32(a, b); }
 ZK_INLINE vi vi_maxu(vi a, vi b) { return _mm256_max_epu32(a, b); }
 ZK_INLINE vi vi_or_and(vi a, vi b, vi c) { return _mm256_or_si256(a, _mm256_and_si256(b, c)); }
 ZK_INLINE vi vi_zero(void) { return _mm256_setzero_si256(); }
 ZK_INLINE vi vi_loadu(const uint32_t *p) { return _mm256_loadu_si256((const __m256i *)p); }
 ZK_INLINE vf vf_cast(vi x) { return _mm256_castsi256_ps(x); }
+ZK_INLINE vf vf_fma(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
+ZK_INLINE vi vi_xor(vi a, vi b) { return _mm256_xor_si256(a, b); }
+ZK_INLINE vi vi_mullo(vi a, vi b) { return _mm256_mullo_epi32(a, b); }
+ZK_INLINE vi vi_iota(void) { return _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7); }
+ZK_INLINE vh vi_pack16(vi r)
+{
+	r = _mm256_packus_epi32(r, r);
+	return _mm256_castsi256_si128(_mm256_permute4x64_epi64(r, 0x08));
+}
+ZK_INLINE vi vi_load_s8(const uint8_t *p) { return _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)); }
+ZK_INLINE vi vi_blend_bits(vi a, vi b, vi mask)
+{
+	return _mm256_or_si256(_mm256_andnot_si256(mask, a), _mm256_and_si256(b, mask));
+}
+ZK_INLINE vi vi_xor_and(vi a, vi b, vi c) { return _mm256_xor_si256(a, _mm256_and_si256(b, c)); }
 #define vi_srli(x, n) _mm256_srli_epi32((x), (n))
 #define vi_slli(x, n) _mm256_slli_epi32((x), (n))
-typedef __m128i vb;		/* ZK_W bytes in the low half */
-ZK_INLINE vb vb_load(const uint8_t *p) { return _mm_loadl_epi64((const __m128i *)p); }
-ZK_INLINE void vb_store(uint8_t *p, vb x) { _mm_storel_epi64((__m128i *)p, x); }
 #endif
 
 ZK_INLINE size_t dsize(int dt)
@@ -66,7 +157,8 @@ ZK_INLINE size_t dsize(int dt)
 struct qconsts {
 	vf inv_scale, clip, decay, wd, lerp_w, lerp_omw, beta2, omb2, inv_bc2, eps, neg_step;
 	vf offset;
-	vi bias, absmask, m7f, sign80;
+	vi bias, absmask, m87f, sign80, lo80, km, kv;
+	uint32_t sr_key;
 	bool l2, lerp_small, bc2_one, scale_one, clip_one;
 };
 
@@ -88,8 +180,12 @@ static void qconsts_init(const struct zk_qconsts *qc, struct qconsts *k)
 	k->offset = vf_set1(ZK_Q8_OFFSET);
 	k->bias = vi_set1(ZK_Q8_BIAS);
 	k->absmask = vi_set1(0x7fffffffu);
-	k->m7f = vi_set1(0x7fu << 20);
+	k->m87f = vi_set1(0x87f00000u);
+	k->lo80 = vi_set1(0x80);
+	k->km = vi_set1((1u << 19) - ZK_Q8_BIAS);
+	k->kv = vi_set1((1u << 18) - ZK_Q8_BIAS);
 	k->sign80 = vi_set1(0x80000000u);
+	k->sr_key = qc->sr_key;
 	k->l2 = c->l2;
 	k->lerp_small = c->lerp_small;
 	k->bc2_one = qc->inv_bc2_sqrt == 1.0f;
@@ -134,7 +230,7 @@ ZK_INLINE struct moments adam(const struct qconsts *k, bool common, int optim, i
 	d = vf_add(d, k->eps);
 	p = vf_add(p, vf_div(vf_mul(k->neg_step, o.mi), d));
 	vf_store(master, p);
-	store_param(param, pdt, p, nt);
+	q_store_param(param, pdt, p, nt);
 	return o;
 }
 
@@ -146,8 +242,8 @@ ZK_INLINE void bf16_body(const struct qconsts *k, bool common, int optim, int gd
 	struct moments o = adam(k, common, optim, gdt, pdt, nt, master, grad, param,
 	    vf_from_bf16(vh_load(m)), vf_from_bf16(vh_load(v)));
 
-	vh_store(m, vf_to_bf16(o.mi));
-	vh_store(v, vf_to_bf16(o.vi));
+	vh_store(m, q_bf16(o.mi));
+	vh_store(v, q_bf16(o.vi));
 }
 
 /* Whole vectors from b on; the last few elements on zero-padded copies, like optim_simd.c. */
@@ -159,9 +255,12 @@ ZK_INLINE void bf16_run(const struct qconsts *k, bool common, int optim, int gdt
 	const char *g = t->grad;
 	char *param = t->param;
 
-	for (; i + ZK_W <= e; i += ZK_W)
+	for (; i + ZK_W <= e; i += ZK_W) {
+		if (i % ZK_PF_EVERY == 0)
+			prefetch_ahead(t->master + i, 4, m + i, v + i, g + i * gs, gs, 2);
 		bf16_body(k, common, optim, gdt, pdt, nt, t->master + i, m + i, v + i, g + i * gs,
 		    pdt != ZK_NO_PARAM ? param + i * ps : NULL);
+	}
 	if (i < e) {
 		float lmaster[ZK_W] = { 0 }, lg[ZK_W] = { 0 }, lp[ZK_W];
 		uint16_t lm[ZK_W] = { 0 }, lv[ZK_W] = { 0 };
@@ -182,37 +281,106 @@ ZK_INLINE void bf16_run(const struct qconsts *k, bool common, int optim, int gdt
 
 /* ---- q8-moments ---- */
 
-ZK_INLINE vf dec_m(const struct qconsts *k, vi c, vf um)
+/*
+ * The step of the 8-bit formats (adam_elem_q8 in optim_q8.c): the fp32
+ * step's formulas with the multiply-adds fused.  Returns the new master
+ * value (not stored); the new m and sqrt(v) come back in *mi and *r.
+ */
+ZK_INLINE vf adam_q8(const struct qconsts *k, bool common, int optim, vf g, vf p, vf mo, vf ro,
+    vf *mi, vf *r)
 {
-	/* The magnitude bits (20-26) and the bias (27-29) do not overlap: an or does the add. */
-	vf a = vf_sub(vf_cast(vi_or_and(k->bias, vi_slli(c, 20), k->m7f)), k->offset);
+	vf vi_;
 
-	a = vf_mul(a, um);
-	return vf_cast(vi_or_and(vf_bits(a), vi_slli(c, 24), k->sign80));
+	if (!common && !k->scale_one)
+		g = vf_mul(g, k->inv_scale);
+	if (!common && !k->clip_one)
+		g = vf_mul(g, k->clip);
+	if (optim == ZK_OPTIM_ADAM && k->l2)
+		g = vf_fma(k->wd, p, g);
+	if (common || k->lerp_small)
+		*mi = vf_fma(k->lerp_w, vf_sub(g, mo), mo);
+	else
+		*mi = vf_fma(vf_sub(mo, g), k->lerp_omw, g);
+	vi_ = vf_fma(vf_mul(ro, ro), k->beta2, vf_mul(vf_mul(k->omb2, g), g));
+	*r = vf_sqrt(vi_);
+	/* fma(r, 1, eps) is r + eps: the late-training shortcut keeps the bits. */
+	g = k->bc2_one ? vf_add(*r, k->eps) : vf_fma(*r, k->inv_bc2, k->eps);
+	g = vf_div(vf_mul(k->neg_step, *mi), g);
+	return optim == ZK_OPTIM_ADAMW ? vf_fma(p, k->decay, g) : vf_add(p, g);
 }
 
-ZK_INLINE vf dec_r(const struct qconsts *k, vi c, vf ur)
+/* A block's decode constants as quant_impl.h has them: u and c0 (m's with the sign bit set). */
+struct qblk {
+	vf um, ur, cr_neg;
+	vi cm_signed;
+};
+
+ZK_INLINE struct qblk qblk_init(float sm, float sr)
 {
-	return vf_mul(vf_sub(vf_cast(vi_add(vi_slli(c, 19), k->bias)), k->offset), ur);
+	float um = zk__q8_decode_mul(ZK_Q8_RCP_VMAX_M, sm), ur = zk__q8_decode_mul(ZK_Q8_RCP_VMAX_V, sr);
+	struct qblk q;
+
+	q.um = vf_set1(um);
+	q.ur = vf_set1(ur);
+	q.cr_neg = vf_set1(-(ZK_Q8_OFFSET * ur));
+	q.cm_signed = vi_set1(zk__f32_bits(ZK_Q8_OFFSET * um) | 0x80000000u);
+	return q;
 }
 
-/* zk__q8_code on a vector: round z's bits at bit sh and unbias in one add, clamp. */
-ZK_INLINE vi code(const struct qconsts *k, vf y, unsigned sh, uint32_t cmax)
+/*
+ * zk__q8_decode_m: sign-extended, the byte shifted by 20 has the sign on
+ * bit 31 and the magnitude on bits 20-26; one ternlog keeps those and puts
+ * in the exponent bias, another gives -c0 the opposite sign.
+ */
+ZK_INLINE vf dec_m(const struct qconsts *k, const struct qblk *q, const uint8_t *p)
 {
-	vi b = vf_bits(vf_add(y, k->offset));
+	vi t = vi_or_and(k->bias, vi_slli(vi_load_s8(p), 20), k->m87f);
 
-	return vi_minu(vi_srli(vi_add(b, vi_set1((1u << (sh - 1)) - ZK_Q8_BIAS)), sh), vi_set1(cmax));
+	return vf_fma(vf_cast(t), q->um, vf_cast(vi_xor_and(q->cm_signed, t, k->sign80)));
 }
 
-/* One vector of pass 1: decode, step; the caller keeps the new m and r and their maxima. */
-ZK_INLINE struct moments q8_step(const struct qconsts *k, bool common, int optim, int gdt,
-    int pdt, bool nt, float *master, const uint8_t *m, const uint8_t *v, const void *grad,
-    void *param, vf um, vf ur)
+ZK_INLINE vf dec_r(const struct qconsts *k, const struct qblk *q, const uint8_t *p)
 {
-	vf ro = dec_r(k, vi_load_u8(v), ur);
+	return vf_fma(vf_cast(vi_add(vi_slli(vi_load_u8(p), 19), k->bias)), q->ur, q->cr_neg);
+}
 
-	return adam(k, common, optim, gdt, pdt, nt, master, grad, param,
-	    dec_m(k, vi_load_u8(m), um), vf_mul(ro, ro));
+/* zk__sr_bf16 with zk__sr_bits(hk, j) for the lanes' indices lo32(j) in idx. */
+ZK_INLINE vh sr_bf16(vf p, vi hk, vi idx)
+{
+	vi h = vi_mullo(vi_xor(idx, hk), vi_set1(0x7feb352du));
+
+	h = vi_mullo(vi_xor(h, vi_srli(h, 15)), vi_set1(0x846ca68bu));
+	return vi_pack16(vi_srli(vi_add(vf_bits(p), vi_srli(h, 16)), 16));
+}
+
+/*
+ * One vector of pass 1: decode, step, master and param written; new m and r
+ * returned.  bm16 (bf16-master+q8): master is bf16, rounded stochastically,
+ * and param is the stored master's value.
+ */
+ZK_INLINE void q8_step(const struct qconsts *k, const struct qblk *q, bool common, int optim,
+    int gdt, int pdt, bool nt, bool bm16, void *master, const uint8_t *m, const uint8_t *v,
+    const void *grad, void *param, vi hk, vi idx, vf *mi, vf *r)
+{
+	vf p = bm16 ? vf_from_bf16(vh_load(master)) : vf_load(master);
+
+	p = adam_q8(k, common, optim, load_grad(grad, gdt), p, dec_m(k, q, m), dec_r(k, q, v), mi, r);
+	if (!bm16) {
+		vf_store(master, p);
+		q_store_param(param, pdt, p, nt);
+		return;
+	}
+	vh h = sr_bf16(p, hk, idx);
+
+	vh_store(master, h);
+	if (pdt == ZK_DTYPE_BF16) {
+		if (nt)
+			vh_stream(param, h);
+		else
+			vh_store(param, h);
+	} else {
+		store_param(param, pdt, vf_from_bf16(h), nt);
+	}
 }
 
 ZK_INLINE uint32_t hmax(vi x)
@@ -228,15 +396,16 @@ ZK_INLINE uint32_t hmax(vi x)
 #endif
 }
 
-/* Pass 2 for one vector: new m and r from the buffers into codes. */
+/* Pass 2 for one vector: zk__q8_encode_m and _r, the low byte of each lane kept. */
 ZK_INLINE void q8_encode1(const struct qconsts *k, const float *bm, const float *br,
     uint8_t *m, uint8_t *v, vf qm, vf qr)
 {
 	vi x = vf_bits(vf_load(bm));
-	vi cm = code(k, vf_mul(vf_cast(vi_and(x, k->absmask)), qm), 20, 127);
+	vi cm = vi_srli(vi_add(vf_bits(vf_fma(vf_cast(vi_and(x, k->absmask)), qm, k->offset)), k->km), 20);
+	vi cv = vi_srli(vi_add(vf_bits(vf_fma(vf_load(br), qr, k->offset)), k->kv), 19);
 
-	vi_store_u8(m, vi_or_and(cm, vi_srli(x, 24), vi_set1(0x80)));
-	vi_store_u8(v, code(k, vf_mul(vf_load(br), qr), 19, 255));
+	vi_store_u8(m, vi_blend_bits(cm, vi_srli(x, 24), k->lo80));
+	vi_store_u8(v, cv);
 }
 
 ZK_INLINE void q8_encode(const struct qconsts *k, const float *bm, const float *br,
@@ -252,32 +421,38 @@ ZK_INLINE void q8_encode(const struct qconsts *k, const float *bm, const float *
  * block's new scales.
  */
 ZK_INLINE void q8_run(const struct qconsts *k, bool common, int optim, int gdt, int pdt,
-    bool nt, const struct zk_qtensor *t, size_t b, size_t e)
+    bool nt, bool bm16, const struct zk_qtensor *t, size_t b, size_t e)
 {
-	size_t gs = dsize(gdt), ps = dsize(pdt);
+	size_t gs = dsize(gdt), ps = dsize(pdt), mb = bm16 ? 2 : 4;
 	const char *g = t->grad;
-	char *param = t->param;
+	char *param = t->param, *master = (char *)t->master;
 	float bm[ZK_Q8_BLOCK], br[ZK_Q8_BLOCK];
 
 	for (size_t blk = b; blk < e; blk += ZK_Q8_BLOCK) {
 		size_t kb = blk / ZK_Q8_BLOCK, len = e - blk < ZK_Q8_BLOCK ? e - blk : ZK_Q8_BLOCK;
 		uint8_t *m = (uint8_t *)t->m + blk, *v = (uint8_t *)t->v + blk;
-		vf um = vf_set1(zk__q8_decode_mul(ZK_Q8_RCP_VMAX_M, t->m_scale[kb]));
-		vf ur = vf_set1(zk__q8_decode_mul(ZK_Q8_RCP_VMAX_V, t->v_scale[kb]));
-		vi mx_m = vi_zero(), mx_r = vi_zero();
+		struct qblk q = qblk_init(t->m_scale[kb], t->v_scale[kb]);
+		vi mx_m = vi_zero(), mx_r = vi_zero(), hk = vi_zero(), idx = vi_zero();
 		size_t j = 0;
 		float sm, sr;
-		vf qm, qr;
+		vf qm, qr, mi, r;
 
+		if (bm16) {
+			hk = vi_set1(zk__sr_block_key(k->sr_key, t->base + blk));
+			idx = vi_add(vi_set1((uint32_t)(t->base + blk)), vi_iota());
+		}
 		for (; j + ZK_W <= len; j += ZK_W) {
-			struct moments o = q8_step(k, common, optim, gdt, pdt, nt, t->master + blk + j,
-			    m + j, v + j, g + (blk + j) * gs,
-			    pdt != ZK_NO_PARAM ? param + (blk + j) * ps : NULL, um, ur);
-
-			vf_store(bm + j, o.mi);
-			vf_store(br + j, o.r);
-			mx_m = vi_maxs(mx_m, vi_and(vf_bits(o.mi), k->absmask));
-			mx_r = vi_maxu(mx_r, vf_bits(o.r));
+			if (j % ZK_PF_EVERY == 0)
+				prefetch_ahead(master + (blk + j) * mb, mb, m + j, v + j, g + (blk + j) * gs, gs, 1);
+			q8_step(k, &q, common, optim, gdt, pdt, nt, bm16, master + (blk + j) * mb, m + j,
+			    v + j, g + (blk + j) * gs, pdt != ZK_NO_PARAM ? param + (blk + j) * ps : NULL,
+			    hk, idx, &mi, &r);
+			if (bm16)
+				idx = vi_add(idx, vi_set1(ZK_W));
+			vf_store(bm + j, mi);
+			vf_store(br + j, r);
+			mx_m = vi_maxs(mx_m, vi_and(vf_bits(mi), k->absmask));
+			mx_r = vi_maxu(mx_r, vf_bits(r));
 		}
 		if (j < len) {
 			/* The tensor's last few elements: padded copies, the padding kept out of the maxima. */
@@ -285,21 +460,21 @@ ZK_INLINE void q8_run(const struct qconsts *k, bool common, int optim, int gdt, 
 			uint8_t lm[ZK_W] = { 0 }, lv[ZK_W] = { 0 };
 			uint32_t mask[ZK_W] = { 0 };
 			size_t cnt = len - j;
-			struct moments o;
 			vi lanes;
 
 			memset(mask, 0xff, cnt * sizeof(uint32_t));
 			lanes = vi_loadu(mask);
-			memcpy(lmaster, t->master + blk + j, cnt * 4);
+			memcpy(lmaster, master + (blk + j) * mb, cnt * mb);
 			memcpy(lm, m + j, cnt);
 			memcpy(lv, v + j, cnt);
 			memcpy(lg, g + (blk + j) * gs, cnt * gs);
-			o = q8_step(k, common, optim, gdt, pdt, false, lmaster, lm, lv, lg, lp, um, ur);
-			vf_store(bm + j, o.mi);
-			vf_store(br + j, o.r);
-			mx_m = vi_maxs(mx_m, vi_and(vi_and(vf_bits(o.mi), k->absmask), lanes));
-			mx_r = vi_maxu(mx_r, vi_and(vf_bits(o.r), lanes));
-			memcpy(t->master + blk + j, lmaster, cnt * 4);
+			q8_step(k, &q, common, optim, gdt, pdt, false, bm16, lmaster, lm, lv, lg, lp, hk,
+			    idx, &mi, &r);
+			vf_store(bm + j, mi);
+			vf_store(br + j, r);
+			mx_m = vi_maxs(mx_m, vi_and(vi_and(vf_bits(mi), k->absmask), lanes));
+			mx_r = vi_maxu(mx_r, vi_and(vf_bits(r), lanes));
+			memcpy(master + (blk + j) * mb, lmaster, cnt * mb);
 			if (pdt != ZK_NO_PARAM)
 				memcpy(param + (blk + j) * ps, lp, cnt * ps);
 		}
@@ -340,16 +515,18 @@ ZK_INLINE void qrun(const struct qconsts *kp, int optim, int gdt, int pdt,
 
 	bool common = k->scale_one && k->clip_one && k->lerp_small;
 
-#define ZK_RUN(FN) do { \
-		if (common && nt) FN(k, true, optim, gdt, pdt, true, t, b, e); \
-		else if (common) FN(k, true, optim, gdt, pdt, false, t, b, e); \
-		else if (nt) FN(k, false, optim, gdt, pdt, true, t, b, e); \
-		else FN(k, false, optim, gdt, pdt, false, t, b, e); \
+#define ZK_RUN(FN, ...) do { \
+		if (common && nt) FN(k, true, optim, gdt, pdt, true, __VA_ARGS__ t, b, e); \
+		else if (common) FN(k, true, optim, gdt, pdt, false, __VA_ARGS__ t, b, e); \
+		else if (nt) FN(k, false, optim, gdt, pdt, true, __VA_ARGS__ t, b, e); \
+		else FN(k, false, optim, gdt, pdt, false, __VA_ARGS__ t, b, e); \
 	} while (0)
 	if (t->format == ZK_STATE_BF16)
-		ZK_RUN(bf16_run);
+		ZK_RUN(bf16_run, );
+	else if (t->format == ZK_STATE_Q8)
+		ZK_RUN(q8_run, false, );
 	else
-		ZK_RUN(q8_run);
+		ZK_RUN(q8_run, true, );
 #undef ZK_RUN
 	/* Streaming stores are weakly ordered: fence before the pool reports completion. */
 	if (nt)
@@ -382,7 +559,7 @@ ZK_DEFS(ZK_OPTIM_ADAM)
 #define ZK_CASES(O) \
 	ZK_CASES_P(O, ZK_DTYPE_F32); ZK_CASES_P(O, ZK_DTYPE_BF16); ZK_CASES_P(O, ZK_DTYPE_F16)
 
-void ZK_FN(zk_qstep)(const struct zk_qconsts *c, enum zk_optim optim, const struct zk_qtensor *t,
+void ZK_QFN(zk_qstep)(const struct zk_qconsts *c, enum zk_optim optim, const struct zk_qtensor *t,
     size_t b, size_t e)
 {
 	int sel = (int)t->grad_dtype * 4 + (t->param ? (int)t->param_dtype : ZK_NO_PARAM);
@@ -396,13 +573,36 @@ void ZK_FN(zk_qstep)(const struct zk_qconsts *c, enum zk_optim optim, const stru
 	}
 }
 
+#ifndef ZK_Q8_BF16	/* the probe has no bf16 rounding to speed up: built once per ISA */
+
 /* ---- memory-only probe: the same loads and stores, no arithmetic ---- */
 
-ZK_INLINE void qmem_body(int gdt, int pdt, int ms, bool nt, float *master, uint8_t *m,
+#if ZK_VEC_BITS == 512
+typedef __m128i vb;		/* ZK_W bytes */
+ZK_INLINE vb vb_load(const uint8_t *p) { return _mm_loadu_si128((const __m128i *)p); }
+ZK_INLINE void vb_store(uint8_t *p, vb x) { _mm_storeu_si128((__m128i *)p, x); }
+#else
+typedef __m128i vb;		/* ZK_W bytes in the low half */
+ZK_INLINE vb vb_load(const uint8_t *p) { return _mm_loadl_epi64((const __m128i *)p); }
+ZK_INLINE void vb_store(uint8_t *p, vb x) { _mm_storel_epi64((__m128i *)p, x); }
+#endif
+
+ZK_INLINE void qmem_body(int gdt, int pdt, int ms, int mb, bool nt, void *master, uint8_t *m,
     uint8_t *v, const void *grad, void *param)
 {
-	vf x = vf_load(master);
+	vf x;
 
+	if (mb == 4) {
+		x = vf_load(master);
+		ZK_OPAQUE_V(x);
+		vf_store(master, x);
+	} else {
+		vh h = vh_load(master);
+
+		ZK_OPAQUE_V(h);
+		vh_store(master, h);
+		x = vf_from_bf16(h);	/* what a bf16 master gives an fp32 param */
+	}
 	if (gdt == ZK_DTYPE_F32) {
 		vf gx = vf_load(grad);
 
@@ -412,8 +612,6 @@ ZK_INLINE void qmem_body(int gdt, int pdt, int ms, bool nt, float *master, uint8
 
 		ZK_OPAQUE_V(gx);
 	}
-	ZK_OPAQUE_V(x);
-	vf_store(master, x);
 	if (ms == 2) {
 		vh a = vh_load((uint16_t *)m), c = vh_load((uint16_t *)v);
 
@@ -442,7 +640,8 @@ ZK_INLINE void qmem_body(int gdt, int pdt, int ms, bool nt, float *master, uint8
 	}
 }
 
-ZK_INLINE void qmem_run(int gdt, int pdt, int ms, const struct zk_qtensor *t, size_t b, size_t e)
+ZK_INLINE void qmem_run(int gdt, int pdt, int ms, int mb, const struct zk_qtensor *t, size_t b,
+    size_t e)
 {
 	size_t gs = dsize(gdt), ps = dsize(pdt), i = b;
 	const char *g = t->grad;
@@ -450,6 +649,9 @@ ZK_INLINE void qmem_run(int gdt, int pdt, int ms, const struct zk_qtensor *t, si
 	bool nt = pdt != ZK_NO_PARAM && nt_ok(param + b * ps, ps);
 
 	for (; i + ZK_W <= e; i += ZK_W) {
+		/* The steps' prefetches too: the limit is for the same memory traffic, hints included. */
+		if (i % ZK_PF_EVERY == 0)
+			prefetch_ahead((char *)t->master + i * mb, mb, m + i * ms, v + i * ms, g + i * gs, gs, ms);
 		if (ms == 1 && i % ZK_Q8_BLOCK == 0) {
 			size_t kb = i / ZK_Q8_BLOCK;
 			float sm = t->m_scale[kb], sr = t->v_scale[kb];
@@ -458,7 +660,7 @@ ZK_INLINE void qmem_run(int gdt, int pdt, int ms, const struct zk_qtensor *t, si
 			t->m_scale[kb] = sm;
 			t->v_scale[kb] = sr;
 		}
-		qmem_body(gdt, pdt, ms, nt, t->master + i, (uint8_t *)m + i * ms,
+		qmem_body(gdt, pdt, ms, mb, nt, (char *)t->master + i * mb, (uint8_t *)m + i * ms,
 		    (uint8_t *)v + i * ms, g + i * gs, pdt != ZK_NO_PARAM ? param + i * ps : NULL);
 	}
 	if (i < e)
@@ -468,7 +670,9 @@ ZK_INLINE void qmem_run(int gdt, int pdt, int ms, const struct zk_qtensor *t, si
 }
 
 #define ZK_MCASE(G, P) case (G) * 4 + (P): \
-	if (t->format == ZK_STATE_Q8) qmem_run(G, P, 1, t, b, e); else qmem_run(G, P, 2, t, b, e); \
+	if (t->format == ZK_STATE_Q8) qmem_run(G, P, 1, 4, t, b, e); \
+	else if (t->format == ZK_STATE_BF16) qmem_run(G, P, 2, 4, t, b, e); \
+	else qmem_run(G, P, 1, 2, t, b, e); \
 	break
 #define ZK_MCASES_P(G) \
 	ZK_MCASE(G, ZK_DTYPE_F32); ZK_MCASE(G, ZK_DTYPE_BF16); \
@@ -486,3 +690,5 @@ void ZK_FN(zk_qmemonly)(const struct zk_qtensor *t, size_t b, size_t e)
 		break;
 	}
 }
+
+#endif

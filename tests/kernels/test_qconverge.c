@@ -1,8 +1,8 @@
 /*
  * Quality of the compressed state: a small MLP trained with AdamW on fp32
- * state, bf16-moments, q8-moments and the published blockwise dynamic 8-bit
- * quantization (Dettmers et al. 2022), all from the same start on the same
- * batches.
+ * state, bf16-moments, q8-moments, bf16-master+q8 and the published
+ * blockwise dynamic 8-bit quantization (Dettmers et al. 2022), all from the
+ * same start on the same batches.
  */
 #include <criterion/criterion.h>
 #include <math.h>
@@ -203,14 +203,17 @@ static void dyn_step(struct dyn_state *st, const struct zk_hparams *h, float *p,
 	}
 }
 
-enum run { RUN_FP32, RUN_BF16, RUN_Q8, RUN_DYN, RUN_COUNT };
-static const char *const run_names[RUN_COUNT] = { "fp32", "bf16-moments", "q8-moments", "dynamic-8bit" };
+enum run { RUN_FP32, RUN_BF16, RUN_Q8, RUN_DYN, RUN_BF16Q8, RUN_COUNT };
+static const char *const run_names[RUN_COUNT] = {
+	"fp32", "bf16-moments", "q8-moments", "dynamic-8bit", "bf16-master+q8",
+};
 
 static double train(enum run run, const struct data *d, uint64_t seed)
 {
 	static float w[NPARAM], g[NPARAM], m[NPARAM], v[NPARAM];
 	static uint16_t m16[NPARAM], v16[NPARAM];
 	static uint8_t m8[NPARAM], v8[NPARAM];
+	static uint16_t w16[NPARAM];
 	static float ms[NPARAM / ZK_Q8_BLOCK + 1], vs[NPARAM / ZK_Q8_BLOCK + 1];
 	static struct dyn_state dyn;
 	struct zk_hparams h = {
@@ -225,6 +228,15 @@ static double train(enum run run, const struct data *d, uint64_t seed)
 	struct rng r = { seed ^ 0x5eed };
 
 	init_params(w, &r, 1.0f);
+	if (run == RUN_BF16Q8) {
+		/* Master in bf16 (rounded to nearest from the same start); the model reads param, its value. */
+		qt.format = ZK_STATE_BF16_Q8;
+		qt.master_bf16 = w16;
+		qt.param = w;
+		qt.param_dtype = ZK_DTYPE_F32;
+		cr_assert_eq(zk_qstate_master_encode(&qt, w), 0);
+		cr_assert_eq(zk_qstate_master_decode(&qt, w), 0);
+	}
 	memset(m, 0, sizeof(m));
 	memset(v, 0, sizeof(v));
 	memset(m16, 0, sizeof(m16));
@@ -256,8 +268,8 @@ static double train(enum run run, const struct data *d, uint64_t seed)
 
 /*
  * Seeds 1 and 2 (data, teacher and start), 500 AdamW steps each.  Passes
- * when bf16-moments and q8-moments end within 2% of fp32 state's loss and
- * q8-moments within 2% of the dynamic map's (or below it).
+ * when bf16-moments, q8-moments and bf16-master+q8 end within 2% of fp32
+ * state's loss and q8-moments within 2% of the dynamic map's (or below it).
  */
 Test(qconverge, mlp_adamw_vs_fp32_and_dynamic_map, .timeout = 120)
 {
@@ -286,6 +298,9 @@ Test(qconverge, mlp_adamw_vs_fp32_and_dynamic_map, .timeout = 120)
 		    "seed %llu: bf16-moments %g vs fp32 %g", (unsigned long long)seed, loss[RUN_BF16], loss[RUN_FP32]);
 		cr_assert(fabs(loss[RUN_Q8] - loss[RUN_FP32]) <= 0.02 * loss[RUN_FP32],
 		    "seed %llu: q8-moments %g vs fp32 %g", (unsigned long long)seed, loss[RUN_Q8], loss[RUN_FP32]);
+		cr_assert(fabs(loss[RUN_BF16Q8] - loss[RUN_FP32]) <= 0.02 * loss[RUN_FP32],
+		    "seed %llu: bf16-master+q8 %g vs fp32 %g", (unsigned long long)seed, loss[RUN_BF16Q8],
+		    loss[RUN_FP32]);
 		cr_assert(loss[RUN_Q8] <= 1.02 * loss[RUN_DYN],
 		    "seed %llu: q8-moments %g vs dynamic map %g", (unsigned long long)seed, loss[RUN_Q8], loss[RUN_DYN]);
 	}

@@ -8,6 +8,7 @@
 #include "helpers.h"
 #include "pool.h"
 #include "quant.h"
+#include "quant_impl.h"
 
 #define MAXN 1100
 #define PAD 64
@@ -46,8 +47,25 @@ static unsigned nearest(unsigned mant, double y)
 	return best;
 }
 
+/* bf16-master+q8's random bits, from quant.h's definition. */
+static uint32_t sr_mix(uint32_t x)
+{
+	x = (x ^ (x >> 16)) * 0x7feb352du;
+	x = (x ^ (x >> 15)) * 0x846ca68bu;
+	return x ^ (x >> 16);
+}
+
+static uint32_t sr_random(uint64_t step, uint64_t j)
+{
+	uint32_t key = sr_mix(sr_mix((uint32_t)step + 0x9e3779b9u) + (uint32_t)(step >> 32));
+	uint32_t h = ((uint32_t)j ^ sr_mix((uint32_t)(j >> 32) + key)) * 0x7feb352du;
+
+	return ((h ^ (h >> 15)) * 0x846ca68bu) >> 16;
+}
+
 struct qbufs {
 	float master[MAXN + PAD];
+	uint16_t master16[MAXN + PAD];	/* bf16-master+q8 */
 	uint32_t grad[MAXN + PAD], param[MAXN + PAD];
 	uint8_t m8[MAXN + PAD], v8[MAXN + PAD];
 	uint16_t m16[MAXN + PAD], v16[MAXN + PAD];
@@ -72,6 +90,7 @@ static void fill_state(struct qbufs *b, struct rng *r, bool extreme)
 {
 	for (size_t i = 0; i < MAXN + PAD; i++) {
 		b->master[i] = pick(r, extreme, -1, 1);
+		b->master16[i] = zk_f32_to_bf16(pick(r, extreme, -1, 1));
 		b->m8[i] = (uint8_t)rng_next(r);
 		b->v8[i] = (uint8_t)rng_next(r);
 		b->m16[i] = zk_f32_to_bf16(pick(r, extreme, -0.1f, 0.1f));
@@ -106,15 +125,21 @@ static struct zk_qtensor view(struct qbufs *b, enum zk_state_format f, size_t sh
 {
 	size_t gs = zk_dtype_size((enum zk_dtype)gdt), ps = zk_dtype_size((enum zk_dtype)pdt);
 
-	return (struct zk_qtensor){
+	bool q8 = f != ZK_STATE_BF16;
+
+	struct zk_qtensor t = {
 		.format = f, .master = b->master + shift,
-		.m = f == ZK_STATE_Q8 ? (void *)(b->m8 + shift) : (void *)(b->m16 + shift),
-		.v = f == ZK_STATE_Q8 ? (void *)(b->v8 + shift) : (void *)(b->v16 + shift),
-		.m_scale = f == ZK_STATE_Q8 ? b->ms : NULL, .v_scale = f == ZK_STATE_Q8 ? b->vs : NULL,
+		.m = q8 ? (void *)(b->m8 + shift) : (void *)(b->m16 + shift),
+		.v = q8 ? (void *)(b->v8 + shift) : (void *)(b->v16 + shift),
+		.m_scale = q8 ? b->ms : NULL, .v_scale = q8 ? b->vs : NULL,
 		.grad = (char *)b->grad + shift * gs, .grad_dtype = (enum zk_dtype)gdt,
 		.param = pdt < ZK_DTYPE_COUNT ? (char *)b->param + shift * ps : NULL,
 		.param_dtype = pdt < ZK_DTYPE_COUNT ? (enum zk_dtype)pdt : ZK_DTYPE_F32, .n = n,
 	};
+
+	if (f == ZK_STATE_BF16_Q8)
+		t.master_bf16 = b->master16 + shift;
+	return t;
 }
 
 static struct zk_hparams hparams(enum zk_optim optim, int set)
@@ -148,6 +173,9 @@ static void compare(const struct qbufs *a, const struct qbufs *b, enum zk_state_
 
 	cr_assert_eq(i, -1, "%s: master[%ld] %a vs %a", what, i, i < 0 ? 0 : a->master[i],
 	    i < 0 ? 0 : b->master[i]);
+	i = first_mismatch(a->master16, b->master16, ZK_DTYPE_BF16, MAXN + PAD);
+	cr_assert_eq(i, -1, "%s: bf16 master[%ld] %04x vs %04x", what, i, i < 0 ? 0 : a->master16[i],
+	    i < 0 ? 0 : b->master16[i]);
 	if (pdt < ZK_DTYPE_COUNT) {
 		i = first_mismatch(a->param, b->param, (enum zk_dtype)pdt, MAXN + PAD);
 		cr_assert_eq(i, -1, "%s: param[%ld]", what, i);
@@ -206,6 +234,20 @@ static void simd_vs_scalar(enum zk_isa isa, enum zk_state_format f)
 				struct zk_qtensor t = view(b, f, shift, gdt, pdt, n);
 				enum zk_isa use = b == &ref ? ZK_ISA_SCALAR : isa;
 
+				/* A piece of a larger tensor whose second block starts at index 2^32. */
+				if (li % 3 == 0)
+					t.base = 0xffffff00u;
+
+				/* A piece stepped as its own slice (base = split) gives the same bits too. */
+				if (split && b == &out && (li & 2)) {
+					struct zk_qtensor s0, s1;
+
+					cr_assert_eq(zk_qtensor_slice(&t, 0, split, &s0), 0);
+					cr_assert_eq(zk_qtensor_slice(&t, split, n - split, &s1), 0);
+					cr_assert_eq(zk_qstep(use, &h, &s0, 0, split), 0);
+					cr_assert_eq(zk_qstep(use, &h, &s1, 0, n - split), 0);
+					continue;
+				}
 				if (split)
 					cr_assert_eq(zk_qstep(use, &h, &t, 0, split), 0);
 				cr_assert_eq(zk_qstep(use, &h, &t, split, n), 0);
@@ -222,6 +264,19 @@ static void simd_vs_scalar(enum zk_isa isa, enum zk_state_format f)
 
 Test(qstep, avx2_q8_matches_scalar) { simd_vs_scalar(ZK_ISA_AVX2, ZK_STATE_Q8); }
 Test(qstep, avx512_q8_matches_scalar) { simd_vs_scalar(ZK_ISA_AVX512, ZK_STATE_Q8); }
+Test(qstep, avx2_bf16q8_matches_scalar) { simd_vs_scalar(ZK_ISA_AVX2, ZK_STATE_BF16_Q8); }
+Test(qstep, avx512_bf16q8_matches_scalar) { simd_vs_scalar(ZK_ISA_AVX512, ZK_STATE_BF16_Q8); }
+/* Where the CPU has AVX512_BF16, the baseline AVX-512 body as well (on others it is the one above). */
+static void plain_avx512(enum zk_state_format f)
+{
+	zk__q8_no_avx512bf16 = true;
+	simd_vs_scalar(ZK_ISA_AVX512, f);
+	zk__q8_no_avx512bf16 = false;
+}
+
+Test(qstep, avx512_plain_q8_matches_scalar) { plain_avx512(ZK_STATE_Q8); }
+Test(qstep, avx512_plain_bf16_matches_scalar) { plain_avx512(ZK_STATE_BF16); }
+Test(qstep, avx512_plain_bf16q8_matches_scalar) { plain_avx512(ZK_STATE_BF16_Q8); }
 Test(qstep, avx2_bf16_matches_scalar) { simd_vs_scalar(ZK_ISA_AVX2, ZK_STATE_BF16); }
 Test(qstep, avx512_bf16_matches_scalar) { simd_vs_scalar(ZK_ISA_AVX512, ZK_STATE_BF16); }
 
@@ -248,6 +303,35 @@ static void check_code(unsigned mant, double y, unsigned k, double tol, const ch
 	    y, k, grid(mant, k), kn, grid(mant, kn));
 }
 
+struct sr_tally {
+	size_t decided, total;
+	double err;	/* sum of (stored - exact) in ulps */
+};
+
+/*
+ * bf16-master+q8: the stored master is one of the two bf16 values around the
+ * exact p (within tol, the fp32 step's error), the upper one exactly when
+ * frac * 2^16 + R >= 2^16 (frac: p's place between them), checked where tol
+ * cannot move it across; param holds the same bf16.
+ */
+static void check_sr(const struct qbufs *b, size_t i, double p, uint64_t step, double tol,
+    struct sr_tally *sr, const char *what)
+{
+	double a = fabs(p), ulp = ldexp(1.0, ilogb(a) - 7), lo = floor(a / ulp) * ulp;
+	double got = zk_bf16_to_f32(b->master16[i]), frac = (a - lo) / ulp;
+	double x = frac * 65536 + sr_random(step, i) - 65536, margin = tol / ulp * 65536 + 2;
+
+	cr_assert(((const uint16_t *)b->param)[i] == b->master16[i], "%s: param[%zu] is not master", what, i);
+	cr_assert(fabs(got - p) <= ulp + tol, "%s: master[%zu] %.9g vs exact %.9g", what, i, got, p);
+	sr->total++;
+	sr->err += (fabs(got) - a) / ulp;
+	if (fabs(x) < margin)
+		return;
+	sr->decided++;
+	cr_assert(fabs(fabs(got) - (x >= 0 ? lo + ulp : lo)) <= tol, "%s: master[%zu] %.9g, exact %.9g, "
+	    "frac %.4f, R %u: rounded the wrong way", what, i, got, p, frac, sr_random(step, i));
+}
+
 /*
  * Each step of the kernel from its own previous state, against the step in
  * double: decode, AdamW/Adam, block maxima, nearest code.
@@ -260,6 +344,7 @@ static void vs_double(enum zk_state_format f, enum zk_optim optim, int set, enum
 	struct rng r = { 77 + (uint64_t)set };
 	size_t n = 1000;
 	size_t exact = 0, total = 0;
+	struct sr_tally tally = { 0 };
 	char what[160];
 
 	snprintf(what, sizeof(what), "%s %s %s set %d grad %s", zk_isa_name(isa), zk_state_format_name(f),
@@ -280,7 +365,7 @@ static void vs_double(enum zk_state_format f, enum zk_optim optim, int set, enum
 			size_t k = i / ZK_Q8_BLOCK;
 			double g;
 
-			if (f == ZK_STATE_Q8) {
+			if (f != ZK_STATE_BF16) {
 				double um = b.ms[k] / vmax(3), ur = b.vs[k] / vmax(4);
 				double rr = grid(4, b.v8[i]) * ur;
 
@@ -292,7 +377,7 @@ static void vs_double(enum zk_state_format f, enum zk_optim optim, int set, enum
 			}
 			g = gdt == ZK_DTYPE_F32 ? bits_f32(b.grad[i]) : zk_bf16_to_f32(((uint16_t *)b.grad)[i]);
 			g = g / h.grad_scale * h.clip_coef;
-			po[i] = b.master[i];
+			po[i] = f == ZK_STATE_BF16_Q8 ? zk_bf16_to_f32(b.master16[i]) : b.master[i];
 			if (optim == ZK_OPTIM_ADAMW)
 				po[i] *= 1 - h.lr * h.weight_decay;
 			else
@@ -303,7 +388,9 @@ static void vs_double(enum zk_state_format f, enum zk_optim optim, int set, enum
 			pn[i] = po[i] - h.lr / bc1 * mi[i] / (sqrt(vi[i]) / sqrt(bc2) + h.eps);
 		}
 		cr_assert_eq(zk_qstep(isa, &h, &t, 0, n), 0);
-		for (size_t i = 0; i < n; i++)
+		for (size_t i = 0; i < n && f == ZK_STATE_BF16_Q8; i++)
+			check_sr(&b, i, pn[i], h.step, 1e-6 * (fabs(pn[i]) + h.lr), &tally, what);
+		for (size_t i = 0; i < n && f != ZK_STATE_BF16_Q8; i++)
 			cr_assert(fabs(b.master[i] - pn[i]) <= 1e-6 * (fabs(pn[i]) + h.lr),
 			    "%s step %d: master[%zu] %.9g vs %.9g", what, s, i, b.master[i], pn[i]);
 		for (size_t blk = 0; blk < n; blk += ZK_Q8_BLOCK) {
@@ -344,13 +431,22 @@ static void vs_double(enum zk_state_format f, enum zk_optim optim, int set, enum
 			}
 		}
 	}
+	if (f == ZK_STATE_BF16_Q8) {
+		/* Most decisions far enough from the fp32 step's rounding to be checked; no bias. */
+		cr_assert(tally.decided >= tally.total * 9 / 10, "%s: %zu of %zu roundings checked", what,
+		    tally.decided, tally.total);
+		cr_assert(fabs(tally.err / (double)tally.total) < 0.05, "%s: mean rounding error %.4f ulp", what,
+		    tally.err / (double)tally.total);
+	}
 	/* The tolerance only lets codes next to a midpoint go either way. */
-	if (f == ZK_STATE_Q8)
+	if (f != ZK_STATE_BF16)
 		cr_assert(exact >= total * 99 / 100, "%s: %zu of %zu codes the nearest", what, exact, total);
 }
 
 Test(qnumerics, q8_adamw_vs_double) { vs_double(ZK_STATE_Q8, ZK_OPTIM_ADAMW, 0, ZK_DTYPE_BF16); }
 Test(qnumerics, q8_adam_vs_double) { vs_double(ZK_STATE_Q8, ZK_OPTIM_ADAM, 0, ZK_DTYPE_F32); }
+Test(qnumerics, bf16q8_adamw_vs_double) { vs_double(ZK_STATE_BF16_Q8, ZK_OPTIM_ADAMW, 0, ZK_DTYPE_BF16); }
+Test(qnumerics, bf16q8_adam_vs_double) { vs_double(ZK_STATE_BF16_Q8, ZK_OPTIM_ADAM, 1, ZK_DTYPE_F32); }
 Test(qnumerics, q8_adamw_other_branch_vs_double) { vs_double(ZK_STATE_Q8, ZK_OPTIM_ADAMW, 1, ZK_DTYPE_F32); }
 Test(qnumerics, bf16_adamw_vs_double) { vs_double(ZK_STATE_BF16, ZK_OPTIM_ADAMW, 0, ZK_DTYPE_BF16); }
 Test(qnumerics, bf16_adam_vs_double) { vs_double(ZK_STATE_BF16, ZK_OPTIM_ADAM, 1, ZK_DTYPE_F32); }
@@ -419,6 +515,7 @@ Test(qapi, errors_names_sizes)
 {
 	static float master[600], ms[3], vs[3];
 	static uint8_t m[600], v[600];
+	static uint16_t m16[600];
 	static uint16_t g[600];
 	struct zk_qtensor t = { .format = ZK_STATE_Q8, .master = master, .m = m, .v = v, .m_scale = ms,
 		.v_scale = vs, .grad = g, .grad_dtype = ZK_DTYPE_BF16, .n = 600 }, s;
@@ -461,6 +558,28 @@ Test(qapi, errors_names_sizes)
 	cr_assert_eq(zk_state_bytes(ZK_STATE_Q8, 1000), 6000 + 4 * 8);
 	cr_assert_eq(zk_state_blocks(ZK_STATE_Q8, 512), 2);
 	cr_assert_eq(zk_state_blocks(ZK_STATE_Q8, 513), 3);
+
+	cr_assert_eq(zk_state_format_parse("bf16-master+q8", &f), 0);
+	cr_assert_eq(f, ZK_STATE_BF16_Q8);
+	cr_assert_eq(zk_state_format_parse("bf16-q8", &f), 0);
+	cr_assert_eq(f, ZK_STATE_BF16_Q8);
+	cr_assert_str_eq(zk_state_format_name(ZK_STATE_BF16_Q8), "bf16-master+q8");
+	cr_assert_eq(zk_state_master_bytes(ZK_STATE_BF16_Q8, 1000), 2000);
+	cr_assert_eq(zk_state_master_bytes(ZK_STATE_Q8, 1000), 4000);
+	cr_assert_eq(zk_state_bytes(ZK_STATE_BF16_Q8, 1000), 4000 + 4 * 8);
+	cr_assert_eq(zk_state_blocks(ZK_STATE_BF16_Q8, 513), 3);
+	t.format = ZK_STATE_BF16_Q8;
+	t.master_bf16 = (uint16_t *)m16;
+	t.v_scale = vs;
+	t.base = 1u << 20;
+	cr_assert_eq(zk_qtensor_slice(&t, 100, 10, &s), -EINVAL, "off a block boundary");
+	cr_assert_eq(zk_qtensor_slice(&t, 512, 88, &s), 0);
+	cr_assert(s.master_bf16 == (uint16_t *)m16 + 512 && s.base == (1u << 20) + 512 &&
+	    (uint8_t *)s.m == m + 512 && s.m_scale == ms + 2);
+	cr_assert_eq(zk_qstep(ZK_ISA_SCALAR, &h, &t, 0, 600), 0);
+	cr_assert_eq(zk_qstep(ZK_ISA_SCALAR, &h, &t, 0, 300), -EINVAL, "end inside a block");
+	h.optim = ZK_OPTIM_ADAGRAD;
+	cr_assert_eq(zk_qstep(ZK_ISA_SCALAR, &h, &t, 0, 600), -ENOTSUP);
 }
 
 /* The pool splits on block boundaries: 1-3 threads give the bits of one call. */
