@@ -4,6 +4,8 @@
  * with the state pinned or on NVMe.
  */
 #include <criterion/criterion.h>
+#include <errno.h>
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -224,4 +226,70 @@ Test(reshard, longer_than_a_piece)
 		ck_rmdir(ckdir);
 		ckdir[0] = '\0';
 	}
+}
+
+/*
+ * q8-moments resharded across a block: 2 ranks (layers.0.w split at 35001) onto 3 (at
+ * 23334).  Refused, naming tensor and elements, unless the restore may convert; then the
+ * blocks are decoded and encoded again: master exact, the moments within the 8-bit
+ * codes' error (3 and 4 mantissa bits: 2^-4 of each value), and the job steps on.
+ */
+Test(reshard, q8_moments_split_block_refused_unless_converting)
+{
+	struct zc_tensor_desc desc = { "layers.0.w#0", 23334, ZC_F32, ZC_F32, false };
+	struct zc_checkpoint_place place = { ck_param_name[0], 0, ck_param_numel[0] };
+	struct zc_job_options o = { .policy = ZC_POLICY_CPU, .state_format = "q8-moments" };
+	struct ck_job a, b;
+	struct ck_state want, got;
+	struct zc_checkpoint *ck;
+	struct zc_tensor *t = NULL;
+	struct zc_conn *c;
+	char config[512];
+
+	ck_tmpdir(swapdir, sizeof(swapdir), "swap");
+	ck_config(config, sizeof(config), swapdir);
+	itd_start(&d, config);
+	ck_opts.format = "q8-moments";
+	ck_tmpdir(ckdir, sizeof(ckdir), "ckpt");
+	ck_job_start(&a, &d, "split_a", 2, ZC_ADAMW, ZC_POLICY_CPU);
+	ck_job_steps(&a, 1, K);
+	ck_job_gather(&a, &want);
+	ck_job_save(&a, ckdir, K);
+	ck_job_close(&a);
+
+	c = itd_connect(&d);
+	cr_assert_eq(zc_job_open_opts(c, "split_refused", 0, 3, &o), 0, "%s", zc_errmsg(c));
+	cr_assert_eq(zc_checkpoint_open(c, ckdir, &ck), 0, "%s", zc_errmsg(c));
+	cr_assert_eq(zc_tensor_register_checkpoint(c, &desc, ck, &place, ZC_ADAMW, &t), -EINVAL);
+	cr_assert(strstr(zc_errmsg(c), "'layers.0.w#0'") && strstr(zc_errmsg(c), "0..23334") &&
+	    strstr(zc_errmsg(c), "256-element block") &&
+	    strstr(zc_errmsg(c), "zc_checkpoint_allow_convert"), "%s", zc_errmsg(c));
+	zc_checkpoint_close(ck);
+	zc_disconnect(c);
+
+	ck_opts.convert = true;
+	ck_job_restore(&b, &d, "split_b", 3, ZC_ADAMW, ZC_POLICY_CPU, ckdir, K);
+	ck_job_gather(&b, &got);
+	for (unsigned p = 0; p < CK_PARAMS; p++) {
+		cr_assert_eq(memcmp(got.a[p][0], want.a[p][0], ck_param_numel[p] * sizeof(float)), 0,
+		    "%s: master changed", ck_param_name[p]);
+		for (unsigned st = 1; st < 3; st++) {
+			float max = 0;
+
+			for (uint64_t i = 0; i < ck_param_numel[p]; i++)
+				max = fabsf(want.a[p][st][i]) > max ? fabsf(want.a[p][st][i]) : max;
+			cr_assert_gt(max, 0);
+			for (uint64_t i = 0; i < ck_param_numel[p]; i++) {
+				float w = want.a[p][st][i], g = got.a[p][st][i];
+
+				cr_assert(fabsf(g - w) <= 0.07f * fabsf(w) + 1e-4f * max, "%s state %u "
+				    "[%llu]: %a, saved %a", ck_param_name[p], st, (unsigned long long)i,
+				    g, w);
+			}
+		}
+	}
+	ck_job_steps(&b, K + 1, END);
+	ck_job_close(&b);
+	ck_state_free(&got);
+	ck_state_free(&want);
 }
