@@ -9,6 +9,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 
 #include "ck.h"
 
@@ -292,4 +293,54 @@ Test(reshard, q8_moments_split_block_refused_unless_converting)
 	ck_job_close(&b);
 	ck_state_free(&got);
 	ck_state_free(&want);
+}
+
+/*
+ * The same model saved in each format: the arrays take 12, 8 and 6 + 8/256 bytes a
+ * parameter (exactly: master fp32, the moments as kept, q8's two scales per block of each
+ * tensor); the header is the rest of the file.
+ */
+Test(reshard, file_bytes_per_format)
+{
+	static const char *const formats[] = { "fp32", "bf16-moments", "q8-moments" };
+	char config[512], path[128];
+
+	ck_tmpdir(swapdir, sizeof(swapdir), "swap");
+	ck_config(config, sizeof(config), swapdir);
+	itd_start(&d, config);
+	for (unsigned f = 0; f < 3; f++) {
+		uint64_t params = 0, want = 0, header = 0;
+		struct ck_job a;
+		struct stat st;
+		char name[16];
+		FILE *fp;
+
+		ck_opts.format = formats[f];
+		ck_tmpdir(ckdir, sizeof(ckdir), "ckpt");
+		snprintf(name, sizeof(name), "size%u", f);
+		ck_job_start(&a, &d, name, 1, ZC_ADAMW, ZC_POLICY_CPU);
+		ck_job_steps(&a, 1, K);
+		ck_job_save(&a, ckdir, K);
+		ck_job_close(&a);
+		for (unsigned p = 0; p < CK_PARAMS; p++) {
+			uint64_t n = ck_param_numel[p];
+
+			params += n;
+			want += f == 0 ? 12 * n : f == 1 ? 8 * n : 6 * n + 8 * ((n + 255) / 256);
+		}
+		snprintf(path, sizeof(path), "%s/rank-00000-of-00001.safetensors", ckdir);
+		fp = fopen(path, "rb");
+		cr_assert_not_null(fp);
+		cr_assert_eq(fread(&header, 8, 1, fp), 1);
+		fclose(fp);
+		cr_assert_eq(stat(path, &st), 0);
+		cr_assert_eq((uint64_t)st.st_size - 8 - header, want, "%s: %llu bytes of arrays, "
+		    "not %llu", formats[f], (unsigned long long)(st.st_size - 8 - header),
+		    (unsigned long long)want);
+		fprintf(stderr, "%s: %llu bytes for %llu parameters: %.3f B/param (arrays %.3f)\n",
+		    formats[f], (unsigned long long)st.st_size, (unsigned long long)params,
+		    (double)st.st_size / (double)params, (double)want / (double)params);
+		ck_rmdir(ckdir);
+		ckdir[0] = '\0';
+	}
 }
