@@ -231,7 +231,7 @@ Test(formats, checkpoint_keeps_the_format_and_refuses_a_mismatch)
 		.param_dtype = ZC_F32 };
 	struct zc_step_params sp = params(ZC_ADAMW, 1);
 	struct zc_checkpoint_entry entry;
-	struct zc_conn *c = open_job("save", ZC_POLICY_NVME, "q8-moments"), *c2, *c3;
+	struct zc_conn *c = open_job("save", ZC_POLICY_NVME, "q8-moments"), *c2, *c3, *c4;
 	struct zc_checkpoint *ck;
 	struct zc_tensor *t, *t2;
 	char dir[] = "/tmp/zoff-formats-ckpt-XXXXXX", cmd[256], out[4096];
@@ -282,6 +282,25 @@ Test(formats, checkpoint_keeps_the_format_and_refuses_a_mismatch)
 	cr_assert_eq(zc_tensor_read(t2, ZC_STATE_EXP_AVG, 0, M, got), 0, "%s", zc_errmsg(c3));
 	cr_assert_eq(memcmp(got, m, sizeof(got)), 0, "fp32 took the saved moments changed");
 	zc_checkpoint_close(ck);
+
+	/* Into bf16-moments, converting: the decoded codes rounded to bf16 (to nearest even). */
+	c4 = open_job("other_bf16", ZC_POLICY_NVME, "bf16-moments");
+	cr_assert_eq(zc_checkpoint_open(c4, dir, &ck), 0, "%s", zc_errmsg(c4));
+	cr_assert_eq(zc_tensor_register_checkpoint(c4, &desc, ck, NULL, ZC_ADAMW, &t2), -EBADMSG);
+	zc_checkpoint_allow_convert(ck, true);
+	cr_assert_eq(zc_tensor_register_checkpoint(c4, &desc, ck, NULL, ZC_ADAMW, &t2), 0, "%s",
+	    zc_errmsg(c4));
+	cr_assert_eq(zc_tensor_read(t2, ZC_STATE_EXP_AVG, 0, M, got), 0, "%s", zc_errmsg(c4));
+	for (size_t i = 0; i < M; i++) {
+		uint32_t b, w;
+
+		memcpy(&b, &m[i], 4);
+		b = (b + 0x7fffu + ((b >> 16) & 1u)) & 0xffff0000u;
+		memcpy(&w, &got[i], 4);
+		cr_assert_eq(w, b, "m[%zu]: %a, the saved %a in bf16 is %08x", i, got[i], m[i], b);
+	}
+	zc_checkpoint_close(ck);
+	zc_disconnect(c4);
 	zc_disconnect(c3);
 	zc_disconnect(c2);
 	zc_disconnect(c);
