@@ -320,7 +320,7 @@ static void
 save_advance(struct zd_daemon *d, struct zd_session *s, struct zd_ckpt_write *w)
 {
 	uint64_t off[ZE_RAW_ARRAYS];
-	const float *mem = NULL;
+	const char *mem = NULL;
 	int r;
 
 	if (w->pending_n == 0) {
@@ -334,10 +334,9 @@ save_advance(struct zd_daemon *d, struct zd_session *s, struct zd_ckpt_write *w)
 	w->io_n = w->pending_n;
 	ze_raw_layout(w->format, w->io_n, off);
 	for (unsigned i = 0; i < ZP_CKPT_ARRAYS; i++) {
-		mem = i < 3 && w->held != NULL ? ze_tensor_memory_state(w->et, (enum ze_state)i) :
-		    NULL;
+		mem = w->held != NULL ? ze_tensor_memory_raw(w->et, i) : NULL;
 		if (mem != NULL)
-			w->io_src[i] = (const char *)(mem + w->offset + w->io_off);
+			w->io_src[i] = mem + ze_raw_array_bytes(w->format, i, w->offset + w->io_off);
 		else
 			w->io_src[i] = w->buf[w->cur] != NULL ? w->buf[w->cur] + off[i] : NULL;
 	}
@@ -600,10 +599,13 @@ ckpt_new(struct zd_session *s, const struct zp_msg *msg, int fd)
 		    zk_state_format_name(req->format), (unsigned long long)numel);
 		return NULL;
 	}
-	/* A save of state in memory writes it from where it is: no buffers. */
+	/*
+	 * A save of state in memory writes it from where it is, raw or fp32: no buffers.
+	 * Compressed state saved as fp32 is decoded into them.
+	 */
 	piece = req->count < PIECE ? req->count : PIECE;
-	if (!restore && req->format == ZK_STATE_FP32 &&
-	    ze_tensor_memory_state(t->et, ZE_STATE_MASTER) != NULL)
+	if (!restore && ze_tensor_memory_raw(t->et, ZE_STATE_MASTER) != NULL &&
+	    (req->format != ZK_STATE_FP32 || ze_tensor_state_format(t->et) == ZK_STATE_FP32))
 		piece = 0;
 	w = calloc(1, sizeof(*w));
 	if (w != NULL && piece > 0) {

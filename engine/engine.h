@@ -238,6 +238,12 @@ uint64_t ze_raw_array_bytes(enum zk_state_format f, unsigned k, uint64_t count);
 /* Byte offsets of the five arrays in a raw buffer of count elements; returns its size. */
 uint64_t ze_raw_layout(enum zk_state_format f, uint64_t count, uint64_t off[ZE_RAW_ARRAYS]);
 /*
+ * Raw array k of a tensor in memory (pinned or not), whole, for writing it out as it is
+ * while the tensor is held (ze_tensor_hold); NULL on NVMe or where the format has no such
+ * array (the scales of fp32 and bf16 state).
+ */
+const void *ze_tensor_memory_raw(const struct ze_tensor *t, unsigned k);
+/*
  * A raw range [from, from + count) of a tensor of n elements: -ERANGE if it is not in
  * them, -EINVAL if it splits a 256-element block (q8-moments), else 0.
  */

@@ -452,6 +452,16 @@ ze_tensor_memory_state(const struct ze_tensor *t, enum ze_state which)
 	return which == ZE_STATE_MASTER ? t->master : which == ZE_STATE_EXP_AVG ? t->m : t->v;
 }
 
+const void *
+ze_tensor_memory_raw(const struct ze_tensor *t, unsigned k)
+{
+	const void *a[ZE_RAW_ARRAYS] = { t->master, t->m, t->v, t->m_scale, t->v_scale };
+
+	if (t->on_nvme || k >= ZE_RAW_ARRAYS || ze_raw_array_bytes(t->format, k, t->numel) == 0)
+		return NULL;
+	return a[k];
+}
+
 int
 ze_tensor_read_all(struct ze_tensor *t, uint64_t offset, uint64_t count, float *buf,
     uint32_t lane, uint64_t id)
