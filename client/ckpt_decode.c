@@ -23,8 +23,9 @@ decode_moments(const struct zck_file *f, const struct zck_entry *e, uint64_t c0,
 {
 	uint64_t n = c1 - c0, nb = (n + ZCK_BLOCK - 1) / ZCK_BLOCK;
 	unsigned esz = (unsigned)(zck_array_bytes(e->arrays, 1, 1));
-	uint8_t *mr = raw, *vr = mr + n * esz;
-	float *ms = (float *)(void *)(vr + n * esz), *vs = ms + nb;
+	/* The scales first: aligned for floats whatever n. */
+	float *ms = raw, *vs = ms + nb;
+	uint8_t *mr = (uint8_t *)(vs + nb), *vr = mr + n * esz;
 	int r;
 
 	r = zck_pread_array(f, e, 1, mr, n * esz, c0 * esz, err, errlen);
