@@ -85,8 +85,9 @@ struct zd_ckpt_write {
 };
 
 /*
- * Whole-piece buffers (48 MiB) kept for the next transfers: a fresh one costs a page
- * fault and a page of zeros per 4 KiB, which was a quarter of a restore's time.  Two
+ * Whole-piece buffers (48 MiB, and room for q8's scales) kept for the next transfers: a
+ * fresh one costs a page fault and a page of zeros per 4 KiB, which was a quarter of a
+ * restore's time.  Two
  * transfers' worth are kept (a client saves or restores three tensors at once: the
  * third's are fresh, to bound what an idle daemon keeps); the process has one daemon, and
  * they live as long.
