@@ -15,7 +15,8 @@
 #include "crc32c.h"
 #include "fileio.h"
 
-const char *const zck_state_names[ZCK_STATES] = { "master", "exp_avg", "exp_avg_sq" };
+const char *const zck_state_names[ZCK_ARRAYS] = { "master", "exp_avg", "exp_avg_sq",
+	"exp_avg_scale", "exp_avg_sq_scale" };
 const char *const zck_optim_names[4] = { "adamw", "adam", "adagrad", "lion" };
 
 #define BLOCK_ELEMENTS (4u << 20)
@@ -70,6 +71,40 @@ free_file(struct zck_file *f)
 		close(f->fd);
 }
 
+uint64_t
+zck_array_bytes(enum zck_arrays a, unsigned k, uint64_t count)
+{
+	static const unsigned moment[3] = { 4, 2, 1 };
+
+	if (k == 0)
+		return 4 * count;
+	if (k < 3)
+		return moment[a] * count;
+	return a == ZCK_ARRAYS_Q8 && k < ZCK_ARRAYS ? 4 * ((count + ZCK_BLOCK - 1) / ZCK_BLOCK) : 0;
+}
+
+const char *
+zck_arrays_name(enum zck_arrays a)
+{
+	static const char *const names[3] = { "fp32", "bf16-moments", "q8-moments" };
+
+	return names[a];
+}
+
+/* The dtype of array k of a tensor whose exp_avg is `moments`. */
+static bool
+dtype_of(const char *dtype, enum zck_arrays *ret)
+{
+	static const char *const names[3] = { "F32", "BF16", "U8" };
+
+	for (unsigned a = 0; a < 3; a++)
+		if (strcmp(dtype, names[a]) == 0) {
+			*ret = (enum zck_arrays)a;
+			return true;
+		}
+	return false;
+}
+
 /* One tensor's arrays and metadata; the text of a problem goes to e->bad. */
 static int
 parse_entry(struct zck_file *f, const cJSON *hdr, const cJSON *meta, const char *name,
@@ -99,13 +134,22 @@ parse_entry(struct zck_file *f, const cJSON *hdr, const cJSON *meta, const char 
 		return fail(err, errlen, -EBADMSG, "%s: tensor '%s': metadata '%s' is not a state "
 		    "format", f->path, name, key);
 	snprintf(e->state_format, sizeof(e->state_format), "%s", s != NULL ? s : "fp32");
-	for (unsigned st = 0; st < ZCK_STATES; st++) {
+	for (unsigned st = 0; st < ZCK_ARRAYS; st++) {
 		const cJSON *t, *dtype, *shape, *offs;
-		uint64_t a, b, crc;
+		enum zck_arrays dt = ZCK_ARRAYS_F32;
+		uint64_t a, b, crc, want;
 		char *end;
 
 		snprintf(key, sizeof(key), "%s/%s", name, zck_state_names[st]);
 		t = cJSON_GetObjectItemCaseSensitive(hdr, key);
+		/* The scale arrays are there for q8-moments arrays only. */
+		if (st >= ZCK_STATES && e->arrays != ZCK_ARRAYS_Q8) {
+			if (t != NULL)
+				return fail(err, errlen, -EBADMSG, "%s: tensor '%s' has an array '%s' "
+				    "but its moments are %s", f->path, name, key,
+				    e->arrays == ZCK_ARRAYS_F32 ? "F32" : "BF16");
+			continue;
+		}
 		if (!cJSON_IsObject(t))
 			return fail(err, errlen, -EBADMSG, "%s: tensor '%s' has no array '%s'",
 			    f->path, name, key);
@@ -117,22 +161,30 @@ parse_entry(struct zck_file *f, const cJSON *hdr, const cJSON *meta, const char 
 		    !cJSON_IsNumber(cJSON_GetArrayItem(offs, 1)))
 			return fail(err, errlen, -EBADMSG, "%s: array '%s' lacks dtype, shape or "
 			    "data_offsets", f->path, key);
-		if (strcmp(dtype->valuestring, "F32") != 0) {
-			e->bad = "is not F32";
+		if (e->bad != NULL) {
+			/* The first problem is the one told. */
+		} else if (!dtype_of(dtype->valuestring, &dt) || (st != 1 && st != 2 &&
+		    dt != ZCK_ARRAYS_F32) || (st == 2 && dt != e->arrays)) {
+			e->bad = st == 2 ? "exp_avg_sq's dtype is not exp_avg's" :
+			    st == 1 ? "exp_avg is not F32, BF16 or U8" : "is not F32";
 		} else if (cJSON_GetArraySize(shape) != 1 ||
 		    !cJSON_IsNumber(cJSON_GetArrayItem(shape, 0))) {
 			e->bad = "is not one-dimensional";
 		}
+		if (st == 1 && e->bad == NULL)
+			e->arrays = dt;
 		a = (uint64_t)cJSON_GetArrayItem(offs, 0)->valuedouble;
 		b = (uint64_t)cJSON_GetArrayItem(offs, 1)->valuedouble;
-		if (b < a || (b - a) % 4 != 0)
+		if (b < a || (st == 0 && (b - a) % 4 != 0))
 			return fail(err, errlen, -EBADMSG, "%s: array '%s' has data offsets %" PRIu64
 			    "..%" PRIu64, f->path, key, a, b);
 		if (st == 0)
 			e->numel = (b - a) / 4;
-		else if ((b - a) / 4 != e->numel)
+		want = zck_array_bytes(e->arrays, st, e->numel);
+		if (e->bad == NULL && b - a != want)
 			return fail(err, errlen, -EBADMSG, "%s: tensor '%s': '%s' holds %" PRIu64
-			    " elements, master %" PRIu64, f->path, name, key, (b - a) / 4, e->numel);
+			    " bytes, %" PRIu64 " for master's %" PRIu64 " elements", f->path, name, key,
+			    b - a, want, e->numel);
 		e->begin[st] = a;
 		if (b > f->data_end)
 			f->data_end = b;
@@ -144,6 +196,10 @@ parse_entry(struct zck_file *f, const cJSON *hdr, const cJSON *meta, const char 
 			    f->path, name, key);
 		e->crc[st] = (uint32_t)crc;
 	}
+	/* Raw arrays are of the format the tensor was kept in. */
+	if (e->bad == NULL && e->arrays != ZCK_ARRAYS_F32 &&
+	    strcmp(e->state_format, zck_arrays_name(e->arrays)) != 0)
+		e->bad = "of compressed moments is not of the tensor's state_format";
 	if (e->global_offset > e->global_numel || e->numel > e->global_numel - e->global_offset)
 		return fail(err, errlen, -EBADMSG, "%s: tensor '%s': elements %" PRIu64 "..%" PRIu64
 		    " are outside its parameter's %" PRIu64, f->path, name, e->global_offset,
@@ -235,7 +291,7 @@ parse_file(struct zck_file *f, char *err, size_t errlen)
 	}
 	/* safetensors offsets count from the end of the header. */
 	for (size_t i = 0; i < f->nentries; i++)
-		for (unsigned k = 0; k < ZCK_STATES; k++)
+		for (unsigned k = 0; k < ZCK_ARRAYS; k++)
 			f->entries[i].begin[k] += 8 + hlen;
 	f->data_end += 8 + hlen;
 out:
@@ -342,76 +398,72 @@ zck_close(struct zck_index *ix)
 }
 
 int
-zck_read_array(const struct zck_file *f, const struct zck_entry *e, unsigned state,
-    zck_block_fn *fn, void *arg, char *err, size_t errlen)
+zck_pread_array(const struct zck_file *f, const struct zck_entry *e, unsigned k, void *buf,
+    uint64_t len, uint64_t at, char *err, size_t errlen)
 {
-	uint64_t done = 0, block = e->numel < BLOCK_ELEMENTS ? e->numel : BLOCK_ELEMENTS;
-	uint32_t crc = 0;
-	float *buf;
-	int r = 0;
+	int r = len > 0 ? zp_pread_full(f->fd, buf, len, e->begin[k] + at) : 0;
 
-	if (e->bad != NULL)
-		return fail(err, errlen, -EBADMSG, "%s: tensor '%s': an array %s", f->path, e->name,
-		    e->bad);
-	if (e->begin[state] + e->numel * 4 > f->size)
-		return fail(err, errlen, -EBADMSG, "%s: tensor '%s/%s': the file is truncated (%"
-		    PRIu64 " bytes, its header needs %" PRIu64 ")", f->path, e->name,
-		    zck_state_names[state], f->size, f->data_end);
-	buf = malloc((block > 0 ? block : 1) * sizeof(float));
-	if (buf == NULL)
-		return fail(err, errlen, -ENOMEM, "out of memory");
-	while (done < e->numel) {
-		uint64_t n = e->numel - done < block ? e->numel - done : block;
-
-		r = zp_pread_full(f->fd, buf, n * 4, e->begin[state] + done * 4);
-		if (r < 0) {
-			r = fail(err, errlen, r == -ENODATA ? -EBADMSG : r, "%s: tensor '%s/%s': %s",
-			    f->path, e->name, zck_state_names[state], r == -ENODATA ?
-			    "the file is truncated" : strerror(-r));
-			break;
-		}
-		crc = zp_crc32c(crc, buf, n * 4);
-		if (fn != NULL) {
-			r = fn(arg, done, buf, n);
-			if (r < 0)
-				break;
-		}
-		done += n;
-	}
-	if (r == 0 && crc != e->crc[state])
-		r = fail(err, errlen, -EBADMSG, "%s: tensor '%s/%s': CRC-32C %08x, the header says "
-		    "%08x: the file is damaged", f->path, e->name, zck_state_names[state], crc,
-		    e->crc[state]);
-	free(buf);
-	return r;
+	if (r < 0)
+		return fail(err, errlen, r == -ENODATA ? -EBADMSG : r, "%s: tensor '%s/%s': %s",
+		    f->path, e->name, zck_state_names[k], r == -ENODATA ?
+		    "the file is truncated" : strerror(-r));
+	return 0;
 }
 
-int
-zck_crc_range(const struct zck_file *f, const struct zck_entry *e, unsigned state,
-    uint64_t from, uint64_t to, uint32_t *crc, char *err, size_t errlen)
+/* CRC-32C of bytes [from, to) of array k continued from *crc. */
+static int
+crc_bytes(const struct zck_file *f, const struct zck_entry *e, unsigned k, uint64_t from,
+    uint64_t to, uint32_t *crc, char *err, size_t errlen)
 {
-	uint64_t block = to - from < BLOCK_ELEMENTS ? to - from : BLOCK_ELEMENTS;
-	float *buf;
+	uint64_t block = to - from < 4 * BLOCK_ELEMENTS ? to - from : 4 * BLOCK_ELEMENTS;
+	char *buf;
 	int r = 0;
 
 	if (from >= to)
 		return 0;
-	buf = malloc(block * sizeof(float));
+	buf = malloc(block);
 	if (buf == NULL)
 		return fail(err, errlen, -ENOMEM, "out of memory");
 	while (from < to) {
 		uint64_t n = to - from < block ? to - from : block;
 
-		r = zp_pread_full(f->fd, buf, n * 4, e->begin[state] + from * 4);
-		if (r < 0) {
-			r = fail(err, errlen, r == -ENODATA ? -EBADMSG : r, "%s: tensor '%s/%s': %s",
-			    f->path, e->name, zck_state_names[state], r == -ENODATA ?
-			    "the file is truncated" : strerror(-r));
+		r = zck_pread_array(f, e, k, buf, n, from, err, errlen);
+		if (r < 0)
 			break;
-		}
-		*crc = zp_crc32c(*crc, buf, n * 4);
+		*crc = zp_crc32c(*crc, buf, n);
 		from += n;
 	}
 	free(buf);
 	return r;
+}
+
+int
+zck_check_array(const struct zck_file *f, const struct zck_entry *e, unsigned k, char *err,
+    size_t errlen)
+{
+	uint64_t len = zck_array_bytes(e->arrays, k, e->numel);
+	uint32_t crc = 0;
+	int r;
+
+	if (e->bad != NULL)
+		return fail(err, errlen, -EBADMSG, "%s: tensor '%s': an array %s", f->path, e->name,
+		    e->bad);
+	if (e->begin[k] + len > f->size)
+		return fail(err, errlen, -EBADMSG, "%s: tensor '%s/%s': the file is truncated (%"
+		    PRIu64 " bytes, its header needs %" PRIu64 ")", f->path, e->name,
+		    zck_state_names[k], f->size, f->data_end);
+	r = crc_bytes(f, e, k, 0, len, &crc, err, errlen);
+	if (r == 0 && len > 0 && crc != e->crc[k])
+		r = fail(err, errlen, -EBADMSG, "%s: tensor '%s/%s': CRC-32C %08x, the header says "
+		    "%08x: the file is damaged", f->path, e->name, zck_state_names[k], crc,
+		    e->crc[k]);
+	return r;
+}
+
+int
+zck_crc_range(const struct zck_file *f, const struct zck_entry *e, unsigned k,
+    uint64_t from, uint64_t to, uint32_t *crc, char *err, size_t errlen)
+{
+	return crc_bytes(f, e, k, zck_array_bytes(e->arrays, k, from),
+	    zck_array_bytes(e->arrays, k, to), crc, err, errlen);
 }

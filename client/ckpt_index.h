@@ -3,15 +3,19 @@
  * checked.  Shared by libzclient (restore) and zoffctl (inspect); no connection needed.
  *
  * Layout of one rank file, `rank-RRRRR-of-WWWWW.safetensors`: u64 header length (LE),
- * the JSON header (padded with spaces), then for each tensor NAME of the rank its
- * arrays NAME/master, NAME/exp_avg, NAME/exp_avg_sq, fp32, back to back.  The header's
+ * the JSON header (padded with spaces), then the arrays, for each tensor NAME of the rank
+ * NAME/master (F32), NAME/exp_avg and NAME/exp_avg_sq (as the daemon keeps them: F32 for
+ * fp32 state, BF16 for bf16-moments, U8 codes for q8-moments) and, for q8-moments only,
+ * NAME/exp_avg_scale and NAME/exp_avg_sq_scale (F32, one per 256-element block, the
+ * last block possibly short).  Every F32 array comes first, then the BF16 ones, then the
+ * U8 ones, so that each array starts aligned to its element size.  The header's
  * __metadata__ (strings only, as safetensors wants) holds format, optimizer,
  * hyperparameters (JSON text), rank, world_size and, per tensor, NAME/global_name,
- * NAME/global_offset, NAME/global_numel, NAME/step, NAME/STATE/crc32c (8 hex digits)
- * and NAME/state_format: how the daemon kept the tensor's state ("fp32",
- * "bf16-moments", "q8-moments"; absent in files of before formats: fp32).  The arrays
- * are fp32 whatever the format: a compressed format's moments as it decoded them,
- * which a restore into the same format encodes back.
+ * NAME/global_offset, NAME/global_numel, NAME/step, NAME/ARRAY/crc32c (8 hex digits, of
+ * each array's bytes) and NAME/state_format: how the daemon kept the tensor's state
+ * ("fp32", "bf16-moments", "q8-moments"; absent in files of before formats: fp32).  Files
+ * written before compressed arrays hold F32 moments (decoded) whatever the format: their
+ * exp_avg's dtype tells them apart, and they restore as before.
  */
 #ifndef ZCK_INDEX_H
 #define ZCK_INDEX_H
@@ -21,10 +25,16 @@
 #include <stdint.h>
 
 #define ZCK_FORMAT "zoffload.checkpoint.1"
-#define ZCK_STATES 3
+#define ZCK_STATES 3			/* master, exp_avg, exp_avg_sq */
+#define ZCK_ARRAYS 5			/* and exp_avg_scale, exp_avg_sq_scale */
 #define ZCK_HEADER_MAX (256u << 20)
+#define ZCK_BLOCK 256			/* elements per q8-moments scale */
 
-extern const char *const zck_state_names[ZCK_STATES];	/* "master", "exp_avg", "exp_avg_sq" */
+/* What a tensor's arrays hold: the values of CKPT_WRITE's format (proto.h). */
+enum zck_arrays { ZCK_ARRAYS_F32 = 0, ZCK_ARRAYS_BF16 = 1, ZCK_ARRAYS_Q8 = 2 };
+
+/* "master", "exp_avg", "exp_avg_sq", "exp_avg_scale", "exp_avg_sq_scale" */
+extern const char *const zck_state_names[ZCK_ARRAYS];
 extern const char *const zck_optim_names[4];		/* by enum zc_optim */
 
 struct zck_entry {
@@ -35,8 +45,9 @@ struct zck_entry {
 	uint64_t numel;
 	uint64_t step;
 	char state_format[32];		/* "fp32" when the file does not say */
-	uint64_t begin[ZCK_STATES];	/* byte offsets in the file */
-	uint32_t crc[ZCK_STATES];
+	enum zck_arrays arrays;		/* F32 when exp_avg is F32, whatever state_format says */
+	uint64_t begin[ZCK_ARRAYS];	/* byte offsets in the file */
+	uint32_t crc[ZCK_ARRAYS];	/* of those present: zck_array_bytes > 0 */
 	const char *bad;		/* NULL, or why this tensor cannot be used (dtype, shape) */
 };
 
@@ -63,17 +74,24 @@ struct zck_index {
 int zck_open(const char *dir, struct zck_index **ret, char *err, size_t errlen);
 void zck_close(struct zck_index *ix);
 
-/*
- * Reads one array whole, a block at a time, checking its CRC-32C: fn (may be NULL) gets
- * each block, with the index of its first element.  -EBADMSG on a mismatch, -errno, or
- * fn's own negative result; err names file and tensor.
- */
-typedef int zck_block_fn(void *arg, uint64_t first, const float *data, uint64_t count);
-int zck_read_array(const struct zck_file *f, const struct zck_entry *e, unsigned state,
-    zck_block_fn *fn, void *arg, char *err, size_t errlen);
+/* Bytes of array k (0..4) of count elements in a tensor of arrays a (0: not present). */
+uint64_t zck_array_bytes(enum zck_arrays a, unsigned k, uint64_t count);
+/* The name of a (the state format whose raw arrays they are; "fp32" for F32). */
+const char *zck_arrays_name(enum zck_arrays a);
 
-/* CRC-32C of elements [from, to) of one array continued from *crc; err names file and tensor. */
-int zck_crc_range(const struct zck_file *f, const struct zck_entry *e, unsigned state,
+/* Reads one array whole checking its CRC-32C: -EBADMSG on a mismatch, -errno; err says. */
+int zck_check_array(const struct zck_file *f, const struct zck_entry *e, unsigned k, char *err,
+    size_t errlen);
+
+/*
+ * CRC-32C of the bytes of elements [from, to) of array k continued from *crc (for a scale
+ * array: of the blocks they start, from a multiple of 256); err names file and tensor.
+ */
+int zck_crc_range(const struct zck_file *f, const struct zck_entry *e, unsigned k,
     uint64_t from, uint64_t to, uint32_t *crc, char *err, size_t errlen);
+
+/* Reads bytes [at, at + len) of array k into buf; -EBADMSG if the file ends first. */
+int zck_pread_array(const struct zck_file *f, const struct zck_entry *e, unsigned k, void *buf,
+    uint64_t len, uint64_t at, char *err, size_t errlen);
 
 #endif

@@ -372,8 +372,9 @@ ZC_API int zc_jobs_json(struct zc_conn *conn, char **ret_json);
 
 /*
  * Checkpoints: a rank's optimizer state saved into a directory, one safetensors file per
- * rank (rank-RRRRR-of-WWWWW.safetensors: NAME/master, NAME/exp_avg, NAME/exp_avg_sq, F32,
- * and in the header's __metadata__ the optimizer, the last hyperparameters, rank, world
+ * rank (rank-RRRRR-of-WWWWW.safetensors: NAME/master F32, NAME/exp_avg and NAME/exp_avg_sq
+ * as the job's state format keeps them (F32, BF16, or U8 codes with NAME/exp_avg_scale and
+ * NAME/exp_avg_sq_scale, F32 per 256-element block), and in the header's __metadata__ the optimizer, the last hyperparameters, rank, world
  * size, and per tensor its step, its state format, its place in its logical parameter and
  * a CRC-32C per array).  Any rank layout can be restored into any other.
  *
@@ -420,8 +421,8 @@ struct zc_checkpoint_place {
  * elements [global_offset, global_offset + desc->numel) of parameter global_name, taken
  * from whichever rank files hold them, whatever the world size and shard layout they were
  * saved with.  Every array read is checked against its CRC-32C.  A checksum mismatch, a
- * range no file holds, a truncated file, another optimizer than optim, a dtype other than
- * F32, pieces at different steps: -EBADMSG (-ENOENT for a missing range), zc_errmsg names
+ * range no file holds, a truncated file, another optimizer than optim, an unknown dtype,
+ * pieces at different steps: -EBADMSG (-ENOENT for a missing range), zc_errmsg names
  * the file and the tensor, and no tensor is left registered.
  */
 ZC_API int zc_tensor_register_checkpoint(struct zc_conn *conn, const struct zc_tensor_desc *desc,
@@ -429,11 +430,12 @@ ZC_API int zc_tensor_register_checkpoint(struct zc_conn *conn, const struct zc_t
     struct zc_tensor **ret);
 /*
  * State formats (zc_job_options.state_format): each tensor's is in the file's metadata
- * (NAME/state_format; the arrays are fp32 whatever it is, the moments as the format
- * decoded them).  zc_tensor_register_checkpoint refuses a tensor saved in another format
- * than the job's (-EBADMSG naming the file, the tensor and both formats) unless allowed
- * here: then the saved moments are encoded into the job's format (quantized to 8 or 16
- * bits, or widened to fp32 as they are).
+ * (NAME/state_format) and its arrays are as the format keeps them, restored raw (bit for
+ * bit) into a job of that format.  zc_tensor_register_checkpoint refuses a tensor saved in
+ * another format than the job's (-EBADMSG naming the file, the tensor and both formats),
+ * and a q8-moments restore whose shards would split a 256-element block (-EINVAL naming
+ * tensor and elements), unless allowed here: then the saved moments are decoded and
+ * encoded into the job's format (quantized to 8 or 16 bits again, or widened to fp32).
  */
 ZC_API void zc_checkpoint_allow_convert(struct zc_checkpoint *ckpt, bool allow);
 /*

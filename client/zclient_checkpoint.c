@@ -50,10 +50,11 @@ struct save_tensor {
 	uint64_t global_offset;
 	uint64_t global_numel;
 	uint64_t numel;
-	uint64_t begin[ZCK_STATES];	/* from the start of the data */
-	uint32_t crc[ZCK_STATES];	/* of the elements done */
+	uint64_t begin[ZCK_ARRAYS];	/* from the start of the data */
+	uint32_t crc[ZCK_ARRAYS];	/* of the elements done */
 	uint64_t step;			/* the daemon's answer */
 	const char *state_format;	/* the job's: every tensor of a job has its format */
+	enum zck_arrays arrays;		/* its arrays, raw as the daemon keeps them */
 	uint64_t done;			/* elements written */
 	uint64_t req_n;			/* in the request in flight */
 };
@@ -98,15 +99,22 @@ header_json(const struct save_tensor *ts, size_t n, const char *optim, const cha
 		add_meta_u64(meta, t->name, "step", final ? t->step : UINT64_MAX);
 		snprintf(key, sizeof(key), "%s/state_format", t->name);
 		cJSON_AddStringToObject(meta, key, t->state_format);
-		for (unsigned st = 0; st < ZCK_STATES; st++) {
-			cJSON *a = cJSON_CreateObject();
-			double offs[2] = { (double)t->begin[st], (double)(t->begin[st] + 4 * t->numel) };
-			double shape = (double)t->numel;
+		for (unsigned st = 0; st < ZCK_ARRAYS; st++) {
+			static const char *const dtypes[3] = { "F32", "BF16", "U8" };
+			uint64_t bytes = zck_array_bytes(t->arrays, st, t->numel);
+			cJSON *a;
+			double offs[2] = { (double)t->begin[st], (double)(t->begin[st] + bytes) };
+			double shape = (double)(st < ZCK_STATES ? t->numel :
+			    (t->numel + ZCK_BLOCK - 1) / ZCK_BLOCK);
 
+			if (bytes == 0 && st >= ZCK_STATES)
+				continue;
+			a = cJSON_CreateObject();
 			snprintf(key, sizeof(key), "%s/%s/crc32c", t->name, zck_state_names[st]);
 			snprintf(val, sizeof(val), "%08x", final ? t->crc[st] : 0xffffffffu);
 			cJSON_AddStringToObject(meta, key, val);
-			cJSON_AddStringToObject(a, "dtype", "F32");
+			cJSON_AddStringToObject(a, "dtype", st == 1 || st == 2 ? dtypes[t->arrays] :
+			    "F32");
 			cJSON_AddItemToObject(a, "shape", cJSON_CreateDoubleArray(&shape, 1));
 			cJSON_AddItemToObject(a, "data_offsets", cJSON_CreateDoubleArray(offs, 2));
 			snprintf(key, sizeof(key), "%s/%s", t->name, zck_state_names[st]);
@@ -188,9 +196,11 @@ save_advance(void *arg, size_t i, const struct zp_msg *reply)
 	n = st->numel - st->done < SAVE_PIECE ? st->numel - st->done : SAVE_PIECE;
 	m.u.ckpt_write = (struct zp_ckpt_write){
 		.handle = set->es[i].tensor->handle, .offset = st->done, .count = n,
+		.format = (uint8_t)st->arrays,
 	};
-	for (unsigned k = 0; k < ZCK_STATES; k++) {
-		m.u.ckpt_write.file_offset[k] = set->data_start + st->begin[k] + 4 * st->done;
+	for (unsigned k = 0; k < ZCK_ARRAYS; k++) {
+		m.u.ckpt_write.file_offset[k] = set->data_start + st->begin[k] +
+		    zck_array_bytes(st->arrays, k, st->done);
 		m.u.ckpt_write.crc[k] = st->crc[k];
 	}
 	r = zci_send_async(c, &m, zci_deadline_after(c->timeout_ms), set->fd);
@@ -219,6 +229,9 @@ check_entries(struct zc_conn *c, const struct zc_checkpoint_entry *es, size_t n,
 			    "it first", t->name);
 		ts[i].name = t->name;
 		ts[i].state_format = c->state_format[0] != '\0' ? c->state_format : "fp32";
+		for (unsigned a = 0; a < 3; a++)
+			if (strcmp(ts[i].state_format, zck_arrays_name((enum zck_arrays)a)) == 0)
+				ts[i].arrays = (enum zck_arrays)a;
 		ts[i].numel = zc_tensor_numel(t);
 		ts[i].global_name = es[i].global_name != NULL ? es[i].global_name : ts[i].name;
 		ts[i].global_offset = es[i].global_offset;
@@ -258,11 +271,21 @@ zc_checkpoint_save(struct zc_conn *c, const char *dir, const struct zc_checkpoin
 	r = check_entries(c, es, n, ts);
 	if (r < 0)
 		goto out;
-	for (size_t i = 0; i < n; i++)
-		for (unsigned st = 0; st < ZCK_STATES; st++) {
-			ts[i].begin[st] = data;
-			data += 4 * ts[i].numel;
-		}
+	/*
+	 * The F32 arrays first, then BF16, then U8: each array starts aligned to its element
+	 * size (SAVE_PIECE is a multiple of 256, so the daemon writes whole blocks).
+	 */
+	for (unsigned size = 4; size >= 1; size /= 2)
+		for (size_t i = 0; i < n; i++)
+			for (unsigned st = 0; st < ZCK_ARRAYS; st++) {
+				uint64_t bytes = zck_array_bytes(ts[i].arrays, st, ts[i].numel);
+				unsigned esz = st == 1 || st == 2 ? 4u >> ts[i].arrays : 4;
+
+				if (esz != size)
+					continue;
+				ts[i].begin[st] = data;
+				data += bytes;
+			}
 	hp = hparams_json(last);
 	head = hp != NULL ? header_json(ts, n, zck_optim_names[last->optim], hp, rank, world,
 	    false) : NULL;

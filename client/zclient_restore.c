@@ -4,7 +4,9 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
+#include "ckpt_decode.h"
 #include "ckpt_index.h"
 #include "zclient.h"
 #include "zclient_impl.h"
@@ -101,6 +103,8 @@ fail:
  * ends within a reasonable request timeout.
  */
 #define RESTORE_PIECE (64u << 20)
+/* A converted request's elements: decoded into a memory file of 12 bytes each first. */
+#define CONVERT_PIECE (4u << 20)
 
 /*
  * Tensors restored at once: one CKPT_READ of each in flight, so that the daemon reads one
@@ -125,15 +129,66 @@ struct restore {
 	uint64_t step;
 	size_t i;			/* the piece under way */
 	uint64_t x, b;			/* its elements [x, b) still to come */
-	uint32_t crc[ZCK_STATES];
+	/*
+	 * How the piece goes: F32 arrays as they are (the daemon encodes them into the job's
+	 * format), compressed arrays raw into a job of their format, or decoded here first
+	 * (convert: another format, or a split 256-element block).
+	 */
+	enum { MODE_F32, MODE_RAW, MODE_CONVERT } mode;
+	uint32_t crc[ZCK_ARRAYS];
 	uint64_t req;			/* the request in flight */
 	uint64_t req_n;
 	bool started, done;
 };
 
+/* The job's state format as checkpoint arrays. */
+static enum zck_arrays
+job_arrays(const struct zc_conn *c)
+{
+	for (unsigned a = 1; a < 3; a++)
+		if (strcmp(c->state_format, zck_arrays_name((enum zck_arrays)a)) == 0)
+			return (enum zck_arrays)a;
+	return ZCK_ARRAYS_F32;
+}
+
+/*
+ * How piece r->i's elements [x, b) go into the tensor at t0: raw when the arrays are the
+ * job's format and, for q8-moments, no 256-element block is split, in the file or in the
+ * tensor (a short last block only where both end); else decoded and re-encoded, which
+ * only a restore allowed to convert does.
+ */
+static int
+piece_mode(struct zc_conn *c, const struct zc_checkpoint *ck, struct restore *r)
+{
+	const struct piece *p = &r->ps[r->i];
+	const struct zck_entry *e = p->e;
+	uint64_t t0 = e->global_offset + r->x - r->lo, n = r->b - r->x, tn = r->hi - r->lo;
+	bool aligned = e->arrays != ZCK_ARRAYS_Q8 || (r->x % ZCK_BLOCK == 0 &&
+	    t0 % ZCK_BLOCK == 0 && (n % ZCK_BLOCK == 0 || (r->b == e->numel && t0 + n == tn)));
+
+	if (e->arrays == ZCK_ARRAYS_F32)
+		r->mode = MODE_F32;
+	else if (e->arrays == job_arrays(c) && aligned)
+		r->mode = MODE_RAW;
+	else if (ck->convert)
+		r->mode = MODE_CONVERT;
+	else if (e->arrays == job_arrays(c))
+		return zci_seterr(c, -EINVAL, "%s: tensor '%s': its elements %" PRIu64 "..%" PRIu64
+		    " (of '%s' at %" PRIu64 ") go to elements %" PRIu64 "..%" PRIu64 " of tensor "
+		    "'%s': that splits a 256-element block of q8-moments state; shard on multiples "
+		    "of 256 elements, or zc_checkpoint_allow_convert decodes and re-encodes the "
+		    "blocks (lossy)", p->f->path, e->name, r->x, r->b, r->name, e->global_offset,
+		    t0, t0 + n, r->t->name);
+	else
+		return zci_seterr(c, -EBADMSG, "%s: tensor '%s' holds %s arrays, and this job "
+		    "keeps %s state (zc_checkpoint_allow_convert converts it)", p->f->path, e->name,
+		    zck_arrays_name(e->arrays), c->state_format[0] ? c->state_format : "fp32");
+	return 0;
+}
+
 /* Piece r->i from its first element in the range, its arrays' CRCs up to there. */
 static int
-piece_start(struct zc_conn *c, struct restore *r)
+piece_start(struct zc_conn *c, const struct zc_checkpoint *ck, struct restore *r)
 {
 	const struct piece *p = &r->ps[r->i];
 	const struct zck_entry *e = p->e;
@@ -145,13 +200,24 @@ piece_start(struct zc_conn *c, struct restore *r)
 	if (e->bad != NULL)
 		return zci_seterr(c, -EBADMSG, "%s: tensor '%s': an array %s", p->f->path, e->name,
 		    e->bad);
-	for (unsigned k = 0; k < ZCK_STATES; k++) {
+	rc = piece_mode(c, ck, r);
+	if (rc < 0)
+		return rc;
+	for (unsigned k = 0; k < ZCK_ARRAYS; k++) {
+		uint64_t bytes = zck_array_bytes(e->arrays, k, e->numel);
+
 		r->crc[k] = 0;
-		if (e->begin[k] + 4 * e->numel > p->f->size)
+		if (bytes == 0 && k >= ZCK_STATES)
+			continue;
+		if (e->begin[k] + bytes > p->f->size)
 			return zci_seterr(c, -EBADMSG, "%s: tensor '%s/%s': the file is truncated (%"
 			    PRIu64 " bytes, its header needs %" PRIu64 ")", p->f->path, e->name,
 			    zck_state_names[k], p->f->size, p->f->data_end);
-		rc = zck_crc_range(p->f, e, k, 0, r->x, &r->crc[k], err, sizeof(err));
+		/* Converted here: each array checked whole before any of it is used. */
+		if (r->mode == MODE_CONVERT)
+			rc = zck_check_array(p->f, e, k, err, sizeof(err));
+		else
+			rc = zck_crc_range(p->f, e, k, 0, r->x, &r->crc[k], err, sizeof(err));
 		if (rc < 0)
 			return zci_seterr(c, rc, "%s", err);
 	}
@@ -191,7 +257,9 @@ piece_finish(struct zc_conn *c, struct restore *r)
 	char err[512];
 	int rc;
 
-	for (unsigned k = 0; k < ZCK_STATES; k++) {
+	for (unsigned k = 0; k < ZCK_ARRAYS && r->mode != MODE_CONVERT; k++) {
+		if (zck_array_bytes(e->arrays, k, e->numel) == 0 && k >= ZCK_STATES)
+			continue;
 		rc = zck_crc_range(p->f, e, k, r->b, e->numel, &r->crc[k], err, sizeof(err));
 		if (rc < 0)
 			return zci_seterr(c, rc, "%s", err);
@@ -208,7 +276,7 @@ piece_finish(struct zc_conn *c, struct restore *r)
  * checks first); r->done when none is left.
  */
 static int
-restore_next(struct zc_conn *c, struct restore *r)
+restore_next(struct zc_conn *c, const struct zc_checkpoint *ck, struct restore *r)
 {
 	const struct piece *p;
 	struct zp_msg m = { .hdr = { .type = ZP_CKPT_READ } };
@@ -217,7 +285,7 @@ restore_next(struct zc_conn *c, struct restore *r)
 
 	if (!r->started) {
 		r->started = true;
-		rc = piece_start(c, r);
+		rc = piece_start(c, ck, r);
 		if (rc < 0)
 			return rc;
 	}
@@ -229,19 +297,35 @@ restore_next(struct zc_conn *c, struct restore *r)
 			r->done = true;
 			return 0;
 		}
-		rc = piece_start(c, r);
+		rc = piece_start(c, ck, r);
 		if (rc < 0)
 			return rc;
 	}
 	p = &r->ps[r->i];
 	n = r->b - r->x < RESTORE_PIECE ? r->b - r->x : RESTORE_PIECE;
+	if (r->mode == MODE_CONVERT && n > CONVERT_PIECE)
+		n = CONVERT_PIECE;
 	m.u.ckpt_write = (struct zp_ckpt_write){ .handle = r->t->handle,
-		.offset = p->e->global_offset + r->x - r->lo, .count = n };
-	for (unsigned k = 0; k < ZCK_STATES; k++) {
-		m.u.ckpt_write.file_offset[k] = p->e->begin[k] + 4 * r->x;
-		m.u.ckpt_write.crc[k] = r->crc[k];
+		.offset = p->e->global_offset + r->x - r->lo, .count = n,
+		.format = r->mode == MODE_RAW ? (uint8_t)p->e->arrays : 0 };
+	if (r->mode == MODE_CONVERT) {
+		char err[512];
+		int fd = zck_decode_fd(p->f, p->e, r->x, n, err, sizeof(err));
+
+		if (fd < 0)
+			return zci_seterr(c, fd, "%s: %s", p->f->path, err);
+		for (unsigned k = 0; k < ZCK_STATES; k++)
+			m.u.ckpt_write.file_offset[k] = 4 * k * n;
+		rc = zci_send_async(c, &m, zci_deadline_after(c->timeout_ms), fd);
+		close(fd);
+	} else {
+		for (unsigned k = 0; k < ZCK_ARRAYS; k++) {
+			m.u.ckpt_write.file_offset[k] = p->e->begin[k] +
+			    zck_array_bytes(p->e->arrays, k, r->x);
+			m.u.ckpt_write.crc[k] = r->crc[k];
+		}
+		rc = zci_send_async(c, &m, zci_deadline_after(c->timeout_ms), p->f->fd);
 	}
-	rc = zci_send_async(c, &m, zci_deadline_after(c->timeout_ms), p->f->fd);
 	if (rc < 0)
 		return rc;
 	r->req = m.hdr.request_id;
@@ -251,7 +335,8 @@ restore_next(struct zc_conn *c, struct restore *r)
 
 /* The answer to r's request: on to its next, or the error named by file. */
 static int
-restore_answer(struct zc_conn *c, struct restore *r, const struct zp_msg *m)
+restore_answer(struct zc_conn *c, const struct zc_checkpoint *ck, struct restore *r,
+    const struct zp_msg *m)
 {
 	char err[sizeof(c->err)];
 
@@ -263,13 +348,16 @@ restore_answer(struct zc_conn *c, struct restore *r, const struct zp_msg *m)
 	if (m->hdr.type != ZP_CKPT_DONE)
 		return zci_seterr(c, -EBADMSG, "zoffloadd answered CKPT_READ with %s",
 		    zp_type_name(m->hdr.type));
-	memcpy(r->crc, m->u.ckpt_done.crc, sizeof(r->crc));
+	/* A converted piece's CRCs are of the decoded copy: its file's were checked whole. */
+	if (r->mode != MODE_CONVERT)
+		memcpy(r->crc, m->u.ckpt_done.crc, sizeof(r->crc));
 	r->x += r->req_n;
-	return restore_next(c, r);
+	return restore_next(c, ck, r);
 }
 
 struct restore_set {
 	struct zc_conn *c;
+	const struct zc_checkpoint *ck;
 	struct restore *rs;
 };
 
@@ -279,7 +367,8 @@ restore_advance(void *arg, size_t i, const struct zp_msg *reply)
 {
 	struct restore_set *set = arg;
 	struct restore *r = &set->rs[i];
-	int rc = reply == NULL ? restore_next(set->c, r) : restore_answer(set->c, r, reply);
+	int rc = reply == NULL ? restore_next(set->c, set->ck, r) :
+	    restore_answer(set->c, set->ck, r, reply);
 
 	if (rc < 0)
 		return rc;
@@ -330,7 +419,7 @@ zc_tensors_register_checkpoint(struct zc_conn *c, size_t n, const struct zc_tens
 	for (i = 0; i < n && r == 0; i++)
 		r = zci_tensor_register(c, &descs[i], NULL, &rs[i].t);
 	if (r == 0) {
-		struct restore_set set = { c, rs };
+		struct restore_set set = { c, ck, rs };
 
 		r = zci_chains_run(c, n, RESTORE_AHEAD, ZP_CKPT_READ, restore_advance, &set);
 	}

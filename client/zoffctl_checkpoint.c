@@ -129,19 +129,24 @@ inspect(const char *dir)
 		for (size_t j = 0; j < f->nentries; j++) {
 			const struct zck_entry *e = &f->entries[j];
 			const char *state = "ok";
+			uint64_t bytes = 0;
 
-			for (unsigned st = 0; st < ZCK_STATES; st++) {
+			for (unsigned st = 0; st < ZCK_ARRAYS; st++) {
+				if (zck_array_bytes(e->arrays, st, e->numel) == 0 && st >= ZCK_STATES)
+					continue;
 				arrays++;
-				if (zck_read_array(f, e, st, NULL, NULL, err, sizeof(err)) < 0) {
+				bytes += zck_array_bytes(e->arrays, st, e->numel);
+				if (zck_check_array(f, e, st, err, sizeof(err)) < 0) {
 					damaged++;
 					state = "DAMAGED";
 					printf("  %s\n", err);
 				}
 			}
 			printf("  %-32s %s [%" PRIu64 ", %" PRIu64 ") of %" PRIu64 "  step %" PRIu64
-			    "  %s  checksums %s\n", e->name, e->global_name, e->global_offset,
-			    e->global_offset + e->numel, e->global_numel, e->step,
-			    human(3 * 4 * e->numel, b1, sizeof(b1)), state);
+			    "  %s  %s arrays  checksums %s\n", e->name, e->global_name,
+			    e->global_offset, e->global_offset + e->numel, e->global_numel, e->step,
+			    human(bytes, b1, sizeof(b1)), e->arrays == ZCK_ARRAYS_Q8 ?
+			    "U8+scales" : e->arrays == ZCK_ARRAYS_BF16 ? "BF16" : "F32", state);
 		}
 	}
 	bad |= report_params(ix);

@@ -65,17 +65,18 @@ struct zd_ckpt_write {
 	bool in_engine, in_io;
 	uint64_t offset;		/* in the tensor */
 	uint64_t count;
-	uint64_t file_offset[ZP_STATE_COUNT];	/* of element offset, per state */
-	uint32_t crc[ZP_STATE_COUNT];
-	float *buf[2];			/* master, m, v of one piece each */
+	enum zk_state_format format;	/* of the file's arrays: fp32, or the tensor's (raw) */
+	uint64_t file_offset[ZP_CKPT_ARRAYS];	/* of element offset, per array */
+	uint32_t crc[ZP_CKPT_ARRAYS];
+	char *buf[2];			/* the arrays of one piece each (ze_raw_layout) */
 	uint64_t buf_elements;		/* per array in each */
 	unsigned cur;			/* save: buf[cur] is the engine's; restore: the I/O's */
 	uint64_t issued;		/* save: elements asked of the engine; restore: of the file */
 	uint64_t pending_off, pending_n;	/* save: read, to write; restore: read, to store */
 	/* The piece on the I/O thread: elements [io_off, io_off + io_n) of the range. */
 	bool io_write;
-	const float *io_src[ZP_STATE_COUNT];	/* a save's three arrays */
-	float *io_buf;				/* a restore's buffer */
+	const char *io_src[ZP_CKPT_ARRAYS];	/* a save's arrays */
+	char *io_buf;				/* a restore's buffer */
 	uint64_t io_off, io_n;
 	int io_result;
 	char io_err[ZP_ERRMSG_MAX + 1];
@@ -84,31 +85,39 @@ struct zd_ckpt_write {
 };
 
 /*
- * Whole-piece buffers (48 MiB) kept for the next transfers: a fresh one costs a page
- * fault and a page of zeros per 4 KiB, which was a quarter of a restore's time.  Two
+ * Whole-piece buffers (48 MiB, and room for q8's scales) kept for the next transfers: a
+ * fresh one costs a page fault and a page of zeros per 4 KiB, which was a quarter of a
+ * restore's time.  Two
  * transfers' worth are kept (a client saves or restores three tensors at once: the
  * third's are fresh, to bound what an idle daemon keeps); the process has one daemon, and
  * they live as long.
  */
 #define SPARE_BUFS 4
-static float *spare[SPARE_BUFS];
+static char *spare[SPARE_BUFS];
 
-static float *
+/* Room for any format's arrays of `elements` (fp32's are the largest, but for q8's scales). */
+static uint64_t
+piece_bytes(uint64_t elements)
+{
+	return 3 * elements * sizeof(float) + 2 * sizeof(float) * ((elements + 255) / 256);
+}
+
+static char *
 piece_buf(uint64_t elements)
 {
 	for (unsigned i = 0; elements == PIECE && i < SPARE_BUFS; i++) {
 		if (spare[i] != NULL) {
-			float *b = spare[i];
+			char *b = spare[i];
 
 			spare[i] = NULL;
 			return b;
 		}
 	}
-	return malloc(3 * elements * sizeof(float));
+	return malloc(piece_bytes(elements));
 }
 
 static void
-piece_buf_free(float *b, uint64_t elements)
+piece_buf_free(char *b, uint64_t elements)
 {
 	for (unsigned i = 0; b != NULL && elements == PIECE && i < SPARE_BUFS; i++) {
 		if (spare[i] == NULL) {
@@ -195,11 +204,13 @@ fail(struct zd_daemon *d, struct zd_session *s, struct zd_ckpt_write *w, int cod
 static void
 io_write_piece(struct zd_ckpt_write *w)
 {
-	for (unsigned i = 0; i < ZP_STATE_COUNT; i++) {
-		const char *src = (const char *)w->io_src[i];
-		uint64_t at = w->file_offset[i] + w->io_off * sizeof(float);
-		uint64_t len = w->io_n * sizeof(float);
+	for (unsigned i = 0; i < ZP_CKPT_ARRAYS; i++) {
+		const char *src = w->io_src[i];
+		uint64_t at = w->file_offset[i] + ze_raw_array_bytes(w->format, i, w->io_off);
+		uint64_t len = ze_raw_array_bytes(w->format, i, w->io_n);
 
+		if (len == 0)
+			continue;
 		for (uint64_t done = 0; done < len;) {
 			size_t n = len - done < WRITE_BLOCK ? (size_t)(len - done) : WRITE_BLOCK;
 			int r;
@@ -232,12 +243,16 @@ io_write_piece(struct zd_ckpt_write *w)
 static void
 io_read_piece(struct zd_ckpt_write *w)
 {
+	uint64_t off[ZE_RAW_ARRAYS];
+
 	if (w->io_off == 0)
 		(void)posix_fadvise(w->fd, 0, 0, POSIX_FADV_SEQUENTIAL);
-	for (unsigned i = 0; i < ZP_STATE_COUNT; i++) {
-		uint64_t at = w->file_offset[i] + w->io_off * sizeof(float);
-		float *a = w->io_buf + i * w->io_n;
-		int r = zp_pread_full(w->fd, a, w->io_n * sizeof(float), at);
+	ze_raw_layout(w->format, w->io_n, off);
+	for (unsigned i = 0; i < ZP_CKPT_ARRAYS; i++) {
+		uint64_t at = w->file_offset[i] + ze_raw_array_bytes(w->format, i, w->io_off);
+		uint64_t len = ze_raw_array_bytes(w->format, i, w->io_n);
+		char *a = w->io_buf + off[i];
+		int r = len > 0 ? zp_pread_full(w->fd, a, len, at) : 0;
 
 		if (r < 0) {
 			snprintf(w->io_err, sizeof(w->io_err), "tensor '%s': reading the checkpoint "
@@ -246,7 +261,7 @@ io_read_piece(struct zd_ckpt_write *w)
 			w->io_result = r == -ENODATA ? -EBADMSG : r;
 			return;
 		}
-		w->crc[i] = zp_crc32c(w->crc[i], a, w->io_n * sizeof(float));
+		w->crc[i] = zp_crc32c(w->crc[i], a, len);
 	}
 }
 
@@ -287,8 +302,12 @@ issue(struct zd_ckpt_write *w)
 	w->issued += n;
 	if (w->held != NULL)
 		return 1;
-	r = ze_tensor_read_all(w->et, w->offset + w->pending_off, n, w->buf[w->cur], w->lane,
-	    engine_id(w));
+	if (w->format != ZK_STATE_FP32)
+		r = ze_tensor_read_raw(w->et, w->offset + w->pending_off, n, w->buf[w->cur],
+		    w->lane, engine_id(w));
+	else
+		r = ze_tensor_read_all(w->et, w->offset + w->pending_off, n,
+		    (float *)(void *)w->buf[w->cur], w->lane, engine_id(w));
 	w->in_engine = r == 0;
 	return r;
 }
@@ -301,7 +320,8 @@ issue(struct zd_ckpt_write *w)
 static void
 save_advance(struct zd_daemon *d, struct zd_session *s, struct zd_ckpt_write *w)
 {
-	const float *mem = NULL;
+	uint64_t off[ZE_RAW_ARRAYS];
+	const char *mem = NULL;
 	int r;
 
 	if (w->pending_n == 0) {
@@ -313,10 +333,13 @@ save_advance(struct zd_daemon *d, struct zd_session *s, struct zd_ckpt_write *w)
 	w->io_write = true;
 	w->io_off = w->pending_off;
 	w->io_n = w->pending_n;
-	for (unsigned i = 0; i < ZP_STATE_COUNT; i++) {
-		mem = ze_tensor_memory_state(w->et, (enum ze_state)i);
-		w->io_src[i] = mem != NULL ? mem + w->offset + w->io_off :
-		    w->buf[w->cur] + i * w->io_n;
+	ze_raw_layout(w->format, w->io_n, off);
+	for (unsigned i = 0; i < ZP_CKPT_ARRAYS; i++) {
+		mem = w->held != NULL ? ze_tensor_memory_raw(w->et, i) : NULL;
+		if (mem != NULL)
+			w->io_src[i] = mem + ze_raw_array_bytes(w->format, i, w->offset + w->io_off);
+		else
+			w->io_src[i] = w->buf[w->cur] != NULL ? w->buf[w->cur] + off[i] : NULL;
 	}
 	w->pending_n = 0;
 	if (w->issued < w->count) {
@@ -341,7 +364,7 @@ restore_advance(struct zd_daemon *d, struct zd_session *s, struct zd_ckpt_write 
 	int wr;
 
 	for (;;) {
-		float *ready = w->buf[w->cur];
+		char *ready = w->buf[w->cur];
 		uint64_t off = w->pending_off, n = w->pending_n;
 
 		if (n == 0) {
@@ -364,7 +387,12 @@ restore_advance(struct zd_daemon *d, struct zd_session *s, struct zd_ckpt_write 
 			w->issued += w->io_n;
 			submit(d, w);
 		}
-		wr = ze_tensor_write_all(w->et, w->offset + off, n, ready, w->lane, engine_id(w));
+		if (w->format != ZK_STATE_FP32)
+			wr = ze_tensor_write_raw(w->et, w->offset + off, n, ready, w->lane,
+			    engine_id(w));
+		else
+			wr = ze_tensor_write_all(w->et, w->offset + off, n,
+			    (const float *)(void *)ready, w->lane, engine_id(w));
 		if (wr < 0) {
 			fail(d, s, w, ze_errno(wr), "tensor '%s': %s", w->name, ze_strerror(wr));
 			return;
@@ -426,12 +454,14 @@ io_cb(evutil_socket_t fd, short what, void *arg)
 	while ((job = zd_ckpt_io_take(d->ckpt_io)) != NULL) {
 		struct zd_ckpt_write *w = (struct zd_ckpt_write *)job;
 		struct zd_session *s = zd_session_by_id(d, w->lane);
+		uint64_t off[ZE_RAW_ARRAYS];
+		uint64_t bytes = ze_raw_layout(w->format, w->io_n, off);
 
 		w->in_io = false;
 		if (w->io_result == 0 && w->io_write)
-			d->ckpt_bytes += 3 * w->io_n * sizeof(float);
+			d->ckpt_bytes += bytes;
 		else if (w->io_result == 0)
-			d->ckpt_bytes_read += 3 * w->io_n * sizeof(float);
+			d->ckpt_bytes_read += bytes;
 		if (w->io_result < 0 && s != NULL)
 			fail(d, s, w, w->io_result, "%s", w->io_err);
 		else if (w->io_result == 0 && !w->io_write && !w->dead)
@@ -554,9 +584,29 @@ ckpt_new(struct zd_session *s, const struct zp_msg *msg, int fd)
 		    (unsigned long long)(req->offset + req->count), (unsigned long long)numel);
 		return NULL;
 	}
-	/* A save of state in memory writes it from where it is: no buffers. */
+	/* Raw arrays: the tensor's own format, whole 256-element blocks of q8's scales. */
+	if (req->format != ZK_STATE_FP32 && req->format != ze_tensor_state_format(t->et)) {
+		zd_session_error(s, id, -EINVAL, "tensor '%s' keeps %s state: its arrays cannot "
+		    "be %s as %s", t->name, zk_state_format_name(ze_tensor_state_format(t->et)),
+		    restore ? "restored" : "saved", zk_state_format_name(req->format));
+		return NULL;
+	}
+	if (req->format != ZK_STATE_FP32 && ze_raw_check(req->format, numel, req->offset,
+	    req->count) < 0) {
+		zd_session_error(s, id, -EINVAL, "tensor '%s': elements %llu..%llu split a "
+		    "256-element block of its %s state (%llu elements): raw arrays move whole "
+		    "blocks", t->name, (unsigned long long)req->offset,
+		    (unsigned long long)(req->offset + req->count),
+		    zk_state_format_name(req->format), (unsigned long long)numel);
+		return NULL;
+	}
+	/*
+	 * A save of state in memory writes it from where it is, raw or fp32: no buffers.
+	 * Compressed state saved as fp32 is decoded into them.
+	 */
 	piece = req->count < PIECE ? req->count : PIECE;
-	if (!restore && ze_tensor_memory_state(t->et, ZE_STATE_MASTER) != NULL)
+	if (!restore && ze_tensor_memory_raw(t->et, ZE_STATE_MASTER) != NULL &&
+	    (req->format != ZK_STATE_FP32 || ze_tensor_state_format(t->et) == ZK_STATE_FP32))
 		piece = 0;
 	w = calloc(1, sizeof(*w));
 	if (w != NULL && piece > 0) {
@@ -592,6 +642,7 @@ ckpt_new(struct zd_session *s, const struct zp_msg *msg, int fd)
 	w->restore = restore;
 	w->offset = req->offset;
 	w->count = req->count;
+	w->format = (enum zk_state_format)req->format;
 	memcpy(w->file_offset, req->file_offset, sizeof(w->file_offset));
 	memcpy(w->crc, req->crc, sizeof(w->crc));
 	snprintf(w->name, sizeof(w->name), "%s", t->name);

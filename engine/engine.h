@@ -239,6 +239,38 @@ int ze_tensor_read_all(struct ze_tensor *t, uint64_t offset, uint64_t count, flo
  */
 int ze_tensor_write_all(struct ze_tensor *t, uint64_t offset, uint64_t count, const float *buf,
     uint32_t lane, uint64_t id);
+/*
+ * A checkpoint's raw form of a range of count elements: the arrays master (fp32), m and
+ * v (as the format keeps them: 4, 2 or 1 byte an element) and, for q8-moments, m's and
+ * v's scales (fp32, one per 256-element block, the last block possibly short), back to
+ * back in that order.  For fp32 state it is ze_tensor_read_all's buffer.
+ */
+#define ZE_RAW_ARRAYS 5
+/* Bytes of raw array k (0..4) over count elements (0 for a scale array of fp32 or bf16). */
+uint64_t ze_raw_array_bytes(enum zk_state_format f, unsigned k, uint64_t count);
+/* Byte offsets of the five arrays in a raw buffer of count elements; returns its size. */
+uint64_t ze_raw_layout(enum zk_state_format f, uint64_t count, uint64_t off[ZE_RAW_ARRAYS]);
+/*
+ * Raw array k of a tensor in memory (pinned or not), whole, for writing it out as it is
+ * while the tensor is held (ze_tensor_hold); NULL on NVMe or where the format has no such
+ * array (the scales of fp32 and bf16 state).
+ */
+const void *ze_tensor_memory_raw(const struct ze_tensor *t, unsigned k);
+/*
+ * A raw range [from, from + count) of a tensor of n elements: -ERANGE if it is not in
+ * them, -EINVAL if it splits a 256-element block (q8-moments), else 0.
+ */
+int ze_raw_check(enum zk_state_format f, uint64_t n, uint64_t from, uint64_t count);
+/*
+ * As ze_tensor_read_all and ze_tensor_write_all, but buf holds the raw form: the bytes
+ * the tiers keep, copied with no decode or encode (a compressed checkpoint; a restore
+ * into the same format gives back the same bits).  For q8-moments offset must be a
+ * multiple of 256 and count too unless the range runs to the tensor's end (-EINVAL).
+ */
+int ze_tensor_read_raw(struct ze_tensor *t, uint64_t offset, uint64_t count, void *buf,
+    uint32_t lane, uint64_t id);
+int ze_tensor_write_raw(struct ze_tensor *t, uint64_t offset, uint64_t count, const void *buf,
+    uint32_t lane, uint64_t id);
 /* Queued transfers of lane stop touching their buffers; they end with -ECANCELED. */
 void ze_engine_cancel_lane(struct ze_engine *e, uint32_t lane);
 

@@ -202,6 +202,13 @@ void ze_tensor_state_view(const struct ze_tensor *t, struct zk_qtensor *ret);
  */
 int ze_state_rw(const struct zk_qtensor *q, bool write, unsigned mask, size_t from,
     size_t count, float *const bufs[3]);
+/*
+ * Raw copies (ze_tensor_read_raw): elements [from, from + count) of q's arrays from or to
+ * the raw buffer buf of `total` elements (ze_raw_layout), at its element `at`.  For Q8
+ * from and at are multiples of ZK_Q8_BLOCK and count is too unless it ends both q and buf.
+ */
+int ze_state_raw(const struct zk_qtensor *q, bool write, size_t from, size_t count, void *buf,
+    size_t total, size_t at);
 /* The format has a step kernel for optim. */
 bool ze_format_supports(enum zk_state_format f, enum zk_optim optim);
 
@@ -231,11 +238,14 @@ void ze_nvme_step_computed(struct ze_engine *e, struct ze_task *task);
 int ze_nvme_xfer(struct ze_tensor *t, bool write, enum ze_state which, uint64_t offset,
     uint64_t count, void *buf, uint32_t lane, uint64_t id);
 void ze_nvme_cancel_lane(struct ze_engine *e, uint32_t lane);
-/* ze_tensor_read_all on NVMe: the three arrays from one read of each chunk. */
-int ze_nvme_read_all(struct ze_tensor *t, uint64_t offset, uint64_t count, float *buf,
-    uint32_t lane, uint64_t id);
-int ze_nvme_write_all(struct ze_tensor *t, uint64_t offset, uint64_t count, const float *buf,
-    uint32_t lane, uint64_t id);
+/*
+ * ze_tensor_read_all on NVMe: the three arrays from one read of each chunk; raw: the
+ * arrays as kept (ze_tensor_read_raw, compressed formats only).
+ */
+int ze_nvme_read_all(struct ze_tensor *t, uint64_t offset, uint64_t count, void *buf,
+    bool raw, uint32_t lane, uint64_t id);
+int ze_nvme_write_all(struct ze_tensor *t, uint64_t offset, uint64_t count, const void *buf,
+    bool raw, uint32_t lane, uint64_t id);
 
 /* step.c */
 void ze_step_unit_done(struct ze_engine *e, struct ze_batch *b, size_t i, uint64_t unit,

@@ -46,6 +46,7 @@ struct nvme_work {
 	uint64_t offset;
 	uint64_t count;
 	void *buf;			/* NULL once the lane was cancelled */
+	bool raw;			/* READ_ALL/WRITE_ALL of the arrays as kept (ze_tensor_read_raw) */
 };
 
 TAILQ_HEAD(nvme_works, nvme_work);
@@ -369,14 +370,18 @@ xfer_chunk_coded(struct ze_engine *e, struct chunk_io *io, uint64_t from, uint64
 	struct zk_qtensor q;
 	int r;
 
-	for (unsigned k = 0; k < 3; k++)
+	for (unsigned k = 0; k < 3 && !w->raw; k++)
 		if (all || k == (unsigned)w->state)
 			bufs[k] = (float *)w->buf + (all ? k * w->count : 0) + (from - w->offset);
 	/* A chunk written whole was not read: no stale bytes of the buffer's last use stay. */
 	if (w->kind == WORK_WRITE_ALL && covers_chunk(w, io->chunk))
 		memset(io->staging->buf, 0, chunk_io_bytes(t, io->chunk));
 	chunk_view(t, io->chunk, io->staging->buf, &q);
-	r = ze_state_rw(&q, write, all ? 7u : 1u << w->state, from - first, to - from, bufs);
+	if (w->raw)
+		r = ze_state_raw(&q, write, from - first, to - from, w->buf, w->count,
+		    from - w->offset);
+	else
+		r = ze_state_rw(&q, write, all ? 7u : 1u << w->state, from - first, to - from, bufs);
 	if (r < 0 || !write) {
 		work_chunk_finished(e, io, r);
 		return;
@@ -674,7 +679,7 @@ ze_nvme_queue_step(struct ze_engine *e, struct ze_batch *b, size_t i)
 
 static int
 xfer_queue(struct ze_tensor *t, enum work_kind kind, enum ze_state which, uint64_t offset,
-    uint64_t count, void *buf, uint32_t lane, uint64_t id)
+    uint64_t count, void *buf, bool raw, uint32_t lane, uint64_t id)
 {
 	struct ze_engine *e = t->e;
 	struct nvme_work *w;
@@ -692,6 +697,7 @@ xfer_queue(struct ze_tensor *t, enum work_kind kind, enum ze_state which, uint64
 	w->offset = offset;
 	w->count = count;
 	w->buf = buf;
+	w->raw = raw;
 	w->next_chunk = offset / t->chunk_elements;
 	w->end_chunk = (offset + count + t->chunk_elements - 1) / t->chunk_elements;
 	if (enqueue(e, w) < 0) {
@@ -710,23 +716,24 @@ int
 ze_nvme_xfer(struct ze_tensor *t, bool write, enum ze_state which, uint64_t offset,
     uint64_t count, void *buf, uint32_t lane, uint64_t id)
 {
-	return xfer_queue(t, write ? WORK_WRITE : WORK_READ, which, offset, count, buf, lane, id);
+	return xfer_queue(t, write ? WORK_WRITE : WORK_READ, which, offset, count, buf, false,
+	    lane, id);
 }
 
 int
-ze_nvme_read_all(struct ze_tensor *t, uint64_t offset, uint64_t count, float *buf,
+ze_nvme_read_all(struct ze_tensor *t, uint64_t offset, uint64_t count, void *buf, bool raw,
     uint32_t lane, uint64_t id)
 {
-	return xfer_queue(t, WORK_READ_ALL, ZE_STATE_MASTER, offset, count, buf, lane, id);
+	return xfer_queue(t, WORK_READ_ALL, ZE_STATE_MASTER, offset, count, buf, raw, lane, id);
 }
 
 int
-ze_nvme_write_all(struct ze_tensor *t, uint64_t offset, uint64_t count, const float *buf,
-    uint32_t lane, uint64_t id)
+ze_nvme_write_all(struct ze_tensor *t, uint64_t offset, uint64_t count, const void *buf,
+    bool raw, uint32_t lane, uint64_t id)
 {
 	/* The buffer is only read from: a write's source. */
-	return xfer_queue(t, WORK_WRITE_ALL, ZE_STATE_MASTER, offset, count, (float *)(uintptr_t)buf,
-	    lane, id);
+	return xfer_queue(t, WORK_WRITE_ALL, ZE_STATE_MASTER, offset, count, (void *)(uintptr_t)buf,
+	    raw, lane, id);
 }
 
 void

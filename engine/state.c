@@ -181,6 +181,70 @@ ze_state_rw(const struct zk_qtensor *q, bool write, unsigned mask, size_t from, 
 	return qstate_rw(q, write, mask, from, count, bufs);
 }
 
+uint64_t
+ze_raw_array_bytes(enum zk_state_format f, unsigned k, uint64_t count)
+{
+	if (k == 0)
+		return 4 * count;
+	if (k < 3)
+		return zk_state_moment_bytes(f, count);
+	return k < ZE_RAW_ARRAYS ? zk_state_blocks(f, count) * sizeof(float) : 0;
+}
+
+uint64_t
+ze_raw_layout(enum zk_state_format f, uint64_t count, uint64_t off[ZE_RAW_ARRAYS])
+{
+	uint64_t at = 0;
+
+	for (unsigned k = 0; k < ZE_RAW_ARRAYS; k++) {
+		off[k] = at;
+		at += ze_raw_array_bytes(f, k, count);
+	}
+	return at;
+}
+
+int
+ze_raw_check(enum zk_state_format f, uint64_t n, uint64_t from, uint64_t count)
+{
+	size_t b = f == ZK_STATE_Q8 ? ZK_Q8_BLOCK : 1;
+
+	if (from > n || count > n - from)
+		return -ERANGE;
+	/* A block partly in the range would take a scale of another's. */
+	if (from % b != 0 || (count % b != 0 && from + count != n))
+		return -EINVAL;
+	return 0;
+}
+
+int
+ze_state_raw(const struct zk_qtensor *q, bool write, size_t from, size_t count, void *buf,
+    size_t total, size_t at)
+{
+	void *arrays[ZE_RAW_ARRAYS] = { q->master, q->m, q->v, q->m_scale, q->v_scale };
+	uint64_t off[ZE_RAW_ARRAYS];
+	int r = ze_raw_check(q->format, q->n, from, count);
+
+	if (r == 0)
+		r = ze_raw_check(q->format, total, at, count);
+	if (r < 0)
+		return r;
+	ze_raw_layout(q->format, total, off);
+	for (unsigned k = 0; k < ZE_RAW_ARRAYS; k++) {
+		size_t len = ze_raw_array_bytes(q->format, k, count);
+		char *mem, *raw;
+
+		if (len == 0)
+			continue;
+		mem = (char *)arrays[k] + ze_raw_array_bytes(q->format, k, from);
+		raw = (char *)buf + off[k] + ze_raw_array_bytes(q->format, k, at);
+		if (write)
+			memcpy(mem, raw, len);
+		else
+			memcpy(raw, mem, len);
+	}
+	return 0;
+}
+
 bool
 ze_format_supports(enum zk_state_format f, enum zk_optim optim)
 {

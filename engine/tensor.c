@@ -473,6 +473,16 @@ ze_tensor_memory_state(const struct ze_tensor *t, enum ze_state which)
 	return which == ZE_STATE_MASTER ? t->master : which == ZE_STATE_EXP_AVG ? t->m : t->v;
 }
 
+const void *
+ze_tensor_memory_raw(const struct ze_tensor *t, unsigned k)
+{
+	const void *a[ZE_RAW_ARRAYS] = { t->master, t->m, t->v, t->m_scale, t->v_scale };
+
+	if (t->on_nvme || k >= ZE_RAW_ARRAYS || ze_raw_array_bytes(t->format, k, t->numel) == 0)
+		return NULL;
+	return a[k];
+}
+
 int
 ze_tensor_read_all(struct ze_tensor *t, uint64_t offset, uint64_t count, float *buf,
     uint32_t lane, uint64_t id)
@@ -486,7 +496,7 @@ ze_tensor_read_all(struct ze_tensor *t, uint64_t offset, uint64_t count, float *
 	if (offset > t->numel || count > t->numel - offset)
 		return -ERANGE;
 	if (t->on_nvme)
-		return ze_nvme_read_all(t, offset, count, buf, lane, id);
+		return ze_nvme_read_all(t, offset, count, buf, false, lane, id);
 	ze_tensor_state_view(t, &q);
 	r = ze_state_rw(&q, false, 7u, offset, count, bufs);
 	return r < 0 ? r : 1;
@@ -509,9 +519,62 @@ ze_tensor_write_all(struct ze_tensor *t, uint64_t offset, uint64_t count, const 
 	if (!t->param_resident)
 		return -EAGAIN;
 	if (t->on_nvme)
-		return ze_nvme_write_all(t, offset, count, buf, lane, id);
+		return ze_nvme_write_all(t, offset, count, buf, false, lane, id);
 	ze_tensor_state_view(t, &q);
 	r = ze_state_rw(&q, true, 7u, offset, count, bufs);
+	if (r < 0)
+		return r;
+	ze_tensor_write_param(t, offset, count, t->master + offset);
+	ze_tensor_mark_init(t, offset, count);
+	return 1;
+}
+
+int
+ze_tensor_read_raw(struct ze_tensor *t, uint64_t offset, uint64_t count, void *buf,
+    uint32_t lane, uint64_t id)
+{
+	struct zk_qtensor q;
+	int r;
+
+	if (t->format == ZK_STATE_FP32)
+		return ze_tensor_read_all(t, offset, count, buf, lane, id);
+	if (t->busy)
+		return -EBUSY;
+	if (offset > t->numel || count > t->numel - offset)
+		return -ERANGE;
+	r = ze_raw_check(t->format, t->numel, offset, count);
+	if (r < 0)
+		return r;
+	if (t->on_nvme)
+		return ze_nvme_read_all(t, offset, count, buf, true, lane, id);
+	ze_tensor_state_view(t, &q);
+	r = ze_state_raw(&q, false, offset, count, buf, count, 0);
+	return r < 0 ? r : 1;
+}
+
+int
+ze_tensor_write_raw(struct ze_tensor *t, uint64_t offset, uint64_t count, const void *buf,
+    uint32_t lane, uint64_t id)
+{
+	struct zk_qtensor q;
+	int r;
+
+	if (t->format == ZK_STATE_FP32)
+		return ze_tensor_write_all(t, offset, count, buf, lane, id);
+	if (t->busy)
+		return -EBUSY;
+	if (offset > t->numel || count > t->numel - offset)
+		return -ERANGE;
+	if (!t->param_resident)
+		return -EAGAIN;
+	r = ze_raw_check(t->format, t->numel, offset, count);
+	if (r < 0)
+		return r;
+	if (t->on_nvme)
+		return ze_nvme_write_all(t, offset, count, buf, true, lane, id);
+	ze_tensor_state_view(t, &q);
+	/* Only read from: a write's source. */
+	r = ze_state_raw(&q, true, offset, count, (void *)(uintptr_t)buf, count, 0);
 	if (r < 0)
 		return r;
 	ze_tensor_write_param(t, offset, count, t->master + offset);

@@ -306,13 +306,14 @@ encode_payload(const struct zp_msg *m, struct wbuf *w)
 		put_u32(w, m->u.ckpt_write.handle);
 		put_u64(w, m->u.ckpt_write.offset);
 		put_u64(w, m->u.ckpt_write.count);
-		for (unsigned i = 0; i < ZP_STATE_COUNT; i++) {
+		put_u8(w, m->u.ckpt_write.format);
+		for (unsigned i = 0; i < ZP_CKPT_ARRAYS; i++) {
 			put_u64(w, m->u.ckpt_write.file_offset[i]);
 			put_u32(w, m->u.ckpt_write.crc[i]);
 		}
 		break;
 	case ZP_CKPT_DONE:
-		for (unsigned i = 0; i < ZP_STATE_COUNT; i++)
+		for (unsigned i = 0; i < ZP_CKPT_ARRAYS; i++)
 			put_u32(w, m->u.ckpt_done.crc[i]);
 		put_u64(w, m->u.ckpt_done.last_step);
 		break;
@@ -585,7 +586,9 @@ decode_payload(struct rbuf *r, struct zp_msg *m)
 		cw->offset = get_u64(r, "offset");
 		cw->count = get_u64(r, "count");
 		check(r, cw->count > 0 && cw->count <= 1ull << 40, "count");
-		for (unsigned i = 0; i < ZP_STATE_COUNT; i++) {
+		cw->format = get_u8(r, "format");
+		check(r, cw->format <= 2, "format");
+		for (unsigned i = 0; i < ZP_CKPT_ARRAYS; i++) {
 			cw->file_offset[i] = get_u64(r, "file_offset");
 			check(r, cw->file_offset[i] <= INT64_MAX - ZP_MAX_XFER, "file_offset");
 			cw->crc[i] = get_u32(r, "crc");
@@ -593,7 +596,7 @@ decode_payload(struct rbuf *r, struct zp_msg *m)
 		break;
 	}
 	case ZP_CKPT_DONE:
-		for (unsigned i = 0; i < ZP_STATE_COUNT; i++)
+		for (unsigned i = 0; i < ZP_CKPT_ARRAYS; i++)
 			m->u.ckpt_done.crc[i] = get_u32(r, "crc");
 		m->u.ckpt_done.last_step = get_u64(r, "last_step");
 		break;

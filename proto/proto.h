@@ -185,28 +185,40 @@ struct zp_grad_pass {
 /* GRAD_PARTIAL: f64 sumsq (of the unscaled gradients, in double), u64 nonfinite, u64 elements */
 struct zp_grad_partial { double sumsq; uint64_t nonfinite; uint64_t elements; };
 /*
- * CKPT_WRITE: u32 handle, u64 offset, u64 count (elements, 1..2^40), then
- * per state (master, exp_avg, exp_avg_sq) u64 file_offset and u32 crc; fd: a regular file
- * the client opened for writing.  The daemon writes elements [offset, offset + count) of
- * each state array there at its file_offset (pwrite; it never opens a path itself), all
- * three from one read of the state, and answers CKPT_DONE with the CRC-32C of each array's
- * bytes continued from its crc (0 to start one), so that a client can checksum an array
- * written in several pieces.
+ * A checkpoint's arrays per tensor: master, exp_avg, exp_avg_sq and, for q8-moments state,
+ * exp_avg_scale and exp_avg_sq_scale (one fp32 per 256-element block).
+ */
+#define ZP_CKPT_ARRAYS 5
+/*
+ * CKPT_WRITE: u32 handle, u64 offset, u64 count (elements, 1..2^40), u8 format, then
+ * per array (ZP_CKPT_ARRAYS: master, exp_avg, exp_avg_sq, exp_avg_scale, exp_avg_sq_scale)
+ * u64 file_offset and u32 crc; fd: a regular file the client opened for writing.
+ * format 0: the arrays as fp32 (a compressed state's moments decoded; the scale arrays
+ * unused); 1 (bf16-moments) or 2 (q8-moments): the arrays as the tensor keeps them, raw
+ * (exp_avg and exp_avg_sq bf16 or 8-bit codes, the scales for q8 only), which must be the
+ * tensor's format; for q8, offset a multiple of 256 and count too unless it runs to the
+ * tensor's end.  The daemon writes elements [offset, offset + count) of each array there
+ * at its file_offset (the bytes of element `offset` onwards; pwrite: it never opens a
+ * path itself), all from one read of the state, and answers CKPT_DONE with the CRC-32C
+ * of each array's bytes continued from its crc (0 to start one), so that a client can
+ * checksum an array written in several pieces.
  */
 /*
  * CKPT_READ: the same fields and fd (open for reading), the other way: the daemon reads
- * the three arrays' pieces from the file (pread) into elements [offset, offset + count) of
- * the tensor, and answers CKPT_DONE with their CRC-32C continued from crc: a restore.
+ * the arrays' pieces from the file (pread) into elements [offset, offset + count) of
+ * the tensor (format 0: encoding them into its format; else copied as they are), and
+ * answers CKPT_DONE with their CRC-32C continued from crc: a restore.
  */
 struct zp_ckpt_write {
 	uint32_t handle;
 	uint64_t offset;
 	uint64_t count;
-	uint64_t file_offset[ZP_STATE_COUNT];
-	uint32_t crc[ZP_STATE_COUNT];
+	uint8_t format;
+	uint64_t file_offset[ZP_CKPT_ARRAYS];
+	uint32_t crc[ZP_CKPT_ARRAYS];
 };
-/* CKPT_DONE: u32 crc per state (continued), u64 last_step (of the tensor whose state was written) */
-struct zp_ckpt_done { uint32_t crc[ZP_STATE_COUNT]; uint64_t last_step; };
+/* CKPT_DONE: u32 crc per array (continued), u64 last_step (of the tensor whose state was written) */
+struct zp_ckpt_done { uint32_t crc[ZP_CKPT_ARRAYS]; uint64_t last_step; };
 /* ERROR: i32 code (negative errno), str message */
 struct zp_error { int32_t code; char message[ZP_ERRMSG_MAX + 1]; };
 /* HELLO_OK: u32 session_id, u32 uid the daemon sees, str daemon_version */

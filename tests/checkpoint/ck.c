@@ -13,6 +13,7 @@
 /* Odd sizes: shards never line up with vectors or chunks (16 Ki elements below). */
 const uint64_t ck_param_numel[CK_PARAMS] = { 70001, 4099 };
 const char *const ck_param_name[CK_PARAMS] = { "layers.0.w", "layers.0.b" };
+struct ck_opts ck_opts;
 
 void
 ck_config(char *buf, size_t len, const char *swapdir)
@@ -61,6 +62,9 @@ static void
 shard(struct ck_job *j, unsigned rank, unsigned p)
 {
 	uint64_t g = ck_param_numel[p], per = (g + j->world - 1) / j->world;
+
+	if (ck_opts.align > 1)
+		per = (per + ck_opts.align - 1) / ck_opts.align * ck_opts.align;
 	uint64_t lo = per * rank < g ? per * rank : g, hi = lo + per < g ? lo + per : g;
 
 	j->r[rank].off[p] = lo;
@@ -71,7 +75,7 @@ static void
 open_rank(struct ck_job *j, const struct itd *d, const char *name, unsigned rank,
     enum zc_policy policy)
 {
-	struct zc_job_options o = { .policy = policy };
+	struct zc_job_options o = { .policy = policy, .state_format = ck_opts.format };
 
 	j->r[rank].c = itd_connect(d);
 	cr_assert_eq(zc_job_open_opts(j->r[rank].c, name, rank, j->world, &o), 0, "%s rank %u: %s",
@@ -132,6 +136,7 @@ ck_job_restore(struct ck_job *j, const struct itd *d, const char *name, unsigned
 		unsigned ps[CK_PARAMS], n = 0;
 
 		cr_assert_eq(zc_checkpoint_open(j->r[r].c, dir, &ck), 0, "%s", zc_errmsg(j->r[r].c));
+		zc_checkpoint_allow_convert(ck, ck_opts.convert);
 		/* The rank's shards in one call: their restores overlap. */
 		for (unsigned p = 0; p < CK_PARAMS; p++) {
 			shard(j, r, p);

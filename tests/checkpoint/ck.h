@@ -34,6 +34,18 @@ struct ck_state {
 	float *a[CK_PARAMS][3];
 };
 
+/*
+ * What the next jobs started or restored use: the state format (NULL: the daemon's
+ * default, fp32 here), shard boundaries rounded up to multiples of align (0: none), and
+ * whether a restore may convert (zc_checkpoint_allow_convert).
+ */
+struct ck_opts {
+	const char *format;
+	uint64_t align;
+	bool convert;
+};
+extern struct ck_opts ck_opts;
+
 /* The daemon's configuration: a swap directory, small chunks so tensors span several. */
 void ck_config(char *buf, size_t len, const char *swapdir);
 /* Opens job name with world ranks (policy for all) and registers the shards (fresh values). */

@@ -29,6 +29,7 @@ teardown(void)
 {
 	ck_job_close(&job);
 	itd_cleanup(&d);
+	ck_opts = (struct ck_opts){ 0 };
 	if (mnt[0] != '\0') {
 		(void)umount(mnt);
 		(void)rmdir(mnt);
@@ -82,7 +83,9 @@ expect_refused(unsigned p, enum zc_optim optim, int code, const char *const *tex
 	float *init = calloc(ck_param_numel[p], sizeof(float));
 	int r;
 
-	cr_assert_eq(zc_job_open(c, "resume", 0, 1), 0, "%s", zc_errmsg(c));
+	struct zc_job_options o = { .policy = ZC_POLICY_AUTO, .state_format = ck_opts.format };
+
+	cr_assert_eq(zc_job_open_opts(c, "resume", 0, 1, &o), 0, "%s", zc_errmsg(c));
 	cr_assert_eq(zc_checkpoint_open(c, ckdir, &ck), 0, "%s", zc_errmsg(c));
 	r = zc_tensor_register_checkpoint(c, &desc, ck, NULL, optim, &t);
 	cr_assert_eq(r, code, "restore of %s: %d (%s), expected %d", ck_param_name[p], r,
@@ -174,6 +177,33 @@ Test(faults, zoffctl_inspect)
 	cr_assert_eq(inspect(out, sizeof(out)), 1, "%s", out);
 	cr_assert(strstr(out, "MISSING RANKS: 1 of 2") != NULL, "%s", out);
 	cr_assert(strstr(out, "INCOMPLETE") != NULL, "%s", out);
+}
+
+/*
+ * q8-moments: five arrays a tensor (the U8 codes and the F32 scales too) verified by
+ * inspect; a flipped bit in the codes is named there and refuses the restore.
+ */
+Test(faults, q8_arrays_verified_and_a_flipped_code_named)
+{
+	static char out[16384];
+	char path[128];
+
+	ck_opts.format = "q8-moments";
+	ck_opts.align = 256;	/* restored onto one rank: raw, no block split */
+	saved_job();
+	cr_assert_eq(inspect(out, sizeof(out)), 0, "%s", out);
+	cr_assert(strstr(out, "U8+scales arrays  checksums ok") != NULL, "%s", out);
+	cr_assert(strstr(out, "20 arrays verified, 0 damaged") != NULL, "%s", out);
+	/* The last bytes of rank 1's file: the end of layers.0.b's exp_avg_sq codes. */
+	rank_file(path, sizeof(path), ckdir, 1, 2);
+	flip_bit(path, 5);
+	cr_assert_eq(inspect(out, sizeof(out)), 1, "%s", out);
+	cr_assert(strstr(out, "rank-00001-of-00002.safetensors: tensor 'layers.0.b#1/exp_avg_sq': "
+	    "CRC-32C") != NULL, "%s", out);
+	cr_assert(strstr(out, "20 arrays verified, 1 damaged") != NULL, "%s", out);
+	expect_refused(1, ZC_ADAMW, -EBADMSG, (const char *const[]){ "rank-00001-of-00002",
+	    "layers.0.b", "exp_avg_sq", "CRC-32C", NULL });
+	running_job_unharmed();
 }
 
 Test(faults, truncated_file)

@@ -54,23 +54,20 @@ python(void)
 	return py;
 }
 
-Test(python, safetensors_reads_what_zc_tensor_read_returns)
+/*
+ * A job of format fmt saved, each rank's arrays as zc_tensor_read returns them (fp32,
+ * decoded) put next to it, and the script run: it reads the files with safetensors and
+ * decodes compressed moments itself (the formulas of quant.h, in float32 numpy).
+ */
+static void
+check_format(const char *py, const char *fmt, enum zc_optim optim, const char *name)
 {
-	const char *py = python();
 	char cmd[1024];
 
-	if (py == NULL)
-		cr_skip_test("safetensors could not be installed from PyPI");
-	{
-		char config[512];
-
-		ck_tmpdir(swapdir, sizeof(swapdir), "swap");
-		ck_config(config, sizeof(config), swapdir);
-		itd_start(&d, config);
-	}
+	ck_opts.format = fmt;
 	ck_tmpdir(ckdir, sizeof(ckdir), "ckpt");
 	ck_tmpdir(rawdir, sizeof(rawdir), "raw");
-	ck_job_start(&job, &d, "py", 2, ZC_LION, ZC_POLICY_AUTO);
+	ck_job_start(&job, &d, name, 2, optim, ZC_POLICY_AUTO);
 	ck_job_steps(&job, 1, 2);
 	ck_job_save(&job, ckdir, 2);
 	for (unsigned r = 0; r < job.world; r++)
@@ -91,7 +88,31 @@ Test(python, safetensors_reads_what_zc_tensor_read_returns)
 				fclose(f);
 				free(buf);
 			}
-	snprintf(cmd, sizeof(cmd), "'%s' '%s/read_safetensors.py' '%s' '%s' >&2", py,
-	    getenv("CK_SCRIPTS"), ckdir, rawdir);
+	snprintf(cmd, sizeof(cmd), "'%s' '%s/read_safetensors.py' '%s' '%s' '%s' >&2", py,
+	    getenv("CK_SCRIPTS"), ckdir, rawdir, fmt != NULL ? fmt : "fp32");
 	cr_assert_eq(system(cmd), 0, "%s failed", cmd);
+	ck_job_close(&job);
+	ck_rmdir(ckdir);
+	ck_rmdir(rawdir);
+	ckdir[0] = rawdir[0] = '\0';
+	ck_opts = (struct ck_opts){ 0 };
+}
+
+Test(python, safetensors_reads_what_zc_tensor_read_returns)
+{
+	const char *py = python();
+
+	if (py == NULL)
+		cr_skip_test("safetensors could not be installed from PyPI");
+	{
+		char config[512];
+
+		ck_tmpdir(swapdir, sizeof(swapdir), "swap");
+		ck_config(config, sizeof(config), swapdir);
+		itd_start(&d, config);
+	}
+	check_format(py, NULL, ZC_LION, "py");
+	/* Compressed: BF16 moments; U8 codes with their F32 scale arrays. */
+	check_format(py, "bf16-moments", ZC_ADAMW, "py_bf16");
+	check_format(py, "q8-moments", ZC_ADAM, "py_q8");
 }

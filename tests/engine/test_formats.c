@@ -459,3 +459,79 @@ main(int argc, char **argv)
 {
 	return th_main(argc, argv, th_environment_problem);
 }
+
+/*
+ * The raw transfers (a checkpoint of compressed state): the arrays as kept, back to back
+ * (ze_raw_layout), copied both ways with no decode or encode; for q8-moments only whole
+ * 256-element blocks (or a range to the end, with its short last block).
+ */
+static int
+raw_io(struct rig *g, struct ze_tensor *t, bool write, uint64_t off, uint64_t n, void *buf)
+{
+	unsigned before = g->seen.io_done;
+	int r = write ? ze_tensor_write_raw(t, off, n, buf, 1, 11) :
+	    ze_tensor_read_raw(t, off, n, buf, 1, 11);
+
+	if (r != 0)
+		return r < 0 ? r : 0;
+	wait_for(g, &g->seen.io_done, before + 1);
+	return g->seen.io_result;
+}
+
+static void
+raw_state(bool nvme, enum zk_state_format f)
+{
+	static float in[3 * N], out_a[3 * N], out_b[3 * N];
+	static char raw[12 * N + 4096], back[12 * N + 4096], part[12 * 1024 + 64];
+	uint64_t off[ZE_RAW_ARRAYS], poff[ZE_RAW_ARRAYS], bytes, tail = N % 256;
+	struct ze_tensor *a, *b;
+	struct rig g;
+
+	rig_start(&g, nvme);
+	a = make(&g, N, nvme ? ZE_POLICY_NVME : ZE_POLICY_CPU, f, NULL);
+	b = make(&g, N, nvme ? ZE_POLICY_NVME : ZE_POLICY_CPU, f, NULL);
+	fill(in, 3 * N, 23, 0.1f);
+	for (size_t i = 2 * N; i < 3 * N; i++)
+		in[i] = in[i] * in[i];
+	cr_assert_eq(all_io(&g, a, true, 0, N, in), 0);
+	bytes = ze_raw_layout(f, N, off);
+	cr_assert_eq(bytes, 4 * N + 2 * zk_state_moment_bytes(f, N) +
+	    2 * 4 * zk_state_blocks(f, N));
+	cr_assert_eq(raw_io(&g, a, false, 0, N, raw), 0);
+	/* master as it is; b takes the raw bytes and gives them back, decoding as a does. */
+	cr_assert_eq(memcmp(raw, in, 4 * N), 0);
+	cr_assert_eq(raw_io(&g, b, true, 0, N, raw), 0);
+	cr_assert(ze_tensor_initialized(b));
+	cr_assert_eq(raw_io(&g, b, false, 0, N, back), 0);
+	cr_assert_eq(memcmp(raw, back, bytes), 0, "raw bytes changed on the way back");
+	cr_assert_eq(all_io(&g, a, false, 0, N, out_a), 0);
+	cr_assert_eq(all_io(&g, b, false, 0, N, out_b), 0);
+	cr_assert_eq(memcmp(out_a, out_b, sizeof(out_a)), 0);
+	cr_assert_eq(memcmp(ze_tensor_param_slot(a), ze_tensor_param_slot(b), N * 2), 0);
+	/* Across a chunk, on blocks: each array's part where the whole has it. */
+	cr_assert_eq(raw_io(&g, a, false, CHUNK - 512, 1024, part), 0);
+	ze_raw_layout(f, 1024, poff);
+	for (unsigned k = 0; k < ZE_RAW_ARRAYS; k++)
+		cr_assert_eq(memcmp(part + poff[k], raw + off[k] + ze_raw_array_bytes(f, k,
+		    CHUNK - 512), ze_raw_array_bytes(f, k, 1024)), 0, "array %u", k);
+	/* The last, short block with the range that runs to the end. */
+	cr_assert_neq(tail, 0);
+	cr_assert_eq(raw_io(&g, b, true, N - tail - 256, tail + 256, part), 0);
+	if (f == ZK_STATE_Q8) {
+		cr_assert_eq(raw_io(&g, a, false, 100, 256, part), -EINVAL);
+		cr_assert_eq(raw_io(&g, a, false, 256, 300, part), -EINVAL);
+		cr_assert_eq(raw_io(&g, a, true, 0, N - 1, raw), -EINVAL);
+		cr_assert_eq(ze_raw_check(f, N, N - tail, tail), 0);
+	} else {
+		cr_assert_eq(raw_io(&g, a, false, 101, 299, part), 0);
+	}
+	cr_assert_eq(raw_io(&g, a, false, N, 1, part), -ERANGE);
+	ze_tensor_free(a);
+	ze_tensor_free(b);
+	rig_stop(&g);
+}
+
+Test(formats, pinned_q8_raw_state) { raw_state(false, ZK_STATE_Q8); }
+Test(formats, nvme_q8_raw_state) { raw_state(true, ZK_STATE_Q8); }
+Test(formats, pinned_bf16_raw_state) { raw_state(false, ZK_STATE_BF16); }
+Test(formats, nvme_bf16_raw_state) { raw_state(true, ZK_STATE_BF16); }

@@ -116,10 +116,13 @@ fill(struct zp_msg *m)
 	case ZP_CKPT_WRITE:
 	case ZP_CKPT_READ:
 		m->u.ckpt_write = (struct zp_ckpt_write){ .handle = 7, .offset = 0,
-			.count = 1u << 20, .file_offset = { 4096, 4096 + (4u << 20), 4096 + (8u << 20) } };
+			.count = 1u << 20, .format = 2, .file_offset = { 4096, 4096 + (4u << 20),
+			4096 + (4u << 20) + 16384, 4096 + (5u << 20) + 16384, 4096 + (6u << 20) +
+			16384 } };
 		break;
 	case ZP_CKPT_DONE:
-		m->u.ckpt_done = (struct zp_ckpt_done){ .crc = { 0xe3069283u, 1, 2 }, .last_step = 12 };
+		m->u.ckpt_done = (struct zp_ckpt_done){ .crc = { 0xe3069283u, 1, 2, 3, 4 },
+			.last_step = 12 };
 		break;
 	case ZP_TENSOR_DONE:
 		m->u.tensor_done.handle = 7;

@@ -231,7 +231,7 @@ Test(formats, checkpoint_keeps_the_format_and_refuses_a_mismatch)
 		.param_dtype = ZC_F32 };
 	struct zc_step_params sp = params(ZC_ADAMW, 1);
 	struct zc_checkpoint_entry entry;
-	struct zc_conn *c = open_job("save", ZC_POLICY_NVME, "q8-moments"), *c2, *c3;
+	struct zc_conn *c = open_job("save", ZC_POLICY_NVME, "q8-moments"), *c2, *c3, *c4;
 	struct zc_checkpoint *ck;
 	struct zc_tensor *t, *t2;
 	char dir[] = "/tmp/zoff-formats-ckpt-XXXXXX", cmd[256], out[4096];
@@ -258,15 +258,15 @@ Test(formats, checkpoint_keeps_the_format_and_refuses_a_mismatch)
 	cr_assert_eq(pclose(pipe), 0, "%s", out);
 	cr_assert(strstr(out, "step 1  q8-moments state"), "%s", out);
 
-	/* The same format: the moments come back as they were saved (re-encoded). */
+	cr_assert(strstr(out, "U8+scales arrays"), "%s", out);
+
+	/* The same format: the moments come back as they were saved, raw, bit for bit. */
 	c2 = open_job("same", ZC_POLICY_CPU, "q8-moments");
 	cr_assert_eq(zc_checkpoint_open(c2, dir, &ck), 0, "%s", zc_errmsg(c2));
 	cr_assert_eq(zc_tensor_register_checkpoint(c2, &desc, ck, NULL, ZC_ADAMW, &t2), 0, "%s",
 	    zc_errmsg(c2));
 	cr_assert_eq(zc_tensor_read(t2, ZC_STATE_EXP_AVG, 0, M, got), 0, "%s", zc_errmsg(c2));
-	for (size_t i = 0; i < M; i++)
-		cr_assert(fabsf(got[i] - m[i]) <= 1e-6f * 0.01f + 1e-6f * fabsf(m[i]),
-		    "m[%zu] %g, saved %g", i, got[i], m[i]);
+	cr_assert_eq(memcmp(got, m, sizeof(got)), 0, "q8-moments took the saved moments changed");
 	zc_checkpoint_close(ck);
 
 	/* Another format: refused, naming the file, the tensor and both formats. */
@@ -282,7 +282,79 @@ Test(formats, checkpoint_keeps_the_format_and_refuses_a_mismatch)
 	cr_assert_eq(zc_tensor_read(t2, ZC_STATE_EXP_AVG, 0, M, got), 0, "%s", zc_errmsg(c3));
 	cr_assert_eq(memcmp(got, m, sizeof(got)), 0, "fp32 took the saved moments changed");
 	zc_checkpoint_close(ck);
+
+	/* Into bf16-moments, converting: the decoded codes rounded to bf16 (to nearest even). */
+	c4 = open_job("other_bf16", ZC_POLICY_NVME, "bf16-moments");
+	cr_assert_eq(zc_checkpoint_open(c4, dir, &ck), 0, "%s", zc_errmsg(c4));
+	cr_assert_eq(zc_tensor_register_checkpoint(c4, &desc, ck, NULL, ZC_ADAMW, &t2), -EBADMSG);
+	zc_checkpoint_allow_convert(ck, true);
+	cr_assert_eq(zc_tensor_register_checkpoint(c4, &desc, ck, NULL, ZC_ADAMW, &t2), 0, "%s",
+	    zc_errmsg(c4));
+	cr_assert_eq(zc_tensor_read(t2, ZC_STATE_EXP_AVG, 0, M, got), 0, "%s", zc_errmsg(c4));
+	for (size_t i = 0; i < M; i++) {
+		uint32_t b, w;
+
+		memcpy(&b, &m[i], 4);
+		b = (b + 0x7fffu + ((b >> 16) & 1u)) & 0xffff0000u;
+		memcpy(&w, &got[i], 4);
+		cr_assert_eq(w, b, "m[%zu]: %a, the saved %a in bf16 is %08x", i, got[i], m[i], b);
+	}
+	zc_checkpoint_close(ck);
+	zc_disconnect(c4);
 	zc_disconnect(c3);
+	zc_disconnect(c2);
+	zc_disconnect(c);
+	snprintf(cmd, sizeof(cmd), "rm -rf '%s'", dir);
+	cr_assert_eq(system(cmd), 0);
+}
+
+/*
+ * An fp32 checkpoint (F32 arrays) into a q8-moments job on NVMe, converting: the daemon
+ * encodes the saved moments, giving what zk_qstate_encode gives; master as saved.
+ */
+Test(formats, fp32_checkpoint_converts_into_q8)
+{
+	enum { M = 3000 };
+	static float init[M], g[M], st[3][M], got[3][M], want_m[M], want_v[M], sc[2][(M + 255) / 256];
+	static uint8_t qm[M], qv[M];
+	struct zc_tensor_desc desc = { .name = "w", .numel = M, .grad_dtype = ZC_F32,
+		.param_dtype = ZC_F32 };
+	struct zc_step_params sp = params(ZC_ADAMW, 1);
+	struct zk_qtensor q = { .format = ZK_STATE_Q8, .master = got[0], .m = qm, .v = qv,
+		.m_scale = sc[0], .v_scale = sc[1], .n = M };
+	struct zc_checkpoint_entry entry;
+	struct zc_conn *c = open_job("fp32save", ZC_POLICY_CPU, "fp32"), *c2;
+	struct zc_checkpoint *ck;
+	struct zc_tensor *t, *t2;
+	char dir[] = "/tmp/zoff-formats-ckpt-XXXXXX", cmd[128];
+
+	cr_assert_not_null(mkdtemp(dir));
+	fill(init, M, 7, 1.0f);
+	fill(g, M, 8, 0.1f);
+	cr_assert_eq(zc_tensor_register(c, &desc, init, &t), 0, "%s", zc_errmsg(c));
+	memcpy(zc_tensor_grad_slot(t, NULL), g, sizeof(g));
+	cr_assert_eq(zc_step_submit(c, &sp, &t, 1), 0, "%s", zc_errmsg(c));
+	cr_assert_eq(zc_wait_all(c, NULL), 0, "%s", zc_errmsg(c));
+	for (unsigned k = 0; k < 3; k++)
+		cr_assert_eq(zc_tensor_read(t, (enum zc_state)k, 0, M, st[k]), 0, "%s", zc_errmsg(c));
+	entry = (struct zc_checkpoint_entry){ .tensor = t };
+	cr_assert_eq(zc_checkpoint_save(c, dir, &entry, 1, &sp), 0, "%s", zc_errmsg(c));
+
+	c2 = open_job("q8conv", ZC_POLICY_NVME, "q8-moments");
+	cr_assert_eq(zc_checkpoint_open(c2, dir, &ck), 0, "%s", zc_errmsg(c2));
+	cr_assert_eq(zc_tensor_register_checkpoint(c2, &desc, ck, NULL, ZC_ADAMW, &t2), -EBADMSG);
+	zc_checkpoint_allow_convert(ck, true);
+	cr_assert_eq(zc_tensor_register_checkpoint(c2, &desc, ck, NULL, ZC_ADAMW, &t2), 0, "%s",
+	    zc_errmsg(c2));
+	for (unsigned k = 0; k < 3; k++)
+		cr_assert_eq(zc_tensor_read(t2, (enum zc_state)k, 0, M, got[k]), 0, "%s",
+		    zc_errmsg(c2));
+	cr_assert_eq(memcmp(got[0], st[0], sizeof(got[0])), 0, "master changed");
+	cr_assert_eq(zk_qstate_encode(&q, st[1], st[2]), 0);
+	cr_assert_eq(zk_qstate_decode(&q, want_m, want_v), 0);
+	cr_assert_eq(memcmp(got[1], want_m, sizeof(want_m)), 0, "m is not the saved m encoded");
+	cr_assert_eq(memcmp(got[2], want_v, sizeof(want_v)), 0, "v is not the saved v encoded");
+	zc_checkpoint_close(ck);
 	zc_disconnect(c2);
 	zc_disconnect(c);
 	snprintf(cmd, sizeof(cmd), "rm -rf '%s'", dir);

@@ -290,8 +290,9 @@ Test(codec, round_trip_tensor_set_step)
 Test(codec, round_trip_ckpt_write_and_done)
 {
 	in.u.ckpt_write = (struct zp_ckpt_write){ .handle = 9, .offset = 1ull << 33,
-		.count = 1u << 24, .file_offset = { 4096, 4096 + (1ull << 40), 1ull << 41 },
-		.crc = { 0xe3069283u, 1, 0xffffffffu } };
+		.count = 1u << 24, .format = 2,
+		.file_offset = { 4096, 4096 + (1ull << 40), 1ull << 41, 7, (1ull << 42) + 3 },
+		.crc = { 0xe3069283u, 1, 0xffffffffu, 4, 0x89abcdefu } };
 	round_trip(ZP_CKPT_WRITE, 37);
 	cr_assert_eq(out.u.ckpt_write.handle, 9);
 	cr_assert_eq(out.u.ckpt_write.offset, 1ull << 33);
@@ -300,6 +301,12 @@ Test(codec, round_trip_ckpt_write_and_done)
 	cr_assert_eq(out.u.ckpt_write.file_offset[2], 1ull << 41);
 	cr_assert_eq(out.u.ckpt_write.crc[0], 0xe3069283u);
 	cr_assert_eq(out.u.ckpt_write.crc[2], 0xffffffffu);
+	/* The scale arrays of a q8-moments tensor, and its raw format. */
+	cr_assert_eq(out.u.ckpt_write.format, 2);
+	cr_assert_eq(out.u.ckpt_write.file_offset[3], 7);
+	cr_assert_eq(out.u.ckpt_write.file_offset[4], (1ull << 42) + 3);
+	cr_assert_eq(out.u.ckpt_write.crc[3], 4);
+	cr_assert_eq(out.u.ckpt_write.crc[4], 0x89abcdefu);
 	cr_assert_eq(zp_type_fds(ZP_CKPT_WRITE), 1);
 	cr_assert_eq(zp_type_fds(ZP_CKPT_READ), 1);
 	/* No empty write, none past the transfer limit, no offset near the end of a file's range. */
@@ -316,10 +323,17 @@ Test(codec, round_trip_ckpt_write_and_done)
 	in.u.ckpt_write.file_offset[2] = UINT64_MAX - 5;
 	cr_assert_eq(decode(encode(&in)), ZP_S_VALUE);
 	cr_assert(strstr(why, "file_offset") != NULL, "%s", why);
-	in.u.ckpt_done = (struct zp_ckpt_done){ .crc = { 0x12345678u, 2, 3 }, .last_step = 77 };
+	/* No format the daemon does not know. */
+	in.u.ckpt_write.file_offset[2] = 0;
+	in.u.ckpt_write.format = 3;
+	cr_assert_eq(decode(encode(&in)), ZP_S_VALUE);
+	cr_assert(strstr(why, "format") != NULL, "%s", why);
+	in.u.ckpt_done = (struct zp_ckpt_done){ .crc = { 0x12345678u, 2, 3, 4, 0xfedcba98u },
+		.last_step = 77 };
 	round_trip(ZP_CKPT_DONE, 12);
 	cr_assert_eq(out.u.ckpt_done.crc[0], 0x12345678u);
 	cr_assert_eq(out.u.ckpt_done.crc[2], 3);
+	cr_assert_eq(out.u.ckpt_done.crc[4], 0xfedcba98u);
 	cr_assert_eq(out.u.ckpt_done.last_step, 77);
 }
 
