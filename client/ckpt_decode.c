@@ -52,9 +52,9 @@ decode_moments(const struct zck_file *f, const struct zck_entry *e, uint64_t c0,
 			/* zk_qstate_decode's arithmetic (quant.h), element by element. */
 			float um = zk__q8_decode_mul(ZK_Q8_RCP_VMAX_M, ms[i / ZK_Q8_BLOCK]);
 			float ur = zk__q8_decode_mul(ZK_Q8_RCP_VMAX_V, vs[i / ZK_Q8_BLOCK]);
-			float rr = zk__q8_decode_r(vr[i], ur);
+			float rr = zk__q8_decode_r(vr[i], ur, ZK_Q8_OFFSET * ur);
 
-			m[i] = zk__q8_decode_m(mr[i], um);
+			m[i] = zk__q8_decode_m(mr[i], um, ZK_Q8_OFFSET * um);
 			v[i] = rr * rr;
 		}
 	}
