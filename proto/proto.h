@@ -20,7 +20,7 @@
  * u16 length and that many bytes, no NUL, no control characters.
  */
 #define ZP_MAGIC		0x46464f5au	/* "ZOFF" */
-#define ZP_VERSION		1
+#define ZP_VERSION		2
 #define ZP_HEADER_SIZE		24
 #define ZP_MAX_PAYLOAD		(64u * 1024)
 #define ZP_MAX_MESSAGE		(ZP_HEADER_SIZE + ZP_MAX_PAYLOAD)

@@ -600,7 +600,15 @@ Test(codec, header_rejects)
 	buf[0] ^= 0xff;
 
 	put16(4, ZP_VERSION + 1);
-	expect_reject(len, ZP_S_VERSION, NULL, "version 2");
+	{
+		char named[32];
+
+		snprintf(named, sizeof(named), "version %d", ZP_VERSION + 1);
+		expect_reject(len, ZP_S_VERSION, NULL, named);
+	}
+	/* A client of the first wire format is told, not misread. */
+	put16(4, 1);
+	expect_reject(len, ZP_S_VERSION, NULL, "version 1");
 	put16(4, 0);
 	expect_reject(len, ZP_S_VERSION, NULL, "version 0");
 	put16(4, ZP_VERSION);
