@@ -104,8 +104,8 @@ attach(const char *sock, uint64_t numel_total, struct zc_conn **ret_c, struct zc
 			numel = left;
 		snprintf(name, sizeof(name), "t%u", n);
 		/*
-		 * --param-offload: params on the tiers, their slots unsealed, so a restart
-		 * maps them again instead of copying a slot sealed against writable mappings.
+		 * --param-offload: params on the tiers too.  Either way the restarted
+		 * daemon takes back the very param slots (nothing copied).
 		 */
 		r = zc_tensor_register(c, &(struct zc_tensor_desc){ .name = name, .numel = numel,
 		    .grad_dtype = ZC_BF16, .param_dtype = ZC_BF16,

@@ -666,16 +666,19 @@ ze_tensor_adopt(struct ze_engine *e, const struct ze_tensor_fds *fds, struct ze_
 		ze_tensor_point_state(t);
 	}
 	snprintf(what, sizeof(what), "its grad slot");
-	r = ze_shm_adopt(e, fds->grad, t->numel * zk_dtype_size(t->grad_dtype), &t->grad_slot);
+	r = ze_shm_adopt(e, fds->grad, t->numel * zk_dtype_size(t->grad_dtype), false,
+	    &t->grad_slot);
 	if (r < 0)
 		goto fail_fds;
 	snprintf(what, sizeof(what), "its param slot");
-	r = ze_shm_adopt(e, fds->param, t->numel * zk_dtype_size(t->param_dtype), &t->param_slot);
+	r = ze_shm_adopt(e, fds->param, t->numel * zk_dtype_size(t->param_dtype),
+	    !t->param_offload, &t->param_slot);
 	if (r == -EPERM) {
 		/*
-		 * Sealed against new writable mappings (the client only reads it):
-		 * not even ours.  A new slot takes over its contents; the old one
-		 * goes once the caller has what it needs of it.
+		 * Sealed against new writable mappings, not even ours: how an
+		 * older daemon kept the params of a tensor without param_offload.
+		 * A new slot takes over its contents; the old one goes once the
+		 * caller has what it needs of it.
 		 */
 		r = ze_shm_create_from(e, "zoffload-param", t->numel * zk_dtype_size(t->param_dtype),
 		    true, fds->param, &t->param_slot);
@@ -709,8 +712,11 @@ fail_fds:
 	t->state_fd = -1;
 	if (t->grad_slot.map != NULL)
 		munmap(t->grad_slot.map, t->grad_slot.bytes);
-	if (t->param_slot.map != NULL)
+	if (t->param_slot.map != NULL) {
 		munmap(t->param_slot.map, t->param_slot.bytes);
+		if (t->param_slot.client_read_only)
+			close(t->param_slot.ro_fd);
+	}
 	t->grad_slot = t->param_slot = (struct ze_shm){ .fd = -1 };
 	if (t->on_nvme)
 		ze_nvme_release(e, t);
