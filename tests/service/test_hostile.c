@@ -106,10 +106,11 @@ write_param_slot(int param, size_t bytes, bool reopen)
 	map = mmap(NULL, bytes, PROT_READ, MAP_SHARED, param, 0);
 	if (map == MAP_FAILED)
 		return "(mmap(PROT_READ) refused: the client could not read its params)";
-	fd = mprotect(map, bytes, PROT_READ | PROT_WRITE);
-	munmap(map, bytes);
-	if (fd == 0)
+	if (mprotect(map, bytes, PROT_READ | PROT_WRITE) == 0) {
+		munmap(map, bytes);
 		return "mprotect(PROT_WRITE) of a read-only mapping";
+	}
+	munmap(map, bytes);
 	if (write(param, &byte, 1) != -1)
 		return "write()";
 	if (pwrite(param, &byte, 1, 0) != -1)
