@@ -4,7 +4,7 @@
  * bytes the new daemon read from disk doing it (/proc/PID/io read_bytes): none of the
  * pinned state (the limit, 1 MiB, leaves room for a page of its binary or configuration).  The limit is 1 s.  Sizes that do not fit in MemAvailable are skipped
  * and said so.  Then what recovery.journal costs a step over 1 GiB of pinned state (the
- * limit: the same step without it).
+ * limit: the same step without it; journal/pinned_step_cost is their ratio, limit 1.05).
  * usage: bench_restart [--json] [--sizes GIB,GIB...] [--param-offload]
  */
 #include <errno.h>
@@ -33,6 +33,7 @@ struct result {
 	double first_s;		/* death to the first tensor's step completed */
 	double all_s;		/* death to the step over every tensor completed */
 	double step_s;		/* that step alone, before the death: the compute in all_s */
+	double best_step_s;	/* measure(steps > 1): the best of steps 2..steps, no restart */
 	unsigned long long read_bytes;
 	unsigned tensors;
 };
@@ -104,8 +105,8 @@ attach(const char *sock, uint64_t numel_total, struct zc_conn **ret_c, struct zc
 			numel = left;
 		snprintf(name, sizeof(name), "t%u", n);
 		/*
-		 * --param-offload: params on the tiers, their slots unsealed, so a restart
-		 * maps them again instead of copying a slot sealed against writable mappings.
+		 * --param-offload: params on the tiers too.  Either way the restarted
+		 * daemon takes back the very param slots (nothing copied).
 		 */
 		r = zc_tensor_register(c, &(struct zc_tensor_desc){ .name = name, .numel = numel,
 		    .grad_dtype = ZC_BF16, .param_dtype = ZC_BF16,
@@ -139,7 +140,7 @@ step(struct zc_conn *c, struct zc_tensor **ts, unsigned n, uint64_t s, double *r
 }
 
 static int
-measure(const char *daemon, double gib, bool journal, struct result *res)
+measure(const char *daemon, double gib, bool journal, unsigned steps, struct result *res)
 {
 	uint64_t numel = (uint64_t)(gib * (double)(1ull << 30)) / 12;
 	struct zc_tensor *ts[256];
@@ -187,6 +188,18 @@ measure(const char *daemon, double gib, bool journal, struct result *res)
 	res->step_s = bench_now() - t0;
 	if (r < 0)
 		goto out;
+	if (steps > 1) {
+		/* Steady steps (the first pays for cold caches), and no restart. */
+		res->best_step_s = 1e9;
+		for (unsigned s = 2; s <= steps && r == 0; s++) {
+			t0 = bench_now();
+			r = step(c, ts, n, s, NULL);
+			t1 = bench_now() - t0;
+			if (t1 < res->best_step_s)
+				res->best_step_s = t1;
+		}
+		goto out;
+	}
 	zc_disconnect(c);
 	c = NULL;
 
@@ -266,7 +279,7 @@ main(int argc, char **argv)
 			    (double)mem_available() / (1 << 30));
 			continue;
 		}
-		if (measure(daemon, gib, true, &res[nres]) < 0) {
+		if (measure(daemon, gib, true, 1, &res[nres]) < 0) {
 			free(list);
 			return 1;
 		}
@@ -280,20 +293,21 @@ main(int argc, char **argv)
 	free(list);
 	/*
 	 * What recovery.journal costs: the step over 1 GiB of pinned state with the undo copy
-	 * of each slice and without, best of three each.
+	 * of each slice and without, daemons with and without taking turns (so that both see
+	 * the same machine), the best of their steady steps each.
 	 */
 	if (nres > 0 && mem_available() > (3ull << 30)) {
 		double with = 1e9, without = 1e9;
 
-		for (int k = 0; k < 6; k++) {
+		for (int k = 0; k < 8; k++) {
 			struct result jr;
 
-			if (measure(daemon, 1, k % 2 == 0, &jr) < 0)
+			if (measure(daemon, 1, k % 2 == 0, 6, &jr) < 0)
 				return 1;
 			if (k % 2 == 0)
-				with = jr.step_s < with ? jr.step_s : with;
+				with = jr.best_step_s < with ? jr.best_step_s : with;
 			else
-				without = jr.step_s < without ? jr.step_s : without;
+				without = jr.best_step_s < without ? jr.best_step_s : without;
 		}
 		journal_with = with;
 		journal_without = without;
@@ -317,9 +331,13 @@ main(int argc, char **argv)
 			snprintf(name, sizeof(name), "restart_%gGiB_disk_bytes_read", g);
 			figure(&idx, name, (double)res[i].read_bytes, "bytes", 1 << 20, 0);
 		}
-		if (journal_with > 0)
+		if (journal_with > 0) {
 			figure(&idx, "step_1GiB_pinned_with_journal", journal_with, "s", journal_without,
 			    3);
+			/* The journal's cost as a factor: 5% more than the step without it at most. */
+			figure(&idx, "journal/pinned_step_cost", journal_with / journal_without, "x",
+			    1.05, 3);
+		}
 		printf("\n]\n");
 	}
 	return 0;

@@ -201,7 +201,7 @@ zcc_slots_attach(struct zc_tensor *tensor, struct zcc_slots **ret)
 		goto fail;
 	s->grad_registered = true;
 	/*
-	 * The daemon seals the param slot against writable mappings; the driver
+	 * The daemon hands the param slot over read-only (mapped PROT_READ); the driver
 	 * can pin such pages only as device-read-only.  Without that ability the
 	 * slot stays pageable: copies from it work, through a driver bounce.
 	 */

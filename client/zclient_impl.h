@@ -194,6 +194,12 @@ int zci_ready(struct zc_conn *c, struct zp_msg *inflight, uint64_t deadline);
  * on) or at the reconnect timeout (dead).  0 once reattached.
  */
 int zci_reconnect(struct zc_conn *c, struct zp_msg *inflight, uint64_t deadline);
+/*
+ * Asks for 2 MiB pages behind a slot mapping: where shmem hugepages are
+ * enabled on advice, the pages this process faults in first (the grad slot's)
+ * are huge, and the daemon's mappings of them cheap to tear down.
+ */
+void zci_advise_huge(void *map, size_t bytes);
 /* st_dev and st_ino of the file behind fd (0 when fstat fails). */
 void zci_file_id(int fd, uint64_t *dev, uint64_t *ino);
 /* $ZOFFLOAD_RECONNECT_MS or the default; -EINVAL (connect message set) when malformed. */

@@ -221,6 +221,13 @@ frees(const struct zp_msg *m, const struct zc_tensor *t, uint32_t old_handle)
 }
 
 void
+zci_advise_huge(void *map, size_t bytes)
+{
+	if (bytes >= (2u << 20))
+		(void)madvise(map, bytes, MADV_HUGEPAGE);
+}
+
+void
 zci_file_id(int fd, uint64_t *dev, uint64_t *ino)
 {
 	struct stat st;
@@ -256,6 +263,7 @@ remap_slot(struct zc_conn *c, void *addr, size_t bytes, int prot, int fd, uint64
 	}
 	if (mmap(addr, bytes, prot, MAP_SHARED | MAP_FIXED, fd, 0) == MAP_FAILED)
 		return -errno;
+	zci_advise_huge(addr, bytes);
 	*dev = ndev;
 	*ino = nino;
 	c->conn_stats.slots_remapped++;

@@ -230,6 +230,8 @@ zci_tensor_register(struct zc_conn *c, const struct zc_tensor_desc *desc, const 
 			munmap(t->param, t->param_bytes);
 		goto fail_tensor;
 	}
+	zci_advise_huge(t->grad, t->grad_bytes);
+	zci_advise_huge(t->param, t->param_bytes);
 	zci_file_id(fds[0], &t->grad_dev, &t->grad_ino);
 	zci_file_id(fds[1], &t->param_dev, &t->param_ino);
 	close(fds[0]);

@@ -17,11 +17,12 @@ struct ze_account;
 struct ze_tensor;
 
 /*
- * Descriptors a tensor holds in the daemon: its grad and param slots, and,
- * so that it outlives the process, its record and its pinned state's memfd
- * (one fewer on NVMe; counted the same).
+ * Descriptors a tensor holds in the daemon: its grad and param slots, the
+ * read-only reopening of the param slot its client gets, and, so that it
+ * outlives the process, its record and its pinned state's memfd (one fewer
+ * on NVMe, one fewer with param offload; counted the same).
  */
-#define ZD_TENSOR_FDS 4
+#define ZD_TENSOR_FDS 5
 
 /*
  * A client's name for one engine tensor.  Owned by its session (in

@@ -465,8 +465,9 @@ adopt_one(struct zd_daemon *d, const char *id, uint64_t *pinned, uint64_t *nvme)
 	snprintf(name, sizeof(name), "zt%s.grad", id);
 	fds.grad = zd_fdstore_take(&d->store, name);
 	/*
-	 * A sealed param slot is replaced at every start, its new memfd kept under the other
-	 * of two names before the old one is dropped: a death in between leaves both, equal.
+	 * A param slot an older zoffloadd sealed against writes is replaced (once: the new one
+	 * is not sealed), its new memfd kept under the other of two names before the old one
+	 * is dropped: a death in between leaves both, equal.
 	 */
 	snprintf(name, sizeof(name), "zt%s.param", id);
 	fds.param = zd_fdstore_take(&d->store, name);
@@ -519,6 +520,9 @@ adopt_one(struct zd_daemon *d, const char *id, uint64_t *pinned, uint64_t *nvme)
 		snprintf(name, sizeof(name), "zt%s.param", id);
 		zd_fdstore_rename(&d->store, name, final);
 		if (rep.param_replaced) {
+			log_info("job '%s' rank %u: tensor '%s': its param slot, sealed against "
+			    "writes, was copied into a new one", job->name,
+			    (unsigned)info.owner[OWNER_RANK], info.name);
 			if (zd_fdstore_send(&d->store, final, now.param) < 0)
 				log_warnx("cannot keep %s in the file descriptor store", final);
 			zd_fdstore_forget(&d->store, kept);

@@ -320,11 +320,18 @@ int ze_param_release(struct ze_engine *e, struct ze_tensor *const *ts, size_t n,
     uint32_t lane, uint64_t id);
 bool ze_tensor_param_resident(const struct ze_tensor *t);
 
-/* Shared memory for clients: a sealed memfd mapped here, counted against shm_budget. */
+/*
+ * Shared memory for clients: a memfd sealed against resizing, mapped here
+ * writable, counted against shm_budget.  fd is ours (and the fd store's);
+ * a slot the client only reads goes to it as ro_fd, a read-only reopening
+ * owned here too (valid only when client_read_only).
+ */
 struct ze_shm {
 	int fd;
 	void *map;
 	size_t bytes;
+	bool client_read_only;
+	int ro_fd;
 };
 int ze_shm_create(struct ze_engine *e, const char *name, size_t bytes, bool client_read_only,
     struct ze_shm *ret);

@@ -259,7 +259,8 @@ void ze_param_drop_pages(struct ze_tensor *t);
 void ze_param_flags(struct ze_tensor *t, bool resident, bool dirty);
 
 /* shm.c: a kept memfd of bytes (page-rounded) mapped as a slot again. */
-int ze_shm_adopt(struct ze_engine *e, int fd, size_t bytes, struct ze_shm *ret);
+int ze_shm_adopt(struct ze_engine *e, int fd, size_t bytes, bool client_read_only,
+    struct ze_shm *ret);
 /* ze_shm_create with src's first bytes copied in before it is sealed (src -1: zeros). */
 int ze_shm_create_from(struct ze_engine *e, const char *name, size_t bytes,
     bool client_read_only, int src, struct ze_shm *ret);

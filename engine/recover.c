@@ -1,12 +1,16 @@
 /* State that outlives the process: each tensor's record, the step journal, and rebuilding from them. */
 #include <errno.h>
 #include <fcntl.h>
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
+#if defined(__SSE2__)
+#include <emmintrin.h>
+#endif
 
 #include "crc32c.h"
 #include "engine_impl.h"
@@ -367,6 +371,37 @@ struct journal_run {
 	int error;
 };
 
+/*
+ * The undo copy, with stores that bypass the caches where the ISA has them:
+ * a slice's copy (48 MiB at fp32) is larger than the caches and is not read
+ * again unless the daemon dies, so ordinary stores would first read every
+ * line of it from memory.  The step that follows reads the state from the
+ * cache the copy's loads warmed.  Ordered before what follows by the fence
+ * in journal_run.
+ */
+static void
+copy_stream(void *dst, const void *src, size_t bytes)
+{
+	size_t done = 0;
+
+#if defined(__SSE2__)
+	if (((uintptr_t)dst & 15) == 0) {
+		for (; done + 64 <= bytes; done += 64) {
+			const __m128i *s = (const __m128i *)((const char *)src + done);
+			__m128i *d = (__m128i *)((char *)dst + done);
+			__m128i a = _mm_loadu_si128(s), b = _mm_loadu_si128(s + 1);
+			__m128i c = _mm_loadu_si128(s + 2), e = _mm_loadu_si128(s + 3);
+
+			_mm_stream_si128(d, a);
+			_mm_stream_si128(d + 1, b);
+			_mm_stream_si128(d + 2, c);
+			_mm_stream_si128(d + 3, e);
+		}
+	}
+#endif
+	memcpy((char *)dst + done, (const char *)src + done, bytes - done);
+}
+
 static void
 journal_run(void *arg, unsigned idx, unsigned nthreads)
 {
@@ -383,7 +418,11 @@ journal_run(void *arg, unsigned idx, unsigned nthreads)
 		block_spans(&jr->q, 0, begin, end, sp);
 		for (unsigned k = 0; k < J_ARRAYS; k++)
 			if (sp[k].bytes > 0)
-				memcpy((char *)jr->j + sp[k].copy, sp[k].at, sp[k].bytes);
+				copy_stream((char *)jr->j + sp[k].copy, sp[k].at, sp[k].bytes);
+#if defined(__SSE2__)
+		/* The streamed copy is in the journal before the bit says so. */
+		_mm_sfence();
+#endif
 		/* Counted only once copied whole: a crash before leaves the block untouched. */
 		__atomic_or_fetch(&jr->j->copied[b / 64], 1ull << (b % 64), __ATOMIC_RELEASE);
 		r = jr->q.format == ZK_STATE_FP32 ?
@@ -666,16 +705,19 @@ ze_tensor_adopt(struct ze_engine *e, const struct ze_tensor_fds *fds, struct ze_
 		ze_tensor_point_state(t);
 	}
 	snprintf(what, sizeof(what), "its grad slot");
-	r = ze_shm_adopt(e, fds->grad, t->numel * zk_dtype_size(t->grad_dtype), &t->grad_slot);
+	r = ze_shm_adopt(e, fds->grad, t->numel * zk_dtype_size(t->grad_dtype), false,
+	    &t->grad_slot);
 	if (r < 0)
 		goto fail_fds;
 	snprintf(what, sizeof(what), "its param slot");
-	r = ze_shm_adopt(e, fds->param, t->numel * zk_dtype_size(t->param_dtype), &t->param_slot);
+	r = ze_shm_adopt(e, fds->param, t->numel * zk_dtype_size(t->param_dtype),
+	    !t->param_offload, &t->param_slot);
 	if (r == -EPERM) {
 		/*
-		 * Sealed against new writable mappings (the client only reads it):
-		 * not even ours.  A new slot takes over its contents; the old one
-		 * goes once the caller has what it needs of it.
+		 * Sealed against new writable mappings, not even ours: how an
+		 * older daemon kept the params of a tensor without param_offload.
+		 * A new slot takes over its contents; the old one goes once the
+		 * caller has what it needs of it.
 		 */
 		r = ze_shm_create_from(e, "zoffload-param", t->numel * zk_dtype_size(t->param_dtype),
 		    true, fds->param, &t->param_slot);
@@ -709,8 +751,11 @@ fail_fds:
 	t->state_fd = -1;
 	if (t->grad_slot.map != NULL)
 		munmap(t->grad_slot.map, t->grad_slot.bytes);
-	if (t->param_slot.map != NULL)
+	if (t->param_slot.map != NULL) {
 		munmap(t->param_slot.map, t->param_slot.bytes);
+		if (t->param_slot.client_read_only)
+			close(t->param_slot.ro_fd);
+	}
 	t->grad_slot = t->param_slot = (struct ze_shm){ .fd = -1 };
 	if (t->on_nvme)
 		ze_nvme_release(e, t);

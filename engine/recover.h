@@ -61,9 +61,9 @@ struct ze_adopt_report {
 	unsigned rewritten;		/* NVMe chunks written again from a kept staging buffer */
 	/*
 	 * The param slot is a new memfd with the kept one's contents (which was
-	 * closed): a slot sealed against writable mappings (the params of a
-	 * tensor without param_offload) cannot be mapped writable again.  The
-	 * grad slot and an offloaded tensor's param slot are the kept memfds.
+	 * closed): only for a slot an older daemon sealed against writable
+	 * mappings, which cannot be mapped writable again.  Otherwise both
+	 * slots are the kept memfds, the very inodes the client has mapped.
 	 */
 	bool param_replaced;
 };

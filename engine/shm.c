@@ -1,15 +1,71 @@
 /* Shared memory the daemon creates for clients: memfd, sealed against resizing, mapped here. */
 #include <errno.h>
 #include <fcntl.h>
+#include <stdio.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
 #include "engine_impl.h"
 
-#ifndef F_SEAL_FUTURE_WRITE
-#define F_SEAL_FUTURE_WRITE 0x0010
-#endif
+#define HUGEPAGE_SIZE (2u << 20)
+
+/*
+ * What a client that only reads a slot gets: a new open file description of
+ * it, read-only, so that no mapping of it can be made or turned writable and
+ * write(), fallocate() and ftruncate() refuse.  The file's mode drops to
+ * 0400 first, so that a client of another uid can neither reopen it for
+ * writing through /proc/self/fd nor chmod it back (it is not the owner).
+ * Unlike a seal this binds only the client's descriptor: ours, kept in the
+ * fd store, still maps the slot writable after a restart.
+ */
+static int
+reopen_read_only(int fd)
+{
+	char path[32];
+	int ro;
+
+	if (fchmod(fd, 0400) != 0)
+		return -errno;
+	snprintf(path, sizeof(path), "/proc/self/fd/%d", fd);
+	ro = open(path, O_RDONLY | O_CLOEXEC);
+	return ro < 0 ? -errno : ro;
+}
+
+/*
+ * Where shmem hugepages are enabled on advice (shmem_enabled `advise`), a
+ * slot is backed by 2 MiB pages: fewer faults to fill it, and far fewer page
+ * tables to tear down when the daemon dies (its successor waits for that).
+ */
+static void
+advise_huge(void *map, size_t bytes)
+{
+	if (bytes >= HUGEPAGE_SIZE)
+		(void)madvise(map, bytes, MADV_HUGEPAGE);
+}
+
+/* Maps fd (bytes long) here and makes the client's descriptor: 0 and *ret set, or -errno. */
+static int
+map_slot(int fd, size_t bytes, bool client_read_only, struct ze_shm *ret)
+{
+	void *map;
+	int ro = -1;
+
+	if (client_read_only && (ro = reopen_read_only(fd)) < 0)
+		return ro;
+	map = mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+	if (map == MAP_FAILED) {
+		int r = -errno;
+
+		if (ro >= 0)
+			close(ro);
+		return r;
+	}
+	advise_huge(map, bytes);
+	*ret = (struct ze_shm){ .fd = fd, .map = map, .bytes = bytes,
+		.client_read_only = client_read_only, .ro_fd = ro };
+	return 0;
+}
 
 /* A copy of src (bytes of it) in the kernel: no page of it faults into this process. */
 static int
@@ -33,7 +89,6 @@ ze_shm_create_from(struct ze_engine *e, const char *name, size_t bytes, bool cli
     int src, struct ze_shm *ret)
 {
 	int fd, r;
-	void *map;
 
 	/* Whole pages, so O_DIRECT can move a slot's last page too. */
 	bytes = (bytes + 4095) / 4096 * 4096;
@@ -48,27 +103,21 @@ ze_shm_create_from(struct ze_engine *e, const char *name, size_t bytes, bool cli
 	}
 	if (src >= 0 && (r = copy_from(fd, src, bytes)) < 0)
 		goto fail;
-	map = mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-	if (map == MAP_FAILED) {
-		r = -errno;
-		goto fail;
-	}
 	/*
 	 * A client that shrinks the file would make our mapping fault with
-	 * SIGBUS; sealed, it cannot.  Slots the client only reads are also
-	 * sealed against new writable mappings (our own predates the seal).
+	 * SIGBUS; sealed, it cannot.  No seal against writes: that one would
+	 * bind our own descriptor too, and a restarted daemon could not map
+	 * the slot writable again (see reopen_read_only).
 	 */
-	if (fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW) != 0) {
+	if (fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL) != 0) {
 		r = -errno;
-		munmap(map, bytes);
 		goto fail;
 	}
-	if (client_read_only)
-		(void)fcntl(fd, F_ADD_SEALS, F_SEAL_FUTURE_WRITE);
-	(void)fcntl(fd, F_ADD_SEALS, F_SEAL_SEAL);
+	r = map_slot(fd, bytes, client_read_only, ret);
+	if (r < 0)
+		goto fail;
 	e->stats.shm_bytes += bytes;
 	e->stats.shm_objects++;
-	*ret = (struct ze_shm){ .fd = fd, .map = map, .bytes = bytes };
 	return 0;
 fail:
 	close(fd);
@@ -89,27 +138,29 @@ ze_shm_destroy(struct ze_engine *e, struct ze_shm *shm)
 		return;
 	munmap(shm->map, shm->bytes);
 	close(shm->fd);
+	if (shm->client_read_only)
+		close(shm->ro_fd);
 	e->stats.shm_bytes -= shm->bytes;
 	e->stats.shm_objects--;
 	*shm = (struct ze_shm){ .fd = -1 };
 }
 
 int
-ze_shm_adopt(struct ze_engine *e, int fd, size_t bytes, struct ze_shm *ret)
+ze_shm_adopt(struct ze_engine *e, int fd, size_t bytes, bool client_read_only,
+    struct ze_shm *ret)
 {
 	struct stat st;
-	void *map;
+	int r;
 
 	bytes = (bytes + 4095) / 4096 * 4096;
 	if (fstat(fd, &st) != 0)
 		return -errno;
 	if ((uint64_t)st.st_size != bytes)
 		return -EBADFD;
-	map = mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-	if (map == MAP_FAILED)
-		return -errno;
+	r = map_slot(fd, bytes, client_read_only, ret);
+	if (r < 0)
+		return r;
 	e->stats.shm_bytes += bytes;
 	e->stats.shm_objects++;
-	*ret = (struct ze_shm){ .fd = fd, .map = map, .bytes = bytes };
 	return 0;
 }

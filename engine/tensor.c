@@ -342,7 +342,12 @@ ze_tensor_state_bytes(const struct ze_tensor *t)
 	return zk_state_bytes(t->format, t->numel);
 }
 int ze_tensor_grad_fd(const struct ze_tensor *t) { return t->grad_slot.fd; }
-int ze_tensor_param_fd(const struct ze_tensor *t) { return t->param_slot.fd; }
+/* What the client gets: read-only unless it writes the params itself. */
+int
+ze_tensor_param_fd(const struct ze_tensor *t)
+{
+	return t->param_slot.client_read_only ? t->param_slot.ro_fd : t->param_slot.fd;
+}
 void *ze_tensor_grad_slot(const struct ze_tensor *t) { return t->grad_slot.map; }
 void *ze_tensor_param_slot(const struct ze_tensor *t) { return t->param_slot.map; }
 bool ze_tensor_busy(const struct ze_tensor *t) { return t->busy; }

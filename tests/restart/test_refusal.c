@@ -8,6 +8,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -140,9 +141,9 @@ Test(refusal, intact_state_is_taken_back)
 	    zst_log(&run_.st));
 	/*
 	 * What a reconnecting client gets: the same grad slot memfd (gradients written before
-	 * the death are there), the same param slot when params are offloaded (tensor 1 of each
-	 * job); a param slot sealed against writable mappings (tensor 0) is a new memfd, its
-	 * contents copied, since not even the daemon can map the old one writable again.
+	 * the death are there) and the same param slot, whether params are offloaded (tensor 1
+	 * of each job) or not (tensor 0: the client holds it read-only, the daemon maps its own
+	 * descriptor writable again): nothing copied, nothing remapped.
 	 */
 	slot_inodes(now);
 	for (int j = 0; j < ZRT_JOBS; j++) {
@@ -150,12 +151,69 @@ Test(refusal, intact_state_is_taken_back)
 			cr_assert_neq(now[j][k][0], 0);
 			cr_assert_eq(now[j][k][0], inodes[j][k][0], "job %d tensor %d: another grad slot",
 			    j, k);
-			if (k == 1)
-				cr_assert_eq(now[j][k][1], inodes[j][k][1], "job %d tensor %d: another "
-				    "param slot", j, k);
-			else
-				cr_assert_neq(now[j][k][1], inodes[j][k][1]);
+			cr_assert_eq(now[j][k][1], inodes[j][k][1], "job %d tensor %d: another "
+			    "param slot", j, k);
 		}
+	}
+	cr_assert(strstr(zst_log(&run_.st), "was copied into a new one") == NULL, "%s",
+	    zst_log(&run_.st));
+}
+
+/*
+ * A param slot an older zoffloadd sealed against writes (F_SEAL_FUTURE_WRITE, the seal
+ * binding the daemon's own descriptor too) cannot be mapped writable again: it is copied
+ * into a new memfd, said so in the log, and the training goes on from the same params.
+ */
+Test(refusal, param_slot_sealed_by_an_older_daemon_is_copied)
+{
+	struct { char name[64]; uint64_t digest; } was[ZRT_JOBS * ZRT_TENSORS];
+	char err[20000] = "", name[80];
+	unsigned sealed = 0, copied = 0;
+	const char *log, *at;
+
+	kept_state();
+	for (size_t i = 0; i < run_.st.nfds; i++) {
+		int fd = run_.st.fds[i].fd, old;
+		struct stat st;
+		off64_t in = 0, out = 0;
+		size_t len = strlen(run_.st.fds[i].name);
+
+		/* The read-only ones (mode 0400): the params of tensors without param offload. */
+		if (len < 6 || strcmp(run_.st.fds[i].name + len - 6, ".param") != 0 ||
+		    fstat(fd, &st) != 0 || (st.st_mode & 0777) != 0400)
+			continue;
+		old = memfd_create("zoffload-param", MFD_CLOEXEC | MFD_ALLOW_SEALING);
+		cr_assert_geq(old, 0, "%s", strerror(errno));
+		cr_assert_eq(ftruncate(old, st.st_size), 0);
+		while (in < st.st_size)
+			cr_assert_gt(copy_file_range(fd, &in, old, &out, (size_t)(st.st_size - in), 0),
+			    0, "%s", strerror(errno));
+		cr_assert_eq(fcntl(old, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW |
+		    F_SEAL_FUTURE_WRITE | F_SEAL_SEAL), 0, "%s", strerror(errno));
+		cr_assert_eq(dup2(old, fd), fd);
+		close(old);
+		cr_assert_lt(sealed, ZRT_JOBS * ZRT_TENSORS);
+		snprintf(was[sealed].name, sizeof(was[sealed].name), "%s", run_.st.fds[i].name);
+		was[sealed].digest = digest(fd);
+		sealed++;
+	}
+	cr_assert_eq(sealed, ZRT_JOBS, "%u read-only param slots kept", sealed);
+	cr_assert_eq(zst_start(&run_.st, run_.argv), 0);
+	cr_assert_eq(zst_wait_ready(&run_.st, run_.st.readies + 1, 30), 0, "%s",
+	    zst_log(&run_.st));
+	cr_assert_eq(zrt_attach(&run_, true, err, sizeof(err)), 0, "%s", err);
+	for (int j = 0; j < ZRT_JOBS; j++)
+		for (int k = 0; k < ZRT_TENSORS; k++)
+			cr_assert_eq(zc_tensor_last_step(run_.j[j].t[k]), 3, "%s", zst_log(&run_.st));
+	log = zst_log(&run_.st);
+	for (at = log; (at = strstr(at, "was copied into a new one")) != NULL; at++)
+		copied++;
+	cr_assert_eq(copied, ZRT_JOBS, "%s", log);
+	/* Each copy is kept under the other name, with the sealed one's bytes. */
+	for (unsigned i = 0; i < sealed; i++) {
+		snprintf(name, sizeof(name), "%.64s2", was[i].name);
+		cr_assert_eq(digest(zst_fd(&run_.st, name)), was[i].digest, "%s: other contents",
+		    name);
 	}
 }
 

@@ -29,6 +29,7 @@ for f in sbin/zoffloadd "$bindir/zoffctl" "$libdir/libzclient.so.0" include/zcli
     "$libdir/pkgconfig/zclient.pc" lib/systemd/system/zoffloadd.service \
     lib/sysusers.d/zoffload.conf lib/tmpfiles.d/zoffload.conf \
     share/doc/zoffload/zoffload.conf.example share/doc/zoffload/zoffloadd-nvme.conf \
+    share/doc/zoffload/zoffload-hugepages.conf \
     share/doc/zoffload/zoffload.json; do
 	[ -e "$root/$f" ] || fail "$prefix/$f was not installed"
 done

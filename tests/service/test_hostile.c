@@ -1,4 +1,4 @@
-/* Hostile and unlucky clients: sealed slots, oversized and fd-stuffed datagrams, a low memlock limit, other uids' jobs, per-uid caps. */
+/* Hostile and unlucky clients: sealed and read-only slots, oversized and fd-stuffed datagrams, a low memlock limit, other uids' jobs, per-uid caps. */
 #include <cjson/cJSON.h>
 #include <criterion/criterion.h>
 #include <errno.h>
@@ -56,69 +56,150 @@ recv_keep_fds(int fd, struct zp_msg *m, int *fds, unsigned *nfds)
 	cr_assert_eq(zp_decode(buf, (size_t)n, m, why, sizeof(why)), ZP_S_OK, "%s", why);
 }
 
-Test(hostile, slots_are_sealed)
+/* Registers a 4096-element f32 tensor without param offload: its grad and param descriptors. */
+static void
+register_slots(int *fd, int *grad, int *param)
 {
 	static struct zp_msg m;
-	int fd, fds[ZP_MAX_FDS], grad, param;
+	int fds[ZP_MAX_FDS];
 	unsigned nfds;
-	struct stat st;
-	void *map;
-	char byte = 1;
 
-	itd_start(&daemon_, NULL);
-	fd = itd_raw_connect(&daemon_);
-	itd_raw_hello(fd);
+	*fd = itd_raw_connect(&daemon_);
+	itd_raw_hello(*fd);
 	memset(&m, 0, sizeof(m));
 	strcpy(m.u.job_open.job_name, "sealed");
 	m.u.job_open.world_size = 1;
-	itd_raw_send(fd, ZP_JOB_OPEN, 2, &m);
-	cr_assert(itd_raw_recv(fd, &m, 5));
+	itd_raw_send(*fd, ZP_JOB_OPEN, 2, &m);
+	cr_assert(itd_raw_recv(*fd, &m, 5));
 	cr_assert_eq(m.hdr.type, ZP_JOB_OK, "JOB_OPEN answered %s", zp_type_name(m.hdr.type));
 	memset(&m, 0, sizeof(m));
 	strcpy(m.u.tensor_register.name, "w");
 	m.u.tensor_register.numel = 4096;
 	m.u.tensor_register.grad_dtype = ZP_DTYPE_F32;
 	m.u.tensor_register.param_dtype = ZP_DTYPE_F32;
-	itd_raw_send(fd, ZP_TENSOR_REGISTER, 3, &m);
-	recv_keep_fds(fd, &m, fds, &nfds);
+	itd_raw_send(*fd, ZP_TENSOR_REGISTER, 3, &m);
+	recv_keep_fds(*fd, &m, fds, &nfds);
 	cr_assert_eq(m.hdr.type, ZP_TENSOR_OK, "TENSOR_REGISTER answered %s: %s",
 	    zp_type_name(m.hdr.type), m.hdr.type == ZP_ERROR ? m.u.error.message : "");
 	cr_assert_eq(nfds, 2);
-	grad = fds[0];
-	param = fds[1];
+	*grad = fds[0];
+	*param = fds[1];
+}
+
+/*
+ * Every way a holder of the param slot's descriptor could write it: NULL when
+ * all were refused, else which one worked.  Reopening through /proc/self/fd
+ * is refused only to a uid other than the daemon's (the slot's owner could
+ * chmod it back; root passes any mode): a client of the daemon's own uid
+ * could as well write the daemon's memory.
+ */
+static const char *
+write_param_slot(int param, size_t bytes, bool reopen)
+{
+	char byte = 1, path[32];
+	void *map;
+	int fd;
+
+	map = mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, param, 0);
+	if (map != MAP_FAILED || errno != EACCES)
+		return "mmap(PROT_WRITE, MAP_SHARED)";
+	map = mmap(NULL, bytes, PROT_READ, MAP_SHARED, param, 0);
+	if (map == MAP_FAILED)
+		return "(mmap(PROT_READ) refused: the client could not read its params)";
+	if (mprotect(map, bytes, PROT_READ | PROT_WRITE) == 0) {
+		munmap(map, bytes);
+		return "mprotect(PROT_WRITE) of a read-only mapping";
+	}
+	munmap(map, bytes);
+	if (write(param, &byte, 1) != -1)
+		return "write()";
+	if (pwrite(param, &byte, 1, 0) != -1)
+		return "pwrite()";
+	if (ftruncate(param, 0) == 0 || ftruncate(param, (off_t)bytes * 2) == 0)
+		return "ftruncate()";
+	if (fallocate(param, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, 0, (off_t)bytes) == 0)
+		return "fallocate(PUNCH_HOLE)";
+	if (!reopen)
+		return NULL;
+	(void)fchmod(param, 0666);
+	snprintf(path, sizeof(path), "/proc/self/fd/%d", param);
+	fd = open(path, O_RDWR);
+	if (fd >= 0) {
+		close(fd);
+		return "open(\"/proc/self/fd/N\", O_RDWR) after fchmod";
+	}
+	return NULL;
+}
+
+Test(hostile, slots_are_sealed_and_params_read_only)
+{
+	int fd, grad, param;
+	struct stat st;
+	void *map;
+	const char *how;
+
+	itd_start(&daemon_, NULL);
+	register_slots(&fd, &grad, &param);
 	cr_assert_eq(fstat(grad, &st), 0);
 
 	/* Shrinking would make the daemon's mapping fault; growing is refused as well. */
-	for (int i = 0; i < 2; i++) {
-		int slot = i == 0 ? grad : param;
-
-		errno = 0;
-		cr_assert_neq(ftruncate(slot, 0), 0, "slot %d could be shrunk", i);
-		cr_assert_eq(errno, EPERM, "shrinking slot %d: %s", i, strerror(errno));
-		errno = 0;
-		cr_assert_neq(ftruncate(slot, st.st_size * 2), 0, "slot %d could be grown", i);
-		cr_assert_eq(errno, EPERM, "growing slot %d: %s", i, strerror(errno));
-	}
+	errno = 0;
+	cr_assert_neq(ftruncate(grad, 0), 0, "the grad slot could be shrunk");
+	cr_assert_eq(errno, EPERM, "shrinking the grad slot: %s", strerror(errno));
+	errno = 0;
+	cr_assert_neq(ftruncate(grad, st.st_size * 2), 0, "the grad slot could be grown");
+	cr_assert_eq(errno, EPERM, "growing the grad slot: %s", strerror(errno));
+	/* Nor can the seals be taken off. */
+	cr_assert_eq(fcntl(grad, F_GET_SEALS) & F_SEAL_SEAL, F_SEAL_SEAL);
 	/*
-	 * A hole in the grad slot only zeroes the client's own gradients (the
-	 * daemon's mapping reads zeros, it cannot fault); the param slot,
-	 * sealed against writes, refuses even that.
+	 * The client writes gradients (a hole in the grad slot only zeroes its
+	 * own gradients: the daemon's mapping reads zeros, it cannot fault) ...
 	 */
-	cr_assert_eq(fallocate(param, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, 0, st.st_size),
-	    -1, "a hole could be punched into the param slot");
-	cr_assert_eq(errno, EPERM, "%s", strerror(errno));
-	/* The client writes gradients ... */
 	map = mmap(NULL, (size_t)st.st_size, PROT_READ | PROT_WRITE, MAP_SHARED, grad, 0);
 	cr_assert_neq(map, MAP_FAILED, "grad slot: %s", strerror(errno));
 	munmap(map, (size_t)st.st_size);
-	/* ... and only reads parameters. */
-	errno = 0;
-	map = mmap(NULL, (size_t)st.st_size, PROT_READ | PROT_WRITE, MAP_SHARED, param, 0);
-	cr_assert_eq(map, MAP_FAILED, "the param slot could be mapped writable");
-	cr_assert_eq(errno, EPERM, "%s", strerror(errno));
-	cr_assert_eq(pwrite(param, &byte, 1, 0), -1, "the param slot could be written");
-	/* Nor can the seals be taken off. */
-	cr_assert_eq(fcntl(grad, F_GET_SEALS) & F_SEAL_SEAL, F_SEAL_SEAL);
+	/* ... and only reads parameters, by any means its descriptor gives it. */
+	how = write_param_slot(param, (size_t)st.st_size, false);
+	cr_assert_null(how, "the param slot could be written by %s", how);
+	/* Not sealed against writes: the daemon's own descriptor maps it again after a restart. */
+	cr_assert_eq(fcntl(param, F_GET_SEALS) & F_SEAL_WRITE, 0);
+	close(grad);
+	close(param);
+	close(fd);
+	expect_serving();
+	cr_assert_eq(itd_stop(&daemon_, 10), 0, "%s", itd_log_text(&daemon_));
+}
+
+struct param_try {
+	int param;
+	size_t bytes;
+};
+
+static void
+try_write_param(void *arg, struct svc_report *out)
+{
+	const struct param_try *p = arg;
+	const char *how = write_param_slot(p->param, p->bytes, true);
+
+	out->result = how == NULL ? 0 : -1;
+	snprintf(out->text, sizeof(out->text), "%s", how == NULL ? "" : how);
+}
+
+Test(hostile, param_slot_read_only_to_another_uid)
+{
+	struct svc_report rep;
+	struct param_try p;
+	int fd, grad, param;
+	struct stat st;
+
+	if (geteuid() != 0)
+		cr_skip_test("needs root to hold the slot as a second uid");
+	itd_start(&daemon_, NULL);
+	register_slots(&fd, &grad, &param);
+	cr_assert_eq(fstat(param, &st), 0);
+	p = (struct param_try){ .param = param, .bytes = (size_t)st.st_size };
+	svc_in_child(65534, try_write_param, &p, &rep);
+	cr_assert_eq(rep.result, 0, "the param slot could be written by %s", rep.text);
 	close(grad);
 	close(param);
 	close(fd);
