@@ -590,13 +590,13 @@ run_formats(const struct opts *o, enum zk_isa isa)
 			continue;
 		}
 		if (o->pinned_tier) {
-			printf("  %-13s %5.2f B/param pinned  step %6.3f s (mean %.3f)  %6.1f Mparams/s"
+			printf("  %-14s %5.2f B/param pinned  step %6.3f s (mean %.3f)  %6.1f Mparams/s"
 			    "  speedup %.2fx  compute bound %.3f s (step/bound %.2f)\n", name,
 			    zk_state_bytes(fs[i], 1000000) / 1e6, runs[i].best_s, runs[i].mean_s,
 			    tput / 1e6, tput / fp32_tput, compute_s[i], runs[i].best_s / compute_s[i]);
 			continue;
 		}
-		printf("  %-13s %5.2f B/param on NVMe  step %6.3f s (mean %.3f)  %6.1f Mparams/s  "
+		printf("  %-14s %5.2f B/param on NVMe  step %6.3f s (mean %.3f)  %6.1f Mparams/s  "
 		    "speedup %.2fx  I/O bound %.3f s (step/bound %.2f)  compute bound %.3f s  read "
 		    "%.0f MiB, wrote %.0f MiB per step\n", name, bytes / params, runs[i].best_s,
 		    runs[i].mean_s, tput / 1e6, tput / fp32_tput, io_s, runs[i].best_s / io_s,
