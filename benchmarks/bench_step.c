@@ -95,7 +95,7 @@ usage(void)
 	    "usage: bench_step [--daemon PATH] [--dir DIR] [--pinned-budget SIZE] [--state SIZE]\n"
 	    "                  [--tensors N] [--steps N] [--threads N] [--staging N]\n"
 	    "                  [--chunk-elements N] [--queue-depth N] [--block-size SIZE] [--json]\n"
-	    "                  [--formats fp32,bf16-moments,q8-moments [--pinned-tier]]\n");
+	    "                  [--formats fp32,bf16-moments,q8-moments,bf16-master+q8 [--pinned-tier]]\n");
 }
 
 static int
@@ -468,19 +468,27 @@ qcompute_bound(const struct opts *o, enum zk_isa isa, enum zk_state_format f)
 		uint64_t n = tensor_numel(o, k);
 		size_t mb = zk_state_moment_bytes(f, n), nb = zk_state_blocks(f, n) + 1;
 		/* calloc: zero moments and scales decode to zero state, a fresh tensor's. */
-		float *master = calloc(n, sizeof(float));
-		float *sc = f == ZK_STATE_Q8 ? calloc(2 * nb, sizeof(float)) : NULL;
+		/* master: float[n], or uint16_t[n] bf16 for bf16-master+q8. */
+		void *master = calloc(zk_state_master_bytes(f, n), 1);
+		bool blocked = zk_state_blocks(f, 1) > 0;
+		float *sc = blocked ? calloc(2 * nb, sizeof(float)) : NULL;
 		void *m = calloc(mb + 64, 1), *v = calloc(mb + 64, 1);
 		uint16_t *grad = calloc(n, 2), *param = calloc(n, 2);
 
-		if (master == NULL || (f == ZK_STATE_Q8 && sc == NULL) || m == NULL || v == NULL ||
+		if (master == NULL || (blocked && sc == NULL) || m == NULL || v == NULL ||
 		    grad == NULL || param == NULL)
 			die("out of memory for the compute bound");
 		ts[k] = (struct zk_qtensor){ .format = f, .master = master, .m = m, .v = v,
-			.m_scale = sc, .v_scale = sc != NULL ? sc + nb : NULL, .grad = grad, .grad_dtype = ZK_DTYPE_BF16, .param = param,
-			.param_dtype = ZK_DTYPE_BF16, .n = n };
+			.m_scale = sc, .v_scale = sc != NULL ? sc + nb : NULL, .grad = grad,
+			.grad_dtype = ZK_DTYPE_BF16, .param = param, .param_dtype = ZK_DTYPE_BF16,
+			.n = n };
 		for (uint64_t i = 0; i < n; i++) {
-			master[i] = (float)((int)(i % 2001) - 1000) * 1e-3f;
+			float w = (float)((int)(i % 2001) - 1000) * 1e-3f;
+
+			if (f == ZK_STATE_BF16_Q8)
+				ts[k].master_bf16[i] = zk_f32_to_bf16(w);
+			else
+				ts[k].master[i] = w;
 			grad[i] = zk_f32_to_bf16((float)((int)(i % 977) - 488) * 1e-5f);
 		}
 	}
@@ -530,7 +538,8 @@ run_formats(const struct opts *o, enum zk_isa isa)
 		enum zk_state_format f;
 
 		if (zk_state_format_parse(tok, &f) < 0)
-			die("--formats: unknown state format '%s' (fp32, bf16-moments, q8-moments)", tok);
+			die("--formats: unknown state format '%s' (fp32, bf16-moments, q8-moments, "
+			    "bf16-master+q8)", tok);
 		for (unsigned i = 0; i < n && f != ZK_STATE_FP32; i++)
 			if (fs[i] == f)
 				f = ZK_STATE_FP32;
@@ -581,13 +590,13 @@ run_formats(const struct opts *o, enum zk_isa isa)
 			continue;
 		}
 		if (o->pinned_tier) {
-			printf("  %-13s %5.2f B/param pinned  step %6.3f s (mean %.3f)  %6.1f Mparams/s"
+			printf("  %-14s %5.2f B/param pinned  step %6.3f s (mean %.3f)  %6.1f Mparams/s"
 			    "  speedup %.2fx  compute bound %.3f s (step/bound %.2f)\n", name,
 			    zk_state_bytes(fs[i], 1000000) / 1e6, runs[i].best_s, runs[i].mean_s,
 			    tput / 1e6, tput / fp32_tput, compute_s[i], runs[i].best_s / compute_s[i]);
 			continue;
 		}
-		printf("  %-13s %5.2f B/param on NVMe  step %6.3f s (mean %.3f)  %6.1f Mparams/s  "
+		printf("  %-14s %5.2f B/param on NVMe  step %6.3f s (mean %.3f)  %6.1f Mparams/s  "
 		    "speedup %.2fx  I/O bound %.3f s (step/bound %.2f)  compute bound %.3f s  read "
 		    "%.0f MiB, wrote %.0f MiB per step\n", name, bytes / params, runs[i].best_s,
 		    runs[i].mean_s, tput / 1e6, tput / fp32_tput, io_s, runs[i].best_s / io_s,

@@ -170,9 +170,11 @@ struct zc_job_options {
 	 * later rank naming another is refused): NULL or "" for the daemon's
 	 * memory.state_format; "fp32"; "bf16-moments" (m and v in bf16) or
 	 * "q8-moments" (m and v in 8 bits per 256-element block), both with an
-	 * fp32 master, stepping AdamW and Adam only, in about 20 or 16 bytes
-	 * moved per parameter where fp32 moves 28.  zc_tensor_read/write of
-	 * exp_avg and exp_avg_sq stay fp32: a write is quantized.  An unknown
+	 * fp32 master, or "bf16-master+q8" (q8 m and v, master in bf16 rounded
+	 * stochastically by the step), stepping AdamW and Adam only, in about
+	 * 20, 16 or 12 bytes moved per parameter where fp32 moves 28.
+	 * zc_tensor_read/write stay fp32: a write of exp_avg or exp_avg_sq is
+	 * quantized, one of a bf16 master rounded to nearest even.  An unknown
 	 * name is refused with the list.  Since ZCLIENT_0.2 (zc_job_open_opts
 	 * of ZCLIENT_0.1 takes the struct without it).
 	 */

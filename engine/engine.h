@@ -215,7 +215,9 @@ int ze_tensor_set_step(struct ze_tensor *t, uint64_t step);
  * moments are decoded on a read and encoded on a write, so a write of m or v
  * is quantized (and re-encodes the rest of the 256-element blocks it
  * touches).  1: done now; 0: queued, io_done reports; < 0: refused.
- * Writing master also writes the param slot.
+ * Writing master also writes the param slot; a bf16 master (bf16-master+q8)
+ * is written rounded to nearest even (a conversion: only steps round
+ * stochastically), and the param slot gets the rounded value.
  */
 int ze_tensor_io(struct ze_tensor *t, bool write, enum ze_state which, uint64_t offset,
     uint64_t count, void *buf, uint32_t lane, uint64_t id);
@@ -341,8 +343,9 @@ struct ze_stats {
 	uint64_t pinned_steps;		/* tensor steps served from the pinned tier */
 	uint64_t nvme_steps;
 	/*
-	 * Optimizer state stepped, in bytes (master, m and v: 12 per element,
-	 * whatever the optimizer uses of them), by the tier that served it: the
+	 * Optimizer state stepped, in bytes (zk_state_bytes of the format: for
+	 * fp32 master, m and v, 12 per element, whatever the optimizer uses of
+	 * them), by the tier that served it: the
 	 * pinned hit rate is their share, so a 1 GiB tensor on NVMe weighs more
 	 * than a pinned bias.
 	 */

@@ -63,16 +63,21 @@ struct ze_tensor {
 	/*
 	 * pinned: master, m, v, the scales (and the param store) in one arena
 	 * allocation, laid out by ze_layout_of for the format; m and v are
-	 * float[] for fp32, uint16_t[] for bf16-moments, uint8_t[] for q8-moments.
+	 * float[] for fp32, uint16_t[] for bf16-moments, uint8_t[] for q8-moments
+	 * and bf16-master+q8; master is float[] except for bf16-master+q8, whose
+	 * uint16_t[] bf16 master is master_bf16 (never use master as floats then).
 	 */
 	enum zk_state_format format;
 	void *state;
 	size_t state_bytes;		/* pinned allocation, or the extent's bytes on NVMe */
 	bool state_pinned;
-	float *master;
+	union {
+		float *master;
+		uint16_t *master_bf16;
+	};
 	void *m;
 	void *v;
-	float *m_scale;			/* q8-moments only, else NULL */
+	float *m_scale;			/* q8-moments and bf16-master+q8, else NULL */
 	float *v_scale;
 	struct ze_shm grad_slot;
 	struct ze_shm param_slot;
@@ -223,6 +228,13 @@ uint64_t ze_tensor_pinned_bytes(const struct ze_tensor *t);
 /* The param slot mirrors master: elements [offset, offset + count) from src. */
 void ze_tensor_write_param(struct ze_tensor *t, uint64_t offset, uint64_t count,
     const float *src);
+/*
+ * The same from master in q's format, q's element at being the tensor's
+ * element offset: fp32 masters through ze_tensor_write_param, a bf16 master
+ * (bf16-master+q8) as its exact value in the param dtype.
+ */
+void ze_tensor_param_from_master(struct ze_tensor *t, uint64_t offset, uint64_t count,
+    const struct zk_qtensor *q, size_t at);
 /* Master elements [offset, offset + count) hold initial values now. */
 void ze_tensor_mark_init(struct ze_tensor *t, uint64_t offset, uint64_t count);
 uint64_t ze_unit_len(const struct ze_tensor *t, uint64_t unit);

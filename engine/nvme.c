@@ -121,6 +121,8 @@ chunk_view(const struct ze_tensor *t, uint64_t c, void *buf, struct zk_qtensor *
 
 	ze_layout_of(t->format, chunk_stride(t, c), false, &l);
 	ze_state_view(t->format, buf, &l, chunk_len(t, c), ret);
+	/* bf16-master+q8 rounds by the element's index in the whole tensor. */
+	ret->base = c * t->chunk_elements;
 }
 
 int
@@ -387,7 +389,7 @@ xfer_chunk_coded(struct ze_engine *e, struct chunk_io *io, uint64_t from, uint64
 		return;
 	}
 	if (all || w->state == ZE_STATE_MASTER)
-		ze_tensor_write_param(t, from, to - from, q.master + (from - first));
+		ze_tensor_param_from_master(t, from, to - from, &q, from - first);
 	write_back(e, io);
 }
 

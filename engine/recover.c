@@ -288,11 +288,13 @@ block_spans(const struct zk_qtensor *q, size_t slice_off, size_t begin, size_t e
     struct jspan s[J_ARRAYS])
 {
 	size_t ms = zk_state_moment_bytes(q->format, 1), n = end - begin;
+	size_t mas = zk_state_master_bytes(q->format, 1);
 	size_t b0 = begin / ZK_Q8_BLOCK, nb = zk_state_blocks(q->format, n);
 	size_t e0 = slice_off + begin, sb0 = e0 / ZK_Q8_BLOCK;
 
-	s[J_MASTER] = (struct jspan){ (char *)(q->master + e0),
-		JOURNAL_HEADER + begin * sizeof(float), n * sizeof(float) };
+	/* bf16-master+q8's master is 2 bytes an element (its copy sits at the array's start). */
+	s[J_MASTER] = (struct jspan){ (char *)q->master + e0 * mas,
+		JOURNAL_HEADER + begin * mas, n * mas };
 	s[J_M] = (struct jspan){ (char *)q->m + e0 * ms,
 		JOURNAL_HEADER + JOURNAL_ARRAY + begin * ms, n * ms };
 	s[J_V] = (struct jspan){ (char *)q->v + e0 * ms,

@@ -19,13 +19,16 @@ round_up(size_t x, size_t a)
  * to back and the whole rounded to 4 KiB for direct I/O; fp32 chunks of a
  * multiple of 1024 elements come out 12 bytes an element with no rounding.
  * The scales follow v; q8 arrays of `elements` (a multiple of 256) have
- * elements / 256 of them.
+ * elements / 256 of them.  master is zk_state_master_bytes long: 4 bytes an
+ * element, 2 for bf16-master+q8 (whose m then starts at 2 * elements, and
+ * the scales at 4 * elements, still float aligned).
  */
 void
 ze_layout_of(enum zk_state_format f, size_t elements, bool pad, struct ze_layout *ret)
 {
 	size_t ms = zk_state_moment_bytes(f, elements), nb = zk_state_blocks(f, elements);
-	size_t mb = pad ? round_up(4 * elements, 4096) + 4160 : 4 * elements;
+	size_t mab = zk_state_master_bytes(f, elements);
+	size_t mb = pad ? round_up(mab, 4096) + 4160 : mab;
 	size_t qb = pad ? round_up(ms, 4096) + 4160 : ms;
 	size_t sb = pad ? round_up(nb * sizeof(float), 64) : nb * sizeof(float);
 
@@ -45,15 +48,17 @@ void
 ze_state_view(enum zk_state_format f, void *base, const struct ze_layout *l, size_t n,
     struct zk_qtensor *ret)
 {
+	bool blocked = zk_state_blocks(f, 1) > 0;
 	char *p = base;
 
+	/* master is float[] or, for bf16-master+q8, uint16_t[] through master_bf16 (a union). */
 	*ret = (struct zk_qtensor){
 		.format = f,
 		.master = (float *)(p + l->master),
 		.m = p + l->m,
 		.v = p + l->v,
-		.m_scale = f == ZK_STATE_Q8 ? (float *)(p + l->m_scale) : NULL,
-		.v_scale = f == ZK_STATE_Q8 ? (float *)(p + l->v_scale) : NULL,
+		.m_scale = blocked ? (float *)(p + l->m_scale) : NULL,
+		.v_scale = blocked ? (float *)(p + l->v_scale) : NULL,
 		.n = n,
 	};
 }
@@ -92,7 +97,7 @@ static int
 qstate_rw(const struct zk_qtensor *q, bool write, unsigned mask, size_t from, size_t count,
     float *const dst[3])
 {
-	size_t align = q->format == ZK_STATE_Q8 ? ZK_Q8_BLOCK : 1, done = 0;
+	size_t align = zk_state_blocks(q->format, 1) > 0 ? ZK_Q8_BLOCK : 1, done = 0;
 	float *buf = NULL, *scratch = NULL;
 	int r = 0;
 
@@ -157,7 +162,16 @@ ze_state_rw(const struct zk_qtensor *q, bool write, unsigned mask, size_t from, 
 {
 	if (from > q->n || count > q->n - from)
 		return -ERANGE;
-	if (mask & 1u) {
+	if ((mask & 1u) && q->format == ZK_STATE_BF16_Q8) {
+		/* Element by element: no block alignment.  A write rounds to nearest even. */
+		struct zk_qtensor mq = { .format = q->format, .master_bf16 = q->master_bf16 + from,
+			.n = count };
+		int r = write ? zk_qstate_master_encode(&mq, bufs[0]) :
+		    zk_qstate_master_decode(&mq, bufs[0]);
+
+		if (r < 0)
+			return r;
+	} else if (mask & 1u) {
 		if (write)
 			memcpy(q->master + from, bufs[0], count * sizeof(float));
 		else

@@ -126,7 +126,7 @@ batch_take(struct ze_batch *b, uint64_t step, enum zk_optim hp_optim,
 		b->count = i + 1;
 		/* The gradient pass reads grads only; a compressed state steps through qview. */
 		b->views[i] = (struct zk_tensor){
-			.master = t->master,
+			.master = t->format == ZK_STATE_FP32 ? t->master : NULL,
 			.m = t->format == ZK_STATE_FP32 ? t->m : NULL,
 			.v = t->format == ZK_STATE_FP32 ? t->v : NULL,
 			.grad = t->grad_slot.map,

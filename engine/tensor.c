@@ -440,6 +440,37 @@ ze_tensor_write_param(struct ze_tensor *t, uint64_t offset, uint64_t count, cons
 	}
 }
 
+void
+ze_tensor_param_from_master(struct ze_tensor *t, uint64_t offset, uint64_t count,
+    const struct zk_qtensor *q, size_t at)
+{
+	const uint16_t *src;
+
+	if (q->format != ZK_STATE_BF16_Q8) {
+		ze_tensor_write_param(t, offset, count, q->master + at);
+		return;
+	}
+	/* The step writes param as the bf16 master's value: the same here, exactly. */
+	ze_param_flags(t, t->param_resident, true);
+	src = q->master_bf16 + at;
+	switch (t->param_dtype) {
+	case ZK_DTYPE_F32:
+		for (uint64_t i = 0; i < count; i++)
+			((float *)t->param_slot.map)[offset + i] = zk__bf16_to_f32(src[i]);
+		break;
+	case ZK_DTYPE_BF16:
+		memcpy((uint16_t *)t->param_slot.map + offset, src, count * sizeof(uint16_t));
+		break;
+	case ZK_DTYPE_F16:
+		for (uint64_t i = 0; i < count; i++)
+			((uint16_t *)t->param_slot.map)[offset + i] =
+			    zk__f32_to_f16(zk__bf16_to_f32(src[i]));
+		break;
+	default:
+		break;
+	}
+}
+
 int
 ze_tensor_io(struct ze_tensor *t, bool write, enum ze_state which, uint64_t offset,
     uint64_t count, void *buf, uint32_t lane, uint64_t id)
@@ -464,7 +495,7 @@ ze_tensor_io(struct ze_tensor *t, bool write, enum ze_state which, uint64_t offs
 		return r;
 	/* The param slot always mirrors the master weights. */
 	if (write && which == ZE_STATE_MASTER) {
-		ze_tensor_write_param(t, offset, count, t->master + offset);
+		ze_tensor_param_from_master(t, offset, count, &q, offset);
 		ze_tensor_mark_init(t, offset, count);
 	}
 	return 1;
@@ -529,7 +560,7 @@ ze_tensor_write_all(struct ze_tensor *t, uint64_t offset, uint64_t count, const 
 	r = ze_state_rw(&q, true, 7u, offset, count, bufs);
 	if (r < 0)
 		return r;
-	ze_tensor_write_param(t, offset, count, t->master + offset);
+	ze_tensor_param_from_master(t, offset, count, &q, offset);
 	ze_tensor_mark_init(t, offset, count);
 	return 1;
 }

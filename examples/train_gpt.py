@@ -73,7 +73,8 @@ def main():
                     help="pinned bytes for the job's state; the rest goes to the swap dir")
     ap.add_argument("--policy", default="auto", choices=["auto", "cpu", "nvme"])
     ap.add_argument("--state-format", default=None,
-                    help="how zoffloadd keeps the state: fp32, bf16-moments, q8-moments "
+                    help="how zoffloadd keeps the state: fp32, bf16-moments, q8-moments, "
+                         "bf16-master+q8 "
                          "(default: its memory.state_format)")
     ap.add_argument("--text", default=os.path.join(HERE, "data", "shakespeare.txt"))
     args = ap.parse_args()

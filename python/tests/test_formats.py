@@ -14,7 +14,7 @@ import zhelpers
 import zoffload.torch as zt
 
 STEPS = 60
-FORMATS = ["bf16-moments", "q8-moments"]
+FORMATS = ["bf16-moments", "q8-moments", "bf16-master+q8"]
 
 
 def eval_loss(m):
@@ -90,5 +90,19 @@ def test_nvme_tier(make_daemon):
     nvme, opt = trained(d, zt.AdamW, "q8-moments", "nvme", policy="nvme")
     for p, q in zip(nvme.parameters(), pinned.parameters()):
         assert torch.equal(p, q)
+    opt.close()
+    popt.close()
+
+
+def test_nvme_tier_bf16_master(make_daemon):
+    """bf16-master+q8's stochastic rounding follows the element, not the chunk: the same bits."""
+    d = make_daemon(swap=True)
+    pinned, popt = trained(d, zt.AdamW, "bf16-master+q8", "pin", policy="cpu")
+    nvme, opt = trained(d, zt.AdamW, "bf16-master+q8", "nvme", policy="nvme")
+    for p, q in zip(nvme.parameters(), pinned.parameters()):
+        assert torch.equal(p, q)
+    # The params are the bf16 master: every value is a bf16 value.
+    for p in nvme.parameters():
+        assert torch.equal(p.detach().to(torch.bfloat16).to(p.dtype), p.detach())
     opt.close()
     popt.close()

@@ -21,8 +21,10 @@ plus zoffload's own (keyword only):
 - ``state_format``: how the daemon keeps the job's state (default: its
   ``memory.state_format``): ``"fp32"``; ``"bf16-moments"`` or ``"q8-moments"``, exp_avg and
   exp_avg_sq in 16 or 8 bits (per 256-element block) with an fp32 master, for AdamW and Adam:
-  fewer bytes per step and on the tiers, at the moments' precision.  ``state_dict()`` gives
-  the moments in fp32 as the format decoded them; ``load_state_dict()`` quantizes them.
+  fewer bytes per step and on the tiers, at the moments' precision; ``"bf16-master+q8"``
+  also keeps the master weights in bf16, rounded stochastically each step (the params are
+  that bf16 value; writing master weights rounds them to nearest).  ``state_dict()`` gives
+  the state in fp32 as the format decoded it; ``load_state_dict()`` quantizes it.
   The job's first rank decides; ``state_format`` on the optimizer is what the daemon chose.
 - ``grad_dtype``: what gradients are handed over in (default: the param's dtype).
 - ``overlap``: submit each param's step from a gradient hook as soon as backward produced

@@ -224,7 +224,8 @@ same_as_kernel(bool nvme, enum zk_state_format f, enum zk_optim o)
 	cr_assert_eq(xfer(&g, t, true, ZE_STATE_MASTER, 0, N, init), 0);
 	cr_assert_eq(xfer(&g, t, true, ZE_STATE_EXP_AVG, 0, N, m0), 0);
 	cr_assert_eq(xfer(&g, t, true, ZE_STATE_EXP_AVG_SQ, 0, N, v0), 0);
-	memcpy(ref.master, init, sizeof(init));
+	/* bf16-master+q8: the engine's master write rounds to nearest, as master_encode does. */
+	cr_assert_eq(zk_qstate_master_encode(&ref.q, init), 0);
 	cr_assert_eq(zk_qstate_encode(&ref.q, m0, v0), 0);
 	for (uint64_t s = 1; s <= 3; s++) {
 		struct zk_hparams hp = hparams(o, s);
@@ -237,7 +238,8 @@ same_as_kernel(bool nvme, enum zk_state_format f, enum zk_optim o)
 		cr_assert_eq(zk_qstep(zk_isa_best(), &hp, &ref.q, 0, N), 0);
 	}
 	cr_assert_eq(xfer(&g, t, false, ZE_STATE_MASTER, 0, N, got), 0);
-	cr_assert_eq(memcmp(got, ref.master, sizeof(got)), 0, "%s %s: master differs",
+	cr_assert_eq(zk_qstate_master_decode(&ref.q, want), 0);
+	cr_assert_eq(memcmp(got, want, sizeof(got)), 0, "%s %s: master differs",
 	    nvme ? "nvme" : "pinned", zk_state_format_name(f));
 	cr_assert_eq(memcmp(ze_tensor_param_slot(t), ref.param, sizeof(ref.param)), 0,
 	    "param slot differs");
@@ -256,6 +258,11 @@ Test(formats, pinned_q8_adam_steps_as_the_kernel) { same_as_kernel(false, ZK_STA
 Test(formats, nvme_bf16_steps_as_the_kernel) { same_as_kernel(true, ZK_STATE_BF16, ZK_OPTIM_ADAMW); }
 Test(formats, nvme_q8_steps_as_the_kernel) { same_as_kernel(true, ZK_STATE_Q8, ZK_OPTIM_ADAMW); }
 Test(formats, nvme_q8_adam_steps_as_the_kernel) { same_as_kernel(true, ZK_STATE_Q8, ZK_OPTIM_ADAM); }
+/* A wrong base on a chunk or slice rounds the bf16 master with other bits: caught here. */
+Test(formats, pinned_bf16_q8_steps_as_the_kernel) { same_as_kernel(false, ZK_STATE_BF16_Q8, ZK_OPTIM_ADAMW); }
+Test(formats, pinned_bf16_q8_adam_steps_as_the_kernel) { same_as_kernel(false, ZK_STATE_BF16_Q8, ZK_OPTIM_ADAM); }
+Test(formats, nvme_bf16_q8_steps_as_the_kernel) { same_as_kernel(true, ZK_STATE_BF16_Q8, ZK_OPTIM_ADAMW); }
+Test(formats, nvme_bf16_q8_adam_steps_as_the_kernel) { same_as_kernel(true, ZK_STATE_BF16_Q8, ZK_OPTIM_ADAM); }
 
 /* Budgets see the compressed bytes: a q8 tensor is charged about 6 of fp32's 12 bytes. */
 Test(formats, charges_and_moves_the_compressed_bytes)
@@ -427,6 +434,9 @@ whole_state(bool nvme, enum zk_state_format f)
 		cr_assert_eq(memcmp(out + (size_t)w * 2000, one, 2000 * sizeof(float)), 0,
 		    "array %d differs", w);
 	}
+	/* bf16-master+q8 keeps master rounded to nearest bf16. */
+	for (size_t i = 0; i < 2000 && f == ZK_STATE_BF16_Q8; i++)
+		in[CHUNK - 100 + i] = zk_bf16_to_f32(zk_f32_to_bf16(in[CHUNK - 100 + i]));
 	cr_assert_eq(memcmp(out, in + CHUNK - 100, 2000 * sizeof(float)), 0, "master changed");
 	ze_tensor_free(a);
 	ze_tensor_free(b);
@@ -436,6 +446,64 @@ whole_state(bool nvme, enum zk_state_format f)
 Test(formats, pinned_q8_whole_state) { whole_state(false, ZK_STATE_Q8); }
 Test(formats, nvme_q8_whole_state) { whole_state(true, ZK_STATE_Q8); }
 Test(formats, nvme_bf16_whole_state) { whole_state(true, ZK_STATE_BF16); }
+Test(formats, pinned_bf16_q8_whole_state) { whole_state(false, ZK_STATE_BF16_Q8); }
+Test(formats, nvme_bf16_q8_whole_state) { whole_state(true, ZK_STATE_BF16_Q8); }
+
+/*
+ * bf16-master+q8: master is 2 bytes an element on both tiers (4.03 B/param
+ * of state), a master write rounds to nearest even, and the param slot in
+ * any dtype is the bf16 master's value.
+ */
+static void
+bf16_master(bool nvme)
+{
+	static float in[N], got[N];
+	enum zk_state_format f = ZK_STATE_BF16_Q8;
+	struct ze_account *job;
+	uint64_t pinned, swap;
+	struct ze_tensor *t;
+	struct rig g;
+	char err[256];
+	int r;
+
+	rig_start(&g, nvme);
+	cr_assert_eq(ze_account_new(&(struct ze_account_limits){ 0 }, &job), 0);
+	r = ze_tensor_new(g.e, &(struct ze_tensor_desc){ .name = "w", .numel = N,
+		.grad_dtype = ZK_DTYPE_BF16, .param_dtype = ZK_DTYPE_F32,
+		.policy = nvme ? ZE_POLICY_NVME : ZE_POLICY_CPU, .state_format = f }, job, NULL,
+	    &g, &t, err, sizeof(err));
+	cr_assert_eq(r, 0, "%s", err);
+	cr_assert_eq(ze_tensor_state_bytes(t), zk_state_bytes(f, N));
+	cr_assert_eq(zk_state_bytes(f, N), 4 * N + 8 * ((N + 255) / 256));
+	ze_account_usage(job, &pinned, &swap);
+	if (nvme)
+		cr_assert_leq(swap, 4 * (zk_state_bytes(f, CHUNK) + 4096), "%llu",
+		    (unsigned long long)swap);	/* 4 chunks, each 4 KiB rounded */
+	else
+		cr_assert_lt(pinned, zk_state_bytes(f, N) + 32768, "%llu",
+		    (unsigned long long)pinned);
+	fill(in, N, 31, 3.0f);
+	in[5] = 1.0f + 0x1.8p-8f;	/* a tie: to even, 1.0 + 2^-7 */
+	in[6] = 1.0f + 0x1.0p-8f;	/* a tie: to even, 1.0 */
+	cr_assert_eq(xfer(&g, t, true, ZE_STATE_MASTER, 0, N, in), 0);
+	cr_assert_eq(xfer(&g, t, false, ZE_STATE_MASTER, 0, N, got), 0);
+	cr_assert_eq(got[5], 1.0f + 0x1.0p-7f);
+	cr_assert_eq(got[6], 1.0f);
+	for (size_t i = 0; i < N; i++) {
+		cr_assert_eq(got[i], zk_bf16_to_f32(zk_f32_to_bf16(in[i])), "master[%zu]", i);
+		cr_assert_eq(((const float *)ze_tensor_param_slot(t))[i], got[i], "param[%zu]", i);
+	}
+	cr_assert_eq(step(&g, t, ZK_OPTIM_ADAMW, 1, err, sizeof(err)), 0, "%s", err);
+	cr_assert_eq(xfer(&g, t, false, ZE_STATE_MASTER, 0, N, got), 0);
+	for (size_t i = 0; i < N; i++)
+		cr_assert_eq(((const float *)ze_tensor_param_slot(t))[i], got[i], "param[%zu]", i);
+	ze_tensor_free(t);
+	ze_account_unref(job);
+	rig_stop(&g);
+}
+
+Test(formats, pinned_bf16_master_rounds_and_mirrors) { bf16_master(false); }
+Test(formats, nvme_bf16_master_rounds_and_mirrors) { bf16_master(true); }
 
 Test(formats, unknown_format_is_refused)
 {

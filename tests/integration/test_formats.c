@@ -93,7 +93,8 @@ same_as_kernel(enum zc_policy policy, const char *format, enum zk_state_format f
 	fill(init, N, 1, 2.0f);
 	memset(m, 0, sizeof(m));
 	memset(v, 0, sizeof(v));
-	memcpy(master, init, sizeof(init));
+	/* Registration's initial master: bf16-master+q8 rounds it to nearest even. */
+	cr_assert_eq(zk_qstate_master_encode(&q, init), 0);
 	cr_assert_eq(zk_qstate_encode(&q, m, v), 0);
 	cr_assert_eq(zc_tensor_register(c, &desc, init, &t), 0, "%s", zc_errmsg(c));
 	for (uint64_t s = 1; s <= STEPS; s++) {
@@ -110,7 +111,8 @@ same_as_kernel(enum zc_policy policy, const char *format, enum zk_state_format f
 		cr_assert_eq(zk_qstep(ZK_ISA_SCALAR, &hp, &q, 0, N), 0);
 	}
 	cr_assert_eq(zc_tensor_read(t, ZC_STATE_MASTER, 0, N, got), 0, "%s", zc_errmsg(c));
-	cr_assert_eq(memcmp(got, master, sizeof(got)), 0, "%s: master differs from the kernel's",
+	cr_assert_eq(zk_qstate_master_decode(&q, init), 0);
+	cr_assert_eq(memcmp(got, init, sizeof(got)), 0, "%s: master differs from the kernel's",
 	    format);
 	cr_assert_eq(memcmp(zc_tensor_param_slot(t, NULL), param, sizeof(param)), 0);
 	cr_assert_eq(zk_qstate_decode(&q, m, v), 0);
@@ -136,6 +138,16 @@ Test(formats, q8_pinned_steps_as_the_kernel)
 Test(formats, bf16_on_nvme_steps_as_the_kernel)
 {
 	same_as_kernel(ZC_POLICY_NVME, "bf16-moments", ZK_STATE_BF16);
+}
+
+Test(formats, bf16_q8_on_nvme_steps_as_the_kernel)
+{
+	same_as_kernel(ZC_POLICY_NVME, "bf16-master+q8", ZK_STATE_BF16_Q8);
+}
+
+Test(formats, bf16_q8_pinned_steps_as_the_kernel)
+{
+	same_as_kernel(ZC_POLICY_CPU, "bf16-master+q8", ZK_STATE_BF16_Q8);
 }
 
 /* No state_format: memory.state_format of the configuration (bf16-moments here). */
@@ -422,4 +434,58 @@ Test(formats, zclient_0_1_job_options)
 	cr_assert_str_eq(zc_job_state_format(c), "bf16-moments");
 	cr_assert_eq(itd_stat(c, "jobs.0.pinned_bytes"), 0);
 	zc_disconnect(c);
+}
+
+/*
+ * bf16-master+q8 through a checkpoint: saved from NVMe and restored pinned, the master comes
+ * back bit for bit (its bf16 values written back round to themselves), the params with it,
+ * and both jobs take the next step to the same bits.
+ */
+Test(formats, bf16_master_checkpoint_round_trip)
+{
+	enum { M = 5000 };
+	static float init[M], g[M], a[M], b[M];
+	struct zc_tensor_desc desc = { .name = "w", .numel = M, .grad_dtype = ZC_F32,
+		.param_dtype = ZC_F32 };
+	struct zc_step_params sp = params(ZC_ADAMW, 1);
+	struct zc_checkpoint_entry entry;
+	struct zc_conn *c = open_job("bsave", ZC_POLICY_NVME, "bf16-master+q8"), *c2;
+	struct zc_checkpoint *ck;
+	struct zc_tensor *t, *t2;
+	char dir[] = "/tmp/zoff-formats-ckpt-XXXXXX", cmd[256];
+
+	cr_assert_not_null(mkdtemp(dir));
+	fill(init, M, 7, 1.0f);
+	fill(g, M, 8, 0.1f);
+	cr_assert_eq(zc_tensor_register(c, &desc, init, &t), 0, "%s", zc_errmsg(c));
+	memcpy(zc_tensor_grad_slot(t, NULL), g, sizeof(g));
+	cr_assert_eq(zc_step_submit(c, &sp, &t, 1), 0, "%s", zc_errmsg(c));
+	cr_assert_eq(zc_wait_all(c, NULL), 0, "%s", zc_errmsg(c));
+	entry = (struct zc_checkpoint_entry){ .tensor = t };
+	cr_assert_eq(zc_checkpoint_save(c, dir, &entry, 1, &sp), 0, "%s", zc_errmsg(c));
+	c2 = open_job("bload", ZC_POLICY_CPU, "bf16-master+q8");
+	cr_assert_eq(zc_checkpoint_open(c2, dir, &ck), 0, "%s", zc_errmsg(c2));
+	cr_assert_eq(zc_tensor_register_checkpoint(c2, &desc, ck, NULL, ZC_ADAMW, &t2), 0, "%s",
+	    zc_errmsg(c2));
+	zc_checkpoint_close(ck);
+	cr_assert_eq(zc_tensor_read(t, ZC_STATE_MASTER, 0, M, a), 0, "%s", zc_errmsg(c));
+	cr_assert_eq(zc_tensor_read(t2, ZC_STATE_MASTER, 0, M, b), 0, "%s", zc_errmsg(c2));
+	cr_assert_eq(memcmp(a, b, sizeof(a)), 0, "the restored master differs");
+	cr_assert_eq(memcmp(zc_tensor_param_slot(t2, NULL), b, sizeof(b)), 0);
+	for (size_t i = 0; i < M; i++)
+		cr_assert_eq(a[i], zk_bf16_to_f32(zk_f32_to_bf16(a[i])), "master[%zu] not bf16", i);
+	/* The next step: the same bits from the saved job and the restored one. */
+	sp = params(ZC_ADAMW, 2);
+	memcpy(zc_tensor_grad_slot(t, NULL), g, sizeof(g));
+	memcpy(zc_tensor_grad_slot(t2, NULL), g, sizeof(g));
+	cr_assert_eq(zc_step_submit(c, &sp, &t, 1), 0, "%s", zc_errmsg(c));
+	cr_assert_eq(zc_wait_all(c, NULL), 0, "%s", zc_errmsg(c));
+	cr_assert_eq(zc_step_submit(c2, &sp, &t2, 1), 0, "%s", zc_errmsg(c2));
+	cr_assert_eq(zc_wait_all(c2, NULL), 0, "%s", zc_errmsg(c2));
+	cr_assert_eq(memcmp(zc_tensor_param_slot(t, NULL), zc_tensor_param_slot(t2, NULL),
+	    sizeof(a)), 0, "a step after the restore differs");
+	zc_disconnect(c2);
+	zc_disconnect(c);
+	snprintf(cmd, sizeof(cmd), "rm -rf '%s'", dir);
+	cr_assert_eq(system(cmd), 0);
 }

@@ -100,6 +100,12 @@ Test(restart, sigkill_q8_moments_state)
 	compare(ZRT_SIGKILL, 10, 60, false, true, "q8-moments");
 }
 
+/* The same with a 2-byte bf16 master: the journal copies master at its own size. */
+Test(restart, sigkill_bf16_master_q8_state)
+{
+	compare(ZRT_SIGKILL, 10, 60, false, true, "bf16-master+q8");
+}
+
 Test(restart, sigterm_restart)
 {
 	compare(ZRT_SIGTERM, 3, 40, true, true, NULL);
