@@ -222,6 +222,8 @@ void ze_tensor_unbusy(struct ze_tensor *t);
 void ze_tensor_destroy(struct ze_tensor *t);
 void ze_tensor_charge(struct ze_tensor *t, struct ze_account *job, struct ze_account *uid,
     bool pinned, uint64_t bytes);
+/* A tensor with nothing yet (no descriptors, no state), for a new one or one rebuilt. */
+struct ze_tensor *ze_tensor_alloc(struct ze_engine *e, void *user);
 /* master, m, v and the param store from t->state, as placement lays them out. */
 void ze_tensor_point_state(struct ze_tensor *t);
 uint64_t ze_tensor_pinned_bytes(const struct ze_tensor *t);

@@ -481,26 +481,6 @@ read_done(int result, void *arg)
 	buf = io->staging->buf;
 	off = io->chunk * t->chunk_elements;
 	n = chunk_len(t, io->chunk);
-	if (t->format != ZK_STATE_FP32) {
-		io->task = (struct ze_task){
-			.kind = ZE_TASK_STEP,
-			.lane = b->lane,
-			.batch = b,
-			.index = w->index,
-			.unit = io->chunk,
-			.staging = io->staging,
-			.io_start_ns = io->start_ns,
-		};
-		chunk_view(t, io->chunk, buf, &io->task.qview);
-		io->task.qview.grad = (const char *)t->grad_slot.map +
-		    off * zk_dtype_size(t->grad_dtype);
-		io->task.qview.grad_dtype = t->grad_dtype;
-		io->task.qview.param = (char *)t->param_slot.map + off * zk_dtype_size(t->param_dtype);
-		io->task.qview.param_dtype = t->param_dtype;
-		ze_step_post(e, &io->task);
-		pump(e);
-		return;
-	}
 	io->task = (struct ze_task){
 		.kind = ZE_TASK_STEP,
 		.lane = b->lane,
@@ -509,7 +489,16 @@ read_done(int result, void *arg)
 		.unit = io->chunk,
 		.staging = io->staging,
 		.io_start_ns = io->start_ns,
-		.view = {
+	};
+	if (t->format != ZK_STATE_FP32) {
+		chunk_view(t, io->chunk, buf, &io->task.qview);
+		io->task.qview.grad = (const char *)t->grad_slot.map +
+		    off * zk_dtype_size(t->grad_dtype);
+		io->task.qview.grad_dtype = t->grad_dtype;
+		io->task.qview.param = (char *)t->param_slot.map + off * zk_dtype_size(t->param_dtype);
+		io->task.qview.param_dtype = t->param_dtype;
+	} else {
+		io->task.view = (struct zk_tensor){
 			.master = buf,
 			.m = buf + chunk_stride(t, io->chunk),
 			.v = buf + 2 * chunk_stride(t, io->chunk),
@@ -518,8 +507,8 @@ read_done(int result, void *arg)
 			.param = (char *)t->param_slot.map + off * zk_dtype_size(t->param_dtype),
 			.param_dtype = t->param_dtype,
 			.n = n,
-		},
-	};
+		};
+	}
 	ze_step_post(e, &io->task);
 	/* The read window has room again. */
 	pump(e);

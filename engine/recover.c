@@ -659,7 +659,7 @@ ze_tensor_adopt(struct ze_engine *e, const struct ze_tensor_fds *fds, struct ze_
     char *err, size_t errlen)
 {
 	bool journal_kept = e->journal != NULL && e->cfg.kept_journal_fd > 2;
-	struct ze_tensor *t = calloc(1, sizeof(*t));
+	struct ze_tensor *t = ze_tensor_alloc(e, user);
 	char what[64];
 	int r;
 
@@ -668,10 +668,6 @@ ze_tensor_adopt(struct ze_engine *e, const struct ze_tensor_fds *fds, struct ze_
 		snprintf(err, errlen, "out of memory");
 		return -ENOMEM;
 	}
-	t->e = e;
-	t->user = user;
-	t->grad_slot.fd = t->param_slot.fd = -1;
-	t->state_fd = t->rec_fd = -1;
 	r = adopt_record(t, fds->record, err, errlen);
 	if (r < 0) {
 		t->rec_fd = -1;		/* still the caller's */

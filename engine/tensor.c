@@ -231,6 +231,22 @@ ze_tensor_destroy(struct ze_tensor *t)
 	free(t);
 }
 
+
+/* A tensor with nothing yet: no descriptors, no state. */
+struct ze_tensor *
+ze_tensor_alloc(struct ze_engine *e, void *user)
+{
+	struct ze_tensor *t = calloc(1, sizeof(*t));
+
+	if (t == NULL)
+		return NULL;
+	t->e = e;
+	t->user = user;
+	t->grad_slot.fd = t->param_slot.fd = -1;
+	t->state_fd = t->rec_fd = -1;
+	return t;
+}
+
 int
 ze_tensor_new(struct ze_engine *e, const struct ze_tensor_desc *desc,
     struct ze_account *job, struct ze_account *uid, void *user, struct ze_tensor **ret,
@@ -245,15 +261,11 @@ ze_tensor_new(struct ze_engine *e, const struct ze_tensor_desc *desc,
 		    (unsigned long long)desc->numel, desc->numel == 0 ? "none" : "too many");
 		return desc->numel == 0 ? -EINVAL : -EFBIG;
 	}
-	t = calloc(1, sizeof(*t));
+	t = ze_tensor_alloc(e, user);
 	if (t == NULL) {
 		snprintf(err, errlen, "out of memory");
 		return -ENOMEM;
 	}
-	t->e = e;
-	t->user = user;
-	t->grad_slot.fd = t->param_slot.fd = -1;
-	t->state_fd = t->rec_fd = -1;
 	t->id = ++e->next_tensor_id;
 	snprintf(t->name, sizeof(t->name), "%s", desc->name);
 	t->numel = desc->numel;
