@@ -31,8 +31,20 @@
  * buffers.  A save reads the next piece from the tiers (NVMe: through the staging
  * buffers) while it writes this one to the file; a restore reads the next piece from the
  * file while the engine writes this one into the tiers.
+ *
+ * A piece's three arrays lie in its buffer stride() apart and, for a tensor on NVMe, a
+ * piece is at most one of its chunks: a whole chunk then lies in the buffer as on the
+ * disk, and the swap reads or writes the buffer itself (ze_tensor_read_all), where a
+ * copy through a staging buffer on the event loop bounded the transfers' speed.
  */
 #define PIECE (4u << 20)
+
+/* Elements between a piece's arrays in its buffer: as the engine's NVMe chunks lay them. */
+static uint64_t
+stride(uint64_t n)
+{
+	return (n + 1023) / 1024 * 1024;
+}
 
 /*
  * File I/O threads: one transfer has one piece on a thread at a time, so more threads
@@ -67,8 +79,9 @@ struct zd_ckpt_write {
 	uint64_t count;
 	uint64_t file_offset[ZP_STATE_COUNT];	/* of element offset, per state */
 	uint32_t crc[ZP_STATE_COUNT];
-	float *buf[2];			/* master, m, v of one piece each */
+	float *buf[2];			/* master, m, v of one piece each, stride() apart */
 	uint64_t buf_elements;		/* per array in each */
+	uint64_t chunk;			/* the tensor's NVMe chunk (0: in memory): pieces end there */
 	unsigned cur;			/* save: buf[cur] is the engine's; restore: the I/O's */
 	uint64_t issued;		/* save: elements asked of the engine; restore: of the file */
 	uint64_t pending_off, pending_n;	/* save: read, to write; restore: read, to store */
@@ -93,18 +106,20 @@ struct zd_ckpt_write {
 #define SPARE_BUFS 4
 static float *spare[SPARE_BUFS];
 
+/* 4 KiB aligned, as the swap's direct I/O wants its buffers. */
 static float *
 piece_buf(uint64_t elements)
 {
+	void *b;
+
 	for (unsigned i = 0; elements == PIECE && i < SPARE_BUFS; i++) {
 		if (spare[i] != NULL) {
-			float *b = spare[i];
-
+			b = spare[i];
 			spare[i] = NULL;
 			return b;
 		}
 	}
-	return malloc(3 * elements * sizeof(float));
+	return posix_memalign(&b, 4096, 3 * elements * sizeof(float)) == 0 ? b : NULL;
 }
 
 static void
@@ -236,7 +251,7 @@ io_read_piece(struct zd_ckpt_write *w)
 		(void)posix_fadvise(w->fd, 0, 0, POSIX_FADV_SEQUENTIAL);
 	for (unsigned i = 0; i < ZP_STATE_COUNT; i++) {
 		uint64_t at = w->file_offset[i] + w->io_off * sizeof(float);
-		float *a = w->io_buf + i * w->io_n;
+		float *a = w->io_buf + i * stride(w->io_n);
 		int r = zp_pread_full(w->fd, a, w->io_n * sizeof(float), at);
 
 		if (r < 0) {
@@ -247,6 +262,8 @@ io_read_piece(struct zd_ckpt_write *w)
 			return;
 		}
 		w->crc[i] = zp_crc32c(w->crc[i], a, w->io_n * sizeof(float));
+		/* The padding goes to the swap with the chunk: zeros, not a last use's bytes. */
+		memset(a + w->io_n, 0, (stride(w->io_n) - w->io_n) * sizeof(float));
 	}
 }
 
@@ -273,13 +290,34 @@ submit(struct zd_daemon *d, struct zd_ckpt_write *w)
 }
 
 /*
+ * Elements of the piece at element `at` of a range [offset, offset + count) of a tensor
+ * with NVMe chunks of `chunk` elements (0: none): up to PIECE, not past a chunk's end.
+ */
+static uint64_t
+piece_at(uint64_t offset, uint64_t count, uint64_t chunk, uint64_t at)
+{
+	uint64_t n = count - at < PIECE ? count - at : PIECE;
+	uint64_t pos = offset + at;
+
+	if (chunk > 0 && chunk <= PIECE && chunk - pos % chunk < n)
+		n = chunk - pos % chunk;
+	return n;
+}
+
+static uint64_t
+piece_len(const struct zd_ckpt_write *w, uint64_t at)
+{
+	return piece_at(w->offset, w->count, w->chunk, at);
+}
+
+/*
  * Asks the engine for the next piece into buf[cur]: 1 there now, 0 queued, < 0 refused.
  * State in memory is written to the file from where it is: nothing to ask.
  */
 static int
 issue(struct zd_ckpt_write *w)
 {
-	uint64_t n = w->count - w->issued < PIECE ? w->count - w->issued : PIECE;
+	uint64_t n = piece_len(w, w->issued);
 	int r;
 
 	w->pending_off = w->issued;
@@ -287,8 +325,8 @@ issue(struct zd_ckpt_write *w)
 	w->issued += n;
 	if (w->held != NULL)
 		return 1;
-	r = ze_tensor_read_all(w->et, w->offset + w->pending_off, n, w->buf[w->cur], w->lane,
-	    engine_id(w));
+	r = ze_tensor_read_all(w->et, w->offset + w->pending_off, n, stride(n), w->buf[w->cur],
+	    w->lane, engine_id(w));
 	w->in_engine = r == 0;
 	return r;
 }
@@ -316,7 +354,7 @@ save_advance(struct zd_daemon *d, struct zd_session *s, struct zd_ckpt_write *w)
 	for (unsigned i = 0; i < ZP_STATE_COUNT; i++) {
 		mem = ze_tensor_memory_state(w->et, (enum ze_state)i);
 		w->io_src[i] = mem != NULL ? mem + w->offset + w->io_off :
-		    w->buf[w->cur] + i * w->io_n;
+		    w->buf[w->cur] + i * stride(w->io_n);
 	}
 	w->pending_n = 0;
 	if (w->issued < w->count) {
@@ -360,11 +398,12 @@ restore_advance(struct zd_daemon *d, struct zd_session *s, struct zd_ckpt_write 
 			w->io_write = false;
 			w->io_buf = w->buf[w->cur];
 			w->io_off = w->issued;
-			w->io_n = w->count - w->issued < PIECE ? w->count - w->issued : PIECE;
+			w->io_n = piece_len(w, w->issued);
 			w->issued += w->io_n;
 			submit(d, w);
 		}
-		wr = ze_tensor_write_all(w->et, w->offset + off, n, ready, w->lane, engine_id(w));
+		wr = ze_tensor_write_all(w->et, w->offset + off, n, stride(n), ready, w->lane,
+		    engine_id(w));
 		if (wr < 0) {
 			fail(d, s, w, ze_errno(wr), "tensor '%s': %s", w->name, ze_strerror(wr));
 			return;
@@ -524,7 +563,8 @@ ckpt_new(struct zd_session *s, const struct zp_msg *msg, int fd)
 {
 	const struct zp_ckpt_write *req = &msg->u.ckpt_write;
 	bool restore = msg->hdr.type == ZP_CKPT_READ;
-	uint64_t id = msg->hdr.request_id, numel, piece;
+	uint64_t id = msg->hdr.request_id, numel, piece, chunk;
+	bool two;
 	char err[ZP_ERRMSG_MAX + 1];
 	struct zd_ckpt_write *w;
 	struct zd_tensor *t;
@@ -555,17 +595,19 @@ ckpt_new(struct zd_session *s, const struct zp_msg *msg, int fd)
 		return NULL;
 	}
 	/* A save of state in memory writes it from where it is: no buffers. */
-	piece = req->count < PIECE ? req->count : PIECE;
+	piece = stride(req->count < PIECE ? req->count : PIECE);
+	chunk = ze_tensor_chunk_elements(t->et);
+	two = piece_at(req->offset, req->count, chunk, 0) < req->count;
 	if (!restore && ze_tensor_memory_state(t->et, ZE_STATE_MASTER) != NULL)
 		piece = 0;
 	w = calloc(1, sizeof(*w));
 	if (w != NULL && piece > 0) {
 		w->buf_elements = piece;
 		w->buf[0] = piece_buf(piece);
-		w->buf[1] = req->count <= PIECE ? NULL : piece_buf(piece);
+		w->buf[1] = two ? piece_buf(piece) : NULL;
 	}
 	if (w == NULL || (piece > 0 && (w->buf[0] == NULL ||
-	    (req->count > PIECE && w->buf[1] == NULL)))) {
+	    (two && w->buf[1] == NULL)))) {
 		if (w != NULL) {
 			piece_buf_free(w->buf[0], piece);
 			piece_buf_free(w->buf[1], piece);
@@ -592,6 +634,7 @@ ckpt_new(struct zd_session *s, const struct zp_msg *msg, int fd)
 	w->restore = restore;
 	w->offset = req->offset;
 	w->count = req->count;
+	w->chunk = chunk;
 	memcpy(w->file_offset, req->file_offset, sizeof(w->file_offset));
 	memcpy(w->crc, req->crc, sizeof(w->crc));
 	snprintf(w->name, sizeof(w->name), "%s", t->name);
@@ -623,7 +666,7 @@ zd_handle_request_fd(struct zd_session *s, const struct zp_msg *msg, int fd)
 		w->io_write = false;
 		w->io_buf = w->buf[0];
 		w->io_off = 0;
-		w->io_n = w->count < PIECE ? w->count : PIECE;
+		w->io_n = piece_len(w, 0);
 		w->issued = w->io_n;
 		submit(d, w);
 		return;

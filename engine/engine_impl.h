@@ -206,10 +206,10 @@ int ze_nvme_xfer(struct ze_tensor *t, bool write, enum ze_state which, uint64_t 
     uint64_t count, void *buf, uint32_t lane, uint64_t id);
 void ze_nvme_cancel_lane(struct ze_engine *e, uint32_t lane);
 /* ze_tensor_read_all on NVMe: the three arrays from one read of each chunk. */
-int ze_nvme_read_all(struct ze_tensor *t, uint64_t offset, uint64_t count, float *buf,
-    uint32_t lane, uint64_t id);
-int ze_nvme_write_all(struct ze_tensor *t, uint64_t offset, uint64_t count, const float *buf,
-    uint32_t lane, uint64_t id);
+int ze_nvme_read_all(struct ze_tensor *t, uint64_t offset, uint64_t count, uint64_t stride,
+    float *buf, uint32_t lane, uint64_t id);
+int ze_nvme_write_all(struct ze_tensor *t, uint64_t offset, uint64_t count, uint64_t stride,
+    const float *buf, uint32_t lane, uint64_t id);
 
 /* step.c */
 void ze_step_unit_done(struct ze_engine *e, struct ze_batch *b, size_t i, uint64_t unit,

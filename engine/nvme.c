@@ -44,6 +44,7 @@ struct nvme_work {
 	enum ze_state state;
 	uint64_t offset;
 	uint64_t count;
+	uint64_t stride;		/* READ_ALL, WRITE_ALL: elements between buf's arrays */
 	void *buf;			/* NULL once the lane was cancelled */
 };
 
@@ -67,9 +68,22 @@ struct chunk_io {
 	struct nvme_work *work;
 	struct ze_staging *staging;
 	uint64_t chunk;
+	/*
+	 * The disk reads into, or writes from, the transfer's own buffer (direct_chunk);
+	 * the staging buffer is taken all the same, so that transfers and steps share
+	 * the chunks in flight as before.
+	 */
+	void *direct;
 	uint64_t start_ns;
 	struct ze_task task;
 };
+
+/* Where chunk io's bytes are read to and written from. */
+static void *
+io_buf(const struct chunk_io *io)
+{
+	return io->direct != NULL ? io->direct : io->staging->buf;
+}
 
 static uint64_t
 chunk_bytes(const struct ze_tensor *t)
@@ -339,7 +353,7 @@ static void
 write_back(struct ze_engine *e, struct chunk_io *io)
 {
 	struct ze_tensor *t = io->work->tensor;
-	int r = zs_write(e->swap, t->extent, io->chunk * chunk_bytes(t), io->staging->buf,
+	int r = zs_write(e->swap, t->extent, io->chunk * chunk_bytes(t), io_buf(io),
 	    chunk_io_bytes(t, io->chunk), write_done, io);
 
 	if (r < 0)
@@ -363,7 +377,7 @@ xfer_chunk_coded(struct ze_engine *e, struct chunk_io *io, uint64_t from, uint64
 
 	for (unsigned k = 0; k < 3; k++)
 		if (all || k == (unsigned)w->state)
-			bufs[k] = (float *)w->buf + (all ? k * w->count : 0) + (from - w->offset);
+			bufs[k] = (float *)w->buf + (all ? k * w->stride : 0) + (from - w->offset);
 	/* A chunk written whole was not read: no stale bytes of the buffer's last use stay. */
 	if (w->kind == WORK_WRITE_ALL && covers_chunk(w, io->chunk))
 		memset(io->staging->buf, 0, chunk_io_bytes(t, io->chunk));
@@ -400,9 +414,14 @@ xfer_chunk(struct ze_engine *e, struct chunk_io *io)
 		return;
 	}
 	if (w->kind == WORK_READ_ALL) {
+		/* Read into the buffer itself: nothing to copy. */
+		if (io->direct != NULL) {
+			work_chunk_finished(e, io, 0);
+			return;
+		}
 		/* master, m, v: each to its own third of the buffer */
 		for (unsigned s = 0; s < 3; s++)
-			memcpy((float *)w->buf + s * w->count + (from - w->offset),
+			memcpy((float *)w->buf + s * w->stride + (from - w->offset),
 			    (float *)io->staging->buf + s * chunk_stride(t, io->chunk) + (from - first),
 			    (to - from) * sizeof(float));
 		work_chunk_finished(e, io, 0);
@@ -411,10 +430,16 @@ xfer_chunk(struct ze_engine *e, struct chunk_io *io)
 	if (w->kind == WORK_WRITE_ALL) {
 		uint64_t stride = chunk_stride(t, io->chunk);
 
+		/* Written from the buffer itself, padding and all: only the params to refresh. */
+		if (io->direct != NULL) {
+			ze_tensor_write_param(t, from, to - from, io->direct);
+			write_back(e, io);
+			return;
+		}
 		for (unsigned s = 0; s < 3; s++) {
 			float *a = (float *)io->staging->buf + s * stride;
 
-			memcpy(a + (from - first), (float *)w->buf + s * w->count + (from - w->offset),
+			memcpy(a + (from - first), (float *)w->buf + s * w->stride + (from - w->offset),
 			    (to - from) * sizeof(float));
 			/* A chunk written whole was not read: its padding is the buffer's last use. */
 			memset(a + (last - first), 0, (stride - (last - first)) * sizeof(float));
@@ -458,7 +483,7 @@ read_done(int result, void *arg)
 	 * job reads another's state).
 	 */
 	if ((t->chunks_written[io->chunk / 8] & (1u << (io->chunk % 8))) == 0)
-		memset(io->staging->buf, 0, chunk_io_bytes(t, io->chunk));
+		memset(io_buf(io), 0, chunk_io_bytes(t, io->chunk));
 	if (w->kind != WORK_STEP) {
 		xfer_chunk(e, io);
 		return;
@@ -522,6 +547,24 @@ ze_nvme_step_computed(struct ze_engine *e, struct ze_task *task)
 	write_back(e, io);
 }
 
+/*
+ * A whole-state transfer of fp32 whose buffer holds chunk c as the chunk lies on disk:
+ * the range is the chunk, the arrays are the chunk's stride apart, the buffer is aligned
+ * for the disk.  The chunk then moves between the disk and the buffer with no copy (the
+ * copy through a staging buffer on the loop was most of a checkpoint's loop time).
+ */
+static bool
+direct_chunk(const struct nvme_work *w, uint64_t c)
+{
+	const struct ze_tensor *t = w->tensor;
+
+	return (w->kind == WORK_READ_ALL || w->kind == WORK_WRITE_ALL) &&
+	    t->format == ZK_STATE_FP32 && w->buf != NULL &&
+	    w->offset == c * t->chunk_elements && w->count == chunk_len(t, c) &&
+	    w->stride == chunk_stride(t, c) &&
+	    (uintptr_t)w->buf % zs_engine_mem_align(t->e->swap) == 0;
+}
+
 /* The transfer covers every element of chunk c. */
 static bool
 covers_chunk(const struct nvme_work *w, uint64_t c)
@@ -567,6 +610,7 @@ pump_once(struct ze_engine *e)
 		io->work = w;
 		io->staging = sb;
 		io->chunk = w->next_chunk++;
+		io->direct = direct_chunk(w, io->chunk) ? w->buf : NULL;
 		io->start_ns = now;
 		skip_landed(w);
 		w->outstanding++;
@@ -583,7 +627,7 @@ pump_once(struct ze_engine *e)
 			continue;
 		}
 		e->read_bytes_in_flight += chunk_io_bytes(w->tensor, io->chunk);
-		r = zs_read(e->swap, w->tensor->extent, io->chunk * chunk_bytes(w->tensor), sb->buf,
+		r = zs_read(e->swap, w->tensor->extent, io->chunk * chunk_bytes(w->tensor), io_buf(io),
 		    chunk_io_bytes(w->tensor, io->chunk), read_done, io);
 		if (r < 0) {
 			e->read_bytes_in_flight -= chunk_io_bytes(w->tensor, io->chunk);
@@ -662,7 +706,7 @@ ze_nvme_queue_step(struct ze_engine *e, struct ze_batch *b, size_t i)
 
 static int
 xfer_queue(struct ze_tensor *t, enum work_kind kind, enum ze_state which, uint64_t offset,
-    uint64_t count, void *buf, uint32_t lane, uint64_t id)
+    uint64_t count, uint64_t stride, void *buf, uint32_t lane, uint64_t id)
 {
 	struct ze_engine *e = t->e;
 	struct nvme_work *w;
@@ -679,6 +723,7 @@ xfer_queue(struct ze_tensor *t, enum work_kind kind, enum ze_state which, uint64
 	w->state = which;
 	w->offset = offset;
 	w->count = count;
+	w->stride = stride;
 	w->buf = buf;
 	w->next_chunk = offset / t->chunk_elements;
 	w->end_chunk = (offset + count + t->chunk_elements - 1) / t->chunk_elements;
@@ -698,23 +743,24 @@ int
 ze_nvme_xfer(struct ze_tensor *t, bool write, enum ze_state which, uint64_t offset,
     uint64_t count, void *buf, uint32_t lane, uint64_t id)
 {
-	return xfer_queue(t, write ? WORK_WRITE : WORK_READ, which, offset, count, buf, lane, id);
+	return xfer_queue(t, write ? WORK_WRITE : WORK_READ, which, offset, count, count, buf, lane,
+	    id);
 }
 
 int
-ze_nvme_read_all(struct ze_tensor *t, uint64_t offset, uint64_t count, float *buf,
-    uint32_t lane, uint64_t id)
+ze_nvme_read_all(struct ze_tensor *t, uint64_t offset, uint64_t count, uint64_t stride,
+    float *buf, uint32_t lane, uint64_t id)
 {
-	return xfer_queue(t, WORK_READ_ALL, ZE_STATE_MASTER, offset, count, buf, lane, id);
+	return xfer_queue(t, WORK_READ_ALL, ZE_STATE_MASTER, offset, count, stride, buf, lane, id);
 }
 
 int
-ze_nvme_write_all(struct ze_tensor *t, uint64_t offset, uint64_t count, const float *buf,
-    uint32_t lane, uint64_t id)
+ze_nvme_write_all(struct ze_tensor *t, uint64_t offset, uint64_t count, uint64_t stride,
+    const float *buf, uint32_t lane, uint64_t id)
 {
 	/* The buffer is only read from: a write's source. */
-	return xfer_queue(t, WORK_WRITE_ALL, ZE_STATE_MASTER, offset, count, (float *)(uintptr_t)buf,
-	    lane, id);
+	return xfer_queue(t, WORK_WRITE_ALL, ZE_STATE_MASTER, offset, count, stride,
+	    (float *)(uintptr_t)buf, lane, id);
 }
 
 void
@@ -722,7 +768,10 @@ ze_nvme_cancel_lane(struct ze_engine *e, uint32_t lane)
 {
 	struct nvme_work *w;
 
-	/* Chunks queued or in flight find buf NULL when their read lands. */
+	/*
+	 * Chunks queued or in flight find buf NULL when their read lands; one the disk
+	 * reads into or writes from directly still holds it until then (ze_tensor_read_all).
+	 */
 	TAILQ_FOREACH(w, &e->xfer_works, xfer_entry)
 		if (w->lane == lane)
 			w->buf = NULL;

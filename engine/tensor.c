@@ -452,11 +452,17 @@ ze_tensor_memory_state(const struct ze_tensor *t, enum ze_state which)
 	return which == ZE_STATE_MASTER ? t->master : which == ZE_STATE_EXP_AVG ? t->m : t->v;
 }
 
-int
-ze_tensor_read_all(struct ze_tensor *t, uint64_t offset, uint64_t count, float *buf,
-    uint32_t lane, uint64_t id)
+uint64_t
+ze_tensor_chunk_elements(const struct ze_tensor *t)
 {
-	float *bufs[3] = { buf, buf + count, buf + 2 * count };
+	return t->on_nvme ? t->chunk_elements : 0;
+}
+
+int
+ze_tensor_read_all(struct ze_tensor *t, uint64_t offset, uint64_t count, uint64_t stride,
+    float *buf, uint32_t lane, uint64_t id)
+{
+	float *bufs[3] = { buf, buf + stride, buf + 2 * stride };
 	struct zk_qtensor q;
 	int r;
 
@@ -464,20 +470,22 @@ ze_tensor_read_all(struct ze_tensor *t, uint64_t offset, uint64_t count, float *
 		return -EBUSY;
 	if (offset > t->numel || count > t->numel - offset)
 		return -ERANGE;
+	if (stride < count)
+		return -EINVAL;
 	if (t->on_nvme)
-		return ze_nvme_read_all(t, offset, count, buf, lane, id);
+		return ze_nvme_read_all(t, offset, count, stride, buf, lane, id);
 	ze_tensor_state_view(t, &q);
 	r = ze_state_rw(&q, false, 7u, offset, count, bufs);
 	return r < 0 ? r : 1;
 }
 
 int
-ze_tensor_write_all(struct ze_tensor *t, uint64_t offset, uint64_t count, const float *buf,
-    uint32_t lane, uint64_t id)
+ze_tensor_write_all(struct ze_tensor *t, uint64_t offset, uint64_t count, uint64_t stride,
+    const float *buf, uint32_t lane, uint64_t id)
 {
 	/* Only read from: a write's source. */
 	float *src = (float *)(uintptr_t)buf;
-	float *bufs[3] = { src, src + count, src + 2 * count };
+	float *bufs[3] = { src, src + stride, src + 2 * stride };
 	struct zk_qtensor q;
 	int r;
 
@@ -487,8 +495,10 @@ ze_tensor_write_all(struct ze_tensor *t, uint64_t offset, uint64_t count, const 
 		return -ERANGE;
 	if (!t->param_resident)
 		return -EAGAIN;
+	if (stride < count)
+		return -EINVAL;
 	if (t->on_nvme)
-		return ze_nvme_write_all(t, offset, count, buf, lane, id);
+		return ze_nvme_write_all(t, offset, count, stride, buf, lane, id);
 	ze_tensor_state_view(t, &q);
 	r = ze_state_rw(&q, true, 7u, offset, count, bufs);
 	if (r < 0)
