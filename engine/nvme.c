@@ -74,6 +74,13 @@ struct chunk_io {
 	 * the chunks in flight as before.
 	 */
 	void *direct;
+	/*
+	 * A restore's direct chunk ends in two parts, its write and its param refresh
+	 * (a ZE_TASK_PARAM in task) running meanwhile: parts counts those still out
+	 * (0: the write alone), part_result keeps the first error.
+	 */
+	unsigned parts;
+	int part_result;
 	uint64_t start_ns;
 	struct ze_task task;
 };
@@ -326,9 +333,8 @@ work_chunk_finished(struct ze_engine *e, struct chunk_io *io, int error)
 }
 
 static void
-write_done(int result, void *arg)
+write_finished(struct chunk_io *io, int result)
 {
-	struct chunk_io *io = arg;
 	struct nvme_work *w = io->work;
 	struct ze_tensor *t = w->tensor;
 
@@ -349,6 +355,33 @@ write_done(int result, void *arg)
 	work_chunk_finished(io->e, io, result);
 }
 
+/* A part of io ended (its write, or its param refresh): the chunk ends with the last. */
+static void
+part_done(struct chunk_io *io, int result)
+{
+	if (io->parts > 0) {
+		if (result < 0 && io->part_result == 0)
+			io->part_result = result;
+		if (--io->parts > 0)
+			return;
+		result = io->part_result;
+	}
+	write_finished(io, result);
+}
+
+static void
+write_done(int result, void *arg)
+{
+	part_done(arg, result);
+}
+
+void
+ze_nvme_param_done(struct ze_engine *e, struct ze_task *task)
+{
+	part_done((struct chunk_io *)((char *)task - offsetof(struct chunk_io, task)),
+	    task->result);
+}
+
 static void
 write_back(struct ze_engine *e, struct chunk_io *io)
 {
@@ -357,7 +390,7 @@ write_back(struct ze_engine *e, struct chunk_io *io)
 	    chunk_io_bytes(t, io->chunk), write_done, io);
 
 	if (r < 0)
-		work_chunk_finished(e, io, r);
+		part_done(io, r);
 }
 
 static bool covers_chunk(const struct nvme_work *w, uint64_t c);
@@ -430,9 +463,27 @@ xfer_chunk(struct ze_engine *e, struct chunk_io *io)
 	if (w->kind == WORK_WRITE_ALL) {
 		uint64_t stride = chunk_stride(t, io->chunk);
 
-		/* Written from the buffer itself, padding and all: only the params to refresh. */
+		/*
+		 * Written from the buffer itself, padding and all; the params are refreshed
+		 * from it on the stepper meanwhile (the conversion was the last of a
+		 * restore's work on the loop).
+		 */
 		if (io->direct != NULL) {
-			ze_tensor_write_param(t, from, to - from, io->direct);
+			t->param_dirty = true;
+			io->parts = 2;
+			io->task = (struct ze_task){
+				.kind = ZE_TASK_PARAM,
+				.lane = w->lane,
+				.staging = io->staging,
+				.view = {
+					.master = io->direct,
+					.param = (char *)t->param_slot.map +
+					    from * zk_dtype_size(t->param_dtype),
+					.param_dtype = t->param_dtype,
+					.n = to - from,
+				},
+			};
+			ze_step_post(e, &io->task);
 			write_back(e, io);
 			return;
 		}

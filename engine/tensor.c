@@ -393,9 +393,16 @@ void
 ze_tensor_write_param(struct ze_tensor *t, uint64_t offset, uint64_t count, const float *src)
 {
 	t->param_dirty = true;
-	switch (t->param_dtype) {
+	ze_param_convert(t->param_slot.map, t->param_dtype, offset, count, src);
+}
+
+void
+ze_param_convert(void *slot, enum zk_dtype dtype, uint64_t offset, uint64_t count,
+    const float *src)
+{
+	switch (dtype) {
 	case ZK_DTYPE_F32:
-		memcpy((float *)t->param_slot.map + offset, src, count * sizeof(float));
+		memcpy((float *)slot + offset, src, count * sizeof(float));
 		break;
 	/*
 	 * The inline forms: a call per element was three to five times slower, and a
@@ -403,11 +410,11 @@ ze_tensor_write_param(struct ze_tensor *t, uint64_t offset, uint64_t count, cons
 	 */
 	case ZK_DTYPE_BF16:
 		for (uint64_t i = 0; i < count; i++)
-			((uint16_t *)t->param_slot.map)[offset + i] = zk__f32_to_bf16(src[i]);
+			((uint16_t *)slot)[offset + i] = zk__f32_to_bf16(src[i]);
 		break;
 	case ZK_DTYPE_F16:
 		for (uint64_t i = 0; i < count; i++)
-			((uint16_t *)t->param_slot.map)[offset + i] = zk__f32_to_f16(src[i]);
+			((uint16_t *)slot)[offset + i] = zk__f32_to_f16(src[i]);
 		break;
 	default:
 		break;
