@@ -4,51 +4,9 @@
 #include <string.h>
 
 #include "engine_impl.h"
+#include "nvme_impl.h"
 #include "stepper.h"
 #include "swap.h"
-
-/*
- * On NVMe a tensor is a run of chunks; chunk c holds elements
- * [c*C, (c+1)*C) as master, m, v back to back, each C*4 bytes (C a
- * multiple of 1024, so every array and chunk is 4 KiB aligned).  A
- * compressed format packs its smaller m and v and then the scales the same
- * way (ze_layout_of), the chunk rounded up to 4 KiB: C is a multiple of the
- * 256-element q8 block, so a chunk owns its blocks whole and steps alone.  One chunk
- * is one sequential read and one sequential write.  The last chunk holds
- * only the rest, each array rounded up to 1024 elements: moving a whole
- * chunk there cost a 4M-element chunk's worth of padding per tensor and
- * step, 12% of the I/O of bench_step's tensors.
- */
-
-enum work_kind { WORK_STEP, WORK_READ, WORK_WRITE, WORK_READ_ALL, WORK_WRITE_ALL };
-
-/*
- * Chunks of one tensor waiting for staging buffers: a step, or a state
- * transfer.  Owned by its lane while chunks wait, then by its chunks in
- * flight; the last chunk to finish frees it.  The tensor is busy meanwhile.
- */
-struct nvme_work {
-	TAILQ_ENTRY(nvme_work) entry;
-	TAILQ_ENTRY(nvme_work) xfer_entry;	/* transfers: on the engine's list until freed */
-	enum work_kind kind;
-	struct ze_tensor *tensor;
-	struct ze_batch *batch;		/* WORK_STEP */
-	size_t index;
-	uint64_t next_chunk;		/* the next one to read; skips chunks already at the step */
-	uint64_t end_chunk;
-	unsigned outstanding;		/* chunks in flight */
-	int error;
-	uint32_t lane;
-	/* transfers */
-	uint64_t id;
-	enum ze_state state;
-	uint64_t offset;
-	uint64_t count;
-	uint64_t stride;		/* READ_ALL, WRITE_ALL: elements between buf's arrays */
-	void *buf;			/* NULL once the lane was cancelled */
-};
-
-TAILQ_HEAD(nvme_works, nvme_work);
 
 /*
  * One lane's waiting work.  Staging buffers go to the lanes in turn, a
@@ -61,86 +19,6 @@ struct nvme_lane {
 	uint32_t key;
 	struct nvme_works works;
 };
-
-/* One chunk in flight through a staging buffer. */
-struct chunk_io {
-	struct ze_engine *e;
-	struct nvme_work *work;
-	struct ze_staging *staging;
-	uint64_t chunk;
-	/*
-	 * The disk reads into, or writes from, the transfer's own buffer (direct_chunk);
-	 * the staging buffer is taken all the same, so that transfers and steps share
-	 * the chunks in flight as before.
-	 */
-	void *direct;
-	/*
-	 * A restore's direct chunk ends in two parts, its write and its param refresh
-	 * (a ZE_TASK_PARAM in task) running meanwhile: parts counts those still out
-	 * (0: the write alone), part_result keeps the first error.
-	 */
-	unsigned parts;
-	int part_result;
-	uint64_t start_ns;
-	struct ze_task task;
-};
-
-/* Where chunk io's bytes are read to and written from. */
-static void *
-io_buf(const struct chunk_io *io)
-{
-	return io->direct != NULL ? io->direct : io->staging->buf;
-}
-
-static uint64_t
-chunk_bytes(const struct ze_tensor *t)
-{
-	struct ze_layout l;
-
-	ze_layout_of(t->format, t->chunk_elements, false, &l);
-	return l.bytes;
-}
-
-static uint64_t
-chunk_count(const struct ze_tensor *t)
-{
-	return (t->numel + t->chunk_elements - 1) / t->chunk_elements;
-}
-
-static uint64_t
-chunk_len(const struct ze_tensor *t, uint64_t c)
-{
-	uint64_t left = t->numel - c * t->chunk_elements;
-
-	return left < t->chunk_elements ? left : t->chunk_elements;
-}
-
-/* Elements per array in chunk c (C, or less in the last): 4 KiB multiples. */
-static uint64_t
-chunk_stride(const struct ze_tensor *t, uint64_t c)
-{
-	return (chunk_len(t, c) + 1023) / 1024 * 1024;
-}
-
-/* Bytes chunk c takes on disk and moves; it starts at c * chunk_bytes(t). */
-static uint64_t
-chunk_io_bytes(const struct ze_tensor *t, uint64_t c)
-{
-	struct ze_layout l;
-
-	ze_layout_of(t->format, chunk_stride(t, c), false, &l);
-	return l.bytes;
-}
-
-/* Chunk c's state in the staging buffer it was read into. */
-static void
-chunk_view(const struct ze_tensor *t, uint64_t c, void *buf, struct zk_qtensor *ret)
-{
-	struct ze_layout l;
-
-	ze_layout_of(t->format, chunk_stride(t, c), false, &l);
-	ze_state_view(t->format, buf, &l, chunk_len(t, c), ret);
-}
 
 int
 ze_nvme_start(struct ze_engine *e)
@@ -243,10 +121,8 @@ ze_nvme_release(struct ze_engine *e, struct ze_tensor *t)
 	t->on_nvme = false;
 }
 
-static void pump(struct ze_engine *e);
-
-static int
-enqueue(struct ze_engine *e, struct nvme_work *w)
+int
+ze_nvme_enqueue(struct ze_engine *e, struct nvme_work *w)
 {
 	struct nvme_lane *lane;
 	struct nvme_work *q;
@@ -292,8 +168,8 @@ skip_landed(struct nvme_work *w)
 		w->next_chunk++;
 }
 
-static void
-work_chunk_finished(struct ze_engine *e, struct chunk_io *io, int error)
+void
+ze_nvme_chunk_finished(struct ze_engine *e, struct chunk_io *io, int error)
 {
 	struct nvme_work *w = io->work;
 	uint64_t chunk = io->chunk;
@@ -329,7 +205,7 @@ work_chunk_finished(struct ze_engine *e, struct chunk_io *io, int error)
 		ze_tensor_unbusy(t);
 		e->cb.io_done(e->cb_arg, lane, id, kind, user, error);
 	}
-	pump(e);
+	ze_nvme_pump(e);
 }
 
 static void
@@ -352,7 +228,7 @@ write_finished(struct chunk_io *io, int result)
 			ze_tensor_mark_init(t, from, to - from);
 		}
 	}
-	work_chunk_finished(io->e, io, result);
+	ze_nvme_chunk_finished(io->e, io, result);
 }
 
 /* A part of io ended (its write, or its param refresh): the chunk ends with the last. */
@@ -382,8 +258,8 @@ ze_nvme_param_done(struct ze_engine *e, struct ze_task *task)
 	    task->result);
 }
 
-static void
-write_back(struct ze_engine *e, struct chunk_io *io)
+void
+ze_nvme_write_back(struct ze_engine *e, struct chunk_io *io)
 {
 	struct ze_tensor *t = io->work->tensor;
 	int r = zs_write(e->swap, t->extent, io->chunk * chunk_bytes(t), io_buf(io),
@@ -391,123 +267,6 @@ write_back(struct ze_engine *e, struct chunk_io *io)
 
 	if (r < 0)
 		part_done(io, r);
-}
-
-static bool covers_chunk(const struct nvme_work *w, uint64_t c);
-
-/* xfer_chunk for a compressed format: decode, or patch and encode, the range in the chunk. */
-static void
-xfer_chunk_coded(struct ze_engine *e, struct chunk_io *io, uint64_t from, uint64_t to)
-{
-	struct nvme_work *w = io->work;
-	struct ze_tensor *t = w->tensor;
-	uint64_t first = io->chunk * t->chunk_elements;
-	bool all = w->kind == WORK_READ_ALL || w->kind == WORK_WRITE_ALL;
-	bool write = w->kind == WORK_WRITE || w->kind == WORK_WRITE_ALL;
-	float *bufs[3] = { NULL, NULL, NULL };
-	struct zk_qtensor q;
-	int r;
-
-	for (unsigned k = 0; k < 3; k++)
-		if (all || k == (unsigned)w->state)
-			bufs[k] = (float *)w->buf + (all ? k * w->stride : 0) + (from - w->offset);
-	/* A chunk written whole was not read: no stale bytes of the buffer's last use stay. */
-	if (w->kind == WORK_WRITE_ALL && covers_chunk(w, io->chunk))
-		memset(io->staging->buf, 0, chunk_io_bytes(t, io->chunk));
-	chunk_view(t, io->chunk, io->staging->buf, &q);
-	r = ze_state_rw(&q, write, all ? 7u : 1u << w->state, from - first, to - from, bufs);
-	if (r < 0 || !write) {
-		work_chunk_finished(e, io, r);
-		return;
-	}
-	if (all || w->state == ZE_STATE_MASTER)
-		ze_tensor_write_param(t, from, to - from, q.master + (from - first));
-	write_back(e, io);
-}
-
-/* A state transfer: copy the part of this chunk the request covers. */
-static void
-xfer_chunk(struct ze_engine *e, struct chunk_io *io)
-{
-	struct nvme_work *w = io->work;
-	struct ze_tensor *t = w->tensor;
-	uint64_t first = io->chunk * t->chunk_elements, last = first + chunk_len(t, io->chunk);
-	uint64_t from = w->offset > first ? w->offset : first;
-	uint64_t to = w->offset + w->count < last ? w->offset + w->count : last;
-	float *array = (float *)io->staging->buf + (size_t)w->state * chunk_stride(t, io->chunk);
-	float *window;
-
-	if (w->buf == NULL) {
-		work_chunk_finished(e, io, -ECANCELED);
-		return;
-	}
-	window = (float *)w->buf + (from - w->offset);
-	if (t->format != ZK_STATE_FP32) {
-		xfer_chunk_coded(e, io, from, to);
-		return;
-	}
-	if (w->kind == WORK_READ_ALL) {
-		/* Read into the buffer itself: nothing to copy. */
-		if (io->direct != NULL) {
-			work_chunk_finished(e, io, 0);
-			return;
-		}
-		/* master, m, v: each to its own third of the buffer */
-		for (unsigned s = 0; s < 3; s++)
-			memcpy((float *)w->buf + s * w->stride + (from - w->offset),
-			    (float *)io->staging->buf + s * chunk_stride(t, io->chunk) + (from - first),
-			    (to - from) * sizeof(float));
-		work_chunk_finished(e, io, 0);
-		return;
-	}
-	if (w->kind == WORK_WRITE_ALL) {
-		uint64_t stride = chunk_stride(t, io->chunk);
-
-		/*
-		 * Written from the buffer itself, padding and all; the params are refreshed
-		 * from it on the stepper meanwhile (the conversion was the last of a
-		 * restore's work on the loop).
-		 */
-		if (io->direct != NULL) {
-			t->param_dirty = true;
-			io->parts = 2;
-			io->task = (struct ze_task){
-				.kind = ZE_TASK_PARAM,
-				.lane = w->lane,
-				.staging = io->staging,
-				.view = {
-					.master = io->direct,
-					.param = (char *)t->param_slot.map +
-					    from * zk_dtype_size(t->param_dtype),
-					.param_dtype = t->param_dtype,
-					.n = to - from,
-				},
-			};
-			ze_step_post(e, &io->task);
-			write_back(e, io);
-			return;
-		}
-		for (unsigned s = 0; s < 3; s++) {
-			float *a = (float *)io->staging->buf + s * stride;
-
-			memcpy(a + (from - first), (float *)w->buf + s * w->stride + (from - w->offset),
-			    (to - from) * sizeof(float));
-			/* A chunk written whole was not read: its padding is the buffer's last use. */
-			memset(a + (last - first), 0, (stride - (last - first)) * sizeof(float));
-		}
-		ze_tensor_write_param(t, from, to - from, (float *)io->staging->buf + (from - first));
-		write_back(e, io);
-		return;
-	}
-	if (w->kind == WORK_READ) {
-		memcpy(window, array + (from - first), (to - from) * sizeof(float));
-		work_chunk_finished(e, io, 0);
-		return;
-	}
-	memcpy(array + (from - first), window, (to - from) * sizeof(float));
-	if (w->state == ZE_STATE_MASTER)
-		ze_tensor_write_param(t, from, to - from, array + (from - first));
-	write_back(e, io);
 }
 
 static void
@@ -523,7 +282,7 @@ read_done(int result, void *arg)
 
 	e->read_bytes_in_flight -= chunk_io_bytes(t, io->chunk);
 	if (result < 0) {
-		work_chunk_finished(e, io, result);
+		ze_nvme_chunk_finished(e, io, result);
 		return;
 	}
 	e->stats.chunks_read++;
@@ -536,7 +295,7 @@ read_done(int result, void *arg)
 	if ((t->chunks_written[io->chunk / 8] & (1u << (io->chunk % 8))) == 0)
 		memset(io_buf(io), 0, chunk_io_bytes(t, io->chunk));
 	if (w->kind != WORK_STEP) {
-		xfer_chunk(e, io);
+		ze_nvme_xfer_chunk(e, io);
 		return;
 	}
 	buf = io->staging->buf;
@@ -559,7 +318,7 @@ read_done(int result, void *arg)
 		io->task.qview.param = (char *)t->param_slot.map + off * zk_dtype_size(t->param_dtype);
 		io->task.qview.param_dtype = t->param_dtype;
 		ze_step_post(e, &io->task);
-		pump(e);
+		ze_nvme_pump(e);
 		return;
 	}
 	io->task = (struct ze_task){
@@ -583,7 +342,7 @@ read_done(int result, void *arg)
 	};
 	ze_step_post(e, &io->task);
 	/* The read window has room again. */
-	pump(e);
+	ze_nvme_pump(e);
 }
 
 void
@@ -592,33 +351,15 @@ ze_nvme_step_computed(struct ze_engine *e, struct ze_task *task)
 	struct chunk_io *io = (struct chunk_io *)((char *)task - offsetof(struct chunk_io, task));
 
 	if (task->result < 0) {
-		work_chunk_finished(e, io, task->result);
+		ze_nvme_chunk_finished(e, io, task->result);
 		return;
 	}
-	write_back(e, io);
-}
-
-/*
- * A whole-state transfer of fp32 whose buffer holds chunk c as the chunk lies on disk:
- * the range is the chunk, the arrays are the chunk's stride apart, the buffer is aligned
- * for the disk.  The chunk then moves between the disk and the buffer with no copy (the
- * copy through a staging buffer on the loop was most of a checkpoint's loop time).
- */
-static bool
-direct_chunk(const struct nvme_work *w, uint64_t c)
-{
-	const struct ze_tensor *t = w->tensor;
-
-	return (w->kind == WORK_READ_ALL || w->kind == WORK_WRITE_ALL) &&
-	    t->format == ZK_STATE_FP32 && w->buf != NULL &&
-	    w->offset == c * t->chunk_elements && w->count == chunk_len(t, c) &&
-	    w->stride == chunk_stride(t, c) &&
-	    (uintptr_t)w->buf % zs_engine_mem_align(t->e->swap) == 0;
+	ze_nvme_write_back(e, io);
 }
 
 /* The transfer covers every element of chunk c. */
-static bool
-covers_chunk(const struct nvme_work *w, uint64_t c)
+bool
+ze_nvme_covers_chunk(const struct nvme_work *w, uint64_t c)
 {
 	uint64_t first = c * w->tensor->chunk_elements;
 
@@ -661,7 +402,7 @@ pump_once(struct ze_engine *e)
 		io->work = w;
 		io->staging = sb;
 		io->chunk = w->next_chunk++;
-		io->direct = direct_chunk(w, io->chunk) ? w->buf : NULL;
+		io->direct = ze_nvme_direct_chunk(w, io->chunk) ? w->buf : NULL;
 		io->start_ns = now;
 		skip_landed(w);
 		w->outstanding++;
@@ -672,9 +413,9 @@ pump_once(struct ze_engine *e)
 			free(lane);
 		else
 			TAILQ_INSERT_TAIL(&e->nvme_lanes, lane, entry);
-		if (w->kind == WORK_WRITE_ALL && covers_chunk(w, io->chunk)) {
+		if (w->kind == WORK_WRITE_ALL && ze_nvme_covers_chunk(w, io->chunk)) {
 			/* Every byte of the chunk is new: nothing to read first. */
-			xfer_chunk(e, io);
+			ze_nvme_xfer_chunk(e, io);
 			continue;
 		}
 		e->read_bytes_in_flight += chunk_io_bytes(w->tensor, io->chunk);
@@ -682,7 +423,7 @@ pump_once(struct ze_engine *e)
 		    chunk_io_bytes(w->tensor, io->chunk), read_done, io);
 		if (r < 0) {
 			e->read_bytes_in_flight -= chunk_io_bytes(w->tensor, io->chunk);
-			work_chunk_finished(e, io, r);
+			ze_nvme_chunk_finished(e, io, r);
 		}
 	}
 	if (e->io_blocked_since != 0) {
@@ -696,8 +437,8 @@ pump_once(struct ze_engine *e)
  * another pump: that runs as the next pass of this loop, not one stack
  * frame deeper per chunk.
  */
-static void
-pump(struct ze_engine *e)
+void
+ze_nvme_pump(struct ze_engine *e)
 {
 	if (e->pumping) {
 		e->pump_again = true;
@@ -746,84 +487,12 @@ ze_nvme_queue_step(struct ze_engine *e, struct ze_batch *b, size_t i)
 		return;
 	}
 	b->pending[i] = needed;
-	if (enqueue(e, w) < 0) {
+	if (ze_nvme_enqueue(e, w) < 0) {
 		free(w);
 		b->pending[i] = 1;
 		ze_step_unit_done(e, b, i, UINT64_MAX, -ENOMEM);
 		return;
 	}
-	pump(e);
+	ze_nvme_pump(e);
 }
 
-static int
-xfer_queue(struct ze_tensor *t, enum work_kind kind, enum ze_state which, uint64_t offset,
-    uint64_t count, uint64_t stride, void *buf, uint32_t lane, uint64_t id)
-{
-	struct ze_engine *e = t->e;
-	struct nvme_work *w;
-
-	if (count == 0)
-		return 1;
-	w = calloc(1, sizeof(*w));
-	if (w == NULL)
-		return -ENOMEM;
-	w->kind = kind;
-	w->tensor = t;
-	w->lane = lane;
-	w->id = id;
-	w->state = which;
-	w->offset = offset;
-	w->count = count;
-	w->stride = stride;
-	w->buf = buf;
-	w->next_chunk = offset / t->chunk_elements;
-	w->end_chunk = (offset + count + t->chunk_elements - 1) / t->chunk_elements;
-	if (enqueue(e, w) < 0) {
-		free(w);
-		return -ENOMEM;
-	}
-	TAILQ_INSERT_TAIL(&e->xfer_works, w, xfer_entry);
-	/* No step may touch the chunks while they are read and patched. */
-	t->busy = true;
-	e->xfers++;
-	pump(e);
-	return 0;
-}
-
-int
-ze_nvme_xfer(struct ze_tensor *t, bool write, enum ze_state which, uint64_t offset,
-    uint64_t count, void *buf, uint32_t lane, uint64_t id)
-{
-	return xfer_queue(t, write ? WORK_WRITE : WORK_READ, which, offset, count, count, buf, lane,
-	    id);
-}
-
-int
-ze_nvme_read_all(struct ze_tensor *t, uint64_t offset, uint64_t count, uint64_t stride,
-    float *buf, uint32_t lane, uint64_t id)
-{
-	return xfer_queue(t, WORK_READ_ALL, ZE_STATE_MASTER, offset, count, stride, buf, lane, id);
-}
-
-int
-ze_nvme_write_all(struct ze_tensor *t, uint64_t offset, uint64_t count, uint64_t stride,
-    const float *buf, uint32_t lane, uint64_t id)
-{
-	/* The buffer is only read from: a write's source. */
-	return xfer_queue(t, WORK_WRITE_ALL, ZE_STATE_MASTER, offset, count, stride,
-	    (float *)(uintptr_t)buf, lane, id);
-}
-
-void
-ze_nvme_cancel_lane(struct ze_engine *e, uint32_t lane)
-{
-	struct nvme_work *w;
-
-	/*
-	 * Chunks queued or in flight find buf NULL when their read lands; one the disk
-	 * reads into or writes from directly still holds it until then (ze_tensor_read_all).
-	 */
-	TAILQ_FOREACH(w, &e->xfer_works, xfer_entry)
-		if (w->lane == lane)
-			w->buf = NULL;
-}
