@@ -58,9 +58,9 @@ stride(uint64_t n)
  * in the file (in_io, on an I/O thread); it ends when both are back.
  *
  * Ownership while in_io: the I/O thread has job, fd, crc, the io_* fields and the
- * buffer io_buf (or, for a save of state in memory, the tensor's arrays, which `held`
- * keeps busy so that no step changes them and no free takes them); the loop does not
- * touch them, and has everything else.  The engine has the buffer it was given while
+ * buffer they name (or, for a save or restore of state in memory, the tensor's arrays
+ * and, for a restore, its param slot, which `held` keeps busy so that no step changes
+ * them and no free takes them); the loop does not touch them, and has everything else.  The engine has the buffer it was given while
  * in_engine, the other one of the two.  fd and bufs are this struct's.  et is the
  * tensor while it lives: zd_ckpt_tensor_gone clears it.
  */
@@ -71,7 +71,7 @@ struct zd_ckpt_write {
 	uint64_t id;			/* the request's */
 	int fd;
 	struct ze_tensor *et;
-	struct ze_tensor *held;		/* a save from memory: busy until w ends */
+	struct ze_tensor *held;		/* state in memory: busy until w ends */
 	bool restore;
 	bool dead;			/* answered (an error) or its client gone: ends when idle */
 	bool in_engine, in_io;
@@ -88,7 +88,8 @@ struct zd_ckpt_write {
 	/* The piece on the I/O thread: elements [io_off, io_off + io_n) of the range. */
 	bool io_write;
 	const float *io_src[ZP_STATE_COUNT];	/* a save's three arrays */
-	float *io_buf;				/* a restore's buffer */
+	float *io_dst[ZP_STATE_COUNT];		/* where a restore's three arrays go */
+	bool io_pad;				/* ... in a buffer, stride() apart */
 	uint64_t io_off, io_n;
 	int io_result;
 	char io_err[ZP_ERRMSG_MAX + 1];
@@ -254,7 +255,7 @@ io_read_piece(struct zd_ckpt_write *w)
 	for (unsigned i = 0; i < ZP_STATE_COUNT; i++) {
 		uint64_t at = w->file_offset[i] + w->io_off * sizeof(float);
 		uint64_t len = w->io_n * sizeof(float);
-		float *a = w->io_buf + i * stride(w->io_n);
+		float *a = w->io_dst[i];
 
 		for (uint64_t done = 0; done < len;) {
 			size_t n = len - done < WRITE_BLOCK ? (size_t)(len - done) : WRITE_BLOCK;
@@ -272,8 +273,12 @@ io_read_piece(struct zd_ckpt_write *w)
 			done += n;
 		}
 		/* The padding goes to the swap with the chunk: zeros, not a last use's bytes. */
-		memset(a + w->io_n, 0, (stride(w->io_n) - w->io_n) * sizeof(float));
+		if (w->io_pad)
+			memset(a + w->io_n, 0, (stride(w->io_n) - w->io_n) * sizeof(float));
 	}
+	/* Read into the tensor itself: its params follow here too, off the loop. */
+	if (w->held != NULL)
+		(void)ze_tensor_param_refresh(w->held, w->offset + w->io_off, w->io_n);
 }
 
 static void
@@ -378,6 +383,44 @@ save_advance(struct zd_daemon *d, struct zd_session *s, struct zd_ckpt_write *w)
 }
 
 /*
+ * A restore's next piece to an I/O thread: into buf, the arrays stride() apart, or, for
+ * a tensor in memory (held), into its own arrays, which ze_tensor_hold lets a holder
+ * write.
+ */
+static void
+submit_read(struct zd_daemon *d, struct zd_ckpt_write *w, float *buf)
+{
+	w->io_write = false;
+	w->io_off = w->issued;
+	w->io_n = piece_len(w, w->issued);
+	w->issued += w->io_n;
+	for (unsigned i = 0; i < ZP_STATE_COUNT; i++)
+		w->io_dst[i] = buf != NULL ? buf + i * stride(w->io_n) : (float *)(uintptr_t)
+		    ze_tensor_memory_state(w->held, (enum ze_state)i) + w->offset + w->io_off;
+	w->io_pad = buf != NULL;
+	submit(d, w);
+}
+
+/*
+ * A restore of a tensor in memory: the thread read the piece (pending) into the tensor
+ * and refreshed its params; recorded here, and the next read, or the answer.
+ */
+static void
+restore_held_advance(struct zd_daemon *d, struct zd_session *s, struct zd_ckpt_write *w)
+{
+	if (w->pending_n > 0)
+		(void)ze_tensor_restored(w->et, w->offset + w->pending_off, w->pending_n);
+	w->pending_n = 0;
+	if (w->issued < w->count) {
+		submit_read(d, w, NULL);
+		return;
+	}
+	w->last_step = ze_tensor_last_step(w->et);
+	reply_done(s, w);
+	ckpt_end(d, w);
+}
+
+/*
  * A restore with nothing in flight: the piece read from the file (pending, in
  * buf[cur]) goes to the engine, and the next is read into the other buffer meanwhile
  * (cur then names that one); or, all stored, the answer.
@@ -404,12 +447,7 @@ restore_advance(struct zd_daemon *d, struct zd_session *s, struct zd_ckpt_write 
 		 */
 		if (w->issued < w->count) {
 			w->cur ^= 1;
-			w->io_write = false;
-			w->io_buf = w->buf[w->cur];
-			w->io_off = w->issued;
-			w->io_n = piece_len(w, w->issued);
-			w->issued += w->io_n;
-			submit(d, w);
+			submit_read(d, w, w->buf[w->cur]);
 		}
 		wr = ze_tensor_write_all(w->et, w->offset + off, n, stride(n), ready, w->lane,
 		    engine_id(w));
@@ -437,7 +475,9 @@ progress(struct zd_daemon *d, struct zd_ckpt_write *w)
 		ckpt_end(d, w);
 		return;
 	}
-	if (w->restore)
+	if (w->restore && w->held != NULL)
+		restore_held_advance(d, s, w);
+	else if (w->restore)
 		restore_advance(d, s, w);
 	else
 		save_advance(d, s, w);
@@ -603,12 +643,17 @@ ckpt_new(struct zd_session *s, const struct zp_msg *msg, int fd)
 		    (unsigned long long)(req->offset + req->count), (unsigned long long)numel);
 		return NULL;
 	}
-	/* A save of state in memory writes it from where it is: no buffers. */
+	/* State in memory is written from, or read into, where it is: no buffers. */
 	piece = stride(req->count < PIECE ? req->count : PIECE);
 	chunk = ze_tensor_chunk_elements(t->et);
 	two = piece_at(req->offset, req->count, chunk, 0) < req->count;
-	if (!restore && ze_tensor_memory_state(t->et, ZE_STATE_MASTER) != NULL)
+	if (ze_tensor_memory_state(t->et, ZE_STATE_MASTER) != NULL)
 		piece = 0;
+	if (restore && piece == 0 && !ze_tensor_param_resident(t->et)) {
+		zd_session_error(s, id, -EAGAIN, "tensor '%s': %s", t->name,
+		    ze_strerror(-EAGAIN));
+		return NULL;
+	}
 	w = calloc(1, sizeof(*w));
 	if (w != NULL && piece > 0) {
 		w->buf_elements = piece;
@@ -630,8 +675,8 @@ ckpt_new(struct zd_session *s, const struct zp_msg *msg, int fd)
 	w->id = id;
 	w->fd = fd;
 	w->et = t->et;
-	/* A save from memory: no step may change the arrays, nor a free take them, meanwhile. */
-	if (!restore && piece == 0) {
+	/* State in memory: no step may touch the arrays, nor a free take them, meanwhile. */
+	if (piece == 0) {
 		r = ze_tensor_hold(t->et);
 		if (r < 0) {
 			free(w);
@@ -671,13 +716,8 @@ zd_handle_request_fd(struct zd_session *s, const struct zp_msg *msg, int fd)
 	w->next = d->ckpt_writes;
 	d->ckpt_writes = w;
 	if (w->restore) {
-		/* The first piece into buf[0]: restore_advance takes it on when it is in. */
-		w->io_write = false;
-		w->io_buf = w->buf[0];
-		w->io_off = 0;
-		w->io_n = piece_len(w, 0);
-		w->issued = w->io_n;
-		submit(d, w);
+		/* The first piece into buf[0] (or the tensor): the advance takes it on when in. */
+		submit_read(d, w, w->buf[0]);
 		return;
 	}
 	r = issue(w);

@@ -186,6 +186,16 @@ bool ze_tensor_busy(const struct ze_tensor *t);
  */
 int ze_tensor_hold(struct ze_tensor *t);
 void ze_tensor_release(struct ze_tensor *t);
+/*
+ * A restore straight into a tensor in memory (a checkpoint's I/O thread reading into it):
+ * while the caller holds it, it may write the arrays ze_tensor_memory_state gives (they
+ * are the tensor's own) and refresh the param slot from master with
+ * ze_tensor_param_refresh, which touches the slot alone (any thread); then, back on the
+ * loop, ze_tensor_restored records those elements as written.  Both -ERANGE outside the
+ * tensor; the params must be resident (ze_tensor_param_resident), as for a write.
+ */
+int ze_tensor_param_refresh(struct ze_tensor *t, uint64_t offset, uint64_t count);
+int ze_tensor_restored(struct ze_tensor *t, uint64_t offset, uint64_t count);
 bool ze_tensor_on_nvme(const struct ze_tensor *t);
 /* Every element of master was written since it was placed. */
 bool ze_tensor_initialized(const struct ze_tensor *t);

@@ -341,6 +341,25 @@ ze_tensor_release(struct ze_tensor *t)
 {
 	ze_tensor_unbusy(t);
 }
+
+int
+ze_tensor_param_refresh(struct ze_tensor *t, uint64_t offset, uint64_t count)
+{
+	if (offset > t->numel || count > t->numel - offset)
+		return -ERANGE;
+	ze_param_convert(t->param_slot.map, t->param_dtype, offset, count, t->master + offset);
+	return 0;
+}
+
+int
+ze_tensor_restored(struct ze_tensor *t, uint64_t offset, uint64_t count)
+{
+	if (offset > t->numel || count > t->numel - offset)
+		return -ERANGE;
+	t->param_dirty = true;
+	ze_tensor_mark_init(t, offset, count);
+	return 0;
+}
 bool ze_tensor_on_nvme(const struct ze_tensor *t) { return t->on_nvme; }
 bool ze_tensor_initialized(const struct ze_tensor *t) { return t->init_missing == 0; }
 uint64_t ze_tensor_last_step(const struct ze_tensor *t) { return t->last_step; }

@@ -572,3 +572,41 @@ Test(engine, nvme_direct_chunk_write_error_reports_once_and_retries)
 	rig_stop(&g);
 	free(buf);
 }
+
+/*
+ * A restore straight into a tensor in memory: its holder writes the arrays and refreshes
+ * the params (as a checkpoint's I/O thread does), ze_tensor_restored records the range;
+ * the tensor then reads and mirrors what was written, and is initialized once every
+ * element was.
+ */
+Test(engine, held_tensor_restored_in_place)
+{
+	enum { N = 3000 };
+	static float in[3 * N], one[N];
+	struct ze_tensor *t;
+	struct rig g;
+
+	fill(in, 3 * N, 5);
+	rig_start(&g, false);
+	t = make_tensor(&g, "w", N, ZE_POLICY_CPU, NULL, NULL, NULL);
+	cr_assert_eq(ze_tensor_hold(t), 0);
+	for (int w = 0; w < 3; w++)
+		memcpy((float *)(uintptr_t)ze_tensor_memory_state(t, (enum ze_state)w),
+		    in + (size_t)w * N, sizeof(one));
+	cr_assert_eq(ze_tensor_param_refresh(t, 0, N), 0);
+	cr_assert_eq(ze_tensor_param_refresh(t, N - 1, 2), -ERANGE);
+	cr_assert_eq(ze_tensor_restored(t, 0, 1000), 0);
+	cr_assert_not(ze_tensor_initialized(t));
+	cr_assert_eq(ze_tensor_restored(t, 1000, N - 1000), 0);
+	cr_assert_eq(ze_tensor_restored(t, N, 1), -ERANGE);
+	ze_tensor_release(t);
+	cr_assert(ze_tensor_initialized(t));
+	for (int w = 0; w < 3; w++) {
+		cr_assert_eq(xfer(&g, t, false, (enum ze_state)w, 0, N, one), 0);
+		cr_assert_eq(memcmp(one, in + (size_t)w * N, sizeof(one)), 0, "array %d", w);
+	}
+	for (uint64_t i = 0; i < N; i++)
+		cr_assert_eq(((uint16_t *)ze_tensor_param_slot(t))[i], zk_f32_to_bf16(in[i]));
+	ze_tensor_free(t);
+	rig_stop(&g);
+}
