@@ -31,8 +31,37 @@
  * buffers.  A save reads the next piece from the tiers (NVMe: through the staging
  * buffers) while it writes this one to the file; a restore reads the next piece from the
  * file while the engine writes this one into the tiers.
+ *
+ * An fp32 piece's three arrays lie in its buffer stride() apart (a raw piece's as
+ * ze_raw_layout packs them) and, for an fp32 tensor on NVMe, a piece is at most one of
+ * its chunks: a whole chunk then lies in the buffer as on the
+ * disk, and the swap reads or writes the buffer itself (ze_tensor_read_all), where a
+ * copy through a staging buffer on the event loop bounded the transfers' speed.
  */
 #define PIECE (4u << 20)
+
+/* Elements between a piece's arrays in its buffer: as the engine's NVMe chunks lay them. */
+static uint64_t
+stride(uint64_t n)
+{
+	return (n + 1023) / 1024 * 1024;
+}
+
+/*
+ * Byte offsets of the arrays of a piece of n elements in its buffer: fp32's three
+ * stride(n) apart (a whole NVMe chunk lies there as on the disk), a raw format's as
+ * ze_raw_layout packs them.
+ */
+static void
+piece_layout(enum zk_state_format f, uint64_t n, uint64_t off[ZE_RAW_ARRAYS])
+{
+	if (f != ZK_STATE_FP32) {
+		ze_raw_layout(f, n, off);
+		return;
+	}
+	for (unsigned i = 0; i < ZE_RAW_ARRAYS; i++)
+		off[i] = (i < 3 ? i : 3) * stride(n) * sizeof(float);
+}
 
 /*
  * File I/O threads: one transfer has one piece on a thread at a time, so more threads
@@ -48,9 +77,9 @@
  * in the file (in_io, on an I/O thread); it ends when both are back.
  *
  * Ownership while in_io: the I/O thread has job, fd, crc, the io_* fields and the
- * buffer io_buf (or, for a save of state in memory, the tensor's arrays, which `held`
- * keeps busy so that no step changes them and no free takes them); the loop does not
- * touch them, and has everything else.  The engine has the buffer it was given while
+ * buffer they name (or, for a save or restore of state in memory, the tensor's arrays
+ * and, for a restore, its param slot, which `held` keeps busy so that no step changes
+ * them and no free takes them); the loop does not touch them, and has everything else.  The engine has the buffer it was given while
  * in_engine, the other one of the two.  fd and bufs are this struct's.  et is the
  * tensor while it lives: zd_ckpt_tensor_gone clears it.
  */
@@ -61,7 +90,7 @@ struct zd_ckpt_write {
 	uint64_t id;			/* the request's */
 	int fd;
 	struct ze_tensor *et;
-	struct ze_tensor *held;		/* a save from memory: busy until w ends */
+	struct ze_tensor *held;		/* state in memory: busy until w ends */
 	bool restore;
 	bool dead;			/* answered (an error) or its client gone: ends when idle */
 	bool in_engine, in_io;
@@ -70,15 +99,17 @@ struct zd_ckpt_write {
 	enum zk_state_format format;	/* of the file's arrays: fp32, or the tensor's (raw) */
 	uint64_t file_offset[ZP_CKPT_ARRAYS];	/* of element offset, per array */
 	uint32_t crc[ZP_CKPT_ARRAYS];
-	char *buf[2];			/* the arrays of one piece each (ze_raw_layout) */
+	char *buf[2];			/* the arrays of one piece each (piece_layout) */
 	uint64_t buf_elements;		/* per array in each */
+	uint64_t chunk;			/* the tensor's NVMe chunk (0: in memory): pieces end there */
 	unsigned cur;			/* save: buf[cur] is the engine's; restore: the I/O's */
 	uint64_t issued;		/* save: elements asked of the engine; restore: of the file */
 	uint64_t pending_off, pending_n;	/* save: read, to write; restore: read, to store */
 	/* The piece on the I/O thread: elements [io_off, io_off + io_n) of the range. */
 	bool io_write;
 	const char *io_src[ZP_CKPT_ARRAYS];	/* a save's arrays */
-	char *io_buf;				/* a restore's buffer */
+	char *io_dst[ZP_CKPT_ARRAYS];		/* where a restore's arrays go */
+	bool io_pad;				/* ... in a buffer, fp32's stride() apart */
 	uint64_t io_off, io_n;
 	int io_result;
 	char io_err[ZP_ERRMSG_MAX + 1];
@@ -97,25 +128,30 @@ struct zd_ckpt_write {
 #define SPARE_BUFS 4
 static char *spare[SPARE_BUFS];
 
-/* Room for any format's arrays of `elements` (fp32's are the largest, but for q8's scales). */
+/*
+ * Room for any format's arrays of `elements` (a multiple of 1024 where fp32's are
+ * stride() apart: fp32's are the largest, but for q8's scales).
+ */
 static uint64_t
 piece_bytes(uint64_t elements)
 {
 	return 3 * elements * sizeof(float) + 2 * sizeof(float) * ((elements + 255) / 256);
 }
 
+/* 4 KiB aligned, as the swap's direct I/O wants its buffers. */
 static char *
 piece_buf(uint64_t elements)
 {
+	void *b;
+
 	for (unsigned i = 0; elements == PIECE && i < SPARE_BUFS; i++) {
 		if (spare[i] != NULL) {
-			char *b = spare[i];
-
+			b = spare[i];
 			spare[i] = NULL;
 			return b;
 		}
 	}
-	return malloc(piece_bytes(elements));
+	return posix_memalign(&b, 4096, piece_bytes(elements)) == 0 ? b : NULL;
 }
 
 static void
@@ -240,31 +276,42 @@ io_write_piece(struct zd_ckpt_write *w)
  * A piece's three arrays are read in turn, 16 MiB each at three places: the kernel's
  * readahead for the file (SEQUENTIAL doubles its window) queues each read whole.
  * Asking for the next piece ahead (WILLNEED) instead read a third slower, measured on a
- * virtual disk, and delayed the piece being read.
+ * virtual disk, and delayed the piece being read.  Each array is read and CRC'd
+ * WRITE_BLOCK at a time, as a save writes it: the CRC finds the bytes in the CPU's cache
+ * where the copy out of the page cache left them, not in memory.
  */
 static void
 io_read_piece(struct zd_ckpt_write *w)
 {
-	uint64_t off[ZE_RAW_ARRAYS];
-
 	if (w->io_off == 0)
 		(void)posix_fadvise(w->fd, 0, 0, POSIX_FADV_SEQUENTIAL);
-	ze_raw_layout(w->format, w->io_n, off);
 	for (unsigned i = 0; i < ZP_CKPT_ARRAYS; i++) {
 		uint64_t at = w->file_offset[i] + ze_raw_array_bytes(w->format, i, w->io_off);
 		uint64_t len = ze_raw_array_bytes(w->format, i, w->io_n);
-		char *a = w->io_buf + off[i];
-		int r = len > 0 ? zp_pread_full(w->fd, a, len, at) : 0;
+		char *a = w->io_dst[i];
 
-		if (r < 0) {
-			snprintf(w->io_err, sizeof(w->io_err), "tensor '%s': reading the checkpoint "
-			    "file at byte %llu: %s", w->name, (unsigned long long)at, r == -ENODATA ?
-			    "the file ends there (truncated)" : strerror(-r));
-			w->io_result = r == -ENODATA ? -EBADMSG : r;
-			return;
+		for (uint64_t done = 0; done < len;) {
+			size_t n = len - done < WRITE_BLOCK ? (size_t)(len - done) : WRITE_BLOCK;
+			int r = zp_pread_full(w->fd, (char *)a + done, n, at + done);
+
+			if (r < 0) {
+				snprintf(w->io_err, sizeof(w->io_err), "tensor '%s': reading the "
+				    "checkpoint file at byte %llu: %s", w->name,
+				    (unsigned long long)(at + done), r == -ENODATA ?
+				    "the file ends there (truncated)" : strerror(-r));
+				w->io_result = r == -ENODATA ? -EBADMSG : r;
+				return;
+			}
+			w->crc[i] = zp_crc32c(w->crc[i], (char *)a + done, n);
+			done += n;
 		}
-		w->crc[i] = zp_crc32c(w->crc[i], a, len);
+		/* The padding goes to the swap with the chunk: zeros, not a last use's bytes. */
+		if (w->io_pad && len > 0)
+			memset(a + len, 0, (stride(w->io_n) - w->io_n) * sizeof(float));
 	}
+	/* Read into the tensor itself: its params follow here too, off the loop. */
+	if (w->held != NULL)
+		(void)ze_tensor_param_refresh(w->held, w->offset + w->io_off, w->io_n);
 }
 
 static void
@@ -290,13 +337,34 @@ submit(struct zd_daemon *d, struct zd_ckpt_write *w)
 }
 
 /*
+ * Elements of the piece at element `at` of a range [offset, offset + count) of a tensor
+ * with NVMe chunks of `chunk` elements (0: none): up to PIECE, not past a chunk's end.
+ */
+static uint64_t
+piece_at(uint64_t offset, uint64_t count, uint64_t chunk, uint64_t at)
+{
+	uint64_t n = count - at < PIECE ? count - at : PIECE;
+	uint64_t pos = offset + at;
+
+	if (chunk > 0 && chunk <= PIECE && chunk - pos % chunk < n)
+		n = chunk - pos % chunk;
+	return n;
+}
+
+static uint64_t
+piece_len(const struct zd_ckpt_write *w, uint64_t at)
+{
+	return piece_at(w->offset, w->count, w->chunk, at);
+}
+
+/*
  * Asks the engine for the next piece into buf[cur]: 1 there now, 0 queued, < 0 refused.
  * State in memory is written to the file from where it is: nothing to ask.
  */
 static int
 issue(struct zd_ckpt_write *w)
 {
-	uint64_t n = w->count - w->issued < PIECE ? w->count - w->issued : PIECE;
+	uint64_t n = piece_len(w, w->issued);
 	int r;
 
 	w->pending_off = w->issued;
@@ -308,7 +376,7 @@ issue(struct zd_ckpt_write *w)
 		r = ze_tensor_read_raw(w->et, w->offset + w->pending_off, n, w->buf[w->cur],
 		    w->lane, engine_id(w));
 	else
-		r = ze_tensor_read_all(w->et, w->offset + w->pending_off, n,
+		r = ze_tensor_read_all(w->et, w->offset + w->pending_off, n, stride(n),
 		    (float *)(void *)w->buf[w->cur], w->lane, engine_id(w));
 	w->in_engine = r == 0;
 	return r;
@@ -335,7 +403,7 @@ save_advance(struct zd_daemon *d, struct zd_session *s, struct zd_ckpt_write *w)
 	w->io_write = true;
 	w->io_off = w->pending_off;
 	w->io_n = w->pending_n;
-	ze_raw_layout(w->format, w->io_n, off);
+	piece_layout(w->format, w->io_n, off);
 	for (unsigned i = 0; i < ZP_CKPT_ARRAYS; i++) {
 		mem = w->held != NULL ? ze_tensor_memory_raw(w->et, i) : NULL;
 		if (mem != NULL)
@@ -353,6 +421,52 @@ save_advance(struct zd_daemon *d, struct zd_session *s, struct zd_ckpt_write *w)
 		}
 	}
 	submit(d, w);
+}
+
+/*
+ * A restore's next piece to an I/O thread: into buf, the arrays stride() apart, or, for
+ * a tensor in memory (held), into its own arrays, which ze_tensor_hold lets a holder
+ * write.
+ */
+static void
+submit_read(struct zd_daemon *d, struct zd_ckpt_write *w, char *buf)
+{
+	uint64_t off[ZE_RAW_ARRAYS];
+
+	w->io_write = false;
+	w->io_off = w->issued;
+	w->io_n = piece_len(w, w->issued);
+	w->issued += w->io_n;
+	piece_layout(w->format, w->io_n, off);
+	for (unsigned i = 0; i < ZP_CKPT_ARRAYS; i++) {
+		if (buf != NULL)
+			w->io_dst[i] = buf + off[i];
+		else	/* held: fp32 state in memory, three arrays */
+			w->io_dst[i] = i < ZP_STATE_COUNT ? (char *)(uintptr_t)
+			    ze_tensor_memory_state(w->held, (enum ze_state)i) +
+			    (w->offset + w->io_off) * sizeof(float) : NULL;
+	}
+	w->io_pad = buf != NULL && w->format == ZK_STATE_FP32;
+	submit(d, w);
+}
+
+/*
+ * A restore of a tensor in memory: the thread read the piece (pending) into the tensor
+ * and refreshed its params; recorded here, and the next read, or the answer.
+ */
+static void
+restore_held_advance(struct zd_daemon *d, struct zd_session *s, struct zd_ckpt_write *w)
+{
+	if (w->pending_n > 0)
+		(void)ze_tensor_restored(w->et, w->offset + w->pending_off, w->pending_n);
+	w->pending_n = 0;
+	if (w->issued < w->count) {
+		submit_read(d, w, NULL);
+		return;
+	}
+	w->last_step = ze_tensor_last_step(w->et);
+	reply_done(s, w);
+	ckpt_end(d, w);
 }
 
 /*
@@ -382,18 +496,13 @@ restore_advance(struct zd_daemon *d, struct zd_session *s, struct zd_ckpt_write 
 		 */
 		if (w->issued < w->count) {
 			w->cur ^= 1;
-			w->io_write = false;
-			w->io_buf = w->buf[w->cur];
-			w->io_off = w->issued;
-			w->io_n = w->count - w->issued < PIECE ? w->count - w->issued : PIECE;
-			w->issued += w->io_n;
-			submit(d, w);
+			submit_read(d, w, w->buf[w->cur]);
 		}
 		if (w->format != ZK_STATE_FP32)
 			wr = ze_tensor_write_raw(w->et, w->offset + off, n, ready, w->lane,
 			    engine_id(w));
 		else
-			wr = ze_tensor_write_all(w->et, w->offset + off, n,
+			wr = ze_tensor_write_all(w->et, w->offset + off, n, stride(n),
 			    (const float *)(void *)ready, w->lane, engine_id(w));
 		if (wr < 0) {
 			fail(d, s, w, ze_errno(wr), "tensor '%s': %s", w->name, ze_strerror(wr));
@@ -419,7 +528,9 @@ progress(struct zd_daemon *d, struct zd_ckpt_write *w)
 		ckpt_end(d, w);
 		return;
 	}
-	if (w->restore)
+	if (w->restore && w->held != NULL)
+		restore_held_advance(d, s, w);
+	else if (w->restore)
 		restore_advance(d, s, w);
 	else
 		save_advance(d, s, w);
@@ -556,7 +667,8 @@ ckpt_new(struct zd_session *s, const struct zp_msg *msg, int fd)
 {
 	const struct zp_ckpt_write *req = &msg->u.ckpt_write;
 	bool restore = msg->hdr.type == ZP_CKPT_READ;
-	uint64_t id = msg->hdr.request_id, numel, piece;
+	uint64_t id = msg->hdr.request_id, numel, piece, chunk;
+	bool two;
 	char err[ZP_ERRMSG_MAX + 1];
 	struct zd_ckpt_write *w;
 	struct zd_tensor *t;
@@ -603,21 +715,32 @@ ckpt_new(struct zd_session *s, const struct zp_msg *msg, int fd)
 		return NULL;
 	}
 	/*
-	 * A save of state in memory writes it from where it is, raw or fp32: no buffers.
-	 * Compressed state saved as fp32 is decoded into them.
+	 * A save of state in memory writes it from where it is, raw or fp32, and a restore
+	 * of fp32 state in memory reads into it: no buffers.  Compressed state saved as fp32
+	 * is decoded into them.  An fp32 tensor's pieces end at its NVMe chunks' ends, so that
+	 * a whole chunk moves straight between the disk and the buffer.
 	 */
-	piece = req->count < PIECE ? req->count : PIECE;
-	if (!restore && ze_tensor_memory_raw(t->et, ZE_STATE_MASTER) != NULL &&
+	piece = stride(req->count < PIECE ? req->count : PIECE);
+	chunk = ze_tensor_state_format(t->et) == ZK_STATE_FP32 ? ze_tensor_chunk_elements(t->et) :
+	    0;
+	two = piece_at(req->offset, req->count, chunk, 0) < req->count;
+	if (restore ? ze_tensor_memory_state(t->et, ZE_STATE_MASTER) != NULL :
+	    ze_tensor_memory_raw(t->et, ZE_STATE_MASTER) != NULL &&
 	    (req->format != ZK_STATE_FP32 || ze_tensor_state_format(t->et) == ZK_STATE_FP32))
 		piece = 0;
+	if (restore && piece == 0 && !ze_tensor_param_resident(t->et)) {
+		zd_session_error(s, id, -EAGAIN, "tensor '%s': %s", t->name,
+		    ze_strerror(-EAGAIN));
+		return NULL;
+	}
 	w = calloc(1, sizeof(*w));
 	if (w != NULL && piece > 0) {
 		w->buf_elements = piece;
 		w->buf[0] = piece_buf(piece);
-		w->buf[1] = req->count <= PIECE ? NULL : piece_buf(piece);
+		w->buf[1] = two ? piece_buf(piece) : NULL;
 	}
 	if (w == NULL || (piece > 0 && (w->buf[0] == NULL ||
-	    (req->count > PIECE && w->buf[1] == NULL)))) {
+	    (two && w->buf[1] == NULL)))) {
 		if (w != NULL) {
 			piece_buf_free(w->buf[0], piece);
 			piece_buf_free(w->buf[1], piece);
@@ -631,8 +754,8 @@ ckpt_new(struct zd_session *s, const struct zp_msg *msg, int fd)
 	w->id = id;
 	w->fd = fd;
 	w->et = t->et;
-	/* A save from memory: no step may change the arrays, nor a free take them, meanwhile. */
-	if (!restore && piece == 0) {
+	/* State in memory: no step may touch the arrays, nor a free take them, meanwhile. */
+	if (piece == 0) {
 		r = ze_tensor_hold(t->et);
 		if (r < 0) {
 			free(w);
@@ -645,6 +768,7 @@ ckpt_new(struct zd_session *s, const struct zp_msg *msg, int fd)
 	w->offset = req->offset;
 	w->count = req->count;
 	w->format = (enum zk_state_format)req->format;
+	w->chunk = chunk;
 	memcpy(w->file_offset, req->file_offset, sizeof(w->file_offset));
 	memcpy(w->crc, req->crc, sizeof(w->crc));
 	snprintf(w->name, sizeof(w->name), "%s", t->name);
@@ -672,13 +796,8 @@ zd_handle_request_fd(struct zd_session *s, const struct zp_msg *msg, int fd)
 	w->next = d->ckpt_writes;
 	d->ckpt_writes = w;
 	if (w->restore) {
-		/* The first piece into buf[0]: restore_advance takes it on when it is in. */
-		w->io_write = false;
-		w->io_buf = w->buf[0];
-		w->io_off = 0;
-		w->io_n = w->count < PIECE ? w->count : PIECE;
-		w->issued = w->io_n;
-		submit(d, w);
+		/* The first piece into buf[0] (or the tensor): the advance takes it on when in. */
+		submit_read(d, w, w->buf[0]);
 		return;
 	}
 	r = issue(w);

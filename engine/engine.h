@@ -199,6 +199,16 @@ bool ze_tensor_busy(const struct ze_tensor *t);
  */
 int ze_tensor_hold(struct ze_tensor *t);
 void ze_tensor_release(struct ze_tensor *t);
+/*
+ * A restore straight into a tensor in memory (a checkpoint's I/O thread reading into it):
+ * while the caller holds it, it may write the arrays ze_tensor_memory_state gives (they
+ * are the tensor's own) and refresh the param slot from master with
+ * ze_tensor_param_refresh, which touches the slot alone (any thread); then, back on the
+ * loop, ze_tensor_restored records those elements as written.  Both -ERANGE outside the
+ * tensor; the params must be resident (ze_tensor_param_resident), as for a write.
+ */
+int ze_tensor_param_refresh(struct ze_tensor *t, uint64_t offset, uint64_t count);
+int ze_tensor_restored(struct ze_tensor *t, uint64_t offset, uint64_t count);
 bool ze_tensor_on_nvme(const struct ze_tensor *t);
 /* Every element of master was written since it was placed. */
 bool ze_tensor_initialized(const struct ze_tensor *t);
@@ -228,24 +238,35 @@ int ze_tensor_io(struct ze_tensor *t, bool write, enum ze_state which, uint64_t 
  */
 const float *ze_tensor_memory_state(const struct ze_tensor *t, enum ze_state which);
 /*
- * Reads elements [offset, offset + count) of master, m and v at once into buf (3 * count
- * floats: master's, then m's, then v's, decoded from a compressed format), from one pass
- * over the state (a checkpoint).
+ * Reads elements [offset, offset + count) of master, m and v at once into buf (master's
+ * count floats at buf, m's at buf + stride, v's at buf + 2 * stride; stride >= count),
+ * decoded from a compressed format, from one pass over the state (a checkpoint).
  * As ze_tensor_io: 1 done now, 0 queued (io_done reports ZE_IO_READ), < 0 refused.
+ *
+ * On NVMe, fp32, a range that is one whole chunk (ze_tensor_chunk_elements) with stride
+ * the chunk's length rounded up to 1024 elements, and buf aligned for direct I/O (4 KiB
+ * does): the disk reads into buf itself, no copy through a staging buffer; the padding
+ * between the arrays is overwritten.  buf must then stay until io_done even after
+ * ze_engine_cancel_lane, since the disk may still be filling it.
  */
-int ze_tensor_read_all(struct ze_tensor *t, uint64_t offset, uint64_t count, float *buf,
-    uint32_t lane, uint64_t id);
+int ze_tensor_read_all(struct ze_tensor *t, uint64_t offset, uint64_t count, uint64_t stride,
+    float *buf, uint32_t lane, uint64_t id);
 /*
- * The other way (a restore): buf's three arrays into master, m and v, the param slot
- * refreshed; on NVMe a chunk the range covers whole is written without being read.
+ * The other way (a restore): buf's three arrays (as ze_tensor_read_all lays them) into
+ * master, m and v, the param slot refreshed; on NVMe a chunk the range covers whole is
+ * written without being read, and in the case read_all names written from buf itself:
+ * the padding between the arrays goes to the disk as it is (zeros, say), and buf must
+ * stay until io_done even after ze_engine_cancel_lane.
  */
-int ze_tensor_write_all(struct ze_tensor *t, uint64_t offset, uint64_t count, const float *buf,
-    uint32_t lane, uint64_t id);
+int ze_tensor_write_all(struct ze_tensor *t, uint64_t offset, uint64_t count, uint64_t stride,
+    const float *buf, uint32_t lane, uint64_t id);
+/* Elements per NVMe chunk of t (0 in memory): whole-state transfers of one go direct. */
+uint64_t ze_tensor_chunk_elements(const struct ze_tensor *t);
 /*
  * A checkpoint's raw form of a range of count elements: the arrays master (fp32), m and
  * v (as the format keeps them: 4, 2 or 1 byte an element) and, for q8-moments, m's and
  * v's scales (fp32, one per 256-element block, the last block possibly short), back to
- * back in that order.  For fp32 state it is ze_tensor_read_all's buffer.
+ * back in that order.  For fp32 state it is ze_tensor_read_all's buffer, stride count.
  */
 #define ZE_RAW_ARRAYS 5
 /* Bytes of raw array k (0..4) over count elements (0 for a scale array of fp32 or bf16). */

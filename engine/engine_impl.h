@@ -237,6 +237,9 @@ void ze_tensor_write_param(struct ze_tensor *t, uint64_t offset, uint64_t count,
  */
 void ze_tensor_param_from_master(struct ze_tensor *t, uint64_t offset, uint64_t count,
     const struct zk_qtensor *q, size_t at);
+/* The conversion alone, into a slot of dtype: touches nothing else (any thread). */
+void ze_param_convert(void *slot, enum zk_dtype dtype, uint64_t offset, uint64_t count,
+    const float *src);
 /* Master elements [offset, offset + count) hold initial values now. */
 void ze_tensor_mark_init(struct ze_tensor *t, uint64_t offset, uint64_t count);
 uint64_t ze_unit_len(const struct ze_tensor *t, uint64_t unit);
@@ -249,17 +252,20 @@ void ze_nvme_release(struct ze_engine *e, struct ze_tensor *t);
 /* Queues tensor i of b; reports through ze_step_unit_done. */
 void ze_nvme_queue_step(struct ze_engine *e, struct ze_batch *b, size_t i);
 void ze_nvme_step_computed(struct ze_engine *e, struct ze_task *task);
+/* A ZE_TASK_PARAM of a chunk came back. */
+void ze_nvme_param_done(struct ze_engine *e, struct ze_task *task);
 int ze_nvme_xfer(struct ze_tensor *t, bool write, enum ze_state which, uint64_t offset,
     uint64_t count, void *buf, uint32_t lane, uint64_t id);
 void ze_nvme_cancel_lane(struct ze_engine *e, uint32_t lane);
 /*
- * ze_tensor_read_all on NVMe: the three arrays from one read of each chunk; raw: the
- * arrays as kept (ze_tensor_read_raw, compressed formats only).
+ * ze_tensor_read_all on NVMe: the three arrays from one read of each chunk, stride
+ * elements apart in buf; raw: the arrays as kept (ze_tensor_read_raw, compressed formats
+ * only; stride unused).
  */
-int ze_nvme_read_all(struct ze_tensor *t, uint64_t offset, uint64_t count, void *buf,
-    bool raw, uint32_t lane, uint64_t id);
-int ze_nvme_write_all(struct ze_tensor *t, uint64_t offset, uint64_t count, const void *buf,
-    bool raw, uint32_t lane, uint64_t id);
+int ze_nvme_read_all(struct ze_tensor *t, uint64_t offset, uint64_t count, uint64_t stride,
+    void *buf, bool raw, uint32_t lane, uint64_t id);
+int ze_nvme_write_all(struct ze_tensor *t, uint64_t offset, uint64_t count, uint64_t stride,
+    const void *buf, bool raw, uint32_t lane, uint64_t id);
 
 /* step.c */
 void ze_step_unit_done(struct ze_engine *e, struct ze_batch *b, size_t i, uint64_t unit,

@@ -5,51 +5,9 @@
 #include <unistd.h>
 
 #include "engine_impl.h"
+#include "nvme_impl.h"
 #include "stepper.h"
 #include "swap.h"
-
-/*
- * On NVMe a tensor is a run of chunks; chunk c holds elements
- * [c*C, (c+1)*C) as master, m, v back to back, each C*4 bytes (C a
- * multiple of 1024, so every array and chunk is 4 KiB aligned).  A
- * compressed format packs its smaller m and v and then the scales the same
- * way (ze_layout_of), the chunk rounded up to 4 KiB: C is a multiple of the
- * 256-element q8 block, so a chunk owns its blocks whole and steps alone.  One chunk
- * is one sequential read and one sequential write.  The last chunk holds
- * only the rest, each array rounded up to 1024 elements: moving a whole
- * chunk there cost a 4M-element chunk's worth of padding per tensor and
- * step, 12% of the I/O of bench_step's tensors.
- */
-
-enum work_kind { WORK_STEP, WORK_READ, WORK_WRITE, WORK_READ_ALL, WORK_WRITE_ALL };
-
-/*
- * Chunks of one tensor waiting for staging buffers: a step, or a state
- * transfer.  Owned by its lane while chunks wait, then by its chunks in
- * flight; the last chunk to finish frees it.  The tensor is busy meanwhile.
- */
-struct nvme_work {
-	TAILQ_ENTRY(nvme_work) entry;
-	TAILQ_ENTRY(nvme_work) xfer_entry;	/* transfers: on the engine's list until freed */
-	enum work_kind kind;
-	struct ze_tensor *tensor;
-	struct ze_batch *batch;		/* WORK_STEP */
-	size_t index;
-	uint64_t next_chunk;		/* the next one to read; skips chunks already at the step */
-	uint64_t end_chunk;
-	unsigned outstanding;		/* chunks in flight */
-	int error;
-	uint32_t lane;
-	/* transfers */
-	uint64_t id;
-	enum ze_state state;
-	uint64_t offset;
-	uint64_t count;
-	void *buf;			/* NULL once the lane was cancelled */
-	bool raw;			/* READ_ALL/WRITE_ALL of the arrays as kept (ze_tensor_read_raw) */
-};
-
-TAILQ_HEAD(nvme_works, nvme_work);
 
 /*
  * One lane's waiting work.  Staging buffers go to the lanes in turn, a
@@ -62,68 +20,6 @@ struct nvme_lane {
 	uint32_t key;
 	struct nvme_works works;
 };
-
-/* One chunk in flight through a staging buffer. */
-struct chunk_io {
-	struct ze_engine *e;
-	struct nvme_work *work;
-	struct ze_staging *staging;
-	uint64_t chunk;
-	uint64_t start_ns;
-	struct ze_task task;
-};
-
-static uint64_t
-chunk_bytes(const struct ze_tensor *t)
-{
-	struct ze_layout l;
-
-	ze_layout_of(t->format, t->chunk_elements, false, &l);
-	return l.bytes;
-}
-
-static uint64_t
-chunk_count(const struct ze_tensor *t)
-{
-	return (t->numel + t->chunk_elements - 1) / t->chunk_elements;
-}
-
-static uint64_t
-chunk_len(const struct ze_tensor *t, uint64_t c)
-{
-	uint64_t left = t->numel - c * t->chunk_elements;
-
-	return left < t->chunk_elements ? left : t->chunk_elements;
-}
-
-/* Elements per array in chunk c (C, or less in the last): 4 KiB multiples. */
-static uint64_t
-chunk_stride(const struct ze_tensor *t, uint64_t c)
-{
-	return (chunk_len(t, c) + 1023) / 1024 * 1024;
-}
-
-/* Bytes chunk c takes on disk and moves; it starts at c * chunk_bytes(t). */
-static uint64_t
-chunk_io_bytes(const struct ze_tensor *t, uint64_t c)
-{
-	struct ze_layout l;
-
-	ze_layout_of(t->format, chunk_stride(t, c), false, &l);
-	return l.bytes;
-}
-
-/* Chunk c's state in the staging buffer it was read into. */
-static void
-chunk_view(const struct ze_tensor *t, uint64_t c, void *buf, struct zk_qtensor *ret)
-{
-	struct ze_layout l;
-
-	ze_layout_of(t->format, chunk_stride(t, c), false, &l);
-	ze_state_view(t->format, buf, &l, chunk_len(t, c), ret);
-	/* bf16-master+q8 rounds by the element's index in the whole tensor. */
-	ret->base = c * t->chunk_elements;
-}
 
 int
 ze_nvme_start(struct ze_engine *e)
@@ -227,10 +123,8 @@ ze_nvme_release(struct ze_engine *e, struct ze_tensor *t)
 	t->on_nvme = false;
 }
 
-static void pump(struct ze_engine *e);
-
-static int
-enqueue(struct ze_engine *e, struct nvme_work *w)
+int
+ze_nvme_enqueue(struct ze_engine *e, struct nvme_work *w)
 {
 	struct nvme_lane *lane;
 	struct nvme_work *q;
@@ -276,8 +170,8 @@ skip_landed(struct nvme_work *w)
 		w->next_chunk++;
 }
 
-static void
-work_chunk_finished(struct ze_engine *e, struct chunk_io *io, int error)
+void
+ze_nvme_chunk_finished(struct ze_engine *e, struct chunk_io *io, int error)
 {
 	struct nvme_work *w = io->work;
 	uint64_t chunk = io->chunk;
@@ -316,13 +210,12 @@ work_chunk_finished(struct ze_engine *e, struct chunk_io *io, int error)
 		ze_tensor_unbusy(t);
 		e->cb.io_done(e->cb_arg, lane, id, kind, user, error);
 	}
-	pump(e);
+	ze_nvme_pump(e);
 }
 
 static void
-write_done(int result, void *arg)
+write_finished(struct chunk_io *io, int result)
 {
-	struct chunk_io *io = arg;
 	struct nvme_work *w = io->work;
 	struct ze_tensor *t = w->tensor;
 
@@ -343,110 +236,45 @@ write_done(int result, void *arg)
 			ze_tensor_mark_init(t, from, to - from);
 		}
 	}
-	work_chunk_finished(io->e, io, result);
+	ze_nvme_chunk_finished(io->e, io, result);
+}
+
+/* A part of io ended (its write, or its param refresh): the chunk ends with the last. */
+static void
+part_done(struct chunk_io *io, int result)
+{
+	if (io->parts > 0) {
+		if (result < 0 && io->part_result == 0)
+			io->part_result = result;
+		if (--io->parts > 0)
+			return;
+		result = io->part_result;
+	}
+	write_finished(io, result);
 }
 
 static void
-write_back(struct ze_engine *e, struct chunk_io *io)
+write_done(int result, void *arg)
+{
+	part_done(arg, result);
+}
+
+void
+ze_nvme_param_done(struct ze_engine *e, struct ze_task *task)
+{
+	part_done((struct chunk_io *)((char *)task - offsetof(struct chunk_io, task)),
+	    task->result);
+}
+
+void
+ze_nvme_write_back(struct ze_engine *e, struct chunk_io *io)
 {
 	struct ze_tensor *t = io->work->tensor;
-	int r = zs_write(e->swap, t->extent, io->chunk * chunk_bytes(t), io->staging->buf,
+	int r = zs_write(e->swap, t->extent, io->chunk * chunk_bytes(t), io_buf(io),
 	    chunk_io_bytes(t, io->chunk), write_done, io);
 
 	if (r < 0)
-		work_chunk_finished(e, io, r);
-}
-
-static bool covers_chunk(const struct nvme_work *w, uint64_t c);
-
-/* xfer_chunk for a compressed format: decode, or patch and encode, the range in the chunk. */
-static void
-xfer_chunk_coded(struct ze_engine *e, struct chunk_io *io, uint64_t from, uint64_t to)
-{
-	struct nvme_work *w = io->work;
-	struct ze_tensor *t = w->tensor;
-	uint64_t first = io->chunk * t->chunk_elements;
-	bool all = w->kind == WORK_READ_ALL || w->kind == WORK_WRITE_ALL;
-	bool write = w->kind == WORK_WRITE || w->kind == WORK_WRITE_ALL;
-	float *bufs[3] = { NULL, NULL, NULL };
-	struct zk_qtensor q;
-	int r;
-
-	for (unsigned k = 0; k < 3 && !w->raw; k++)
-		if (all || k == (unsigned)w->state)
-			bufs[k] = (float *)w->buf + (all ? k * w->count : 0) + (from - w->offset);
-	/* A chunk written whole was not read: no stale bytes of the buffer's last use stay. */
-	if (w->kind == WORK_WRITE_ALL && covers_chunk(w, io->chunk))
-		memset(io->staging->buf, 0, chunk_io_bytes(t, io->chunk));
-	chunk_view(t, io->chunk, io->staging->buf, &q);
-	if (w->raw)
-		r = ze_state_raw(&q, write, from - first, to - from, w->buf, w->count,
-		    from - w->offset);
-	else
-		r = ze_state_rw(&q, write, all ? 7u : 1u << w->state, from - first, to - from, bufs);
-	if (r < 0 || !write) {
-		work_chunk_finished(e, io, r);
-		return;
-	}
-	if (all || w->state == ZE_STATE_MASTER)
-		ze_tensor_param_from_master(t, from, to - from, &q, from - first);
-	write_back(e, io);
-}
-
-/* A state transfer: copy the part of this chunk the request covers. */
-static void
-xfer_chunk(struct ze_engine *e, struct chunk_io *io)
-{
-	struct nvme_work *w = io->work;
-	struct ze_tensor *t = w->tensor;
-	uint64_t first = io->chunk * t->chunk_elements, last = first + chunk_len(t, io->chunk);
-	uint64_t from = w->offset > first ? w->offset : first;
-	uint64_t to = w->offset + w->count < last ? w->offset + w->count : last;
-	float *array = (float *)io->staging->buf + (size_t)w->state * chunk_stride(t, io->chunk);
-	float *window;
-
-	if (w->buf == NULL) {
-		work_chunk_finished(e, io, -ECANCELED);
-		return;
-	}
-	window = (float *)w->buf + (from - w->offset);
-	if (t->format != ZK_STATE_FP32) {
-		xfer_chunk_coded(e, io, from, to);
-		return;
-	}
-	if (w->kind == WORK_READ_ALL) {
-		/* master, m, v: each to its own third of the buffer */
-		for (unsigned s = 0; s < 3; s++)
-			memcpy((float *)w->buf + s * w->count + (from - w->offset),
-			    (float *)io->staging->buf + s * chunk_stride(t, io->chunk) + (from - first),
-			    (to - from) * sizeof(float));
-		work_chunk_finished(e, io, 0);
-		return;
-	}
-	if (w->kind == WORK_WRITE_ALL) {
-		uint64_t stride = chunk_stride(t, io->chunk);
-
-		for (unsigned s = 0; s < 3; s++) {
-			float *a = (float *)io->staging->buf + s * stride;
-
-			memcpy(a + (from - first), (float *)w->buf + s * w->count + (from - w->offset),
-			    (to - from) * sizeof(float));
-			/* A chunk written whole was not read: its padding is the buffer's last use. */
-			memset(a + (last - first), 0, (stride - (last - first)) * sizeof(float));
-		}
-		ze_tensor_write_param(t, from, to - from, (float *)io->staging->buf + (from - first));
-		write_back(e, io);
-		return;
-	}
-	if (w->kind == WORK_READ) {
-		memcpy(window, array + (from - first), (to - from) * sizeof(float));
-		work_chunk_finished(e, io, 0);
-		return;
-	}
-	memcpy(array + (from - first), window, (to - from) * sizeof(float));
-	if (w->state == ZE_STATE_MASTER)
-		ze_tensor_write_param(t, from, to - from, array + (from - first));
-	write_back(e, io);
+		part_done(io, r);
 }
 
 static void
@@ -462,7 +290,7 @@ read_done(int result, void *arg)
 
 	e->read_bytes_in_flight -= chunk_io_bytes(t, io->chunk);
 	if (result < 0) {
-		work_chunk_finished(e, io, result);
+		ze_nvme_chunk_finished(e, io, result);
 		return;
 	}
 	e->stats.chunks_read++;
@@ -473,9 +301,9 @@ read_done(int result, void *arg)
 	 * job reads another's state).
 	 */
 	if ((t->chunks_written[io->chunk / 8] & (1u << (io->chunk % 8))) == 0)
-		memset(io->staging->buf, 0, chunk_io_bytes(t, io->chunk));
+		memset(io_buf(io), 0, chunk_io_bytes(t, io->chunk));
 	if (w->kind != WORK_STEP) {
-		xfer_chunk(e, io);
+		ze_nvme_xfer_chunk(e, io);
 		return;
 	}
 	buf = io->staging->buf;
@@ -511,7 +339,7 @@ read_done(int result, void *arg)
 	}
 	ze_step_post(e, &io->task);
 	/* The read window has room again. */
-	pump(e);
+	ze_nvme_pump(e);
 }
 
 void
@@ -520,18 +348,18 @@ ze_nvme_step_computed(struct ze_engine *e, struct ze_task *task)
 	struct chunk_io *io = (struct chunk_io *)((char *)task - offsetof(struct chunk_io, task));
 
 	if (task->result < 0) {
-		work_chunk_finished(e, io, task->result);
+		ze_nvme_chunk_finished(e, io, task->result);
 		return;
 	}
 	/* From here until it is stamped the chunk on disk may be old, new or torn: keep it. */
 	ze_journal_staging(e, io->staging->index, io->work->tensor, io->chunk,
 	    io->work->batch->hp.step);
-	write_back(e, io);
+	ze_nvme_write_back(e, io);
 }
 
 /* The transfer covers every element of chunk c. */
-static bool
-covers_chunk(const struct nvme_work *w, uint64_t c)
+bool
+ze_nvme_covers_chunk(const struct nvme_work *w, uint64_t c)
 {
 	uint64_t first = c * w->tensor->chunk_elements;
 
@@ -574,6 +402,7 @@ pump_once(struct ze_engine *e)
 		io->work = w;
 		io->staging = sb;
 		io->chunk = w->next_chunk++;
+		io->direct = ze_nvme_direct_chunk(w, io->chunk) ? w->buf : NULL;
 		io->start_ns = now;
 		skip_landed(w);
 		w->outstanding++;
@@ -584,17 +413,17 @@ pump_once(struct ze_engine *e)
 			free(lane);
 		else
 			TAILQ_INSERT_TAIL(&e->nvme_lanes, lane, entry);
-		if (w->kind == WORK_WRITE_ALL && covers_chunk(w, io->chunk)) {
+		if (w->kind == WORK_WRITE_ALL && ze_nvme_covers_chunk(w, io->chunk)) {
 			/* Every byte of the chunk is new: nothing to read first. */
-			xfer_chunk(e, io);
+			ze_nvme_xfer_chunk(e, io);
 			continue;
 		}
 		e->read_bytes_in_flight += chunk_io_bytes(w->tensor, io->chunk);
-		r = zs_read(e->swap, w->tensor->extent, io->chunk * chunk_bytes(w->tensor), sb->buf,
+		r = zs_read(e->swap, w->tensor->extent, io->chunk * chunk_bytes(w->tensor), io_buf(io),
 		    chunk_io_bytes(w->tensor, io->chunk), read_done, io);
 		if (r < 0) {
 			e->read_bytes_in_flight -= chunk_io_bytes(w->tensor, io->chunk);
-			work_chunk_finished(e, io, r);
+			ze_nvme_chunk_finished(e, io, r);
 		}
 	}
 	if (e->io_blocked_since != 0) {
@@ -608,8 +437,8 @@ pump_once(struct ze_engine *e)
  * another pump: that runs as the next pass of this loop, not one stack
  * frame deeper per chunk.
  */
-static void
-pump(struct ze_engine *e)
+void
+ze_nvme_pump(struct ze_engine *e)
 {
 	if (e->pumping) {
 		e->pump_again = true;
@@ -659,83 +488,13 @@ ze_nvme_queue_step(struct ze_engine *e, struct ze_batch *b, size_t i)
 		return;
 	}
 	b->pending[i] = needed;
-	if (enqueue(e, w) < 0) {
+	if (ze_nvme_enqueue(e, w) < 0) {
 		free(w);
 		b->pending[i] = 1;
 		ze_step_unit_done(e, b, i, UINT64_MAX, -ENOMEM);
 		return;
 	}
-	pump(e);
-}
-
-static int
-xfer_queue(struct ze_tensor *t, enum work_kind kind, enum ze_state which, uint64_t offset,
-    uint64_t count, void *buf, bool raw, uint32_t lane, uint64_t id)
-{
-	struct ze_engine *e = t->e;
-	struct nvme_work *w;
-
-	if (count == 0)
-		return 1;
-	w = calloc(1, sizeof(*w));
-	if (w == NULL)
-		return -ENOMEM;
-	w->kind = kind;
-	w->tensor = t;
-	w->lane = lane;
-	w->id = id;
-	w->state = which;
-	w->offset = offset;
-	w->count = count;
-	w->buf = buf;
-	w->raw = raw;
-	w->next_chunk = offset / t->chunk_elements;
-	w->end_chunk = (offset + count + t->chunk_elements - 1) / t->chunk_elements;
-	if (enqueue(e, w) < 0) {
-		free(w);
-		return -ENOMEM;
-	}
-	TAILQ_INSERT_TAIL(&e->xfer_works, w, xfer_entry);
-	/* No step may touch the chunks while they are read and patched. */
-	t->busy = true;
-	e->xfers++;
-	pump(e);
-	return 0;
-}
-
-int
-ze_nvme_xfer(struct ze_tensor *t, bool write, enum ze_state which, uint64_t offset,
-    uint64_t count, void *buf, uint32_t lane, uint64_t id)
-{
-	return xfer_queue(t, write ? WORK_WRITE : WORK_READ, which, offset, count, buf, false,
-	    lane, id);
-}
-
-int
-ze_nvme_read_all(struct ze_tensor *t, uint64_t offset, uint64_t count, void *buf, bool raw,
-    uint32_t lane, uint64_t id)
-{
-	return xfer_queue(t, WORK_READ_ALL, ZE_STATE_MASTER, offset, count, buf, raw, lane, id);
-}
-
-int
-ze_nvme_write_all(struct ze_tensor *t, uint64_t offset, uint64_t count, const void *buf,
-    bool raw, uint32_t lane, uint64_t id)
-{
-	/* The buffer is only read from: a write's source. */
-	return xfer_queue(t, WORK_WRITE_ALL, ZE_STATE_MASTER, offset, count, (void *)(uintptr_t)buf,
-	    raw, lane, id);
-}
-
-void
-ze_nvme_cancel_lane(struct ze_engine *e, uint32_t lane)
-{
-	struct nvme_work *w;
-
-	/* Chunks queued or in flight find buf NULL when their read lands. */
-	TAILQ_FOREACH(w, &e->xfer_works, xfer_entry)
-		if (w->lane == lane)
-			w->buf = NULL;
+	ze_nvme_pump(e);
 }
 
 static void

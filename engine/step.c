@@ -355,15 +355,18 @@ ze_step_post(struct ze_engine *e, struct ze_task *task)
 	 * from the later of its last task and this read's start (before that the
 	 * client was computing, not us).
 	 */
-	if (e->tasks_outstanding == 0 && task->staging != NULL) {
+	if (e->tasks_outstanding == 0 && task->staging != NULL && task->kind == ZE_TASK_STEP) {
 		uint64_t since = e->compute_idle_since > task->io_start_ns ? e->compute_idle_since :
 		    task->io_start_ns;
 
 		e->stats.compute_waits++;
 		e->stats.compute_wait_ns += now - since;
 	}
-	task->step = task->batch->hp.step;
-	task->seq = task->batch->seq;
+	/* A PARAM task (no batch) keeps step 0: ahead of its lane's steps, it is short. */
+	if (task->batch != NULL) {
+		task->step = task->batch->hp.step;
+		task->seq = task->batch->seq;
+	}
 	e->tasks_outstanding++;
 	ze_stepper_submit(e->stepper, task);
 }
@@ -474,6 +477,10 @@ task_finished(struct ze_engine *e, struct ze_task *task)
 	e->tasks_outstanding--;
 	if (e->tasks_outstanding == 0)
 		e->compute_idle_since = zu_now_ns();
+	if (task->kind == ZE_TASK_PARAM) {
+		ze_nvme_param_done(e, task);
+		return;
+	}
 	task->batch->compute_ns += task->compute_ns;
 	if (task->kind == ZE_TASK_CHECK) {
 		check_done(e, task);

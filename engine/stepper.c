@@ -43,7 +43,11 @@ run_task(struct ze_stepper *st, struct ze_task *task)
 	struct ze_batch *b = task->batch;
 	uint64_t t0 = zu_now_ns();
 
-	if (task->kind == ZE_TASK_CHECK) {
+	if (task->kind == ZE_TASK_PARAM) {
+		ze_param_convert(task->view.param, task->view.param_dtype, 0, task->view.n,
+		    task->view.master);
+		task->result = 0;
+	} else if (task->kind == ZE_TASK_CHECK) {
 		b->check = (struct zk_grad_stats){ 0 };
 		task->result = zk_pool_grad_check(st->pool, b->isa, b->views, b->count,
 		    b->hp.grad_scale, &b->check);

@@ -19,6 +19,12 @@ struct zk_pool;
 enum ze_task_kind {
 	ZE_TASK_CHECK,		/* gradient pass over the whole batch: writes batch->check */
 	ZE_TASK_STEP,		/* one unit (slice or chunk) of one tensor */
+	/*
+	 * A restore's NVMe chunk written straight from the caller's buffer: the param
+	 * slot's view.n elements at view.param from master at view.master, off the loop
+	 * while the disk writes the chunk.  No batch.
+	 */
+	ZE_TASK_PARAM,
 };
 
 /*
@@ -31,7 +37,7 @@ struct ze_task {
 	uint32_t lane;			/* fairness key: the submitting client */
 	uint64_t step;			/* order within the lane: ze_runs_before() */
 	uint64_t seq;
-	struct ze_batch *batch;
+	struct ze_batch *batch;		/* NULL for PARAM */
 	size_t index;			/* tensor within the batch */
 	uint64_t unit;			/* slice or chunk of that tensor */
 	struct zk_tensor view;		/* STEP: the unit, in place or in a staging buffer (fp32) */

@@ -378,6 +378,25 @@ ze_tensor_release(struct ze_tensor *t)
 {
 	ze_tensor_unbusy(t);
 }
+
+int
+ze_tensor_param_refresh(struct ze_tensor *t, uint64_t offset, uint64_t count)
+{
+	if (offset > t->numel || count > t->numel - offset)
+		return -ERANGE;
+	ze_param_convert(t->param_slot.map, t->param_dtype, offset, count, t->master + offset);
+	return 0;
+}
+
+int
+ze_tensor_restored(struct ze_tensor *t, uint64_t offset, uint64_t count)
+{
+	if (offset > t->numel || count > t->numel - offset)
+		return -ERANGE;
+	ze_param_flags(t, t->param_resident, true);
+	ze_tensor_mark_init(t, offset, count);
+	return 0;
+}
 bool ze_tensor_on_nvme(const struct ze_tensor *t) { return t->on_nvme; }
 bool ze_tensor_initialized(const struct ze_tensor *t) { return t->init_missing == 0; }
 uint64_t ze_tensor_last_step(const struct ze_tensor *t) { return t->last_step; }
@@ -431,9 +450,16 @@ void
 ze_tensor_write_param(struct ze_tensor *t, uint64_t offset, uint64_t count, const float *src)
 {
 	ze_param_flags(t, t->param_resident, true);
-	switch (t->param_dtype) {
+	ze_param_convert(t->param_slot.map, t->param_dtype, offset, count, src);
+}
+
+void
+ze_param_convert(void *slot, enum zk_dtype dtype, uint64_t offset, uint64_t count,
+    const float *src)
+{
+	switch (dtype) {
 	case ZK_DTYPE_F32:
-		memcpy((float *)t->param_slot.map + offset, src, count * sizeof(float));
+		memcpy((float *)slot + offset, src, count * sizeof(float));
 		break;
 	/*
 	 * The inline forms: a call per element was three to five times slower, and a
@@ -441,11 +467,11 @@ ze_tensor_write_param(struct ze_tensor *t, uint64_t offset, uint64_t count, cons
 	 */
 	case ZK_DTYPE_BF16:
 		for (uint64_t i = 0; i < count; i++)
-			((uint16_t *)t->param_slot.map)[offset + i] = zk__f32_to_bf16(src[i]);
+			((uint16_t *)slot)[offset + i] = zk__f32_to_bf16(src[i]);
 		break;
 	case ZK_DTYPE_F16:
 		for (uint64_t i = 0; i < count; i++)
-			((uint16_t *)t->param_slot.map)[offset + i] = zk__f32_to_f16(src[i]);
+			((uint16_t *)slot)[offset + i] = zk__f32_to_f16(src[i]);
 		break;
 	default:
 		break;
@@ -531,11 +557,17 @@ ze_tensor_memory_raw(const struct ze_tensor *t, unsigned k)
 	return a[k];
 }
 
-int
-ze_tensor_read_all(struct ze_tensor *t, uint64_t offset, uint64_t count, float *buf,
-    uint32_t lane, uint64_t id)
+uint64_t
+ze_tensor_chunk_elements(const struct ze_tensor *t)
 {
-	float *bufs[3] = { buf, buf + count, buf + 2 * count };
+	return t->on_nvme ? t->chunk_elements : 0;
+}
+
+int
+ze_tensor_read_all(struct ze_tensor *t, uint64_t offset, uint64_t count, uint64_t stride,
+    float *buf, uint32_t lane, uint64_t id)
+{
+	float *bufs[3] = { buf, buf + stride, buf + 2 * stride };
 	struct zk_qtensor q;
 	int r;
 
@@ -543,20 +575,22 @@ ze_tensor_read_all(struct ze_tensor *t, uint64_t offset, uint64_t count, float *
 		return -EBUSY;
 	if (offset > t->numel || count > t->numel - offset)
 		return -ERANGE;
+	if (stride < count)
+		return -EINVAL;
 	if (t->on_nvme)
-		return ze_nvme_read_all(t, offset, count, buf, false, lane, id);
+		return ze_nvme_read_all(t, offset, count, stride, buf, false, lane, id);
 	ze_tensor_state_view(t, &q);
 	r = ze_state_rw(&q, false, 7u, offset, count, bufs);
 	return r < 0 ? r : 1;
 }
 
 int
-ze_tensor_write_all(struct ze_tensor *t, uint64_t offset, uint64_t count, const float *buf,
-    uint32_t lane, uint64_t id)
+ze_tensor_write_all(struct ze_tensor *t, uint64_t offset, uint64_t count, uint64_t stride,
+    const float *buf, uint32_t lane, uint64_t id)
 {
 	/* Only read from: a write's source. */
 	float *src = (float *)(uintptr_t)buf;
-	float *bufs[3] = { src, src + count, src + 2 * count };
+	float *bufs[3] = { src, src + stride, src + 2 * stride };
 	struct zk_qtensor q;
 	int r;
 
@@ -566,8 +600,10 @@ ze_tensor_write_all(struct ze_tensor *t, uint64_t offset, uint64_t count, const 
 		return -ERANGE;
 	if (!t->param_resident)
 		return -EAGAIN;
+	if (stride < count)
+		return -EINVAL;
 	if (t->on_nvme)
-		return ze_nvme_write_all(t, offset, count, buf, false, lane, id);
+		return ze_nvme_write_all(t, offset, count, stride, buf, false, lane, id);
 	ze_tensor_state_view(t, &q);
 	r = ze_state_rw(&q, true, 7u, offset, count, bufs);
 	if (r < 0)
@@ -585,7 +621,7 @@ ze_tensor_read_raw(struct ze_tensor *t, uint64_t offset, uint64_t count, void *b
 	int r;
 
 	if (t->format == ZK_STATE_FP32)
-		return ze_tensor_read_all(t, offset, count, buf, lane, id);
+		return ze_tensor_read_all(t, offset, count, count, buf, lane, id);
 	if (t->busy)
 		return -EBUSY;
 	if (offset > t->numel || count > t->numel - offset)
@@ -594,7 +630,7 @@ ze_tensor_read_raw(struct ze_tensor *t, uint64_t offset, uint64_t count, void *b
 	if (r < 0)
 		return r;
 	if (t->on_nvme)
-		return ze_nvme_read_all(t, offset, count, buf, true, lane, id);
+		return ze_nvme_read_all(t, offset, count, count, buf, true, lane, id);
 	ze_tensor_state_view(t, &q);
 	r = ze_state_raw(&q, false, offset, count, buf, count, 0);
 	return r < 0 ? r : 1;
@@ -608,7 +644,7 @@ ze_tensor_write_raw(struct ze_tensor *t, uint64_t offset, uint64_t count, const 
 	int r;
 
 	if (t->format == ZK_STATE_FP32)
-		return ze_tensor_write_all(t, offset, count, buf, lane, id);
+		return ze_tensor_write_all(t, offset, count, count, buf, lane, id);
 	if (t->busy)
 		return -EBUSY;
 	if (offset > t->numel || count > t->numel - offset)
@@ -619,7 +655,7 @@ ze_tensor_write_raw(struct ze_tensor *t, uint64_t offset, uint64_t count, const 
 	if (r < 0)
 		return r;
 	if (t->on_nvme)
-		return ze_nvme_write_all(t, offset, count, buf, true, lane, id);
+		return ze_nvme_write_all(t, offset, count, count, buf, true, lane, id);
 	ze_tensor_state_view(t, &q);
 	/* Only read from: a write's source. */
 	r = ze_state_raw(&q, true, offset, count, (void *)(uintptr_t)buf, count, 0);

@@ -213,6 +213,9 @@ Test(reshard, longer_than_a_piece)
 			    0, "%s", zc_errmsg(c));
 			cr_assert_eq(zc_tensor_last_step(t), 1);
 			read_state(t, n, part);
+			/* The params mirror the restored master (f32: bit for bit). */
+			cr_assert_eq(memcmp(zc_tensor_param_slot(t, NULL), part[0], n * sizeof(float)),
+			    0, "policy %u, rank %u: the param slot is not the restored master", pi, r);
 			cr_assert_geq(itd_stat(c, "checkpoint.bytes_read"), 12.0 * n);
 			zc_checkpoint_close(ck);
 			cr_assert_eq(zc_job_close(c), 0);

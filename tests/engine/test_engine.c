@@ -525,3 +525,88 @@ main(int argc, char **argv)
 {
 	return th_main(argc, argv, th_environment_problem);
 }
+
+/*
+ * A whole chunk restored straight from the caller's buffer (ze_tensor_write_all's direct
+ * case) ends in two parts, the disk's write and the param refresh on the stepper: a
+ * write that fails reports once, after both, and leaves the tensor free for the retry,
+ * which lands (state and param slot) as written.
+ */
+Test(engine, nvme_direct_chunk_write_error_reports_once_and_retries)
+{
+	static float one[CHUNK];
+	struct ze_tensor *t;
+	unsigned before;
+	float *buf;
+	struct rig g;
+
+	cr_assert_eq(posix_memalign((void **)&buf, 4096, 3 * CHUNK * sizeof(float)), 0);
+	fill(buf, 3 * CHUNK, 77);
+	rig_start(&g, true);
+	t = make_tensor(&g, "w", 2 * CHUNK, ZE_POLICY_NVME, NULL, NULL, NULL);
+	g.fault = (struct fault){ .armed = true, .after = 0 };
+	before = g.seen.io_done;
+	cr_assert_eq(ze_tensor_write_all(t, CHUNK, CHUNK, CHUNK, buf, 1, 9), 0);
+	wait_for(&g, &g.seen.io_done, before + 1);
+	cr_assert_eq(g.seen.io_result, -EIO);
+	cr_assert_eq(g.fault.failed, 1);
+	/* Nothing more comes of it, and the tensor is not held. */
+	for (int i = 0; i < 5; i++)
+		cr_assert_geq(ze_engine_wait(g.e, 10), 0);
+	cr_assert_eq(g.seen.io_done, before + 1);
+	cr_assert_not(ze_tensor_busy(t));
+	g.fault.armed = false;
+	before = g.seen.io_done;
+	cr_assert_eq(ze_tensor_write_all(t, CHUNK, CHUNK, CHUNK, buf, 1, 9), 0);
+	wait_for(&g, &g.seen.io_done, before + 1);
+	cr_assert_eq(g.seen.io_result, 0);
+	for (int w = 0; w < 3; w++) {
+		cr_assert_eq(xfer(&g, t, false, (enum ze_state)w, CHUNK, CHUNK, one), 0);
+		cr_assert_eq(memcmp(one, buf + (size_t)w * CHUNK, sizeof(one)), 0,
+		    "array %d differs", w);
+	}
+	for (uint64_t i = 0; i < CHUNK; i++)
+		cr_assert_eq(((uint16_t *)ze_tensor_param_slot(t))[CHUNK + i],
+		    zk_f32_to_bf16(buf[i]), "param %llu", (unsigned long long)i);
+	ze_tensor_free(t);
+	rig_stop(&g);
+	free(buf);
+}
+
+/*
+ * A restore straight into a tensor in memory: its holder writes the arrays and refreshes
+ * the params (as a checkpoint's I/O thread does), ze_tensor_restored records the range;
+ * the tensor then reads and mirrors what was written, and is initialized once every
+ * element was.
+ */
+Test(engine, held_tensor_restored_in_place)
+{
+	enum { N = 3000 };
+	static float in[3 * N], one[N];
+	struct ze_tensor *t;
+	struct rig g;
+
+	fill(in, 3 * N, 5);
+	rig_start(&g, false);
+	t = make_tensor(&g, "w", N, ZE_POLICY_CPU, NULL, NULL, NULL);
+	cr_assert_eq(ze_tensor_hold(t), 0);
+	for (int w = 0; w < 3; w++)
+		memcpy((float *)(uintptr_t)ze_tensor_memory_state(t, (enum ze_state)w),
+		    in + (size_t)w * N, sizeof(one));
+	cr_assert_eq(ze_tensor_param_refresh(t, 0, N), 0);
+	cr_assert_eq(ze_tensor_param_refresh(t, N - 1, 2), -ERANGE);
+	cr_assert_eq(ze_tensor_restored(t, 0, 1000), 0);
+	cr_assert_not(ze_tensor_initialized(t));
+	cr_assert_eq(ze_tensor_restored(t, 1000, N - 1000), 0);
+	cr_assert_eq(ze_tensor_restored(t, N, 1), -ERANGE);
+	ze_tensor_release(t);
+	cr_assert(ze_tensor_initialized(t));
+	for (int w = 0; w < 3; w++) {
+		cr_assert_eq(xfer(&g, t, false, (enum ze_state)w, 0, N, one), 0);
+		cr_assert_eq(memcmp(one, in + (size_t)w * N, sizeof(one)), 0, "array %d", w);
+	}
+	for (uint64_t i = 0; i < N; i++)
+		cr_assert_eq(((uint16_t *)ze_tensor_param_slot(t))[i], zk_f32_to_bf16(in[i]));
+	ze_tensor_free(t);
+	rig_stop(&g);
+}

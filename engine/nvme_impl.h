@@ -1,0 +1,153 @@
+/* The NVMe tier's own structs and helpers: nvme.c (chunks, steps), nvme_xfer.c (transfers). */
+#ifndef ZE_NVME_IMPL_H
+#define ZE_NVME_IMPL_H
+
+#include <stdbool.h>
+#include <stdint.h>
+
+#include "engine_impl.h"
+#include "stepper.h"
+#include "swap.h"
+
+/*
+ * On NVMe a tensor is a run of chunks; chunk c holds elements
+ * [c*C, (c+1)*C) as master, m, v back to back, each C*4 bytes (C a
+ * multiple of 1024, so every array and chunk is 4 KiB aligned).  A
+ * compressed format packs its smaller m and v and then the scales the same
+ * way (ze_layout_of), the chunk rounded up to 4 KiB: C is a multiple of the
+ * 256-element q8 block, so a chunk owns its blocks whole and steps alone.  One chunk
+ * is one sequential read and one sequential write.  The last chunk holds
+ * only the rest, each array rounded up to 1024 elements: moving a whole
+ * chunk there cost a 4M-element chunk's worth of padding per tensor and
+ * step, 12% of the I/O of bench_step's tensors.
+ */
+
+enum work_kind { WORK_STEP, WORK_READ, WORK_WRITE, WORK_READ_ALL, WORK_WRITE_ALL };
+
+/*
+ * Chunks of one tensor waiting for staging buffers: a step, or a state
+ * transfer.  Owned by its lane while chunks wait, then by its chunks in
+ * flight; the last chunk to finish frees it.  The tensor is busy meanwhile.
+ */
+struct nvme_work {
+	TAILQ_ENTRY(nvme_work) entry;
+	TAILQ_ENTRY(nvme_work) xfer_entry;	/* transfers: on the engine's list until freed */
+	enum work_kind kind;
+	struct ze_tensor *tensor;
+	struct ze_batch *batch;		/* WORK_STEP */
+	size_t index;
+	uint64_t next_chunk;		/* the next one to read; skips chunks already at the step */
+	uint64_t end_chunk;
+	unsigned outstanding;		/* chunks in flight */
+	int error;
+	uint32_t lane;
+	/* transfers */
+	uint64_t id;
+	enum ze_state state;
+	uint64_t offset;
+	uint64_t count;
+	uint64_t stride;		/* READ_ALL, WRITE_ALL: elements between buf's arrays */
+	void *buf;			/* NULL once the lane was cancelled */
+	bool raw;			/* READ_ALL/WRITE_ALL of the arrays as kept (ze_tensor_read_raw) */
+};
+
+TAILQ_HEAD(nvme_works, nvme_work);
+
+/* One chunk in flight through a staging buffer. */
+struct chunk_io {
+	struct ze_engine *e;
+	struct nvme_work *work;
+	struct ze_staging *staging;
+	uint64_t chunk;
+	/*
+	 * The disk reads into, or writes from, the transfer's own buffer (direct_chunk);
+	 * the staging buffer is taken all the same, so that transfers and steps share
+	 * the chunks in flight as before.
+	 */
+	void *direct;
+	/*
+	 * A restore's direct chunk ends in two parts, its write and its param refresh
+	 * (a ZE_TASK_PARAM in task) running meanwhile: parts counts those still out
+	 * (0: the write alone), part_result keeps the first error.
+	 */
+	unsigned parts;
+	int part_result;
+	uint64_t start_ns;
+	struct ze_task task;
+};
+
+/* Where chunk io's bytes are read to and written from. */
+static inline void *
+io_buf(const struct chunk_io *io)
+{
+	return io->direct != NULL ? io->direct : io->staging->buf;
+}
+
+static inline uint64_t
+chunk_bytes(const struct ze_tensor *t)
+{
+	struct ze_layout l;
+
+	ze_layout_of(t->format, t->chunk_elements, false, &l);
+	return l.bytes;
+}
+
+static inline uint64_t
+chunk_count(const struct ze_tensor *t)
+{
+	return (t->numel + t->chunk_elements - 1) / t->chunk_elements;
+}
+
+static inline uint64_t
+chunk_len(const struct ze_tensor *t, uint64_t c)
+{
+	uint64_t left = t->numel - c * t->chunk_elements;
+
+	return left < t->chunk_elements ? left : t->chunk_elements;
+}
+
+/* Elements per array in chunk c (C, or less in the last): 4 KiB multiples. */
+static inline uint64_t
+chunk_stride(const struct ze_tensor *t, uint64_t c)
+{
+	return (chunk_len(t, c) + 1023) / 1024 * 1024;
+}
+
+/* Bytes chunk c takes on disk and moves; it starts at c * chunk_bytes(t). */
+static inline uint64_t
+chunk_io_bytes(const struct ze_tensor *t, uint64_t c)
+{
+	struct ze_layout l;
+
+	ze_layout_of(t->format, chunk_stride(t, c), false, &l);
+	return l.bytes;
+}
+
+/* Chunk c's state in the staging buffer it was read into. */
+static inline void
+chunk_view(const struct ze_tensor *t, uint64_t c, void *buf, struct zk_qtensor *ret)
+{
+	struct ze_layout l;
+
+	ze_layout_of(t->format, chunk_stride(t, c), false, &l);
+	ze_state_view(t->format, buf, &l, chunk_len(t, c), ret);
+	/* bf16-master+q8 rounds by the element's index in the whole tensor. */
+	ret->base = c * t->chunk_elements;
+}
+
+/* nvme.c */
+/* A chunk is done (error < 0: failed): its buffer goes back, its work ends with the last. */
+void ze_nvme_chunk_finished(struct ze_engine *e, struct chunk_io *io, int error);
+/* Writes the chunk back from io_buf(io); it finishes once that and any other part end. */
+void ze_nvme_write_back(struct ze_engine *e, struct chunk_io *io);
+int ze_nvme_enqueue(struct ze_engine *e, struct nvme_work *w);
+/* Starts chunks while staging buffers are free and the read window has room. */
+void ze_nvme_pump(struct ze_engine *e);
+bool ze_nvme_covers_chunk(const struct nvme_work *w, uint64_t c);
+
+/* nvme_xfer.c */
+/* A transfer's chunk is in io's buffer (or needs no read): copied, then ended or written. */
+void ze_nvme_xfer_chunk(struct ze_engine *e, struct chunk_io *io);
+bool ze_nvme_direct_chunk(const struct nvme_work *w, uint64_t c);
+
+#endif
