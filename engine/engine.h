@@ -263,7 +263,7 @@ int ze_tensor_write_all(struct ze_tensor *t, uint64_t offset, uint64_t count, ui
 /* Elements per NVMe chunk of t (0 in memory): whole-state transfers of one go direct. */
 uint64_t ze_tensor_chunk_elements(const struct ze_tensor *t);
 /*
- * A checkpoint's raw form of a range of count elements: the arrays master (fp32), m and
+ * A checkpoint's raw form of a range of count elements: the arrays master (as kept), m and
  * v (as the format keeps them: 4, 2 or 1 byte an element) and, for q8-moments, m's and
  * v's scales (fp32, one per 256-element block, the last block possibly short), back to
  * back in that order.  For fp32 state it is ze_tensor_read_all's buffer, stride count.

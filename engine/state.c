@@ -199,7 +199,7 @@ uint64_t
 ze_raw_array_bytes(enum zk_state_format f, unsigned k, uint64_t count)
 {
 	if (k == 0)
-		return 4 * count;
+		return zk_state_master_bytes(f, count);
 	if (k < 3)
 		return zk_state_moment_bytes(f, count);
 	return k < ZE_RAW_ARRAYS ? zk_state_blocks(f, count) * sizeof(float) : 0;
@@ -220,7 +220,7 @@ ze_raw_layout(enum zk_state_format f, uint64_t count, uint64_t off[ZE_RAW_ARRAYS
 int
 ze_raw_check(enum zk_state_format f, uint64_t n, uint64_t from, uint64_t count)
 {
-	size_t b = f == ZK_STATE_Q8 ? ZK_Q8_BLOCK : 1;
+	size_t b = zk_state_blocks(f, 1) > 0 ? ZK_Q8_BLOCK : 1;
 
 	if (from > n || count > n - from)
 		return -ERANGE;

@@ -661,7 +661,7 @@ ze_tensor_write_raw(struct ze_tensor *t, uint64_t offset, uint64_t count, const 
 	r = ze_state_raw(&q, true, offset, count, (void *)(uintptr_t)buf, count, 0);
 	if (r < 0)
 		return r;
-	ze_tensor_write_param(t, offset, count, t->master + offset);
+	ze_tensor_param_from_master(t, offset, count, &q, offset);
 	ze_tensor_mark_init(t, offset, count);
 	return 1;
 }
