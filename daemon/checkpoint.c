@@ -17,51 +17,13 @@
 
 #include "checkpoint.h"
 #include "checkpoint_io.h"
-#include "crc32c.h"
+#include "checkpoint_xfer.h"
 #include "daemon.h"
 #include "engine.h"
-#include "fileio.h"
 #include "job.h"
 #include "log.h"
 #include "requests.h"
 #include "session.h"
-
-/*
- * Elements per piece: a transfer moves a request's range a piece at a time through two
- * buffers.  A save reads the next piece from the tiers (NVMe: through the staging
- * buffers) while it writes this one to the file; a restore reads the next piece from the
- * file while the engine writes this one into the tiers.
- *
- * An fp32 piece's three arrays lie in its buffer stride() apart (a raw piece's as
- * ze_raw_layout packs them) and, for an fp32 tensor on NVMe, a piece is at most one of
- * its chunks: a whole chunk then lies in the buffer as on the
- * disk, and the swap reads or writes the buffer itself (ze_tensor_read_all), where a
- * copy through a staging buffer on the event loop bounded the transfers' speed.
- */
-#define PIECE (4u << 20)
-
-/* Elements between a piece's arrays in its buffer: as the engine's NVMe chunks lay them. */
-static uint64_t
-stride(uint64_t n)
-{
-	return (n + 1023) / 1024 * 1024;
-}
-
-/*
- * Byte offsets of the arrays of a piece of n elements in its buffer: fp32's three
- * stride(n) apart (a whole NVMe chunk lies there as on the disk), a raw format's as
- * ze_raw_layout packs them.
- */
-static void
-piece_layout(enum zk_state_format f, uint64_t n, uint64_t off[ZE_RAW_ARRAYS])
-{
-	if (f != ZK_STATE_FP32) {
-		ze_raw_layout(f, n, off);
-		return;
-	}
-	for (unsigned i = 0; i < ZE_RAW_ARRAYS; i++)
-		off[i] = (i < 3 ? i : 3) * stride(n) * sizeof(float);
-}
 
 /*
  * File I/O threads: one transfer has one piece on a thread at a time, so more threads
@@ -71,107 +33,12 @@ piece_layout(enum zk_state_format f, uint64_t n, uint64_t off[ZE_RAW_ARRAYS])
  */
 #define CKPT_IO_THREADS 3
 
-/*
- * One CKPT_WRITE or CKPT_READ, on the daemon's list from its start to its end.  Two
- * things may be in flight for it at once: a piece in the engine (in_engine) and a piece
- * in the file (in_io, on an I/O thread); it ends when both are back.
- *
- * Ownership while in_io: the I/O thread has job, fd, crc, the io_* fields and the
- * buffer they name (or, for a save or restore of state in memory, the tensor's arrays
- * and, for a restore, its param slot, which `held` keeps busy so that no step changes
- * them and no free takes them); the loop does not touch them, and has everything else.  The engine has the buffer it was given while
- * in_engine, the other one of the two.  fd and bufs are this struct's.  et is the
- * tensor while it lives: zd_ckpt_tensor_gone clears it.
- */
-struct zd_ckpt_write {
-	struct zd_ckpt_job job;
-	struct zd_ckpt_write *next;
-	uint32_t lane;
-	uint64_t id;			/* the request's */
-	int fd;
-	struct ze_tensor *et;
-	struct ze_tensor *held;		/* state in memory: busy until w ends */
-	bool restore;
-	bool dead;			/* answered (an error) or its client gone: ends when idle */
-	bool in_engine, in_io;
-	uint64_t offset;		/* in the tensor */
-	uint64_t count;
-	enum zk_state_format format;	/* of the file's arrays: fp32, or the tensor's (raw) */
-	uint64_t file_offset[ZP_CKPT_ARRAYS];	/* of element offset, per array */
-	uint32_t crc[ZP_CKPT_ARRAYS];
-	char *buf[2];			/* the arrays of one piece each (piece_layout) */
-	uint64_t buf_elements;		/* per array in each */
-	uint64_t chunk;			/* the tensor's NVMe chunk (0: in memory): pieces end there */
-	unsigned cur;			/* save: buf[cur] is the engine's; restore: the I/O's */
-	uint64_t issued;		/* save: elements asked of the engine; restore: of the file */
-	uint64_t pending_off, pending_n;	/* save: read, to write; restore: read, to store */
-	/* The piece on the I/O thread: elements [io_off, io_off + io_n) of the range. */
-	bool io_write;
-	const char *io_src[ZP_CKPT_ARRAYS];	/* a save's arrays */
-	char *io_dst[ZP_CKPT_ARRAYS];		/* where a restore's arrays go */
-	bool io_pad;				/* ... in a buffer, fp32's stride() apart */
-	uint64_t io_off, io_n;
-	int io_result;
-	char io_err[ZP_ERRMSG_MAX + 1];
-	uint64_t last_step;
-	char name[ZP_NAME_MAX + 1];
-};
-
-/*
- * Whole-piece buffers (48 MiB, and room for q8's scales) kept for the next transfers: a
- * fresh one costs a page fault and a page of zeros per 4 KiB, which was a quarter of a
- * restore's time.  Two
- * transfers' worth are kept (a client saves or restores three tensors at once: the
- * third's are fresh, to bound what an idle daemon keeps); the process has one daemon, and
- * they live as long.
- */
-#define SPARE_BUFS 4
-static char *spare[SPARE_BUFS];
-
-/*
- * Room for any format's arrays of `elements` (a multiple of 1024 where fp32's are
- * stride() apart: fp32's are the largest, but for q8's scales).
- */
-static uint64_t
-piece_bytes(uint64_t elements)
-{
-	return 3 * elements * sizeof(float) + 2 * sizeof(float) * ((elements + 255) / 256);
-}
-
-/* 4 KiB aligned, as the swap's direct I/O wants its buffers. */
-static char *
-piece_buf(uint64_t elements)
-{
-	void *b;
-
-	for (unsigned i = 0; elements == PIECE && i < SPARE_BUFS; i++) {
-		if (spare[i] != NULL) {
-			b = spare[i];
-			spare[i] = NULL;
-			return b;
-		}
-	}
-	return posix_memalign(&b, 4096, piece_bytes(elements)) == 0 ? b : NULL;
-}
-
-static void
-piece_buf_free(char *b, uint64_t elements)
-{
-	for (unsigned i = 0; b != NULL && elements == PIECE && i < SPARE_BUFS; i++) {
-		if (spare[i] == NULL) {
-			spare[i] = b;
-			return;
-		}
-	}
-	free(b);
-}
-
 static void
 ckpt_free(struct zd_ckpt_write *w)
 {
 	close(w->fd);
-	piece_buf_free(w->buf[0], w->buf_elements);
-	piece_buf_free(w->buf[1], w->buf_elements);
+	zd_ckpt_buf_put(w->buf[0], w->buf_elements);
+	zd_ckpt_buf_put(w->buf[1], w->buf_elements);
 	if (w->held != NULL)
 		ze_tensor_release(w->held);
 	free(w);
@@ -230,108 +97,13 @@ fail(struct zd_daemon *d, struct zd_session *s, struct zd_ckpt_write *w, int cod
 		ckpt_end(d, w);
 }
 
-/* --- On an I/O thread: one piece of w's file, the fields its struct comment gives it. */
-
-/*
- * Bytes CRC'd and then written at a time: the write's copy into the page cache finds
- * them in the CPU's cache, where the CRC left them.  A whole array's CRC and then its
- * write read it from memory twice, and the copy was the save's largest cost.
- */
-#define WRITE_BLOCK (256u << 10)
-
-static void
-io_write_piece(struct zd_ckpt_write *w)
-{
-	for (unsigned i = 0; i < ZP_CKPT_ARRAYS; i++) {
-		const char *src = w->io_src[i];
-		uint64_t at = w->file_offset[i] + ze_raw_array_bytes(w->format, i, w->io_off);
-		uint64_t len = ze_raw_array_bytes(w->format, i, w->io_n);
-
-		if (len == 0)
-			continue;
-		for (uint64_t done = 0; done < len;) {
-			size_t n = len - done < WRITE_BLOCK ? (size_t)(len - done) : WRITE_BLOCK;
-			int r;
-
-			w->crc[i] = zp_crc32c(w->crc[i], src + done, n);
-			r = zp_pwrite_full(w->fd, src + done, n, at + done);
-			if (r < 0) {
-				snprintf(w->io_err, sizeof(w->io_err), "tensor '%s': writing the "
-				    "checkpoint file failed at byte %llu: %s", w->name,
-				    (unsigned long long)(at + done), strerror(-r));
-				w->io_result = r;
-				return;
-			}
-			done += n;
-		}
-		/*
-		 * The disk writes it now, while the next pieces are read from the tiers: the
-		 * client's fsync at the end then has little left to wait for.
-		 */
-		(void)sync_file_range(w->fd, (off64_t)at, (off64_t)len, SYNC_FILE_RANGE_WRITE);
-	}
-}
-
-/*
- * A piece's three arrays are read in turn, 16 MiB each at three places: the kernel's
- * readahead for the file (SEQUENTIAL doubles its window) queues each read whole.
- * Asking for the next piece ahead (WILLNEED) instead read a third slower, measured on a
- * virtual disk, and delayed the piece being read.  Each array is read and CRC'd
- * WRITE_BLOCK at a time, as a save writes it: the CRC finds the bytes in the CPU's cache
- * where the copy out of the page cache left them, not in memory.
- */
-static void
-io_read_piece(struct zd_ckpt_write *w)
-{
-	if (w->io_off == 0)
-		(void)posix_fadvise(w->fd, 0, 0, POSIX_FADV_SEQUENTIAL);
-	for (unsigned i = 0; i < ZP_CKPT_ARRAYS; i++) {
-		uint64_t at = w->file_offset[i] + ze_raw_array_bytes(w->format, i, w->io_off);
-		uint64_t len = ze_raw_array_bytes(w->format, i, w->io_n);
-		char *a = w->io_dst[i];
-
-		for (uint64_t done = 0; done < len;) {
-			size_t n = len - done < WRITE_BLOCK ? (size_t)(len - done) : WRITE_BLOCK;
-			int r = zp_pread_full(w->fd, (char *)a + done, n, at + done);
-
-			if (r < 0) {
-				snprintf(w->io_err, sizeof(w->io_err), "tensor '%s': reading the "
-				    "checkpoint file at byte %llu: %s", w->name,
-				    (unsigned long long)(at + done), r == -ENODATA ?
-				    "the file ends there (truncated)" : strerror(-r));
-				w->io_result = r == -ENODATA ? -EBADMSG : r;
-				return;
-			}
-			w->crc[i] = zp_crc32c(w->crc[i], (char *)a + done, n);
-			done += n;
-		}
-		/* The padding goes to the swap with the chunk: zeros, not a last use's bytes. */
-		if (w->io_pad && len > 0)
-			memset(a + len, 0, (stride(w->io_n) - w->io_n) * sizeof(float));
-	}
-	/* Read into the tensor itself: its params follow here too, off the loop. */
-	if (w->held != NULL)
-		(void)ze_tensor_param_refresh(w->held, w->offset + w->io_off, w->io_n);
-}
-
-static void
-io_run(struct zd_ckpt_job *job)
-{
-	struct zd_ckpt_write *w = (struct zd_ckpt_write *)job;
-
-	w->io_result = 0;
-	if (w->io_write)
-		io_write_piece(w);
-	else
-		io_read_piece(w);
-}
 
 /* --- On the loop. */
 
 static void
 submit(struct zd_daemon *d, struct zd_ckpt_write *w)
 {
-	w->job.run = io_run;
+	w->job.run = zd_ckpt_piece_run;
 	w->in_io = true;
 	zd_ckpt_io_submit(d->ckpt_io, &w->job);
 }
@@ -736,14 +508,14 @@ ckpt_new(struct zd_session *s, const struct zp_msg *msg, int fd)
 	w = calloc(1, sizeof(*w));
 	if (w != NULL && piece > 0) {
 		w->buf_elements = piece;
-		w->buf[0] = piece_buf(piece);
-		w->buf[1] = two ? piece_buf(piece) : NULL;
+		w->buf[0] = zd_ckpt_buf_get(piece);
+		w->buf[1] = two ? zd_ckpt_buf_get(piece) : NULL;
 	}
 	if (w == NULL || (piece > 0 && (w->buf[0] == NULL ||
 	    (two && w->buf[1] == NULL)))) {
 		if (w != NULL) {
-			piece_buf_free(w->buf[0], piece);
-			piece_buf_free(w->buf[1], piece);
+			zd_ckpt_buf_put(w->buf[0], piece);
+			zd_ckpt_buf_put(w->buf[1], piece);
 		}
 		free(w);
 		zd_session_error(s, id, -ENOMEM, "out of memory for a checkpoint transfer of %llu "

@@ -1,0 +1,158 @@
+/*
+ * Checkpoint pieces on the I/O threads: a piece of a transfer's file written (CRC'd on
+ * the way) or read (CRC'd, and for state in memory its params refreshed), and the
+ * piece buffers they move through.
+ */
+#include <errno.h>
+#include <fcntl.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "checkpoint_xfer.h"
+#include "crc32c.h"
+#include "fileio.h"
+
+/*
+ * Whole-piece buffers (48 MiB, and room for q8's scales) kept for the next transfers: a
+ * fresh one costs a page fault and a page of zeros per 4 KiB, which was a quarter of a
+ * restore's time.  Two
+ * transfers' worth are kept (a client saves or restores three tensors at once: the
+ * third's are fresh, to bound what an idle daemon keeps); the process has one daemon, and
+ * they live as long.
+ */
+#define SPARE_BUFS 4
+static char *spare[SPARE_BUFS];
+
+/*
+ * Room for any format's arrays of `elements` (a multiple of 1024 where fp32's are
+ * stride() apart: fp32's are the largest, but for q8's scales).
+ */
+static uint64_t
+piece_bytes(uint64_t elements)
+{
+	return 3 * elements * sizeof(float) + 2 * sizeof(float) * ((elements + 255) / 256);
+}
+
+/* 4 KiB aligned, as the swap's direct I/O wants its buffers. */
+char *
+zd_ckpt_buf_get(uint64_t elements)
+{
+	void *b;
+
+	for (unsigned i = 0; elements == PIECE && i < SPARE_BUFS; i++) {
+		if (spare[i] != NULL) {
+			b = spare[i];
+			spare[i] = NULL;
+			return b;
+		}
+	}
+	return posix_memalign(&b, 4096, piece_bytes(elements)) == 0 ? b : NULL;
+}
+
+void
+zd_ckpt_buf_put(char *b, uint64_t elements)
+{
+	for (unsigned i = 0; b != NULL && elements == PIECE && i < SPARE_BUFS; i++) {
+		if (spare[i] == NULL) {
+			spare[i] = b;
+			return;
+		}
+	}
+	free(b);
+}
+
+/*
+ * Bytes CRC'd and then written at a time: the write's copy into the page cache finds
+ * them in the CPU's cache, where the CRC left them.  A whole array's CRC and then its
+ * write read it from memory twice, and the copy was the save's largest cost.
+ */
+#define WRITE_BLOCK (256u << 10)
+
+static void
+io_write_piece(struct zd_ckpt_write *w)
+{
+	for (unsigned i = 0; i < ZP_CKPT_ARRAYS; i++) {
+		const char *src = w->io_src[i];
+		uint64_t at = w->file_offset[i] + ze_raw_array_bytes(w->format, i, w->io_off);
+		uint64_t len = ze_raw_array_bytes(w->format, i, w->io_n);
+
+		if (len == 0)
+			continue;
+		for (uint64_t done = 0; done < len;) {
+			size_t n = len - done < WRITE_BLOCK ? (size_t)(len - done) : WRITE_BLOCK;
+			int r;
+
+			w->crc[i] = zp_crc32c(w->crc[i], src + done, n);
+			r = zp_pwrite_full(w->fd, src + done, n, at + done);
+			if (r < 0) {
+				snprintf(w->io_err, sizeof(w->io_err), "tensor '%s': writing the "
+				    "checkpoint file failed at byte %llu: %s", w->name,
+				    (unsigned long long)(at + done), strerror(-r));
+				w->io_result = r;
+				return;
+			}
+			done += n;
+		}
+		/*
+		 * The disk writes it now, while the next pieces are read from the tiers: the
+		 * client's fsync at the end then has little left to wait for.
+		 */
+		(void)sync_file_range(w->fd, (off64_t)at, (off64_t)len, SYNC_FILE_RANGE_WRITE);
+	}
+}
+
+/*
+ * A piece's three arrays are read in turn, 16 MiB each at three places: the kernel's
+ * readahead for the file (SEQUENTIAL doubles its window) queues each read whole.
+ * Asking for the next piece ahead (WILLNEED) instead read a third slower, measured on a
+ * virtual disk, and delayed the piece being read.  Each array is read and CRC'd
+ * WRITE_BLOCK at a time, as a save writes it: the CRC finds the bytes in the CPU's cache
+ * where the copy out of the page cache left them, not in memory.
+ */
+static void
+io_read_piece(struct zd_ckpt_write *w)
+{
+	if (w->io_off == 0)
+		(void)posix_fadvise(w->fd, 0, 0, POSIX_FADV_SEQUENTIAL);
+	for (unsigned i = 0; i < ZP_CKPT_ARRAYS; i++) {
+		uint64_t at = w->file_offset[i] + ze_raw_array_bytes(w->format, i, w->io_off);
+		uint64_t len = ze_raw_array_bytes(w->format, i, w->io_n);
+		char *a = w->io_dst[i];
+
+		for (uint64_t done = 0; done < len;) {
+			size_t n = len - done < WRITE_BLOCK ? (size_t)(len - done) : WRITE_BLOCK;
+			int r = zp_pread_full(w->fd, (char *)a + done, n, at + done);
+
+			if (r < 0) {
+				snprintf(w->io_err, sizeof(w->io_err), "tensor '%s': reading the "
+				    "checkpoint file at byte %llu: %s", w->name,
+				    (unsigned long long)(at + done), r == -ENODATA ?
+				    "the file ends there (truncated)" : strerror(-r));
+				w->io_result = r == -ENODATA ? -EBADMSG : r;
+				return;
+			}
+			w->crc[i] = zp_crc32c(w->crc[i], (char *)a + done, n);
+			done += n;
+		}
+		/* The padding goes to the swap with the chunk: zeros, not a last use's bytes. */
+		if (w->io_pad && len > 0)
+			memset(a + len, 0, (stride(w->io_n) - w->io_n) * sizeof(float));
+	}
+	/* Read into the tensor itself: its params follow here too, off the loop. */
+	if (w->held != NULL)
+		(void)ze_tensor_param_refresh(w->held, w->offset + w->io_off, w->io_n);
+}
+
+void
+zd_ckpt_piece_run(struct zd_ckpt_job *job)
+{
+	struct zd_ckpt_write *w = (struct zd_ckpt_write *)job;
+
+	w->io_result = 0;
+	if (w->io_write)
+		io_write_piece(w);
+	else
+		io_read_piece(w);
+}
