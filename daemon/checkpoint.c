@@ -97,9 +97,6 @@ fail(struct zd_daemon *d, struct zd_session *s, struct zd_ckpt_write *w, int cod
 		ckpt_end(d, w);
 }
 
-
-/* --- On the loop. */
-
 static void
 submit(struct zd_daemon *d, struct zd_ckpt_write *w)
 {

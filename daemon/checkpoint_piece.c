@@ -17,10 +17,9 @@
 /*
  * Whole-piece buffers (48 MiB, and room for q8's scales) kept for the next transfers: a
  * fresh one costs a page fault and a page of zeros per 4 KiB, which was a quarter of a
- * restore's time.  Two
- * transfers' worth are kept (a client saves or restores three tensors at once: the
- * third's are fresh, to bound what an idle daemon keeps); the process has one daemon, and
- * they live as long.
+ * restore's time.  Two transfers' worth are kept (a client saves or restores three
+ * tensors at once: the third's are fresh, to bound what an idle daemon keeps); the
+ * process has one daemon, and they live as long.
  */
 #define SPARE_BUFS 4
 static char *spare[SPARE_BUFS];

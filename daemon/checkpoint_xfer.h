@@ -20,9 +20,9 @@
  *
  * An fp32 piece's three arrays lie in its buffer stride() apart (a raw piece's as
  * ze_raw_layout packs them) and, for an fp32 tensor on NVMe, a piece is at most one of
- * its chunks: a whole chunk then lies in the buffer as on the
- * disk, and the swap reads or writes the buffer itself (ze_tensor_read_all), where a
- * copy through a staging buffer on the event loop bounded the transfers' speed.
+ * its chunks: a whole chunk then lies in the buffer as on the disk, and the swap reads or
+ * writes the buffer itself (ze_tensor_read_all), where a copy through a staging buffer on
+ * the event loop bounded the transfers' speed.
  */
 #define PIECE (4u << 20)
 
@@ -57,9 +57,10 @@ piece_layout(enum zk_state_format f, uint64_t n, uint64_t off[ZE_RAW_ARRAYS])
  * Ownership while in_io: the I/O thread has job, fd, crc, the io_* fields and the
  * buffer they name (or, for a save or restore of state in memory, the tensor's arrays
  * and, for a restore, its param slot, which `held` keeps busy so that no step changes
- * them and no free takes them); the loop does not touch them, and has everything else.  The engine has the buffer it was given while
- * in_engine, the other one of the two.  fd and bufs are this struct's.  et is the
- * tensor while it lives: zd_ckpt_tensor_gone clears it.
+ * them and no free takes them); the loop does not touch them, and has everything else.
+ * The engine has the buffer it was given while in_engine, the other one of the two.  fd
+ * and bufs are this struct's.  et is the tensor while it lives: zd_ckpt_tensor_gone
+ * clears it.
  */
 struct zd_ckpt_write {
 	struct zd_ckpt_job job;
