@@ -107,15 +107,19 @@ submit(struct zd_daemon *d, struct zd_ckpt_write *w)
 
 /*
  * Elements of the piece at element `at` of a range [offset, offset + count) of a tensor
- * with NVMe chunks of `chunk` elements (0: none): up to PIECE, not past a chunk's end.
+ * with NVMe chunks of `chunk` elements (0: none): up to the next multiple of `most` in
+ * the tensor, not past a chunk's end.  The pieces of a range that starts on a 1024-element
+ * boundary then all start on one, as the engine's direct transfers want.
  */
 static uint64_t
-piece_at(uint64_t offset, uint64_t count, uint64_t chunk, uint64_t at)
+piece_at(uint64_t offset, uint64_t count, uint64_t chunk, uint64_t most, uint64_t at)
 {
-	uint64_t n = count - at < PIECE ? count - at : PIECE;
 	uint64_t pos = offset + at;
+	uint64_t n = most - pos % most;
 
-	if (chunk > 0 && chunk <= PIECE && chunk - pos % chunk < n)
+	if (n > count - at)
+		n = count - at;
+	if (chunk > 0 && chunk - pos % chunk < n)
 		n = chunk - pos % chunk;
 	return n;
 }
@@ -123,7 +127,7 @@ piece_at(uint64_t offset, uint64_t count, uint64_t chunk, uint64_t at)
 static uint64_t
 piece_len(const struct zd_ckpt_write *w, uint64_t at)
 {
-	return piece_at(w->offset, w->count, w->chunk, at);
+	return piece_at(w->offset, w->count, w->chunk, w->piece_most, at);
 }
 
 /*
@@ -436,7 +440,7 @@ ckpt_new(struct zd_session *s, const struct zp_msg *msg, int fd)
 {
 	const struct zp_ckpt_write *req = &msg->u.ckpt_write;
 	bool restore = msg->hdr.type == ZP_CKPT_READ;
-	uint64_t id = msg->hdr.request_id, numel, piece, chunk;
+	uint64_t id = msg->hdr.request_id, numel, piece, chunk, most;
 	bool two;
 	char err[ZP_ERRMSG_MAX + 1];
 	struct zd_ckpt_write *w;
@@ -486,13 +490,15 @@ ckpt_new(struct zd_session *s, const struct zp_msg *msg, int fd)
 	/*
 	 * A save of state in memory writes it from where it is, raw or fp32, and a restore
 	 * of fp32 state in memory reads into it: no buffers.  Compressed state saved as fp32
-	 * is decoded into them.  An fp32 tensor's pieces end at its NVMe chunks' ends, so that
-	 * a whole chunk moves straight between the disk and the buffer.
+	 * is decoded into them.  Pieces end at the tensor's NVMe chunks' ends: an fp32 piece
+	 * moves straight between the disk and the buffer; compressed state on NVMe moves
+	 * whole chunks, as the engine codes a chunk at a time (a part of one would be read,
+	 * patched and written back whole).
 	 */
-	piece = stride(req->count < PIECE ? req->count : PIECE);
-	chunk = ze_tensor_state_format(t->et) == ZK_STATE_FP32 ? ze_tensor_chunk_elements(t->et) :
-	    0;
-	two = piece_at(req->offset, req->count, chunk, 0) < req->count;
+	chunk = ze_tensor_chunk_elements(t->et);
+	most = chunk > 0 && ze_tensor_state_format(t->et) != ZK_STATE_FP32 ? chunk : PIECE;
+	piece = stride(req->count < most ? req->count : most);
+	two = piece_at(req->offset, req->count, chunk, most, 0) < req->count;
 	if (restore ? ze_tensor_memory_state(t->et, ZE_STATE_MASTER) != NULL :
 	    ze_tensor_memory_raw(t->et, ZE_STATE_MASTER) != NULL &&
 	    (req->format != ZK_STATE_FP32 || ze_tensor_state_format(t->et) == ZK_STATE_FP32))
@@ -538,6 +544,7 @@ ckpt_new(struct zd_session *s, const struct zp_msg *msg, int fd)
 	w->count = req->count;
 	w->format = (enum zk_state_format)req->format;
 	w->chunk = chunk;
+	w->piece_most = most;
 	memcpy(w->file_offset, req->file_offset, sizeof(w->file_offset));
 	memcpy(w->crc, req->crc, sizeof(w->crc));
 	snprintf(w->name, sizeof(w->name), "%s", t->name);

@@ -15,14 +15,18 @@
 #include "fileio.h"
 
 /*
- * Whole-piece buffers (48 MiB, and room for q8's scales) kept for the next transfers: a
- * fresh one costs a page fault and a page of zeros per 4 KiB, which was a quarter of a
- * restore's time.  Two transfers' worth are kept (a client saves or restores three
- * tensors at once: the third's are fresh, to bound what an idle daemon keeps); the
- * process has one daemon, and they live as long.
+ * Whole-piece buffers (12 MiB for fp32's PIECE, a whole chunk's for compressed state on
+ * NVMe, and room for q8's scales) kept for the next transfers: a fresh one costs a page
+ * fault and a page of zeros per 4 KiB, which was a quarter of a restore's time.  Two
+ * transfers' worth are kept (a client saves or restores three tensors at once: the
+ * third's are fresh, to bound what an idle daemon keeps), of the size last given back;
+ * the process has one daemon, and they live as long.
  */
 #define SPARE_BUFS 4
-static char *spare[SPARE_BUFS];
+static struct {
+	char *buf;
+	uint64_t elements;
+} spare[SPARE_BUFS];
 
 /*
  * Room for any format's arrays of `elements` (a multiple of 1024 where fp32's are
@@ -40,10 +44,10 @@ zd_ckpt_buf_get(uint64_t elements)
 {
 	void *b;
 
-	for (unsigned i = 0; elements == PIECE && i < SPARE_BUFS; i++) {
-		if (spare[i] != NULL) {
-			b = spare[i];
-			spare[i] = NULL;
+	for (unsigned i = 0; i < SPARE_BUFS; i++) {
+		if (spare[i].buf != NULL && spare[i].elements == elements) {
+			b = spare[i].buf;
+			spare[i].buf = NULL;
 			return b;
 		}
 	}
@@ -53,13 +57,28 @@ zd_ckpt_buf_get(uint64_t elements)
 void
 zd_ckpt_buf_put(char *b, uint64_t elements)
 {
-	for (unsigned i = 0; b != NULL && elements == PIECE && i < SPARE_BUFS; i++) {
-		if (spare[i] == NULL) {
-			spare[i] = b;
-			return;
-		}
+	unsigned keep = SPARE_BUFS;
+
+	if (b == NULL)
+		return;
+	/* A tensor's last piece, or a small tensor's only one, is not a size to keep. */
+	if (elements < PIECE) {
+		free(b);
+		return;
 	}
-	free(b);
+	for (unsigned i = 0; i < SPARE_BUFS && keep == SPARE_BUFS; i++)
+		if (spare[i].buf == NULL)
+			keep = i;
+	for (unsigned i = 0; i < SPARE_BUFS && keep == SPARE_BUFS; i++)
+		if (spare[i].elements != elements)
+			keep = i;
+	if (keep == SPARE_BUFS) {
+		free(b);
+		return;
+	}
+	free(spare[keep].buf);
+	spare[keep].buf = b;
+	spare[keep].elements = elements;
 }
 
 /*

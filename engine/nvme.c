@@ -213,43 +213,72 @@ ze_nvme_chunk_finished(struct ze_engine *e, struct chunk_io *io, int error)
 	ze_nvme_pump(e);
 }
 
+static bool
+chunk_written(const struct ze_tensor *t, uint64_t c)
+{
+	return (t->chunks_written[c / 8] & (1u << (c % 8))) != 0;
+}
+
+/* Every element of [offset, offset + count) holds state written since placed. */
+static bool
+init_all(const struct ze_tensor *t, uint64_t offset, uint64_t count)
+{
+	uint64_t i = offset, end = offset + count;
+
+	if (t->init_bits == NULL)
+		return true;
+	while (i < end) {
+		if (i % 64 == 0 && end - i >= 64) {
+			if (t->init_bits[i / 64] != ~0ull)
+				return false;
+			i += 64;
+			continue;
+		}
+		if ((t->init_bits[i / 64] & (1ull << (i % 64))) == 0)
+			return false;
+		i++;
+	}
+	return true;
+}
+
 static void
 write_finished(struct chunk_io *io, int result)
 {
 	struct nvme_work *w = io->work;
 	struct ze_tensor *t = w->tensor;
+	uint64_t first = io->chunk * t->chunk_elements;
+	uint64_t last = first + chunk_len(t, io->chunk);
 
 	if (result == 0) {
-		t->chunks_written[io->chunk / 8] |= (uint8_t)(1u << (io->chunk % 8));
 		/* Landed: stamped before its journal entry goes (ze_step_unit_done agrees). */
 		if (w->kind == WORK_STEP)
 			t->unit_step[io->chunk] = w->batch->hp.step;
 		io->e->stats.chunks_written++;
-		io->e->stats.bytes_written += chunk_io_bytes(t, io->chunk);
+		io->e->stats.bytes_written += io->bytes;
 		if ((w->kind == WORK_WRITE && w->state == ZE_STATE_MASTER) ||
 		    w->kind == WORK_WRITE_ALL) {
-			uint64_t first = io->chunk * t->chunk_elements;
-			uint64_t last = first + chunk_len(t, io->chunk);
 			uint64_t from = w->offset > first ? w->offset : first;
 			uint64_t to = w->offset + w->count < last ? w->offset + w->count : last;
 
 			ze_tensor_mark_init(t, from, to - from);
 		}
+		/* A split part leaves the rest of the chunk as it was: whole once all is written. */
+		if (!io->split || (!chunk_written(t, io->chunk) && init_all(t, first, last - first)))
+			t->chunks_written[io->chunk / 8] |= (uint8_t)(1u << (io->chunk % 8));
 	}
 	ze_nvme_chunk_finished(io->e, io, result);
 }
 
-/* A part of io ended (its write, or its param refresh): the chunk ends with the last. */
+/* A part of io's write ended (an I/O, or its param refresh): the chunk ends with the last. */
 static void
 part_done(struct chunk_io *io, int result)
 {
-	if (io->parts > 0) {
-		if (result < 0 && io->part_result == 0)
-			io->part_result = result;
-		if (--io->parts > 0)
-			return;
-		result = io->part_result;
-	}
+	if (result < 0 && io->part_result == 0)
+		io->part_result = result;
+	if (--io->parts > 0)
+		return;
+	result = io->part_result;
+	io->part_result = 0;
 	write_finished(io, result);
 }
 
@@ -266,15 +295,87 @@ ze_nvme_param_done(struct ze_engine *e, struct ze_task *task)
 	    task->result);
 }
 
+/*
+ * Starts io's reads or writes, one, or a split one's three (parts counts them); those a
+ * refused start leaves out end at once with its error.  The last may free io.
+ */
+static void
+chunk_rw(struct ze_engine *e, struct chunk_io *io, bool write, zs_callback *cb)
+{
+	struct ze_tensor *t = io->work->tensor;
+	uint64_t at = io->chunk * chunk_bytes(t);
+	unsigned n = io->split ? 3 : 1;
+	char *buf = io_buf(io);
+	int r;
+
+	io->parts += n;
+	for (unsigned k = 0; k < n; k++) {
+		uint64_t off = at, len = io->bytes;
+		char *from = buf;
+
+		if (io->split) {
+			len = io->bytes / 3;
+			off = at + (k * chunk_stride(t, io->chunk) + io->work->offset -
+			    io->chunk * t->chunk_elements) * sizeof(float);
+			from = buf + k * io->work->stride * sizeof(float);
+		}
+		r = write ? zs_write(e->swap, t->extent, off, from, len, cb, io) :
+		    zs_read(e->swap, t->extent, off, from, len, cb, io);
+		if (r < 0) {
+			for (unsigned left = n - k; left > 0; left--)
+				cb(r, io);
+			return;
+		}
+	}
+}
+
 void
 ze_nvme_write_back(struct ze_engine *e, struct chunk_io *io)
 {
-	struct ze_tensor *t = io->work->tensor;
-	int r = zs_write(e->swap, t->extent, io->chunk * chunk_bytes(t), io_buf(io),
-	    chunk_io_bytes(t, io->chunk), write_done, io);
+	chunk_rw(e, io, true, write_done);
+}
 
-	if (r < 0)
-		part_done(io, r);
+/*
+ * What io read of a chunk this tensor has not written whole is what a freed tensor left
+ * there, but for the elements a split write put there since (their init_bits are set;
+ * only fp32 is written split): those stay, the rest read as zeros, as a new chunk's
+ * state starts.
+ */
+static void
+zero_unwritten(struct chunk_io *io)
+{
+	const struct ze_tensor *t = io->work->tensor;
+	uint64_t from = io->chunk * t->chunk_elements, n = chunk_len(t, io->chunk);
+	uint64_t stride = chunk_stride(t, io->chunk);
+	float *buf = io_buf(io);
+
+	if (io->split) {
+		from = io->work->offset;
+		n = io->work->count;
+		stride = io->work->stride;
+	}
+	if (!io->split && (t->format != ZK_STATE_FP32 || t->init_bits == NULL)) {
+		memset(buf, 0, io->bytes);
+		return;
+	}
+	/* from is a multiple of 1024: whole words of init_bits. */
+	for (unsigned k = 0; k < 3; k++) {
+		float *a = buf + k * stride;
+
+		for (uint64_t i = 0; i < n; i += 64) {
+			uint64_t bits = t->init_bits != NULL ? t->init_bits[(from + i) / 64] : 0;
+			uint64_t len = n - i < 64 ? n - i : 64;
+
+			if (bits == 0) {
+				memset(a + i, 0, len * sizeof(float));
+				continue;
+			}
+			for (uint64_t j = 0; j < len; j++)
+				if ((bits & (1ull << j)) == 0)
+					a[i + j] = 0;
+		}
+		memset(a + n, 0, ((n + 1023) / 1024 * 1024 - n) * sizeof(float));
+	}
 }
 
 static void
@@ -288,20 +389,26 @@ read_done(int result, void *arg)
 	uint64_t off, n;
 	float *buf;
 
-	e->read_bytes_in_flight -= chunk_io_bytes(t, io->chunk);
+	if (result < 0 && io->part_result == 0)
+		io->part_result = result;
+	if (--io->parts > 0)
+		return;
+	result = io->part_result;
+	io->part_result = 0;
+	e->read_bytes_in_flight -= io->bytes;
 	if (result < 0) {
 		ze_nvme_chunk_finished(e, io, result);
 		return;
 	}
 	e->stats.chunks_read++;
-	e->stats.bytes_read += chunk_io_bytes(t, io->chunk);
+	e->stats.bytes_read += io->bytes;
 	/*
 	 * Swap space comes back from freed tensors as they left it: until this
 	 * tensor writes a chunk, the chunk is zeros (m and v start at 0, and no
 	 * job reads another's state).
 	 */
-	if ((t->chunks_written[io->chunk / 8] & (1u << (io->chunk % 8))) == 0)
-		memset(io_buf(io), 0, chunk_io_bytes(t, io->chunk));
+	if (!chunk_written(t, io->chunk))
+		zero_unwritten(io);
 	if (w->kind != WORK_STEP) {
 		ze_nvme_xfer_chunk(e, io);
 		return;
@@ -377,8 +484,8 @@ pump_once(struct ze_engine *e)
 	struct nvme_work *w;
 	struct ze_staging *sb;
 	struct chunk_io *io;
-	uint64_t now = zu_now_ns();
-	int r;
+	enum ze_direct direct;
+	uint64_t now = zu_now_ns(), bytes;
 
 	while ((lane = TAILQ_FIRST(&e->nvme_lanes)) != NULL) {
 		w = TAILQ_FIRST(&lane->works);
@@ -390,9 +497,10 @@ pump_once(struct ze_engine *e)
 			}
 			return;
 		}
+		direct = ze_nvme_direct(w, w->next_chunk);
+		bytes = ze_nvme_io_bytes(w, w->next_chunk, direct);
 		/* The read window (engine_impl.h): a buffer is free, the next read waits its turn. */
-		if (e->read_bytes_in_flight > 0 && e->read_bytes_in_flight +
-		    chunk_io_bytes(w->tensor, w->next_chunk) > sb->bytes)
+		if (e->read_bytes_in_flight > 0 && e->read_bytes_in_flight + bytes > sb->bytes)
 			break;
 		io = calloc(1, sizeof(*io));
 		if (io == NULL)
@@ -402,7 +510,9 @@ pump_once(struct ze_engine *e)
 		io->work = w;
 		io->staging = sb;
 		io->chunk = w->next_chunk++;
-		io->direct = ze_nvme_direct_chunk(w, io->chunk) ? w->buf : NULL;
+		io->direct = direct != ZE_DIRECT_NONE ? w->buf : NULL;
+		io->split = direct == ZE_DIRECT_SPLIT;
+		io->bytes = bytes;
 		io->start_ns = now;
 		skip_landed(w);
 		w->outstanding++;
@@ -413,18 +523,13 @@ pump_once(struct ze_engine *e)
 			free(lane);
 		else
 			TAILQ_INSERT_TAIL(&e->nvme_lanes, lane, entry);
-		if (w->kind == WORK_WRITE_ALL && ze_nvme_covers_chunk(w, io->chunk)) {
-			/* Every byte of the chunk is new: nothing to read first. */
+		if (w->kind == WORK_WRITE_ALL && (io->split || ze_nvme_covers_chunk(w, io->chunk))) {
+			/* Every byte it writes is new: nothing to read first. */
 			ze_nvme_xfer_chunk(e, io);
 			continue;
 		}
-		e->read_bytes_in_flight += chunk_io_bytes(w->tensor, io->chunk);
-		r = zs_read(e->swap, w->tensor->extent, io->chunk * chunk_bytes(w->tensor), io_buf(io),
-		    chunk_io_bytes(w->tensor, io->chunk), read_done, io);
-		if (r < 0) {
-			e->read_bytes_in_flight -= chunk_io_bytes(w->tensor, io->chunk);
-			ze_nvme_chunk_finished(e, io, r);
-		}
+		e->read_bytes_in_flight += io->bytes;
+		chunk_rw(e, io, false, read_done);
 	}
 	if (e->io_blocked_since != 0) {
 		e->stats.io_wait_ns += now - e->io_blocked_since;

@@ -60,15 +60,18 @@ struct chunk_io {
 	struct ze_staging *staging;
 	uint64_t chunk;
 	/*
-	 * The disk reads into, or writes from, the transfer's own buffer (direct_chunk);
+	 * The disk reads into, or writes from, the transfer's own buffer (ze_nvme_direct);
 	 * the staging buffer is taken all the same, so that transfers and steps share
-	 * the chunks in flight as before.
+	 * the chunks in flight as before.  split: the transfer is part of the chunk, each
+	 * array its own I/O.
 	 */
 	void *direct;
+	bool split;
+	uint64_t bytes;			/* moved to or from the disk */
 	/*
-	 * A restore's direct chunk ends in two parts, its write and its param refresh
-	 * (a ZE_TASK_PARAM in task) running meanwhile: parts counts those still out
-	 * (0: the write alone), part_result keeps the first error.
+	 * The read, or the write, ends in parts: a split one's I/Os, and a restore's
+	 * direct write has its param refresh (a ZE_TASK_PARAM in task) running meanwhile.
+	 * parts counts those still out, part_result keeps the first error.
 	 */
 	unsigned parts;
 	int part_result;
@@ -148,6 +151,9 @@ bool ze_nvme_covers_chunk(const struct nvme_work *w, uint64_t c);
 /* nvme_xfer.c */
 /* A transfer's chunk is in io's buffer (or needs no read): copied, then ended or written. */
 void ze_nvme_xfer_chunk(struct ze_engine *e, struct chunk_io *io);
-bool ze_nvme_direct_chunk(const struct nvme_work *w, uint64_t c);
+enum ze_direct { ZE_DIRECT_NONE, ZE_DIRECT_WHOLE, ZE_DIRECT_SPLIT };
+enum ze_direct ze_nvme_direct(const struct nvme_work *w, uint64_t c);
+/* Bytes a chunk_io of w on chunk c moves: the chunk, or a split one's part of its arrays. */
+uint64_t ze_nvme_io_bytes(const struct nvme_work *w, uint64_t c, enum ze_direct d);
 
 #endif

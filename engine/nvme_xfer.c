@@ -81,13 +81,14 @@ ze_nvme_xfer_chunk(struct ze_engine *e, struct chunk_io *io)
 		uint64_t stride = chunk_stride(t, io->chunk);
 
 		/*
-		 * Written from the buffer itself, padding and all; the params are refreshed
-		 * from it on the stepper meanwhile (the conversion was the last of a
-		 * restore's work on the loop).
+		 * Written from the buffer itself, padding and all (split: each array from
+		 * its place there); the params are refreshed from it on the stepper
+		 * meanwhile (the conversion was the last of a restore's work on the loop).
 		 */
 		if (io->direct != NULL) {
 			ze_param_flags(t, t->param_resident, true);
-			io->parts = 2;
+			/* The refresh is a part; ze_nvme_write_back adds the writes. */
+			io->parts = 1;
 			io->task = (struct ze_task){
 				.kind = ZE_TASK_PARAM,
 				.lane = w->lane,
@@ -128,21 +129,47 @@ ze_nvme_xfer_chunk(struct ze_engine *e, struct chunk_io *io)
 }
 
 /*
- * A whole-state transfer of fp32 whose buffer holds chunk c as the chunk lies on disk:
- * the range is the chunk, the arrays are the chunk's stride apart, the buffer is aligned
- * for the disk.  The chunk then moves between the disk and the buffer with no copy (the
- * copy through a staging buffer on the loop was most of a checkpoint's loop time).
+ * A whole-state transfer of fp32 into or out of a buffer aligned for the disk moves
+ * between the disk and the buffer with no copy (the copy through a staging buffer on the
+ * loop was most of a checkpoint's loop time).  WHOLE: the range is chunk c and the
+ * buffer holds it as it lies on the disk, the arrays the chunk's stride apart: one I/O.
+ * SPLIT: the range is a part of chunk c that starts on a 1024-element (4 KiB) boundary
+ * of its arrays and ends on one or at the chunk's end, the buffer's arrays a multiple of
+ * 1024 elements apart: an I/O per array, and a write reads nothing first, so that a
+ * checkpoint's pieces (and buffers) can be smaller than a chunk.  A split write to a
+ * chunk this tensor has not written whole needs init_bits to say which of its elements
+ * hold state (zero_unwritten, nvme.c); a tensor created initialized has none.
  */
-bool
-ze_nvme_direct_chunk(const struct nvme_work *w, uint64_t c)
+enum ze_direct
+ze_nvme_direct(const struct nvme_work *w, uint64_t c)
 {
 	const struct ze_tensor *t = w->tensor;
+	uint64_t first = c * t->chunk_elements, last = first + chunk_len(t, c);
+	uint32_t mem_align = zs_engine_mem_align(t->e->swap);
 
-	return (w->kind == WORK_READ_ALL || w->kind == WORK_WRITE_ALL) &&
-	    t->format == ZK_STATE_FP32 && !w->raw && w->buf != NULL &&
-	    w->offset == c * t->chunk_elements && w->count == chunk_len(t, c) &&
-	    w->stride == chunk_stride(t, c) &&
-	    (uintptr_t)w->buf % zs_engine_mem_align(t->e->swap) == 0;
+	if ((w->kind != WORK_READ_ALL && w->kind != WORK_WRITE_ALL) ||
+	    t->format != ZK_STATE_FP32 || w->raw || w->buf == NULL ||
+	    (uintptr_t)w->buf % mem_align != 0 || w->offset < first || w->offset + w->count > last)
+		return ZE_DIRECT_NONE;
+	if (w->offset == first && w->count == last - first && w->stride == chunk_stride(t, c))
+		return ZE_DIRECT_WHOLE;
+	if ((w->offset - first) % 1024 != 0 || w->stride % 1024 != 0 ||
+	    (w->count % 1024 != 0 && w->offset + w->count != last) ||
+	    w->stride < (w->count + 1023) / 1024 * 1024 || 4096 % mem_align != 0 ||
+	    4096 % zs_engine_offset_align(t->e->swap) != 0)
+		return ZE_DIRECT_NONE;
+	if (w->kind == WORK_WRITE_ALL && t->init_bits == NULL &&
+	    (t->chunks_written[c / 8] & (1u << (c % 8))) == 0)
+		return ZE_DIRECT_NONE;
+	return ZE_DIRECT_SPLIT;
+}
+
+uint64_t
+ze_nvme_io_bytes(const struct nvme_work *w, uint64_t c, enum ze_direct d)
+{
+	if (d == ZE_DIRECT_SPLIT)
+		return 3 * ((w->count + 1023) / 1024 * 1024) * sizeof(float);
+	return chunk_io_bytes(w->tensor, c);
 }
 
 static int

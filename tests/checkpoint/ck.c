@@ -16,11 +16,18 @@ const char *const ck_param_name[CK_PARAMS] = { "layers.0.w", "layers.0.b" };
 struct ck_opts ck_opts;
 
 void
-ck_config(char *buf, size_t len, const char *swapdir)
+ck_config_chunks(char *buf, size_t len, const char *swapdir, uint64_t chunk_elements)
 {
 	snprintf(buf, len, "{ \"compute\": { \"worker_threads\": 2 }, \"log\": { \"level\": "
 	    "\"info\" }, \"swap\": { \"paths\": [ { \"path\": \"%s\", \"capacity\": \"256M\" } ],"
-	    " \"chunk_elements\": 16384, \"staging_buffers\": 3 } }\n", swapdir);
+	    " \"chunk_elements\": %llu, \"staging_buffers\": 3 } }\n", swapdir,
+	    (unsigned long long)chunk_elements);
+}
+
+void
+ck_config(char *buf, size_t len, const char *swapdir)
+{
+	ck_config_chunks(buf, len, swapdir, 16384);
 }
 
 struct zc_step_params

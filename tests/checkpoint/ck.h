@@ -48,6 +48,8 @@ extern struct ck_opts ck_opts;
 
 /* The daemon's configuration: a swap directory, small chunks so tensors span several. */
 void ck_config(char *buf, size_t len, const char *swapdir);
+/* ... with NVMe chunks of chunk_elements (ck_config's: 16 Ki). */
+void ck_config_chunks(char *buf, size_t len, const char *swapdir, uint64_t chunk_elements);
 /* Opens job name with world ranks (policy for all) and registers the shards (fresh values). */
 void ck_job_start(struct ck_job *j, const struct itd *d, const char *name, unsigned world,
     enum zc_optim optim, enum zc_policy policy);

@@ -16,7 +16,7 @@
 
 #include "ck.h"
 
-/* More tensors than the library restores at once; one of two daemon pieces (4 Mi elements). */
+/* More tensors than the library restores at once; one of five daemon pieces (1 Mi elements). */
 #define NT 7
 static const uint64_t numel[NT] = { 1000, 40000, 16384, (4u << 20) + 1000, 3, 70000, 5 };
 

@@ -610,3 +610,118 @@ Test(engine, held_tensor_restored_in_place)
 	ze_tensor_free(t);
 	rig_stop(&g);
 }
+
+/* ze_tensor_write_all or ze_tensor_read_all of buf's arrays, stride apart: its result. */
+static int
+all_io(struct rig *g, struct ze_tensor *t, bool write, uint64_t off, uint64_t n, uint64_t stride,
+    float *buf)
+{
+	unsigned before = g->seen.io_done;
+	int r = write ? ze_tensor_write_all(t, off, n, stride, buf, 1, 9) :
+	    ze_tensor_read_all(t, off, n, stride, buf, 1, 9);
+
+	if (r != 0)
+		return r < 0 ? r : 0;
+	wait_for(g, &g->seen.io_done, before + 1);
+	return g->seen.io_result;
+}
+
+/* Array w of tensor t as ze_tensor_io reads it (through the staging buffers). */
+static void
+read_state(struct rig *g, struct ze_tensor *t, enum ze_state w, uint64_t n, float *out)
+{
+	cr_assert_eq(xfer(g, t, false, w, 0, n, out), 0);
+}
+
+/*
+ * A checkpoint's pieces smaller than a chunk move straight between the disk and the
+ * caller's buffer, each array its own I/O, with nothing read first.  They land on swap
+ * space another tensor left its state in: until the chunk is written whole, its
+ * elements not yet written read as zeros (not as that tensor's bytes), those written
+ * as written; a part that fails leaves its elements unwritten.  The last chunk's part
+ * ends with the tensor, mid-block.
+ */
+Test(engine, nvme_split_parts_of_a_chunk_land_on_used_swap)
+{
+	enum { N = 2 * CHUNK - 100, PART = 1024 };
+	static float old[N], want[3][N], one[N];
+	struct ze_stats before, after;
+	struct ze_tensor *t;
+	float *buf;
+	struct rig g;
+
+	cr_assert_eq(posix_memalign((void **)&buf, 4096, 3 * CHUNK * sizeof(float)), 0);
+	rig_start(&g, true);
+	/* Another tensor's state on the swap space, then freed. */
+	t = make_tensor(&g, "old", N, ZE_POLICY_NVME, NULL, NULL, NULL);
+	fill(old, N, 3);
+	for (int w = 0; w < 3; w++)
+		cr_assert_eq(xfer(&g, t, true, (enum ze_state)w, 0, N, old), 0);
+	ze_tensor_free(t);
+	t = make_tensor(&g, "w", N, ZE_POLICY_NVME, NULL, NULL, NULL);
+	for (int w = 0; w < 3; w++)
+		fill(want[w], N, 10 + (uint64_t)w);
+
+	/* Elements [PART, 2 PART) of chunk 0: three writes of PART, no read. */
+	for (int w = 0; w < 3; w++)
+		memcpy(buf + (size_t)w * PART, want[w] + PART, PART * sizeof(float));
+	ze_engine_stats(g.e, &before);
+	cr_assert_eq(all_io(&g, t, true, PART, PART, PART, buf), 0);
+	ze_engine_stats(g.e, &after);
+	cr_assert_eq(after.bytes_read, before.bytes_read, "a split part was read first");
+	cr_assert_eq(after.bytes_written - before.bytes_written, 3 * PART * sizeof(float));
+	for (int w = 0; w < 3; w++) {
+		read_state(&g, t, (enum ze_state)w, CHUNK, one);
+		for (uint64_t i = 0; i < CHUNK; i++)
+			cr_assert_eq(one[i], i >= PART && i < 2 * PART ? want[w][i] : 0.0f,
+			    "array %d, element %llu", w, (unsigned long long)i);
+	}
+
+	/* The next part fails on its second array's write: its elements stay unwritten. */
+	for (int w = 0; w < 3; w++)
+		memcpy(buf + (size_t)w * PART, want[w] + 2 * PART, PART * sizeof(float));
+	g.fault = (struct fault){ .armed = true, .after = 1 };
+	cr_assert_eq(all_io(&g, t, true, 2 * PART, PART, PART, buf), -EIO);
+	g.fault.armed = false;
+	cr_assert_not(ze_tensor_busy(t));
+	cr_assert_not(ze_tensor_initialized(t));
+	ze_engine_stats(g.e, &before);
+	/* A split read of it: zeros, not what the failed part or the old tensor left. */
+	cr_assert_eq(all_io(&g, t, false, 2 * PART, PART, PART, buf), 0);
+	ze_engine_stats(g.e, &after);
+	cr_assert_eq(after.bytes_read - before.bytes_read, 3 * PART * sizeof(float));
+	for (uint64_t i = 0; i < 3 * PART; i++)
+		cr_assert_eq(buf[i], 0.0f, "element %llu of the failed part", (unsigned long long)i);
+
+	/* The rest of chunk 0 and all of chunk 1, in parts, out of order; the last ends mid-block. */
+	static const uint64_t parts[][2] = { { 3 * PART, PART }, { 2 * PART, PART }, { 0, PART },
+		{ CHUNK + 2 * PART, N - CHUNK - 2 * PART }, { CHUNK, 2 * PART } };
+	for (unsigned p = 0; p < sizeof(parts) / sizeof(parts[0]); p++) {
+		uint64_t off = parts[p][0], n = parts[p][1], stride = (n + 1023) / 1024 * 1024;
+
+		for (int w = 0; w < 3; w++) {
+			memcpy(buf + (size_t)w * stride, want[w] + off, n * sizeof(float));
+			memset(buf + (size_t)w * stride + n, 0, (stride - n) * sizeof(float));
+		}
+		ze_engine_stats(g.e, &before);
+		cr_assert_eq(all_io(&g, t, true, off, n, stride, buf), 0, "part %u", p);
+		ze_engine_stats(g.e, &after);
+		cr_assert_eq(after.bytes_read, before.bytes_read, "part %u was read first", p);
+	}
+	cr_assert(ze_tensor_initialized(t));
+	for (int w = 0; w < 3; w++) {
+		read_state(&g, t, (enum ze_state)w, N, one);
+		cr_assert_eq(memcmp(one, want[w], sizeof(one)), 0, "array %d", w);
+	}
+	/* Split reads of parts of both chunks. */
+	cr_assert_eq(all_io(&g, t, false, CHUNK + PART, N - CHUNK - PART, 3 * PART, buf), 0);
+	for (int w = 0; w < 3; w++)
+		cr_assert_eq(memcmp(buf + (size_t)w * 3 * PART, want[w] + CHUNK + PART,
+		    (N - CHUNK - PART) * sizeof(float)), 0, "array %d of chunk 1's part", w);
+	for (uint64_t i = 0; i < N; i++)
+		cr_assert_eq(((uint16_t *)ze_tensor_param_slot(t))[i], zk_f32_to_bf16(want[0][i]),
+		    "param %llu", (unsigned long long)i);
+	ze_tensor_free(t);
+	rig_stop(&g);
+	free(buf);
+}
