@@ -269,17 +269,28 @@ write_finished(struct chunk_io *io, int result)
 	ze_nvme_chunk_finished(io->e, io, result);
 }
 
+/*
+ * A part of io's read or write ended with *result: false while others are out; true
+ * for the last, *result then the first error of all.
+ */
+static bool
+last_part(struct chunk_io *io, int *result)
+{
+	if (*result < 0 && io->part_result == 0)
+		io->part_result = *result;
+	if (--io->parts > 0)
+		return false;
+	*result = io->part_result;
+	io->part_result = 0;
+	return true;
+}
+
 /* A part of io's write ended (an I/O, or its param refresh): the chunk ends with the last. */
 static void
 part_done(struct chunk_io *io, int result)
 {
-	if (result < 0 && io->part_result == 0)
-		io->part_result = result;
-	if (--io->parts > 0)
-		return;
-	result = io->part_result;
-	io->part_result = 0;
-	write_finished(io, result);
+	if (last_part(io, &result))
+		write_finished(io, result);
 }
 
 static void
@@ -389,12 +400,8 @@ read_done(int result, void *arg)
 	uint64_t off, n;
 	float *buf;
 
-	if (result < 0 && io->part_result == 0)
-		io->part_result = result;
-	if (--io->parts > 0)
+	if (!last_part(io, &result))
 		return;
-	result = io->part_result;
-	io->part_result = 0;
 	e->read_bytes_in_flight -= io->bytes;
 	if (result < 0) {
 		ze_nvme_chunk_finished(e, io, result);
