@@ -6,8 +6,10 @@
  * writes the file (buffered, fsync at the end) while the tiers read the swapped state
  * (O_DIRECT); a restore reads the file (out of the page cache first) while the tiers write
  * the swap.  fio's read reads the checkpoint's own rank file, taking turns with the
- * restore, so that a cache below ours (a virtual disk's host) favours neither.  fio on the
- * file alone is printed beside (text output): the disk's speed with nothing else on it.
+ * restore, so that a cache below ours (a virtual disk's host) favours neither.  Both writers
+ * write a new file: the last one's (fio's, or the last rep's checkpoint) is removed before,
+ * untimed.  fio on the file alone is printed beside (text output): the disk's speed with
+ * nothing else on it.
  */
 #include <cjson/cJSON.h>
 #include <dirent.h>
@@ -125,6 +127,26 @@ drop_cache(const char *dir)
 		close(fd);
 	}
 	closedir(d);
+}
+
+/*
+ * Removes a file the last pass wrote, and has the filesystem commit that before the next
+ * timed pass: freeing a 512 MiB file took 90-170 ms here (in the syscall that drops its
+ * last link, and at the journal's next commit), which no pass is to pay for another.  A
+ * save over the last rep's checkpoint paid for freeing it in its rename, while fio's
+ * file was removed between passes, untimed.
+ */
+static void
+remove_untimed(const char *path, const char *dir)
+{
+	int fd;
+
+	if (unlink(path) < 0 && errno != ENOENT)
+		die("removing %s: %s", path, strerror(errno));
+	fd = open(dir, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+	if (fd < 0 || syncfs(fd) < 0)
+		die("syncing %s: %s", dir, strerror(errno));
+	close(fd);
 }
 
 static void
@@ -312,15 +334,17 @@ main(int argc, char **argv)
 		 * the page cache first, in turns, so neither always finds the other's reads
 		 * in a cache below ours (a virtual disk's host).
 		 */
-		double t0 = bench_now();
+		double t0;
 
+		remove_untimed(rankfile, ckdir);
+		t0 = bench_now();
 		if (zc_checkpoint_save(c, ckdir, es, o.tensors, &sp) < 0)
 			die("save: %s", zc_errmsg(c));
 		save = best(save, bytes / MiB / (bench_now() - t0));
 		fw = best(fw, fio_pass(fiofile, bytes, true, swapfile, swap_bytes));
-		unlink(fiofile);
+		remove_untimed(fiofile, bd.dir);
 		fw_alone = best(fw_alone, fio_pass(fiofile, bytes, true, NULL, 0));
-		unlink(fiofile);
+		remove_untimed(fiofile, bd.dir);
 		for (unsigned turn = 0; turn < 2; turn++) {
 			drop_cache(ckdir);
 			if ((turn == 0) == (rep % 2 == 0)) {
