@@ -242,6 +242,8 @@ void ze_param_convert(void *slot, enum zk_dtype dtype, uint64_t offset, uint64_t
     const float *src);
 /* Master elements [offset, offset + count) hold initial values now. */
 void ze_tensor_mark_init(struct ze_tensor *t, uint64_t offset, uint64_t count);
+/* Every element of [offset, offset + count) has been written since the tensor was made. */
+bool ze_tensor_init_all(const struct ze_tensor *t, uint64_t offset, uint64_t count);
 uint64_t ze_unit_len(const struct ze_tensor *t, uint64_t unit);
 
 /* nvme.c */

@@ -213,34 +213,6 @@ ze_nvme_chunk_finished(struct ze_engine *e, struct chunk_io *io, int error)
 	ze_nvme_pump(e);
 }
 
-static bool
-chunk_written(const struct ze_tensor *t, uint64_t c)
-{
-	return (t->chunks_written[c / 8] & (1u << (c % 8))) != 0;
-}
-
-/* Every element of [offset, offset + count) holds state written since placed. */
-static bool
-init_all(const struct ze_tensor *t, uint64_t offset, uint64_t count)
-{
-	uint64_t i = offset, end = offset + count;
-
-	if (t->init_bits == NULL)
-		return true;
-	while (i < end) {
-		if (i % 64 == 0 && end - i >= 64) {
-			if (t->init_bits[i / 64] != ~0ull)
-				return false;
-			i += 64;
-			continue;
-		}
-		if ((t->init_bits[i / 64] & (1ull << (i % 64))) == 0)
-			return false;
-		i++;
-	}
-	return true;
-}
-
 static void
 write_finished(struct chunk_io *io, int result)
 {
@@ -263,8 +235,8 @@ write_finished(struct chunk_io *io, int result)
 			ze_tensor_mark_init(t, from, to - from);
 		}
 		/* A split part leaves the rest of the chunk as it was: whole once all is written. */
-		if (!io->split || (!chunk_written(t, io->chunk) && init_all(t, first, last - first)))
-			t->chunks_written[io->chunk / 8] |= (uint8_t)(1u << (io->chunk % 8));
+		if (!io->split || (!chunk_written(t, io->chunk) && ze_tensor_init_all(t, first, last - first)))
+			chunk_mark_written(t, io->chunk);
 	}
 	ze_nvme_chunk_finished(io->e, io, result);
 }
@@ -628,6 +600,6 @@ ze_nvme_rewrite(struct ze_engine *e, struct ze_tensor *t, uint64_t chunk, const 
 		return r;
 	if (done < 0)
 		return done;
-	t->chunks_written[chunk / 8] |= (uint8_t)(1u << (chunk % 8));
+	chunk_mark_written(t, chunk);
 	return 0;
 }

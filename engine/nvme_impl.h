@@ -109,6 +109,19 @@ chunk_len(const struct ze_tensor *t, uint64_t c)
 	return left < t->chunk_elements ? left : t->chunk_elements;
 }
 
+/* Chunk c was written whole since the tensor was placed (else the disk holds another's bytes). */
+static inline bool
+chunk_written(const struct ze_tensor *t, uint64_t c)
+{
+	return (t->chunks_written[c / 8] & (1u << (c % 8))) != 0;
+}
+
+static inline void
+chunk_mark_written(struct ze_tensor *t, uint64_t c)
+{
+	t->chunks_written[c / 8] |= (uint8_t)(1u << (c % 8));
+}
+
 /* Elements per array in chunk c (C, or less in the last): 4 KiB multiples. */
 static inline uint64_t
 chunk_stride(const struct ze_tensor *t, uint64_t c)

@@ -158,8 +158,7 @@ ze_nvme_direct(const struct nvme_work *w, uint64_t c)
 	    w->stride < (w->count + 1023) / 1024 * 1024 || 4096 % mem_align != 0 ||
 	    4096 % zs_engine_offset_align(t->e->swap) != 0)
 		return ZE_DIRECT_NONE;
-	if (w->kind == WORK_WRITE_ALL && t->init_bits == NULL &&
-	    (t->chunks_written[c / 8] & (1u << (c % 8))) == 0)
+	if (w->kind == WORK_WRITE_ALL && t->init_bits == NULL && !chunk_written(t, c))
 		return ZE_DIRECT_NONE;
 	return ZE_DIRECT_SPLIT;
 }

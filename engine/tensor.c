@@ -446,6 +446,27 @@ ze_tensor_mark_init(struct ze_tensor *t, uint64_t offset, uint64_t count)
 	}
 }
 
+bool
+ze_tensor_init_all(const struct ze_tensor *t, uint64_t offset, uint64_t count)
+{
+	uint64_t i = offset, end = offset + count;
+
+	if (t->init_bits == NULL)
+		return true;
+	while (i < end) {
+		if (i % 64 == 0 && end - i >= 64) {
+			if (t->init_bits[i / 64] != ~0ull)
+				return false;
+			i += 64;
+			continue;
+		}
+		if ((t->init_bits[i / 64] & (1ull << (i % 64))) == 0)
+			return false;
+		i++;
+	}
+	return true;
+}
+
 void
 ze_tensor_write_param(struct ze_tensor *t, uint64_t offset, uint64_t count, const float *src)
 {
