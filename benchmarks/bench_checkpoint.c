@@ -8,8 +8,9 @@
  * the swap.  fio's read reads the checkpoint's own rank file, taking turns with the
  * restore, so that a cache below ours (a virtual disk's host) favours neither.  Both writers
  * write a new file: the last one's (fio's, or the last rep's checkpoint) is removed before,
- * untimed.  fio on the file alone is printed beside (text output): the disk's speed with
- * nothing else on it.
+ * untimed.  fio's swap side moves as many bytes as the tiers did, by the daemon's own
+ * counters of the swap's reads and writes during the save and the restore.  fio on the file
+ * alone is printed beside (text output): the disk's speed with nothing else on it.
  */
 #include <cjson/cJSON.h>
 #include <dirent.h>
@@ -171,10 +172,11 @@ usage(FILE *f)
 {
 	fprintf(f, "usage: bench_checkpoint [--json] [--dir DIR] [--daemon PATH] [--state MiB]\n"
 	    "    [--pinned MiB] [--reps N]\n"
-	    "Saves and restores a job's state (default 512 MiB, pinned budget 64 MiB: the rest on\n"
-	    "NVMe swap in DIR) into DIR ($TMPDIR or /tmp) and runs fio there on as many bytes,\n"
-	    "the checkpoint file's and the swap's at once; best of N (5) each.  Needs about 4x\n"
-	    "the state free there.  Exits 77 without fio.\n");
+	    "Saves and restores a job's state (default 512 MiB in 8 tensors; each job's pinned\n"
+	    "budget 96 MiB, which holds one: the rest on NVMe swap in DIR) into DIR ($TMPDIR or\n"
+	    "/tmp) and runs fio there on as many bytes, the checkpoint file's and the swap's at\n"
+	    "once; best of N (5) each.  Needs about 4x the state free there.  Exits 77 without\n"
+	    "fio.\n");
 }
 
 static void
@@ -217,19 +219,38 @@ start_daemon(struct bench_daemon *bd, const struct opts *o)
 	f = fopen(bd->config, "w");
 	if (f == NULL)
 		die("%s: %s", bd->config, strerror(errno));
+	/* Room for both jobs' budgets: the saved one's and its restore's, which live at once. */
 	fprintf(f, "{ \"compute\": { \"worker_threads\": 2 }, \"log\": { \"level\": \"info\" },\n"
-	    "  \"memory\": { \"pinned_budget\": %" PRIu64 ", \"policy\": \"auto\" },\n"
+	    "  \"memory\": { \"pinned_budget\": %" PRIu64 ", \"job_pinned_budget\": %" PRIu64
+	    ", \"policy\": \"auto\" },\n"
 	    "  \"swap\": { \"paths\": [ { \"path\": \"%s\", \"capacity\": %" PRIu64 " } ] } }\n",
-	    o->pinned_budget, bd->dir, 2 * o->state_bytes + (64u << 20));
+	    2 * o->pinned_budget, o->pinned_budget, bd->dir, 2 * o->state_bytes + (64u << 20));
 	fclose(f);
 	r = bench_daemon_start(bd, o->daemon, NULL, 60);
 	if (r < 0)
 		die("starting zoffloadd: %s (log: %s)", strerror(-r), bd->log);
 }
 
-/* Every tensor of the checkpoint in ckdir registered from it on a new connection: MiB/s. */
+/* A counter of the daemon's swap (its one path): "read_bytes" or "written_bytes". */
+static uint64_t
+swap_counter(struct zc_conn *c, const char *name)
+{
+	char path[64];
+	double v;
+
+	snprintf(path, sizeof(path), "tiers.nvme.paths.0.%s", name);
+	if (bench_stat_number(c, path, &v) < 0)
+		die("stats: no %s", path);
+	return (uint64_t)v;
+}
+
+/*
+ * Every tensor of the checkpoint in ckdir registered from it on a new connection: MiB/s,
+ * and in swap_written what the tiers wrote of it to the swap meanwhile.
+ */
 static double
-time_restore(const struct bench_daemon *bd, const char *ckdir, uint64_t numel, unsigned n)
+time_restore(const struct bench_daemon *bd, const char *ckdir, uint64_t numel, unsigned n,
+    uint64_t *swap_written)
 {
 	struct zc_tensor_desc *ds = calloc(n, sizeof(*ds));
 	struct zc_tensor **ts = calloc(n, sizeof(*ts));
@@ -246,12 +267,14 @@ time_restore(const struct bench_daemon *bd, const char *ckdir, uint64_t numel, u
 	}
 	if (zc_connect(bd->socket, &c) < 0 || zc_job_open(c, "restore", 0, 1) < 0)
 		die("job: %s", zc_errmsg(c));
+	*swap_written = swap_counter(c, "written_bytes");
 	t0 = bench_now();
 	if (zc_checkpoint_open(c, ckdir, &ck) < 0)
 		die("open: %s", zc_errmsg(c));
 	if (zc_tensors_register_checkpoint(c, n, ds, ck, NULL, ZC_ADAMW, ts) < 0)
 		die("restore: %s", zc_errmsg(c));
 	rate = numel * 12.0 * n / MiB / (bench_now() - t0);
+	*swap_written = swap_counter(c, "written_bytes") - *swap_written;
 	zc_checkpoint_close(ck);
 	(void)zc_job_close(c);
 	zc_disconnect(c);
@@ -272,7 +295,7 @@ main(int argc, char **argv)
 {
 	const char *tmp = getenv("TMPDIR");
 	struct opts o = { .dir = tmp != NULL ? tmp : "/tmp", .daemon = getenv("ZOFFLOADD"),
-		.pinned_budget = 64u << 20, .state_bytes = 512u << 20, .tensors = 8, .reps = 5 };
+		.pinned_budget = 96u << 20, .state_bytes = 512u << 20, .tensors = 8, .reps = 5 };
 	struct zc_tensor **ts;
 	struct zc_checkpoint_entry *es;
 	struct zc_step_params sp = { .optim = ZC_ADAMW, .step = 1, .lr = 1e-3, .beta1 = 0.9,
@@ -282,7 +305,8 @@ main(int argc, char **argv)
 	char ckdir[1100], fiofile[1100], swapfile[1100], rankfile[1200];
 	uint64_t numel, bytes;
 	double save = 0, restore = 0, fw = 0, fr = 0, fr_alone = 0, fw_alone = 0;
-	uint64_t swap_bytes;
+	uint64_t swap_read = 0, swap_written = 0;
+	double pinned = 0, on_nvme = 0;
 	float *init;
 
 	parse(argc, argv, &o);
@@ -297,8 +321,6 @@ main(int argc, char **argv)
 	snprintf(fiofile, sizeof(fiofile), "%s/fio.dat", bd.dir);
 	snprintf(swapfile, sizeof(swapfile), "%s/fio.swap", bd.dir);
 	snprintf(rankfile, sizeof(rankfile), "%s/rank-00000-of-00001.safetensors", ckdir);
-	/* What the tiers move besides the file: the state beyond the pinned budget. */
-	swap_bytes = bytes > o.pinned_budget ? bytes - o.pinned_budget : 0;
 	if (mkdir(ckdir, 0700) < 0)
 		die("%s: %s", ckdir, strerror(errno));
 	ts = calloc(o.tensors, sizeof(*ts));
@@ -324,8 +346,14 @@ main(int argc, char **argv)
 		memset(zc_tensor_grad_slot(ts[k], NULL), 0x3c, numel * 2);
 	if (zc_step_submit(c, &sp, ts, o.tensors) < 0 || zc_wait_all(c, NULL) < 0)
 		die("step: %s", zc_errmsg(c));
-	/* The swap side of fio's save run reads this file, as the save reads the tiers. */
-	if (swap_bytes > 0 && fio_pass(swapfile, swap_bytes, true, NULL, 0) <= 0)
+	if (bench_stat_number(c, "jobs.0.pinned_bytes", &pinned) < 0 ||
+	    bench_stat_number(c, "jobs.0.nvme_bytes", &on_nvme) < 0)
+		die("stats: no jobs.0.pinned_bytes or nvme_bytes");
+	/*
+	 * The swap side of fio's save run reads this file, as the save reads the tiers: as
+	 * much as the save read there, at most all of the state.
+	 */
+	if (fio_pass(swapfile, bytes, true, NULL, 0) <= 0)
 		die("fio failed in %s", bd.dir);
 	for (unsigned rep = 0; rep < o.reps; rep++) {
 		/*
@@ -337,21 +365,28 @@ main(int argc, char **argv)
 		double t0;
 
 		remove_untimed(rankfile, ckdir);
+		swap_read = swap_counter(c, "read_bytes");
 		t0 = bench_now();
 		if (zc_checkpoint_save(c, ckdir, es, o.tensors, &sp) < 0)
 			die("save: %s", zc_errmsg(c));
 		save = best(save, bytes / MiB / (bench_now() - t0));
-		fw = best(fw, fio_pass(fiofile, bytes, true, swapfile, swap_bytes));
+		swap_read = swap_counter(c, "read_bytes") - swap_read;
+		if (swap_read > bytes)
+			die("the save read %" PRIu64 " bytes of swap for %" PRIu64 " of state",
+			    swap_read, bytes);
+		fw = best(fw, fio_pass(fiofile, bytes, true, swapfile, swap_read));
 		remove_untimed(fiofile, bd.dir);
 		fw_alone = best(fw_alone, fio_pass(fiofile, bytes, true, NULL, 0));
 		remove_untimed(fiofile, bd.dir);
 		for (unsigned turn = 0; turn < 2; turn++) {
 			drop_cache(ckdir);
 			if ((turn == 0) == (rep % 2 == 0)) {
-				restore = best(restore, time_restore(&bd, ckdir, numel, o.tensors));
+				restore = best(restore, time_restore(&bd, ckdir, numel, o.tensors,
+				    &swap_written));
 				continue;
 			}
-			fr = best(fr, fio_pass(rankfile, bytes, false, swapfile, swap_bytes));
+			/* Rep 0 restores first: swap_written is the last restore's. */
+			fr = best(fr, fio_pass(rankfile, bytes, false, swapfile, swap_written));
 			drop_cache(ckdir);
 			fr_alone = best(fr_alone, fio_pass(rankfile, bytes, false, NULL, 0));
 		}
@@ -369,8 +404,11 @@ main(int argc, char **argv)
 		bench_json_figure(1, "checkpoint_restore", restore, "MiB/s", fr, 1);
 		printf("\n]\n");
 	} else {
-		printf("state %.0f MiB (pinned budget %.0f MiB, the rest on NVMe), best of %u\n",
-		    bytes / MiB, o.pinned_budget / MiB, o.reps);
+		printf("state %.0f MiB (job pinned budget %.0f MiB: %.0f MiB pinned, %.0f MiB on NVMe),"
+		    " best of %u\n", bytes / MiB, o.pinned_budget / MiB, pinned / MiB, on_nvme / MiB,
+		    o.reps);
+		printf("swap moved by the tiers (and by fio's swap side): save read %.0f MiB, "
+		    "restore wrote %.0f MiB\n", swap_read / MiB, swap_written / MiB);
 		printf("checkpoint_save     %8.1f MiB/s   fio write %8.1f MiB/s   ratio %.3f\n", save,
 		    fw, save / fw);
 		printf("checkpoint_restore  %8.1f MiB/s   fio read  %8.1f MiB/s   ratio %.3f\n",
