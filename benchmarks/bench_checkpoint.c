@@ -6,9 +6,11 @@
  * writes the file (buffered, fsync at the end) while the tiers read the swapped state
  * (O_DIRECT); a restore reads the file (out of the page cache first) while the tiers write
  * the swap.  fio's read reads the checkpoint's own rank file, taking turns with the
- * restore, so that a cache below ours (a virtual disk's host) favours neither.  Both writers
- * write a new file: the last one's (fio's, or the last rep's checkpoint) is removed before,
- * untimed.  fio's swap side moves as many bytes as the tiers did, by the daemon's own
+ * restore, so that a cache below ours (a virtual disk's host) favours neither.  Each save
+ * after the first replaces the last rep's checkpoint, as a job saving into one directory
+ * does: the daemon frees the old file after the save returns (CKPT_RELEASE), and the bench
+ * waits for that, untimed, before the next pass.  fio writes a new file each pass, the
+ * last one's removed before, untimed.  fio's swap side moves as many bytes as the tiers did, by the daemon's own
  * counters of the swap's reads and writes during the save and the restore.  fio on the file
  * alone is printed beside (text output): the disk's speed with nothing else on it.
  */
@@ -130,24 +132,44 @@ drop_cache(const char *dir)
 	closedir(d);
 }
 
+/* Has the filesystem commit what the last pass left it (a file freed), before the next. */
+static void
+sync_untimed(const char *dir)
+{
+	int fd = open(dir, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+
+	if (fd < 0 || syncfs(fd) < 0)
+		die("syncing %s: %s", dir, strerror(errno));
+	close(fd);
+}
+
 /*
- * Removes a file the last pass wrote, and has the filesystem commit that before the next
- * timed pass: freeing a 512 MiB file took 90-170 ms here (in the syscall that drops its
- * last link, and at the journal's next commit), which no pass is to pay for another.  A
- * save over the last rep's checkpoint paid for freeing it in its rename, while fio's
- * file was removed between passes, untimed.
+ * Removes a file the last pass wrote, untimed: freeing a 512 MiB file took 90-170 ms here
+ * (in the syscall that drops its last link, and at the journal's next commit), which no
+ * pass is to pay for another.
  */
 static void
 remove_untimed(const char *path, const char *dir)
 {
-	int fd;
-
 	if (unlink(path) < 0 && errno != ENOENT)
 		die("removing %s: %s", path, strerror(errno));
-	fd = open(dir, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-	if (fd < 0 || syncfs(fd) < 0)
-		die("syncing %s: %s", dir, strerror(errno));
-	close(fd);
+	sync_untimed(dir);
+}
+
+/* The checkpoint a save replaced, closed by the daemon (on its I/O threads), and committed. */
+static void
+released_untimed(struct zc_conn *c, const char *dir)
+{
+	double closing;
+
+	for (;;) {
+		if (bench_stat_number(c, "checkpoint.replaced_files_closing", &closing) < 0)
+			die("stats: no checkpoint.replaced_files_closing");
+		if (closing == 0)
+			break;
+		usleep(1000);
+	}
+	sync_untimed(dir);
 }
 
 static void
@@ -364,13 +386,13 @@ main(int argc, char **argv)
 		 */
 		double t0;
 
-		remove_untimed(rankfile, ckdir);
 		swap_read = swap_counter(c, "read_bytes");
 		t0 = bench_now();
 		if (zc_checkpoint_save(c, ckdir, es, o.tensors, &sp) < 0)
 			die("save: %s", zc_errmsg(c));
 		save = best(save, bytes / MiB / (bench_now() - t0));
 		swap_read = swap_counter(c, "read_bytes") - swap_read;
+		released_untimed(c, ckdir);
 		if (swap_read > bytes)
 			die("the save read %" PRIu64 " bytes of swap for %" PRIu64 " of state",
 			    swap_read, bytes);

@@ -397,7 +397,8 @@ struct zc_checkpoint_entry {
  * library creates the file under a temporary name in dir with the caller's permissions
  * and passes its descriptor to zoffloadd, which writes the state from wherever it lives
  * (pinned or NVMe); then fsync, rename into place, fsync of dir.  The file is whole or
- * absent: a rank file saved earlier under the same name stays readable until then.
+ * absent: a rank file saved earlier under the same name stays readable until then, and
+ * the daemon frees it after (the call does not wait for that).
  * last: the hyperparameters of the last step (saved for the resume, optim checked by it).
  * Each request of a save or a restore moves up to 64 Mi elements of a tensor (768 MiB of
  * state): a connection timeout (zc_set_timeout) must leave time for that.

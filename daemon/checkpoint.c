@@ -33,6 +33,40 @@
  */
 #define CKPT_IO_THREADS 3
 
+/*
+ * Replaced files (CKPT_RELEASE) queued to close at once, daemon-wide: it bounds the
+ * descriptors a client can park here.  Past it a release is refused and the client closes
+ * the file itself, only slower.
+ */
+#define RELEASES_MAX 64
+
+/* A replaced file's last descriptor, closed on an I/O thread; freed by the loop after. */
+struct zd_ckpt_release {
+	struct zd_ckpt_job job;
+	int fd;
+};
+
+static void
+release_run(struct zd_ckpt_job *job)
+{
+	struct zd_ckpt_release *rel = (struct zd_ckpt_release *)job;
+
+	close(rel->fd);
+	rel->fd = -1;
+}
+
+/* A job the threads finished was a release: counted and freed, true. */
+static bool
+release_done(struct zd_daemon *d, struct zd_ckpt_job *job)
+{
+	if (job->run != release_run)
+		return false;
+	d->ckpt_releasing--;
+	d->ckpt_released++;
+	free(job);
+	return true;
+}
+
 static void
 ckpt_free(struct zd_ckpt_write *w)
 {
@@ -339,10 +373,14 @@ io_cb(evutil_socket_t fd, short what, void *arg)
 
 	while ((job = zd_ckpt_io_take(d->ckpt_io)) != NULL) {
 		struct zd_ckpt_write *w = (struct zd_ckpt_write *)job;
-		struct zd_session *s = zd_session_by_id(d, w->lane);
+		struct zd_session *s;
 		uint64_t off[ZE_RAW_ARRAYS];
-		uint64_t bytes = ze_raw_layout(w->format, w->io_n, off);
+		uint64_t bytes;
 
+		if (release_done(d, job))
+			continue;
+		s = zd_session_by_id(d, w->lane);
+		bytes = ze_raw_layout(w->format, w->io_n, off);
 		w->in_io = false;
 		if (w->io_result == 0 && w->io_write)
 			d->ckpt_bytes += bytes;
@@ -388,7 +426,8 @@ zd_ckpt_stop(struct zd_daemon *d)
 		return;
 	zd_ckpt_io_stop(d->ckpt_io);
 	while ((job = zd_ckpt_io_take(d->ckpt_io)) != NULL)
-		((struct zd_ckpt_write *)job)->in_io = false;
+		if (!release_done(d, job))
+			((struct zd_ckpt_write *)job)->in_io = false;
 	/* Those with a piece in the engine end when it comes back (no session is left). */
 	for (w = d->ckpt_writes; w != NULL; w = next) {
 		next = w->next;
@@ -551,6 +590,38 @@ ckpt_new(struct zd_session *s, const struct zp_msg *msg, int fd)
 	return w;
 }
 
+/*
+ * CKPT_RELEASE: fd's close queued on an I/O thread, and OK.  A refusal closes it here,
+ * which frees nothing: the client holds its own descriptor until our answer.
+ */
+static void
+release(struct zd_session *s, const struct zp_msg *msg, int fd)
+{
+	struct zd_daemon *d = s->daemon;
+	struct zp_msg ok = { .hdr = { .type = ZP_OK, .request_id = msg->hdr.request_id } };
+	struct zd_ckpt_release *rel;
+	struct stat st;
+
+	if (fstat(fd, &st) < 0 || !S_ISREG(st.st_mode)) {
+		close(fd);
+		zd_session_error(s, msg->hdr.request_id, -EBADF, "CKPT_RELEASE: the descriptor "
+		    "is not a regular file");
+		return;
+	}
+	rel = d->ckpt_releasing < RELEASES_MAX ? calloc(1, sizeof(*rel)) : NULL;
+	if (rel == NULL) {
+		close(fd);
+		zd_session_error(s, msg->hdr.request_id, -EBUSY, "CKPT_RELEASE: %u replaced "
+		    "files are being closed already; close this one yourself", d->ckpt_releasing);
+		return;
+	}
+	rel->job.run = release_run;
+	rel->fd = fd;
+	d->ckpt_releasing++;
+	zd_ckpt_io_submit(d->ckpt_io, &rel->job);
+	(void)zd_session_send(s, &ok, NULL, 0);
+}
+
 void
 zd_handle_request_fd(struct zd_session *s, const struct zp_msg *msg, int fd)
 {
@@ -558,10 +629,14 @@ zd_handle_request_fd(struct zd_session *s, const struct zp_msg *msg, int fd)
 	struct zd_ckpt_write *w;
 	int r;
 
-	if ((msg->hdr.type != ZP_CKPT_WRITE && msg->hdr.type != ZP_CKPT_READ) ||
-	    !s->hello_done) {
+	if ((msg->hdr.type != ZP_CKPT_WRITE && msg->hdr.type != ZP_CKPT_READ &&
+	    msg->hdr.type != ZP_CKPT_RELEASE) || !s->hello_done) {
 		close(fd);
 		zd_handle_request(s, msg);	/* says what is wrong (no HELLO yet) */
+		return;
+	}
+	if (msg->hdr.type == ZP_CKPT_RELEASE) {
+		release(s, msg, fd);
 		return;
 	}
 	w = ckpt_new(s, msg, fd);
@@ -597,4 +672,6 @@ zd_ckpt_stats_json(struct cJSON *root, const struct zd_daemon *d)
 	cJSON_AddNumberToObject(c, "bytes_written", (double)d->ckpt_bytes);
 	cJSON_AddNumberToObject(c, "bytes_read", (double)d->ckpt_bytes_read);
 	cJSON_AddNumberToObject(c, "transfers_in_flight", n);
+	cJSON_AddNumberToObject(c, "replaced_files_closing", d->ckpt_releasing);
+	cJSON_AddNumberToObject(c, "replaced_files_closed", (double)d->ckpt_released);
 }

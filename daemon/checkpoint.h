@@ -12,7 +12,10 @@ struct zd_daemon;
 struct zd_session;
 struct ze_tensor;
 
-/* A request that came with a descriptor (CKPT_WRITE, CKPT_READ); the handler owns it. */
+/*
+ * A request that came with a descriptor (CKPT_WRITE, CKPT_READ, CKPT_RELEASE); the handler
+ * owns it.
+ */
 void zd_handle_request_fd(struct zd_session *s, const struct zp_msg *msg, int fd);
 /* An engine io_done that belongs to a checkpoint transfer: handled, true. */
 bool zd_ckpt_io_done(struct zd_daemon *d, uint32_t lane, uint64_t id, void *user, int result);

@@ -484,7 +484,7 @@ session_read_cb(evutil_socket_t fd, short what, void *arg)
 			st = ZP_S_TYPE;
 			snprintf(why, sizeof(why), "%s is not a request", zp_type_name(msg->hdr.type));
 		}
-		/* Descriptors come only with the requests that carry one (CKPT_WRITE), exactly. */
+		/* Descriptors come only with the requests that carry one (CKPT_*), exactly. */
 		if (st == ZP_S_OK && nfds != zp_type_fds(msg->hdr.type)) {
 			for (unsigned j = 0; j < nfds; j++)
 				close(fds[j]);

@@ -56,6 +56,7 @@ zp_type_fds(uint16_t type)
 	case ZP_JSON_FD:
 	case ZP_CKPT_WRITE:
 	case ZP_CKPT_READ:
+	case ZP_CKPT_RELEASE:
 		return 1;
 	default:
 		return 0;
@@ -400,7 +401,7 @@ encode_payload(const struct zp_msg *m, struct wbuf *w)
 		put_u32(w, m->u.step_done.count);
 		break;
 	default:
-		/* PING, JOB_CLOSE, XFER_OPEN, STATS, JOBS, OK, PONG: no payload */
+		/* PING, JOB_CLOSE, XFER_OPEN, STATS, JOBS, CKPT_RELEASE, OK, PONG: no payload */
 		break;
 	}
 }

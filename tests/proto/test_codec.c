@@ -309,6 +309,10 @@ Test(codec, round_trip_ckpt_write_and_done)
 	cr_assert_eq(out.u.ckpt_write.crc[4], 0x89abcdefu);
 	cr_assert_eq(zp_type_fds(ZP_CKPT_WRITE), 1);
 	cr_assert_eq(zp_type_fds(ZP_CKPT_READ), 1);
+	/* A replaced checkpoint file's descriptor and no payload: a byte more is refused. */
+	cr_assert_eq(zp_type_fds(ZP_CKPT_RELEASE), 1);
+	round_trip(ZP_CKPT_RELEASE, 13);
+	cr_assert_eq(out.hdr.payload_len, 0);
 	/* No empty write, none past the transfer limit, no offset near the end of a file's range. */
 	in.hdr.type = ZP_CKPT_WRITE;
 	in.u.ckpt_write.count = 0;
