@@ -24,6 +24,7 @@
 #include "log.h"
 #include "requests.h"
 #include "session.h"
+#include "uid.h"
 
 /*
  * File I/O threads: one transfer has one piece on a thread at a time, so more threads
@@ -34,16 +35,14 @@
 #define CKPT_IO_THREADS 3
 
 /*
- * Replaced files (CKPT_RELEASE) queued to close at once, daemon-wide: it bounds the
- * descriptors a client can park here.  Past it a release is refused and the client closes
- * the file itself, only slower.
+ * A replaced file's descriptor (CKPT_RELEASE), closed on an I/O thread; freed by the loop
+ * after.  It is charged to its uid's descriptors (limits.uid_max_fds) from its arrival to
+ * its close, and the charge keeps uid alive.
  */
-#define RELEASES_MAX 64
-
-/* A replaced file's last descriptor, closed on an I/O thread; freed by the loop after. */
 struct zd_ckpt_release {
 	struct zd_ckpt_job job;
 	int fd;
+	struct zd_uid *uid;
 };
 
 static void
@@ -59,11 +58,15 @@ release_run(struct zd_ckpt_job *job)
 static bool
 release_done(struct zd_daemon *d, struct zd_ckpt_job *job)
 {
+	struct zd_ckpt_release *rel = (struct zd_ckpt_release *)job;
+
 	if (job->run != release_run)
 		return false;
 	d->ckpt_releasing--;
 	d->ckpt_released++;
-	free(job);
+	zd_uid_refund(d, rel->uid, 1, 0, 0);
+	zd_uid_put(d, rel->uid);
+	free(rel);
 	return true;
 }
 
@@ -591,16 +594,19 @@ ckpt_new(struct zd_session *s, const struct zp_msg *msg, int fd)
 }
 
 /*
- * CKPT_RELEASE: fd's close queued on an I/O thread, and OK.  A refusal closes it here,
- * which frees nothing: the client holds its own descriptor until our answer.
+ * CKPT_RELEASE: fd's close queued on an I/O thread, and OK.  The client has closed its
+ * own copy by now, so ours is likely the last: a refusal closes it here, on the loop, and
+ * pays for freeing the file, as a refused CKPT_WRITE's close would.
  */
 static void
 release(struct zd_session *s, const struct zp_msg *msg, int fd)
 {
 	struct zd_daemon *d = s->daemon;
 	struct zp_msg ok = { .hdr = { .type = ZP_OK, .request_id = msg->hdr.request_id } };
+	char err[ZP_ERRMSG_MAX + 1];
 	struct zd_ckpt_release *rel;
 	struct stat st;
+	int r;
 
 	if (fstat(fd, &st) < 0 || !S_ISREG(st.st_mode)) {
 		close(fd);
@@ -608,15 +614,18 @@ release(struct zd_session *s, const struct zp_msg *msg, int fd)
 		    "is not a regular file");
 		return;
 	}
-	rel = d->ckpt_releasing < RELEASES_MAX ? calloc(1, sizeof(*rel)) : NULL;
-	if (rel == NULL) {
+	rel = calloc(1, sizeof(*rel));
+	r = rel == NULL ? -ENOMEM : zd_uid_charge(d, s->uid_usage, 1, 0, 0, err, sizeof(err));
+	if (r < 0) {
 		close(fd);
-		zd_session_error(s, msg->hdr.request_id, -EBUSY, "CKPT_RELEASE: %u replaced "
-		    "files are being closed already; close this one yourself", d->ckpt_releasing);
+		free(rel);
+		zd_session_error(s, msg->hdr.request_id, r, "CKPT_RELEASE: %s", r == -ENOMEM ?
+		    "out of memory" : err);
 		return;
 	}
 	rel->job.run = release_run;
 	rel->fd = fd;
+	rel->uid = s->uid_usage;
 	d->ckpt_releasing++;
 	zd_ckpt_io_submit(d->ckpt_io, &rel->job);
 	(void)zd_session_send(s, &ok, NULL, 0);

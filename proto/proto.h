@@ -213,11 +213,10 @@ struct zp_grad_partial { double sumsq; uint64_t nonfinite; uint64_t elements; };
 /*
  * CKPT_RELEASE: no payload; fd: a regular file the client has just replaced or removed (the
  * checkpoint a save renamed its new file over), which the daemon closes on its checkpoint
- * I/O threads, answering OK once it is queued.  Whoever drops the last reference to an
- * unlinked file pays for freeing its blocks (a third of a millisecond per MiB, measured on
- * ext4 with discard); this way the daemon does, not the rank that saved.  The client keeps
- * its own descriptor open until the answer, so that a refusal never makes the daemon's
- * close the last.
+ * I/O threads, answering OK once it is queued (charged to the uid's descriptors until
+ * then).  Whoever drops the last reference to an unlinked file pays for freeing its blocks
+ * (a third of a millisecond per MiB, measured on ext4 with discard); the client closes its
+ * own descriptor once sent, so that the daemon does, not the rank that saved.
  */
 struct zp_ckpt_write {
 	uint32_t handle;

@@ -2,6 +2,7 @@
 #include <criterion/criterion.h>
 #include <dirent.h>
 #include <errno.h>
+#include <fcntl.h>
 #include <signal.h>
 #include <stdbool.h>
 #include <stdio.h>
@@ -9,6 +10,7 @@
 #include <string.h>
 #include <sys/mman.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
 #include <sys/un.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -19,8 +21,8 @@
 
 /*
  * The fake daemon answers HELLO, JOB_OPEN, TENSOR_REGISTER (f32 slots) and
- * XFER_OPEN (a 64 KiB window) as the real one does, STATS with "{}", every
- * other request with OK, except the one
+ * XFER_OPEN (a 64 KiB window) as the real one does, STATS with "{}", CKPT_WRITE
+ * with CKPT_DONE (writing nothing), every other request with OK, except the one
  * request type a test scripts: that gets the test's reply.  It runs until
  * the client hangs up, so the client's clean-up requests (an UNREGISTER
  * after a failed register) are answered too.
@@ -164,33 +166,40 @@ default_reply(int sock, const struct zp_msg *req)
 		m.u.json.len = 2;
 		send_or_die(sock, ZP_JSON, req->hdr.request_id, &m, NULL, 0);
 		break;
+	case ZP_CKPT_WRITE:
+		send_or_die(sock, ZP_CKPT_DONE, req->hdr.request_id, &m, NULL, 0);
+		break;
 	default:
 		send_or_die(sock, ZP_OK, req->hdr.request_id, &m, NULL, 0);
 		break;
 	}
 }
 
+/* The descriptors that came with the request being answered (closed after the answer). */
+static int req_fds[ZP_MAX_FDS];
+static unsigned req_nfds;
+/* A script's verdict, given when the client hangs up: the fake exits with it. */
+static int script_status;
+
 static void
 serve(int sock, const struct fake *f)
 {
 	static uint8_t buf[ZP_MAX_MESSAGE];
 	static struct zp_msg req;
-	int fds[ZP_MAX_FDS];
-	unsigned nfds;
 	ssize_t n;
 
 	for (;;) {
-		n = zp_recv_raw(sock, buf, sizeof(buf), fds, ZP_MAX_FDS, &nfds, 0);
+		n = zp_recv_raw(sock, buf, sizeof(buf), req_fds, ZP_MAX_FDS, &req_nfds, 0);
 		if (n <= 0)
-			_exit(0);
-		for (unsigned i = 0; i < nfds; i++)
-			close(fds[i]);
+			_exit(script_status);
 		if (zp_decode(buf, (size_t)n, &req, NULL, 0) != ZP_S_OK)
 			_exit(2);
 		if (req.hdr.type == f->on)
 			f->reply(sock, &req);
 		else
 			default_reply(sock, &req);
+		for (unsigned i = 0; i < req_nfds; i++)
+			close(req_fds[i]);
 	}
 }
 
@@ -782,4 +791,79 @@ Test(fake_daemon, reattach_in_other_files_maps_in_place)
 Test(fake_daemon, shutting_down_is_a_reconnect)
 {
 	reattach_in_other_files(true);
+}
+
+/* ---- a save over an earlier checkpoint ---- */
+
+/* Whether process pid has a descriptor open on the file fd is open on. */
+static bool
+holds_file_of(pid_t pid, int fd)
+{
+	char dirpath[64], path[400];
+	struct stat want, st;
+	struct dirent *de;
+	bool found = false;
+	DIR *d;
+
+	snprintf(dirpath, sizeof(dirpath), "/proc/%d/fd", (int)pid);
+	d = opendir(dirpath);
+	if (d == NULL || fstat(fd, &want) != 0)
+		_exit(7);
+	while (!found && (de = readdir(d)) != NULL) {
+		snprintf(path, sizeof(path), "%s/%s", dirpath, de->d_name);
+		found = de->d_name[0] != '.' && stat(path, &st) == 0 && st.st_dev == want.st_dev &&
+		    st.st_ino == want.st_ino;
+	}
+	closedir(d);
+	return found;
+}
+
+/*
+ * CKPT_RELEASE: answered only once the client has closed its own descriptor of the file,
+ * so that the daemon's close is the last.  A client that waits for the answer first never
+ * does: after 10 s (a bound for that hang, not a timing) the fake answers and fails.
+ */
+static void
+release_after_the_client_let_go(int sock, const struct zp_msg *req)
+{
+	struct zp_msg m = { 0 };
+	int waited_ms = 0;
+
+	if (req_nfds != 1)
+		_exit(8);
+	while (holds_file_of(getppid(), req_fds[0]) && waited_ms < 10000) {
+		usleep(1000);
+		waited_ms++;
+	}
+	if (holds_file_of(getppid(), req_fds[0]))
+		script_status = 6;
+	send_or_die(sock, ZP_OK, req->hdr.request_id, &m, NULL, 0);
+}
+
+Test(fake_daemon, a_save_hands_over_the_replaced_file_after_closing_its_own)
+{
+	const struct fake f = { ZP_CKPT_RELEASE, release_after_the_client_let_go };
+	struct zc_tensor_desc desc = { .name = "w", .numel = 1024, .grad_dtype = ZC_F32,
+		.param_dtype = ZC_F32 };
+	struct zc_step_params sp = { .optim = ZC_ADAMW, .step = 1, .lr = 1e-3f, .beta1 = 0.9f,
+		.beta2 = 0.999f, .eps = 1e-8f };
+	static float init[1024];
+	char ckdir[64], path[128];
+	struct zc_checkpoint_entry e = { 0 };
+	struct zc_conn *c = fake_connect(&f);
+	int fd;
+
+	snprintf(ckdir, sizeof(ckdir), "/tmp/zoff-fake-ckpt-XXXXXX");
+	cr_assert_not_null(mkdtemp(ckdir));
+	snprintf(path, sizeof(path), "%s/rank-00000-of-00001.safetensors", ckdir);
+	fd = open(path, O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
+	cr_assert_geq(fd, 0, "%s: %s", path, strerror(errno));
+	cr_assert_eq(write(fd, "earlier", 7), 7);
+	close(fd);
+	cr_assert_eq(zc_tensor_register(c, &desc, init, &e.tensor), 0, "%s", zc_errmsg(c));
+	cr_assert_eq(zc_checkpoint_save(c, ckdir, &e, 1, &sp), 0, "%s", zc_errmsg(c));
+	zc_disconnect(c);
+	unlink(path);
+	rmdir(ckdir);
+	fake_finish();
 }
