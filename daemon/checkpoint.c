@@ -37,7 +37,8 @@
 /*
  * A replaced file's descriptor (CKPT_RELEASE), closed on an I/O thread; freed by the loop
  * after.  It is charged to its uid's descriptors (limits.uid_max_fds) from its arrival to
- * its close, and the charge keeps uid alive.
+ * its close, and the charge keeps uid alive.  d->ckpt_releasing counts those held by
+ * sessions and those queued here.
  */
 struct zd_ckpt_release {
 	struct zd_ckpt_job job;
@@ -593,10 +594,35 @@ ckpt_new(struct zd_session *s, const struct zp_msg *msg, int fd)
 	return w;
 }
 
+void
+zd_ckpt_release_held(struct zd_session *s)
+{
+	struct zd_daemon *d = s->daemon;
+	struct zd_ckpt_release *rel;
+	int fd = s->released_fd;
+
+	if (fd < 0)
+		return;
+	s->released_fd = -1;
+	rel = d->ckpt_io != NULL ? calloc(1, sizeof(*rel)) : NULL;
+	if (rel == NULL) {
+		/* Freed here then, on the loop: the daemon is stopping, or out of memory. */
+		close(fd);
+		d->ckpt_releasing--;
+		d->ckpt_released++;
+		zd_uid_refund(d, s->uid_usage, 1, 0, 0);
+		return;
+	}
+	rel->job.run = release_run;
+	rel->fd = fd;
+	rel->uid = s->uid_usage;
+	zd_ckpt_io_submit(d->ckpt_io, &rel->job);
+}
+
 /*
- * CKPT_RELEASE: fd's close queued on an I/O thread, and OK.  The client has closed its
- * own copy by now, so ours is likely the last: a refusal closes it here, on the loop, and
- * pays for freeing the file, as a refused CKPT_WRITE's close would.
+ * CKPT_RELEASE: fd held by the session until its next message (zd_ckpt_release_held), and
+ * OK.  The client holds its own copy until it has sent this, so a refusal's close here is
+ * not the last.
  */
 static void
 release(struct zd_session *s, const struct zp_msg *msg, int fd)
@@ -604,7 +630,6 @@ release(struct zd_session *s, const struct zp_msg *msg, int fd)
 	struct zd_daemon *d = s->daemon;
 	struct zp_msg ok = { .hdr = { .type = ZP_OK, .request_id = msg->hdr.request_id } };
 	char err[ZP_ERRMSG_MAX + 1];
-	struct zd_ckpt_release *rel;
 	struct stat st;
 	int r;
 
@@ -614,20 +639,14 @@ release(struct zd_session *s, const struct zp_msg *msg, int fd)
 		    "is not a regular file");
 		return;
 	}
-	rel = calloc(1, sizeof(*rel));
-	r = rel == NULL ? -ENOMEM : zd_uid_charge(d, s->uid_usage, 1, 0, 0, err, sizeof(err));
+	r = zd_uid_charge(d, s->uid_usage, 1, 0, 0, err, sizeof(err));
 	if (r < 0) {
 		close(fd);
-		free(rel);
-		zd_session_error(s, msg->hdr.request_id, r, "CKPT_RELEASE: %s", r == -ENOMEM ?
-		    "out of memory" : err);
+		zd_session_error(s, msg->hdr.request_id, r, "CKPT_RELEASE: %s", err);
 		return;
 	}
-	rel->job.run = release_run;
-	rel->fd = fd;
-	rel->uid = s->uid_usage;
+	s->released_fd = fd;
 	d->ckpt_releasing++;
-	zd_ckpt_io_submit(d->ckpt_io, &rel->job);
 	(void)zd_session_send(s, &ok, NULL, 0);
 }
 

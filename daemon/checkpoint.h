@@ -17,6 +17,11 @@ struct ze_tensor;
  * owns it.
  */
 void zd_handle_request_fd(struct zd_session *s, const struct zp_msg *msg, int fd);
+/*
+ * The session's held replaced file (CKPT_RELEASE), if any, to an I/O thread to close: at
+ * the session's next message and at its end.
+ */
+void zd_ckpt_release_held(struct zd_session *s);
 /* An engine io_done that belongs to a checkpoint transfer: handled, true. */
 bool zd_ckpt_io_done(struct zd_daemon *d, uint32_t lane, uint64_t id, void *user, int result);
 /* The I/O threads and their event on the loop; 0 or -errno. */

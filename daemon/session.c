@@ -114,6 +114,7 @@ zd_session_accept(struct zd_daemon *d, int fd)
 	s->daemon = d;
 	s->id = ++d->next_session_id;
 	s->fd = fd;
+	s->released_fd = -1;
 	s->uid = cred.uid;
 	s->gid = cred.gid;
 	s->pid = cred.pid;
@@ -155,6 +156,7 @@ zd_session_close(struct zd_session *s)
 	 * until then); transfers stop touching the window freed below.
 	 */
 	ze_engine_cancel_lane(d->engine, s->id);
+	zd_ckpt_release_held(s);
 	/* A connection that goes without JOB_CLOSE is a rank that died: keep its state a while. */
 	zd_job_detach(s, true);
 	s->uid_usage->sessions--;
@@ -505,6 +507,8 @@ session_read_cb(evutil_socket_t fd, short what, void *arg)
 			session_fail(s);
 			break;
 		}
+		/* The message after a CKPT_RELEASE: the client let go of its copy first. */
+		zd_ckpt_release_held(s);
 		if (nfds > 0) {
 			/* The handler owns the descriptor from here. */
 			zd_handle_request_fd(s, msg, fds[0]);

@@ -50,6 +50,13 @@ struct zd_session {
 	unsigned steps_in_flight;	/* submitted, STEP_DONE not yet sent */
 	struct ze_shm xfer;
 	uint64_t connected_ns;
+	/*
+	 * A replaced checkpoint file (CKPT_RELEASE), held until the session's next message or
+	 * its end, then closed on a checkpoint I/O thread: the client sends that message only
+	 * after closing its own copy, so the daemon's close is the last and frees the file.
+	 * -1: none.  Charged to uid_usage's descriptors until closed (checkpoint.c).
+	 */
+	int released_fd;
 };
 
 void zd_session_accept(struct zd_daemon *d, int fd);

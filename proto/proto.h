@@ -212,11 +212,12 @@ struct zp_grad_partial { double sumsq; uint64_t nonfinite; uint64_t elements; };
  */
 /*
  * CKPT_RELEASE: no payload; fd: a regular file the client has just replaced or removed (the
- * checkpoint a save renamed its new file over), which the daemon closes on its checkpoint
- * I/O threads, answering OK once it is queued (charged to the uid's descriptors until
- * then).  Whoever drops the last reference to an unlinked file pays for freeing its blocks
- * (a third of a millisecond per MiB, measured on ext4 with discard); the client closes its
- * own descriptor once sent, so that the daemon does, not the rank that saved.
+ * checkpoint a save renamed its new file over).  The daemon answers OK and holds it until
+ * the connection's next message (or its end), then closes it on its checkpoint I/O
+ * threads; it counts against the uid's descriptors until then.  Whoever drops the last
+ * reference to an unlinked file pays for freeing its blocks (a third of a millisecond per
+ * MiB, measured on ext4 with discard): the client closes its own copy before it sends
+ * that next message (libzclient: a PING), so the daemon pays, not the rank that saved.
  */
 struct zp_ckpt_write {
 	uint32_t handle;

@@ -1,9 +1,11 @@
 /*
  * A save over an earlier checkpoint leaves freeing the replaced file to the daemon: the
  * library holds the old file open across its rename and hands that descriptor over
- * (CKPT_RELEASE), and the daemon closes it on a checkpoint I/O thread.  Whoever drops the
- * last reference to an unlinked file pays for freeing its blocks, so the rank that saved
- * does not.
+ * (CKPT_RELEASE); the daemon holds it until the connection's next message, which the
+ * client sends after closing its own copy, and then closes it on a checkpoint I/O thread.
+ * Whoever drops the last reference to an unlinked file pays for freeing its blocks, so
+ * the rank that saved does not.  (That the library closes its copy before its next
+ * message is tested against the fake daemon in tests/client.)
  *
  * The daemon's I/O threads open ZOFFLOADD_TEST_CKPT_GATE (a FIFO) for reading before each
  * job; with no writer holding it, a queued close waits there.  That shows, with no clock,
@@ -152,7 +154,7 @@ Test(release, the_daemon_drops_the_last_reference_on_its_io_thread)
 	cr_assert_eq(fstat(fd, &st), 0);
 	cr_assert_eq(unlink(path), 0);
 
-	/* The gate shut: the daemon's close waits on its I/O thread. */
+	/* The gate shut: a queued close waits on its I/O thread. */
 	close(gate_fd);
 	gate_fd = -1;
 	raw = itd_raw_connect(&d);
@@ -162,7 +164,13 @@ Test(release, the_daemon_drops_the_last_reference_on_its_io_thread)
 	cr_assert_eq(m.hdr.type, ZP_OK, "CKPT_RELEASE answered with %s", zp_type_name(m.hdr.type));
 	cr_assert_eq(m.hdr.request_id, 7);
 	close(fd);
-	/* Ours is closed; the daemon's is the last, and the file's blocks are still there. */
+	/* Ours is closed; the daemon's is the last, held until this connection's next message. */
+	cr_assert(holds(d.pid, st.st_dev, st.st_ino), "the daemon does not hold the file");
+	cr_assert_eq(itd_stat(c, "checkpoint.replaced_files_closing"), 1);
+	itd_raw_send(raw, ZP_PING, 8, NULL);
+	cr_assert(itd_raw_recv(raw, &m, 5));
+	cr_assert_eq(m.hdr.type, ZP_PONG, "PING answered with %s", zp_type_name(m.hdr.type));
+	/* Now queued, at the shut gate: still the daemon's. */
 	cr_assert(holds(d.pid, st.st_dev, st.st_ino), "the daemon does not hold the file");
 	cr_assert_eq(itd_stat(c, "checkpoint.replaced_files_closing"), 1);
 	cr_assert_eq(itd_stat(c, "checkpoint.replaced_files_closed"), 0);
@@ -174,19 +182,32 @@ Test(release, the_daemon_drops_the_last_reference_on_its_io_thread)
 
 	/* Not a regular file: refused by name, and the connection goes on. */
 	cr_assert_eq(pipe2(pipefd, O_CLOEXEC), 0);
-	m = (struct zp_msg){ .hdr = { .type = ZP_CKPT_RELEASE, .request_id = 8 } };
+	m = (struct zp_msg){ .hdr = { .type = ZP_CKPT_RELEASE, .request_id = 9 } };
 	cr_assert_eq(zp_send(raw, &m, &pipefd[0], 1), 0);
 	cr_assert(itd_raw_recv(raw, &m, 5));
 	cr_assert_eq(m.hdr.type, ZP_ERROR, "a pipe answered with %s", zp_type_name(m.hdr.type));
 	cr_assert_eq(m.u.error.code, -EBADF);
 	cr_assert(strstr(m.u.error.message, "not a regular file") != NULL, "%s",
 	    m.u.error.message);
-	itd_raw_send(raw, ZP_PING, 9, NULL);
+	itd_raw_send(raw, ZP_PING, 10, NULL);
 	cr_assert(itd_raw_recv(raw, &m, 5));
 	cr_assert_eq(m.hdr.type, ZP_PONG, "PING answered with %s", zp_type_name(m.hdr.type));
 	close(pipefd[0]);
 	close(pipefd[1]);
-	close(raw);
 	cr_assert_eq(itd_stat(c, "checkpoint.replaced_files_closed"), 1);
+
+	/* A connection that ends after a release, with no message more: closed all the same. */
+	fd = open(path, O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
+	cr_assert_geq(fd, 0, "%s: %s", path, strerror(errno));
+	cr_assert_eq(fstat(fd, &st), 0);
+	cr_assert_eq(unlink(path), 0);
+	m = (struct zp_msg){ .hdr = { .type = ZP_CKPT_RELEASE, .request_id = 11 } };
+	cr_assert_eq(zp_send(raw, &m, &fd, 1), 0);
+	cr_assert(itd_raw_recv(raw, &m, 5));
+	cr_assert_eq(m.hdr.type, ZP_OK, "CKPT_RELEASE answered with %s", zp_type_name(m.hdr.type));
+	close(fd);
+	close(raw);
+	wait_closed(c, 2);
+	cr_assert(!holds(d.pid, st.st_dev, st.st_ino), "the daemon still holds the file");
 	zc_disconnect(c);
 }

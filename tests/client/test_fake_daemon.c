@@ -22,7 +22,8 @@
 /*
  * The fake daemon answers HELLO, JOB_OPEN, TENSOR_REGISTER (f32 slots) and
  * XFER_OPEN (a 64 KiB window) as the real one does, STATS with "{}", CKPT_WRITE
- * with CKPT_DONE (writing nothing), every other request with OK, except the one
+ * with CKPT_DONE (writing nothing), PING with PONG, every other request with OK,
+ * except the one
  * request type a test scripts: that gets the test's reply.  It runs until
  * the client hangs up, so the client's clean-up requests (an UNREGISTER
  * after a failed register) are answered too.
@@ -168,6 +169,9 @@ default_reply(int sock, const struct zp_msg *req)
 		break;
 	case ZP_CKPT_WRITE:
 		send_or_die(sock, ZP_CKPT_DONE, req->hdr.request_id, &m, NULL, 0);
+		break;
+	case ZP_PING:
+		send_or_die(sock, ZP_PONG, req->hdr.request_id, &m, NULL, 0);
 		break;
 	default:
 		send_or_die(sock, ZP_OK, req->hdr.request_id, &m, NULL, 0);
