@@ -10,9 +10,10 @@
  * after the first replaces the last rep's checkpoint, as a job saving into one directory
  * does: the daemon frees the old file after the save returns (CKPT_RELEASE), and the bench
  * waits for that, untimed, before the next pass.  fio writes a new file each pass, the
- * last one's removed before, untimed.  fio's swap side moves as many bytes as the tiers did, by the daemon's own
- * counters of the swap's reads and writes during the save and the restore.  fio on the file
- * alone is printed beside (text output): the disk's speed with nothing else on it.
+ * last one's removed before, untimed.  fio's swap side moves as many bytes as the tiers
+ * did, by the daemon's own counters of the swap's reads and writes during the save and
+ * the restore.  fio on the file alone is printed beside (text output): the disk's speed
+ * with nothing else on it.
  */
 #include <cjson/cJSON.h>
 #include <dirent.h>

@@ -621,8 +621,9 @@ zd_ckpt_release_held(struct zd_session *s)
 
 /*
  * CKPT_RELEASE: fd held by the session until its next message (zd_ckpt_release_held), and
- * OK.  The client holds its own copy until it has sent this, so a refusal's close here is
- * not the last.
+ * OK.  A refusal closes it here, on the loop, where it may be the file's last reference
+ * (the client need not wait for our answer to close its own), as a refused CKPT_WRITE's
+ * may: only a uid past its descriptors pays for that, or a descriptor that frees nothing.
  */
 static void
 release(struct zd_session *s, const struct zp_msg *msg, int fd)

@@ -74,7 +74,7 @@ struct zd_daemon {
 	struct event *ev_ckpt;			/* those threads' eventfd */
 	uint64_t ckpt_bytes;			/* written into checkpoint files */
 	uint64_t ckpt_bytes_read;		/* read from them (restores) */
-	unsigned ckpt_releasing;		/* CKPT_RELEASE files queued to close */
+	unsigned ckpt_releasing;		/* CKPT_RELEASE files held or queued to close */
 	uint64_t ckpt_released;			/* and closed */
 	/* recover.c: what outlives the process, and what a restart found of it */
 	struct zd_fdstore store;
