@@ -2,10 +2,12 @@
 #include <criterion/criterion.h>
 #include <dirent.h>
 #include <errno.h>
+#include <fcntl.h>
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include "ck.h"
@@ -289,4 +291,38 @@ ck_rmdir(const char *dir)
 	}
 	closedir(d);
 	(void)rmdir(dir);
+}
+
+void
+ck_gated_start(struct itd *d, struct ck_gated *g)
+{
+	char config[512];
+
+	g->fd = -1;
+	ck_tmpdir(g->swapdir, sizeof(g->swapdir), "swap");
+	ck_tmpdir(g->ckdir, sizeof(g->ckdir), "ckpt");
+	ck_tmpdir(g->gatedir, sizeof(g->gatedir), "gate");
+	snprintf(g->gate, sizeof(g->gate), "%s/gate", g->gatedir);
+	cr_assert_eq(mkfifo(g->gate, 0600), 0, "mkfifo %s: %s", g->gate, strerror(errno));
+	ck_config(config, sizeof(config), g->swapdir);
+	cr_assert_eq(setenv("ZOFFLOADD_TEST_CKPT_GATE", g->gate, 1), 0);
+	itd_start(d, config);
+	cr_assert_eq(unsetenv("ZOFFLOADD_TEST_CKPT_GATE"), 0);
+}
+
+void
+ck_gated_cleanup(struct itd *d, struct ck_gated *g)
+{
+	bool started = g->gate[0] != '\0';
+
+	/* Not started: nothing of it exists (and fd is not yet -1). */
+	if (started && g->fd < 0)
+		g->fd = open(g->gate, O_RDWR);
+	itd_cleanup(d);
+	if (started && g->fd >= 0)
+		close(g->fd);
+	g->fd = -1;
+	ck_rmdir(g->ckdir);
+	ck_rmdir(g->swapdir);
+	ck_rmdir(g->gatedir);
 }

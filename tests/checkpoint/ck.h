@@ -66,6 +66,19 @@ void ck_job_close(struct ck_job *j);
 void ck_assert_same(const struct ck_state *a, const struct ck_state *b, const char *what);
 void ck_state_free(struct ck_state *s);
 struct zc_step_params ck_params(enum zc_optim optim, uint64_t step);
+/*
+ * A daemon whose checkpoint I/O threads open gate (a FIFO, ZOFFLOADD_TEST_CKPT_GATE) for
+ * reading before each job: one waits there until a writer holds the gate open (fd: the
+ * test's, -1 when shut).  Its swap, a checkpoint directory and the gate's are fresh.
+ * ck_gated_cleanup opens the gate for good, so that the daemon's threads can stop, stops
+ * the daemon and removes them.
+ */
+struct ck_gated {
+	char swapdir[64], ckdir[64], gatedir[64], gate[96];
+	int fd;
+};
+void ck_gated_start(struct itd *d, struct ck_gated *g);
+void ck_gated_cleanup(struct itd *d, struct ck_gated *g);
 /* A fresh directory under /tmp, and its removal with every file in it. */
 void ck_tmpdir(char *dir, size_t len, const char *what);
 void ck_rmdir(const char *dir);

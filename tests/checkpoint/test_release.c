@@ -25,21 +25,15 @@
 #include "msgio.h"
 
 static struct itd d;
-static char swapdir[64], ckdir[64], gatedir[64], gate[96];
+static struct ck_gated g = { .fd = -1 };
 static struct ck_job job, restored;
-static int gate_fd = -1;
 
 static void
 teardown(void)
 {
-	if (gate_fd >= 0)
-		close(gate_fd);
 	ck_job_close(&restored);
 	ck_job_close(&job);
-	itd_cleanup(&d);
-	ck_rmdir(ckdir);
-	ck_rmdir(swapdir);
-	ck_rmdir(gatedir);
+	ck_gated_cleanup(&d, &g);
 }
 
 TestSuite(release, .fini = teardown, .timeout = 120);
@@ -83,20 +77,10 @@ wait_closed(struct zc_conn *c, double want)
 static void
 start(void)
 {
-	char config[512];
-
-	ck_tmpdir(swapdir, sizeof(swapdir), "swap");
-	ck_tmpdir(ckdir, sizeof(ckdir), "ckpt");
-	ck_tmpdir(gatedir, sizeof(gatedir), "gate");
-	snprintf(gate, sizeof(gate), "%s/gate", gatedir);
-	cr_assert_eq(mkfifo(gate, 0600), 0, "mkfifo %s: %s", gate, strerror(errno));
-	ck_config(config, sizeof(config), swapdir);
-	cr_assert_eq(setenv("ZOFFLOADD_TEST_CKPT_GATE", gate, 1), 0);
-	itd_start(&d, config);
-	cr_assert_eq(unsetenv("ZOFFLOADD_TEST_CKPT_GATE"), 0);
+	ck_gated_start(&d, &g);
 	/* Held open (read-write: it does not wait for a reader), the gate lets jobs pass. */
-	gate_fd = open(gate, O_RDWR);
-	cr_assert_geq(gate_fd, 0, "open %s: %s", gate, strerror(errno));
+	g.fd = open(g.gate, O_RDWR);
+	cr_assert_geq(g.fd, 0, "open %s: %s", g.gate, strerror(errno));
 }
 
 Test(release, a_save_over_a_checkpoint_leaves_freeing_the_old_file_to_the_daemon)
@@ -110,14 +94,14 @@ Test(release, a_save_over_a_checkpoint_leaves_freeing_the_old_file_to_the_daemon
 	c = itd_connect(&d);
 	ck_job_start(&job, &d, "job", 1, ZC_ADAMW, ZC_POLICY_NVME);
 	ck_job_steps(&job, 1, 2);
-	ck_job_save(&job, ckdir, 2);
+	ck_job_save(&job, g.ckdir, 2);
 	/* A first save replaces nothing. */
 	cr_assert_eq(itd_stat(c, "checkpoint.replaced_files_closed"), 0);
-	snprintf(rankfile, sizeof(rankfile), "%s/rank-00000-of-00001.safetensors", ckdir);
+	snprintf(rankfile, sizeof(rankfile), "%s/rank-00000-of-00001.safetensors", g.ckdir);
 	cr_assert_eq(stat(rankfile, &old), 0, "%s: %s", rankfile, strerror(errno));
 
 	ck_job_steps(&job, 3, 3);
-	ck_job_save(&job, ckdir, 3);
+	ck_job_save(&job, g.ckdir, 3);
 	cr_assert_eq(stat(rankfile, &now), 0);
 	cr_assert_neq(now.st_ino, old.st_ino, "the save did not replace the file");
 	/* The client kept nothing of the old file; the daemon closes it, and keeps nothing. */
@@ -127,7 +111,7 @@ Test(release, a_save_over_a_checkpoint_leaves_freeing_the_old_file_to_the_daemon
 
 	/* What was saved is the new state, whole. */
 	ck_job_gather(&job, &want);
-	ck_job_restore(&restored, &d, "restored", 1, ZC_ADAMW, ZC_POLICY_NVME, ckdir, 3);
+	ck_job_restore(&restored, &d, "restored", 1, ZC_ADAMW, ZC_POLICY_NVME, g.ckdir, 3);
 	ck_job_gather(&restored, &got);
 	ck_assert_same(&want, &got, "restored after a save over a checkpoint");
 	ck_state_free(&want);
@@ -146,7 +130,7 @@ Test(release, the_daemon_drops_the_last_reference_on_its_io_thread)
 
 	start();
 	c = itd_connect(&d);
-	snprintf(path, sizeof(path), "%s/replaced", ckdir);
+	snprintf(path, sizeof(path), "%s/replaced", g.ckdir);
 	fd = open(path, O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
 	cr_assert_geq(fd, 0, "%s: %s", path, strerror(errno));
 	memset(bytes, 0x5a, sizeof(bytes));
@@ -155,8 +139,8 @@ Test(release, the_daemon_drops_the_last_reference_on_its_io_thread)
 	cr_assert_eq(unlink(path), 0);
 
 	/* The gate shut: a queued close waits on its I/O thread. */
-	close(gate_fd);
-	gate_fd = -1;
+	close(g.fd);
+	g.fd = -1;
 	raw = itd_raw_connect(&d);
 	itd_raw_hello(raw);
 	cr_assert_eq(zp_send(raw, &m, &fd, 1), 0);
@@ -175,8 +159,8 @@ Test(release, the_daemon_drops_the_last_reference_on_its_io_thread)
 	cr_assert_eq(itd_stat(c, "checkpoint.replaced_files_closing"), 1);
 	cr_assert_eq(itd_stat(c, "checkpoint.replaced_files_closed"), 0);
 
-	gate_fd = open(gate, O_RDWR);
-	cr_assert_geq(gate_fd, 0);
+	g.fd = open(g.gate, O_RDWR);
+	cr_assert_geq(g.fd, 0);
 	wait_closed(c, 1);
 	cr_assert(!holds(d.pid, st.st_dev, st.st_ino), "the daemon still holds the file");
 

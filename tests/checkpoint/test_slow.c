@@ -25,22 +25,16 @@
 #define K 3
 
 static struct itd d;
-static char swapdir[64], ckdir[64], gatedir[64], gate[96];
+static struct ck_gated g = { .fd = -1 };
 static struct ck_job saver, other, restored;
-static int gate_fd = -1;
 
 static void
 teardown(void)
 {
-	if (gate_fd >= 0)
-		close(gate_fd);
 	ck_job_close(&restored);
 	ck_job_close(&other);
 	ck_job_close(&saver);
-	itd_cleanup(&d);
-	ck_rmdir(ckdir);
-	ck_rmdir(swapdir);
-	ck_rmdir(gatedir);
+	ck_gated_cleanup(&d, &g);
 }
 
 TestSuite(slow, .fini = teardown, .timeout = 240);
@@ -63,7 +57,7 @@ save_main(void *p)
 	for (unsigned q = 0; q < CK_PARAMS; q++)
 		es[q] = (struct zc_checkpoint_entry){ a->j->r[0].t[q], ck_param_name[q],
 			a->j->r[0].off[q], ck_param_numel[q] };
-	a->result = zc_checkpoint_save(a->j->r[0].c, ckdir, es, CK_PARAMS, &sp);
+	a->result = zc_checkpoint_save(a->j->r[0].c, g.ckdir, es, CK_PARAMS, &sp);
 	if (a->result < 0)
 		snprintf(a->err, sizeof(a->err), "%s", zc_errmsg(a->j->r[0].c));
 	atomic_store(&a->done, true);
@@ -77,17 +71,8 @@ held_save(enum zc_policy policy)
 	struct ck_state want, got;
 	struct zc_conn *c;
 	pthread_t th;
-	char config[512];
 
-	ck_tmpdir(swapdir, sizeof(swapdir), "swap");
-	ck_tmpdir(ckdir, sizeof(ckdir), "ckpt");
-	ck_tmpdir(gatedir, sizeof(gatedir), "gate");
-	snprintf(gate, sizeof(gate), "%s/gate", gatedir);
-	cr_assert_eq(mkfifo(gate, 0600), 0, "mkfifo %s: %s", gate, strerror(errno));
-	ck_config(config, sizeof(config), swapdir);
-	cr_assert_eq(setenv("ZOFFLOADD_TEST_CKPT_GATE", gate, 1), 0);
-	itd_start(&d, config);
-	cr_assert_eq(unsetenv("ZOFFLOADD_TEST_CKPT_GATE"), 0);
+	ck_gated_start(&d, &g);
 
 	ck_job_start(&saver, &d, "saver", 1, ZC_ADAMW, policy);
 	ck_job_steps(&saver, 1, K);
@@ -111,13 +96,13 @@ held_save(enum zc_policy policy)
 	    a.err);
 
 	/* Open the gate (kept open); the save finishes, whole and equal to the state. */
-	gate_fd = open(gate, O_WRONLY);
-	cr_assert_geq(gate_fd, 0, "open %s: %s", gate, strerror(errno));
+	g.fd = open(g.gate, O_WRONLY);
+	cr_assert_geq(g.fd, 0, "open %s: %s", g.gate, strerror(errno));
 	cr_assert_eq(pthread_join(th, NULL), 0);
 	cr_assert_eq(a.result, 0, "save: %s", a.err);
 	zc_disconnect(c);
 
-	ck_job_restore(&restored, &d, "restored", 1, ZC_ADAMW, policy, ckdir, K);
+	ck_job_restore(&restored, &d, "restored", 1, ZC_ADAMW, policy, g.ckdir, K);
 	ck_job_gather(&restored, &got);
 	ck_assert_same(&want, &got, "restored after a held save");
 	ck_state_free(&want);
