@@ -55,6 +55,15 @@ release_run(struct zd_ckpt_job *job)
 	rel->fd = -1;
 }
 
+/* A released file is closed: counted, and its descriptor's charge given back to uid. */
+static void
+release_closed(struct zd_daemon *d, struct zd_uid *uid)
+{
+	d->ckpt_releasing--;
+	d->ckpt_released++;
+	zd_uid_refund(d, uid, 1, 0, 0);
+}
+
 /* A job the threads finished was a release: counted and freed, true. */
 static bool
 release_done(struct zd_daemon *d, struct zd_ckpt_job *job)
@@ -63,9 +72,7 @@ release_done(struct zd_daemon *d, struct zd_ckpt_job *job)
 
 	if (job->run != release_run)
 		return false;
-	d->ckpt_releasing--;
-	d->ckpt_released++;
-	zd_uid_refund(d, rel->uid, 1, 0, 0);
+	release_closed(d, rel->uid);
 	zd_uid_put(d, rel->uid);
 	free(rel);
 	return true;
@@ -608,9 +615,7 @@ zd_ckpt_release_held(struct zd_session *s)
 	if (rel == NULL) {
 		/* Freed here then, on the loop: the daemon is stopping, or out of memory. */
 		close(fd);
-		d->ckpt_releasing--;
-		d->ckpt_released++;
-		zd_uid_refund(d, s->uid_usage, 1, 0, 0);
+		release_closed(d, s->uid_usage);
 		return;
 	}
 	rel->job.run = release_run;
