@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
-# Install what is missing, build with warnings as errors, run every test.
+# Install what is missing, build with warnings as errors, run every test.  The Python suites
+# run twice: under Debian's /usr/bin/python3 (torch 1.13, the oldest supported) and under the
+# torch 2.x venv of python/requirements-lock.txt (scripts/pyenv.sh, made once per machine).
 # --sanitize: the same in a separate AddressSanitizer + UBSan build (build-sanitize).
 # --clang: built with clang instead of the default compiler (build-clang; with --sanitize,
 # build-clang-sanitize), so that both compilers' warnings stay errors.
@@ -7,7 +9,9 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 . scripts/deps.sh
+. scripts/pyenv.sh
 install_deps test
+pyenv_ensure
 
 sanitize=0
 clang=0
@@ -23,7 +27,8 @@ done
 build=build-test
 # gpu_standin: the CUDA side (tests/cuda, gpu_train, bench_slots) runs on the CPU stand-in
 # of the CUDA runtime and NCCL (tests/cuda_standin); nothing CUDA is installed from it.
-setup=(-Dwerror=true -Dtests=enabled -Dgpu_standin=enabled)
+setup=(-Dwerror=true -Dtests=enabled -Dgpu_standin=enabled -Dpython_require=true
+	"-Dpython_interpreters=/usr/bin/python3,$ZOFFLOAD_VENV/bin/python")
 test_args=()
 if [ $clang -eq 1 ]; then
 	build=build-clang

@@ -9,8 +9,13 @@ try:
     import pytest
     import torch  # noqa: F401
 except ImportError as e:
-    print(f"skipped: {sys.executable} cannot import {e.name} (install python3-torch and "
-          "python3-pytest, or point -Dpython_interpreters at an interpreter that has them)")
+    what = f"{sys.executable} cannot import {e.name}"
+    if os.environ.get("ZOFFLOAD_PY_REQUIRE"):
+        # -Dpython_require=true: an interpreter named for the tests must run them.
+        print(f"failed: {what} (-Dpython_require=true)")
+        sys.exit(1)
+    print(f"skipped: {what} (install python3-torch and python3-pytest, or point "
+          "-Dpython_interpreters at an interpreter that has them)")
     sys.exit(77)
 
 # -p no:cacheprovider: nothing written into the source tree.

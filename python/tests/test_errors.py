@@ -82,6 +82,14 @@ def test_bad_arguments(daemon, monkeypatch):
         zt.AdamW(params(), amsgrad=True, job="j", socket=daemon.socket)
     with pytest.raises(ValueError, match="Invalid learning rate"):
         zt.Adam(params(), lr=-1, job="j", socket=daemon.socket)
+    # What torch takes and the daemon cannot honour is refused by name, not ignored.
+    for cls in (zt.AdamW, zt.Adam):
+        with pytest.raises(ValueError, match="capturable=True is not supported: the daemon "
+                                             "steps on the CPU"):
+            cls(params(), capturable=True, job="j", socket=daemon.socket)
+    for cls in (zt.AdamW, zt.Adam, zt.Adagrad):
+        with pytest.raises(ValueError, match="differentiable=True is not supported"):
+            cls(params(), differentiable=True, job="j", socket=daemon.socket)
     with pytest.raises(ValueError, match="policy must be 'cpu', 'nvme', 'auto'"):
         zt.AdamW(params(), job="j", socket=daemon.socket, policy="disk")
     with pytest.raises(TypeError, match="float32, bfloat16 or float16 only"):

@@ -52,6 +52,11 @@ CASES = {
     "Adagrad": (zt.Adagrad, torch.optim.Adagrad, dict(lr=1e-2, lr_decay=1e-3, weight_decay=0.01,
                                                       initial_accumulator_value=0.1)),
     "Lion": (zt.Lion, RefLion, dict(lr=1e-4, weight_decay=0.1)),
+    # torch 2.x's Adam(decoupled_weight_decay=True) is AdamW's update (torch 1.13's Adam has
+    # no such argument, so the reference is AdamW on both).
+    "Adam-decoupled": (zt.Adam, lambda params, decoupled_weight_decay, **kw:
+                       torch.optim.AdamW(params, **kw),
+                       dict(lr=1e-3, weight_decay=0.05, decoupled_weight_decay=True)),
 }
 
 

@@ -128,7 +128,8 @@ def test_killed_trainer_takes_its_state_back(daemon, tmp_path):
     m = zhelpers.model(seed=999)        # fresh weights: the daemon's must replace them
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        opt = open_again(params=m.parameters(), lr=2e-3, job="crash", socket=daemon.socket)
+        opt = open_again(params=m.parameters(), lr=2e-3, job="crash", socket=daemon.socket,
+                         resume=True)
     assert opt.resumed_step == 5
     assert any("resuming after step 5" in str(w.message) for w in caught), \
         [str(w.message) for w in caught]

@@ -5,6 +5,11 @@ train SOCKET JOB STEPS OUT [KILL_AFTER]: AdamW on the small transformer for STEP
 zero RANK WORLD PORT SOCKET JOB STEPS OUT [CKPT]: one rank of ZeroRedundancyOptimizer over
     gloo, every rank on the same batches (no DDP needed for equal gradients); rank 0 saves;
     with CKPT, every rank also saves its shard there (save_checkpoint, the model's names).
+nanogpt SOCKET JOB CKPT_AT STEPS CKPT: trains as nanoGPT does, saving {model, optimizer}
+    (torch.save) into CKPT after step CKPT_AT, and SIGKILLs itself after STEPS.
+launch RANK WORLD PORT SOCKET STEPS [KILL]: one rank of a launch that names no job (the
+    default job name from the environment); prints "JOB name resumed_step", trains STEPS steps,
+    and with KILL SIGKILLs itself after them.
 """
 import os
 import signal
@@ -64,6 +69,38 @@ def zero(rank, world, port, socket, job, steps, out, ckpt=None):
     dist.destroy_process_group()
 
 
+def nanogpt(socket, job, ckpt_at, steps, ckpt):
+    m = zhelpers.model(seed=11)
+    opt = zt.AdamW(m.parameters(), lr=LR, job=job, socket=socket)
+    for step in range(1, steps + 1):
+        opt.zero_grad()
+        zhelpers.loss_of(m, step).backward()
+        opt.step()
+        if step == ckpt_at:
+            torch.save({"model": m.state_dict(), "optimizer": opt.state_dict(), "step": step},
+                       ckpt)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def launch(rank, world, port, socket, steps, kill=False):
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    m = zhelpers.model(seed=11)
+    opt = zt.AdamW(m.parameters(), lr=LR, socket=socket)
+    print(f"JOB {opt.job} {opt.resumed_step}", flush=True)
+    for step in range(1, steps + 1):
+        opt.zero_grad()
+        zhelpers.loss_of(m, step).backward()
+        opt.step()
+    dist.barrier()
+    if kill:
+        os.kill(os.getpid(), signal.SIGKILL)
+    opt.close()
+    dist.destroy_process_group()
+
+
 if __name__ == "__main__":
     mode, args = sys.argv[1], sys.argv[2:]
     if mode == "train":
@@ -71,5 +108,10 @@ if __name__ == "__main__":
     elif mode == "zero":
         zero(int(args[0]), int(args[1]), int(args[2]), args[3], args[4], int(args[5]), args[6],
              *args[7:])
+    elif mode == "nanogpt":
+        nanogpt(args[0], args[1], int(args[2]), int(args[3]), args[4])
+    elif mode == "launch":
+        launch(int(args[0]), int(args[1]), int(args[2]), args[3], int(args[4]),
+               len(args) > 5 and args[5] == "kill")
     else:
         sys.exit(f"unknown mode {mode}")

@@ -46,8 +46,10 @@ step it resumes after, and a warning says so.  ``close()`` frees the state inste
 streaming checkpoint, for models too big for ``state_dict()`` (see _checkpoint.py).
 """
 import errno
+import functools
 import logging
 import os
+import secrets
 import time
 import warnings
 from itertools import chain
@@ -71,10 +73,31 @@ def _default_job(job):
         return job
     if os.environ.get("ZOFFLOAD_JOB"):
         return os.environ["ZOFFLOAD_JOB"]
-    if os.environ.get("TORCHELASTIC_RUN_ID"):
-        return "torchrun-" + os.environ["TORCHELASTIC_RUN_ID"]
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID")
+    if run_id and run_id != "none":
+        return "torchrun-" + run_id
+    if run_id == "none":
+        # torchrun without --rdzv-id says "none" for every launch: as a job name it would
+        # hand one run's state to the next.  A name drawn by rank 0 and shared over the
+        # process group is the same for the ranks of this launch and new at every launch.
+        dist = torch.distributed
+        if dist.is_available() and dist.is_initialized():
+            drawn = [secrets.token_hex(8) if dist.get_rank() == 0 else None]
+            dist.broadcast_object_list(drawn, src=0)
+            return "torchrun-" + drawn[0]
+        raise ValueError("zoffload: torchrun gave no run id (TORCHELASTIC_RUN_ID=none) and "
+                         "torch.distributed is not initialized: pass --rdzv-id to torchrun, "
+                         "set $ZOFFLOAD_JOB or job='...', or init_process_group() first")
     raise ValueError("zoffload: name the job the optimizer state belongs to: job='...' or "
                      "$ZOFFLOAD_JOB (under torchrun it defaults to the run id)")
+
+
+def _launcher_restarted():
+    """torchrun restarted this run's workers (--max-restarts): the same run, surely."""
+    try:
+        return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
+    except ValueError:
+        return False
 
 
 def _grad_dtype_name(grad_dtype, param):
@@ -120,7 +143,9 @@ class _ZoffloadOptimizer(torch.optim.Optimizer):
 
     def __init__(self, params, defaults, *, job=None, socket=None, policy=None,
                  pinned_budget=0, state_format=None, grad_dtype=None, overlap=False, rank=None,
-                 world_size=None, reconnect_ms=None):
+                 world_size=None, reconnect_ms=None, resume=None):
+        if resume not in (None, True, False):
+            raise ValueError(f"zoffload: resume must be True, False or None, not {resume!r}")
         if rank is None or world_size is None:
             dist = torch.distributed
             initialized = dist.is_available() and dist.is_initialized()
@@ -131,6 +156,8 @@ class _ZoffloadOptimizer(torch.optim.Optimizer):
         self.rank, self.world_size = rank, world_size
         self.overlap = overlap
         self.resumed_step = 0
+        self._resume = resume
+        self._given = {}            # taken back: the params as given, until the first step
         self._grad_dtype = grad_dtype
         self._entries = {}
         self._group_index = {}
@@ -144,6 +171,7 @@ class _ZoffloadOptimizer(torch.optim.Optimizer):
             super().__init__(params, defaults)
         except BaseException:
             # What was registered goes now: a refused constructor leaves nothing to take back.
+            # (A dead process's state it refused to take is not ours to free: see _register.)
             self.close()
             raise
         if self.resumed_step:
@@ -172,15 +200,14 @@ class _ZoffloadOptimizer(torch.optim.Optimizer):
         name = f"p{index}/{p.numel()}"
         gd, pd = _grad_dtype_name(self._grad_dtype, p), _DTYPES[p.dtype]
         init = p.detach().reshape(-1).to(device="cpu", dtype=torch.float32).contiguous()
-        for attempt in range(200):
-            try:
-                zt = self._conn.register(name, init.numpy(), grad_dtype=gd, param_dtype=pd)
-                break
-            except ZoffloadError as ex:
-                # Taken back while a step the dead process submitted still runs on it.
-                if ex.errno != errno.EAGAIN or attempt == 199:
-                    raise
-                time.sleep(0.05)
+        zt = self._register_tensor(name, init, gd, pd)
+        if zt.last_step and not self._take_back(zt):
+            zt.unregister()         # resume=False: the dead process's state goes
+            zt = self._register_tensor(name, init, gd, pd)
+        elif zt.last_step:
+            # Kept for load_state_dict before the first step: what the user loaded, not
+            # the daemon's leftovers, is then what they asked for.
+            self._given[p] = p.detach().to(device="cpu", copy=True)
         last = self._attach(p, zt, gd, pd)
         if last:
             self.resumed_step = max(self.resumed_step, last)
@@ -188,6 +215,32 @@ class _ZoffloadOptimizer(torch.optim.Optimizer):
             self._init_state(p, zt)
         if self.overlap:
             self._hooks.append(p.register_hook(self._make_hook(p)))
+
+    def _register_tensor(self, name, init, gd, pd):
+        for attempt in range(200):
+            try:
+                return self._conn.register(name, init.numpy(), grad_dtype=gd, param_dtype=pd)
+            except ZoffloadError as ex:
+                # Taken back while a step the dead process submitted still runs on it.
+                if ex.errno != errno.EAGAIN or attempt == 199:
+                    raise
+                time.sleep(0.05)
+
+    def _take_back(self, zt):
+        """Whether to go on from the state a dead process of this job and rank left (zt
+        holds it).  Only when that is surely this run: resume=True, or torchrun restarted
+        this run's workers.  resume=False: no (the state is freed).  Otherwise refused, and
+        the state is left as it was (zt is dropped unused; the connection's end detaches
+        it again), so that the user decides."""
+        if self._resume is not None:
+            return self._resume
+        if _launcher_restarted():
+            return True
+        raise RuntimeError(
+            f"zoffload: job '{self.job}' rank {self.rank} holds the optimizer state of a "
+            f"process that died after step {zt.last_step} (tensor '{zt.name}'); a new "
+            "process takes it only when asked: resume=True to go on from it, resume=False to "
+            "free it and start from these parameters (or job='...' for a job of its own)")
 
     def _attach(self, p, zt, gd, pd):
         """Makes zt p's tensor; a zt with state (taken back, restored) sets p and its step."""
@@ -222,6 +275,10 @@ class _ZoffloadOptimizer(torch.optim.Optimizer):
             e.cuda_addrs.append(addr)
 
     # The step.
+    def _update_of(self, group):
+        """The daemon's update for group (a group may say decoupled_weight_decay)."""
+        return self._optim
+
     def _group_args(self, group):
         raise NotImplementedError
 
@@ -253,8 +310,8 @@ class _ZoffloadOptimizer(torch.optim.Optimizer):
         for step, pes in by_step.items():
             for i in range(0, len(pes), _MAX_SET):
                 chunk = pes[i:i + _MAX_SET]
-                self._conn.submit([e.zt for _, e in chunk], optim=self._optim, step=step,
-                                  **args)
+                self._conn.submit([e.zt for _, e in chunk], optim=self._update_of(group),
+                                  step=step, **args)
                 for _, e in chunk:
                     e.in_flight = step
 
@@ -268,6 +325,7 @@ class _ZoffloadOptimizer(torch.optim.Optimizer):
                                    "call step() before the next backward")
             group = self._group_of(p)
             self._flush_loaded_state()
+            self._given = {}
             # What AccumulateGrad is about to store in p.grad (a zero grad adds exactly).
             self._put_grad(p, e, grad if p.grad is None else p.grad + grad, group)
             self._submit(group, [(p, e)])
@@ -287,6 +345,7 @@ class _ZoffloadOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         self._flush_loaded_state()
+        self._given = {}            # the taken-back state is what this run goes on from
         for group in self.param_groups:
             items = []
             for p in group["params"]:
@@ -383,6 +442,13 @@ class _ZoffloadOptimizer(torch.optim.Optimizer):
             stripped[index] = {k: v for k, v in st.items() if k not in self._state_keys}
         # torch's own load casts the moments to the params' dtype; they stay fp32 here.
         super().load_state_dict({"state": stripped, "param_groups": saved})
+        # Loaded over state taken back from a dead process (nanoGPT's order: the model's
+        # weights, then the optimizer, then its state): the master is the params the user
+        # had loaded, not the ones the takeover wrote into them.
+        given, self._given = self._given, {}
+        with torch.no_grad():
+            for p, value in given.items():
+                p.copy_(value)
         id_map = dict(zip(chain.from_iterable(g["params"] for g in saved),
                           chain.from_iterable(g["params"] for g in self.param_groups)))
         for index, ms in moments.items():
@@ -467,15 +533,45 @@ def _refused(name, value, why):
         raise ValueError(f"zoffload: {name}=True is not supported: {why}")
 
 
-def _adam_defaults(lr, betas, eps, weight_decay, amsgrad, foreach, maximize, capturable):
+_CAPTURABLE = "the daemon steps on the CPU, outside any CUDA graph"
+_DIFFERENTIABLE = "the daemon's step is not part of torch's autograd graph"
+
+
+@functools.lru_cache(maxsize=None)
+def _torch_group_defaults(torch_cls):
+    """This torch's own param-group keys and defaults for torch_cls: torch adds keys between
+    releases (fused, differentiable, decoupled_weight_decay), and a state_dict that torch's
+    own optimizer loads has the same ones."""
+    return {k: v for k, v in torch_cls([torch.zeros(1, requires_grad=True)]).param_groups[0].items()
+            if k != "params"}
+
+
+def _group_defaults(torch_cls, given):
+    """given over torch_cls's defaults; a key this torch lacks is kept only when it says
+    something (an older torch has no decoupled_weight_decay, say)."""
+    theirs = _torch_group_defaults(torch_cls) if torch_cls is not None else {}
+    d = dict(theirs)
+    for key, value in given.items():
+        if key in theirs or value not in (False, None):
+            d[key] = value
+    return d
+
+
+def _adam_defaults(torch_cls, lr, betas, eps, weight_decay, amsgrad, foreach, maximize,
+                   capturable, differentiable, fused, decoupled_weight_decay):
     _check(0.0 <= lr, f"learning rate: {lr}")
     _check(0.0 <= eps, f"epsilon value: {eps}")
     _check(0.0 <= betas[0] < 1.0, f"beta parameter at index 0: {betas[0]}")
     _check(0.0 <= betas[1] < 1.0, f"beta parameter at index 1: {betas[1]}")
     _check(0.0 <= weight_decay, f"weight_decay value: {weight_decay}")
     _refused("amsgrad", amsgrad, "the daemon keeps no max_exp_avg_sq (yet)")
-    return dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
-                foreach=foreach, maximize=maximize, capturable=capturable)
+    _refused("capturable", capturable, _CAPTURABLE)
+    _refused("differentiable", differentiable, _DIFFERENTIABLE)
+    return _group_defaults(torch_cls, dict(
+        lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
+        foreach=foreach, maximize=maximize, capturable=capturable,
+        differentiable=differentiable, fused=fused,
+        decoupled_weight_decay=decoupled_weight_decay))
 
 
 class AdamW(_ZoffloadOptimizer):
@@ -486,25 +582,36 @@ class AdamW(_ZoffloadOptimizer):
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2,
                  amsgrad=False, *, maximize=False, foreach=None, capturable=False,
                  differentiable=False, fused=None, **zoffload):
-        # foreach, fused, capturable, differentiable: how torch runs its own kernels; the
-        # daemon has one way.  Accepted and ignored.
-        super().__init__(params, _adam_defaults(lr, betas, eps, weight_decay, amsgrad,
-                                                foreach, maximize, capturable), **zoffload)
+        # foreach and fused say how torch runs its own kernels; the daemon has one way.
+        # Accepted, kept in the param groups as torch keeps them, and change nothing.
+        super().__init__(params, _adam_defaults(
+            torch.optim.AdamW, lr, betas, eps, weight_decay, amsgrad, foreach, maximize,
+            capturable, differentiable, fused, True), **zoffload)
+
+    def _update_of(self, g):
+        # torch 2.x's AdamW is Adam with decoupled_weight_decay in its groups; a group that
+        # says False is Adam's L2 update, as in torch.
+        return "adamw" if g.get("decoupled_weight_decay", True) else "adam"
 
     def _group_args(self, g):
-        return dict(lr=g["lr"], beta1=g["betas"][0], beta2=g["betas"][1], eps=g["eps"],
-                    weight_decay=g["weight_decay"])
+        return dict(lr=float(g["lr"]), beta1=float(g["betas"][0]), beta2=float(g["betas"][1]),
+                    eps=g["eps"], weight_decay=g["weight_decay"])
 
 
 class Adam(AdamW):
-    """torch.optim.Adam with its state in zoffloadd (weight decay as L2 in the gradient)."""
+    """torch.optim.Adam with its state in zoffloadd (weight decay as L2 in the gradient, or
+    decoupled with decoupled_weight_decay=True, as torch 2.x's Adam)."""
     _optim = "adam"
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0,
                  amsgrad=False, *, foreach=None, maximize=False, capturable=False,
-                 differentiable=False, fused=None, **zoffload):
+                 differentiable=False, fused=None, decoupled_weight_decay=False, **zoffload):
         _ZoffloadOptimizer.__init__(self, params, _adam_defaults(
-            lr, betas, eps, weight_decay, amsgrad, foreach, maximize, capturable), **zoffload)
+            torch.optim.Adam, lr, betas, eps, weight_decay, amsgrad, foreach, maximize,
+            capturable, differentiable, fused, decoupled_weight_decay), **zoffload)
+
+    def _update_of(self, g):
+        return "adamw" if g.get("decoupled_weight_decay", False) else "adam"
 
 
 class Adagrad(_ZoffloadOptimizer):
@@ -513,17 +620,19 @@ class Adagrad(_ZoffloadOptimizer):
     _state_keys = {"sum": "exp_avg"}
 
     def __init__(self, params, lr=1e-2, lr_decay=0, weight_decay=0, initial_accumulator_value=0,
-                 eps=1e-10, foreach=None, *, maximize=False, differentiable=False, **zoffload):
+                 eps=1e-10, foreach=None, *, maximize=False, differentiable=False, fused=None,
+                 **zoffload):
         _check(0.0 <= lr, f"learning rate: {lr}")
         _check(0.0 <= lr_decay, f"lr_decay value: {lr_decay}")
         _check(0.0 <= weight_decay, f"weight_decay value: {weight_decay}")
         _check(0.0 <= initial_accumulator_value,
                f"initial_accumulator_value value: {initial_accumulator_value}")
         _check(0.0 <= eps, f"epsilon value: {eps}")
-        super().__init__(params, dict(lr=lr, lr_decay=lr_decay, eps=eps,
-                                      weight_decay=weight_decay,
-                                      initial_accumulator_value=initial_accumulator_value,
-                                      foreach=foreach, maximize=maximize), **zoffload)
+        _refused("differentiable", differentiable, _DIFFERENTIABLE)
+        super().__init__(params, _group_defaults(torch.optim.Adagrad, dict(
+            lr=lr, lr_decay=lr_decay, eps=eps, weight_decay=weight_decay,
+            initial_accumulator_value=initial_accumulator_value, foreach=foreach,
+            maximize=maximize, differentiable=differentiable, fused=fused)), **zoffload)
 
     def _init_state(self, p, zt):
         value = self._group_of(p)["initial_accumulator_value"]
@@ -534,7 +643,7 @@ class Adagrad(_ZoffloadOptimizer):
         return {"sum": torch.full(p.shape, float(self._group_of(p)["initial_accumulator_value"]))}
 
     def _group_args(self, g):
-        return dict(lr=g["lr"], lr_decay=g["lr_decay"], eps=g["eps"],
+        return dict(lr=float(g["lr"]), lr_decay=g["lr_decay"], eps=g["eps"],
                     weight_decay=g["weight_decay"])
 
 
@@ -555,5 +664,5 @@ class Lion(_ZoffloadOptimizer):
                                       maximize=maximize, foreach=foreach), **zoffload)
 
     def _group_args(self, g):
-        return dict(lr=g["lr"], beta1=g["betas"][0], beta2=g["betas"][1],
+        return dict(lr=float(g["lr"]), beta1=float(g["betas"][0]), beta2=float(g["betas"][1]),
                     weight_decay=g["weight_decay"])
