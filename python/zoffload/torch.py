@@ -45,6 +45,8 @@ step it resumes after, and a warning says so.  ``close()`` frees the state inste
 ``save_checkpoint(dir)`` / ``load_checkpoint(dir)`` save and restore through the daemon's
 streaming checkpoint, for models too big for ``state_dict()`` (see _checkpoint.py).
 """
+import collections
+import contextlib
 import errno
 import functools
 import logging
@@ -66,6 +68,11 @@ log = logging.getLogger("zoffload")
 _DTYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 _TORCH_DTYPES = {v: k for k, v in _DTYPES.items()}
 _MAX_SET = 4096         # tensors in one submit (ZP_MAX_STEP_TENSORS)
+
+# The step talks to the daemon through the C extension, which torch.compile cannot trace: it
+# would break the graph at every call (several per param).  Disabled, a compiled training
+# step breaks once, at opt.step(), and the step runs eagerly (torch 1.13 has no dynamo).
+_not_traced = getattr(torch, "_disable_dynamo", lambda fn: fn)
 
 
 def _default_job(job):
@@ -336,6 +343,7 @@ class _ZoffloadOptimizer(torch.optim.Optimizer):
         # By position: load_state_dict replaces the group dicts but keeps their order.
         return self.param_groups[self._group_index[p]]
 
+    @_not_traced
     @torch.no_grad()
     def step(self, closure=None):
         if self._conn.closed:
@@ -416,10 +424,33 @@ class _ZoffloadOptimizer(torch.optim.Optimizer):
             st["step"] = torch.tensor(float(step))
             e.zt.set_step(step)
 
+    def _hooks_of(self, what):
+        """torch 2.x's state_dict hooks (absent in 1.13): ours run them around the daemon's
+        state, not around the part torch's own state_dict sees."""
+        return list(getattr(self, f"_optimizer_{what}_hooks", {}).values())
+
+    @contextlib.contextmanager
+    def _torch_hooks_held(self, *whats):
+        held = {}
+        for what in whats:
+            name = f"_optimizer_{what}_hooks"
+            if hasattr(self, name):
+                held[name] = getattr(self, name)
+                setattr(self, name, collections.OrderedDict())
+        try:
+            yield
+        finally:
+            for name, hooks in held.items():
+                setattr(self, name, hooks)
+
+    @_not_traced
     def state_dict(self):
         self._finish()
         self._flush_loaded_state()
-        sd = super().state_dict()
+        for hook in self._hooks_of("state_dict_pre"):
+            hook(self)
+        with self._torch_hooks_held("state_dict_pre", "state_dict_post"):
+            sd = super().state_dict()
         params = list(chain.from_iterable(g["params"] for g in self.param_groups))
         for index, st in sd["state"].items():
             p = params[index]
@@ -430,10 +461,21 @@ class _ZoffloadOptimizer(torch.optim.Optimizer):
                 e.zt.read(which, value.numpy())
                 st[key] = value.view(p.shape)
             sd["state"][index] = st
+        for hook in self._hooks_of("state_dict_post"):
+            sd = hook(self, sd) or sd
         return sd
 
+    @_not_traced
     def load_state_dict(self, state_dict):
         self._finish()
+        for hook in self._hooks_of("load_state_dict_pre"):
+            state_dict = hook(self, state_dict) or state_dict
+        with self._torch_hooks_held("load_state_dict_pre", "load_state_dict_post"):
+            self._load_state_dict(state_dict)
+        for hook in self._hooks_of("load_state_dict_post"):
+            hook(self)
+
+    def _load_state_dict(self, state_dict):
         saved = state_dict["param_groups"]
         moments = {}
         stripped = {}
