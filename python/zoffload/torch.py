@@ -4,11 +4,15 @@ Switching a script is one line::
 
     opt = zoffload.torch.AdamW(model.parameters(), lr=3e-4, weight_decay=0.1)
 
-``AdamW``, ``Adam``, ``Adagrad`` and ``Lion`` take torch's constructor arguments and defaults,
-plus zoffload's own (keyword only):
+``AdamW``, ``Adam``, ``Adagrad`` and ``Lion`` take the installed torch's constructor arguments
+and defaults and keep its param-group keys (``foreach`` and ``fused`` change nothing;
+``amsgrad``, ``capturable`` and ``differentiable`` are refused), plus zoffload's own (keyword
+only):
 
 - ``job``: the job's name, shared by the ranks of one training run.  Default
-  ``$ZOFFLOAD_JOB``, else ``torchrun-$TORCHELASTIC_RUN_ID`` under torchrun.
+  ``$ZOFFLOAD_JOB``, else ``torchrun-$TORCHELASTIC_RUN_ID`` under torchrun; torchrun's
+  ``none`` (no ``--rdzv-id``) is no name: rank 0 draws one for the launch.
+- ``resume``: what to do with the state a dead process of this job and rank left (below).
 - ``socket``: the daemon's socket (default ``$ZOFFLOAD_SOCKET``, else the built-in one).
 - ``reconnect_ms``: when the connection to the daemon goes (it restarted, crashed), how long
   to keep reconnecting and reattaching the job, in milliseconds; ``step()`` meanwhile only
@@ -38,9 +42,13 @@ Parameters are the daemon's to update: a change made to them outside ``step()`` 
 daemon only through ``load_state_dict()``.
 
 A process that dies keeps its state in the daemon for ``limits.detach_grace_s``.  A new
-process of the same job and rank that builds the same optimizer over the same parameters
-gets it back: the parameters are overwritten with the daemon's, ``resumed_step`` says the
-step it resumes after, and a warning says so.  ``close()`` frees the state instead.
+process of the same job and rank takes it back only when that is surely the same run:
+``resume=True``, or torchrun restarted this run's workers (``TORCHELASTIC_RESTART_COUNT`` of 1
+or more).  Then the parameters are overwritten with the daemon's, ``resumed_step`` says the
+step it resumes after, and a warning says so; a ``load_state_dict()`` before the first step
+restores the parameters as they were given and the state loaded.  ``resume=False`` frees the
+dead process's state.  Otherwise the constructor raises and leaves that state as it was.
+``close()`` frees the state.
 
 ``save_checkpoint(dir)`` / ``load_checkpoint(dir)`` save and restore through the daemon's
 streaming checkpoint, for models too big for ``state_dict()`` (see _checkpoint.py).
