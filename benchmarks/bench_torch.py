@@ -1,15 +1,26 @@
 #!/usr/bin/python3
 """Optimizer step time of zoffload.torch.AdamW for a ~100 M-parameter model on the CPU, beside
-torch.optim.AdamW (for-loop and foreach) and beside bench_torch_c, a C program doing the same
-work straight through libzclient (the gradients already in the grad slots, as p.grad is its
-slot after a step; one step; wait; copy the params out of the param slots), all in one run on
-one zoffloadd started here; each figure is the best of --rounds rounds of all four.
+the peers a user compares it with, measured in the same run on one zoffloadd started here:
+torch.optim.AdamW fused (where this torch has a fused CPU AdamW), foreach and for-loop;
+DeepSpeed's DeepSpeedCPUAdam (where deepspeed is importable and its op builds: about two
+minutes the first time, cached in $TORCH_EXTENSIONS_DIR); and bench_torch_c, a C program doing
+our work straight through libzclient (the gradients already in the grad slots, as p.grad is its
+slot after a step; one step; wait; copy the params out of the param slots).  Ours runs three
+ways: fp32 state with the gradients in the slots, fp32 with a fresh p.grad each step (as when
+backward makes new gradients: the step copies them in), and q8-moments state.  Each figure is
+the best of --rounds rounds of all of them, so no side gets the quieter moment by its place.
 
-    PYTHONPATH=build/python /usr/bin/python3 benchmarks/bench_torch.py [--json]
+    PYTHONPATH=build-test/python $VENV/bin/python benchmarks/bench_torch.py [--json]
+    PYTHONPATH=build-test/python /usr/bin/python3 benchmarks/bench_torch.py   # torch 1.13
 
-Figures (--json: a list of {name, value, unit, limit, ratio}):
-  speedup_vs_torch_forloop, speedup_vs_torch_foreach: torch's step time / ours (target >= 5)
-  overhead_vs_c: ours / the C program's (target <= 1.10)
+Figures (--json: a list of {name, value, unit, limit, ratio}; each is the peer's step time /
+ours, so higher is better, except overhead_vs_c; ratio = value / limit for a speedup,
+limit / value for the overhead, so >= 1 meets the target):
+  speedup_vs_torch_fused (>= 1.0), speedup_vs_torch_fused_fresh_grad (>= 0.87),
+  q8_speedup_vs_torch_fused (>= 1.3), speedup_vs_deepspeed_cpu_adam (>= 1.0),
+  speedup_vs_torch_foreach (>= 1.0), speedup_vs_torch_forloop (>= 1.0),
+  overhead_vs_c: ours / the C program's (<= 1.10).
+A peer this environment lacks is skipped and named on stderr.
 Environment: $ZOFFLOADD (the daemon) and $BENCH_TORCH_C (the C program) default to the ones
 in build-test/.
 """
@@ -54,15 +65,40 @@ def model(tensors, numel):
     return ps
 
 
-def time_steps(opt, steps):
-    """Median seconds per step; the machine may be shared, the median shrugs off a hiccup."""
+def time_steps(opt, steps, ps=None):
+    """Median seconds per step; the machine may be shared, the median shrugs off a hiccup.
+    With ps, every step first gets a fresh p.grad (made before the clock starts)."""
     opt.step()                      # warm-up: first-touch of the state, page faults
     times = []
     for _ in range(steps):
+        if ps is not None:
+            for p in ps:
+                p.grad = torch.randn_like(p) * 0.01
         t0 = time.perf_counter()
         opt.step()
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
+
+
+def torch_has_fused_cpu_adamw():
+    p = torch.nn.Parameter(torch.zeros(4))
+    p.grad = torch.zeros(4)
+    try:
+        torch.optim.AdamW([p], fused=True).step()
+    except (RuntimeError, TypeError, ValueError):
+        return False
+    return True
+
+
+def deepspeed_cpu_adam():
+    """DeepSpeedCPUAdam's class when deepspeed imports and its op builds, else the reason."""
+    try:
+        import deepspeed.ops.adam as ds_adam
+        from deepspeed.ops.op_builder import CPUAdamBuilder
+        CPUAdamBuilder().load(verbose=False)
+    except Exception as ex:         # ImportError, or the op's build failing
+        return None, f"{type(ex).__name__}: {ex}".splitlines()[0]
+    return ds_adam.DeepSpeedCPUAdam, None
 
 
 def main():
@@ -81,54 +117,79 @@ def main():
                            os.path.join(ROOT, "build-test/benchmarks/bench_torch_c"))
     nparams = args.tensors * args.numel
     times = {}
+    skipped = []
+    fused = torch_has_fused_cpu_adamw()
+    if not fused:
+        skipped.append(f"torch {torch.__version__} has no fused CPU AdamW: the fused figures")
+    ds_cls, why = deepspeed_cpu_adam()
+    if ds_cls is None:
+        skipped.append(f"DeepSpeedCPUAdam ({why})")
 
     def keep(name, t):
         times[name] = min(t, times.get(name, t))
 
+    def ours(sock, rnd, name, fresh=False, **kw):
+        ps = model(args.tensors, args.numel)
+        opt = zoffload.torch.AdamW(ps, lr=1e-3, job=f"bench-torch-{name}-{rnd}", socket=sock,
+                                   **kw)
+        # Without fresh, p.grad is its slot after the warm-up step: no gradient copy, as in C.
+        keep(name, time_steps(opt, args.steps, ps if fresh else None))
+        opt.close()
+        del opt, ps
+        gc.collect()
+
+    def peer(name, make):
+        ps = model(args.tensors, args.numel)
+        keep(name, time_steps(make(ps), args.steps))
+        del ps
+        gc.collect()
+
     with tempfile.TemporaryDirectory(prefix="bench-torch-") as tmp:
         proc, sock = start_daemon(daemon, args.threads, tmp)
         try:
-            # Rounds of all four, each figure the best of its rounds: on a shared machine no
-            # side gets the quieter moment by its place in the order.
             for rnd in range(args.rounds):
-                ps = model(args.tensors, args.numel)
-                opt = zoffload.torch.AdamW(ps, lr=1e-3, job=f"bench-torch-{rnd}",
-                                           socket=sock)
-                # After the warm-up step p.grad is its slot: no gradient copy, as in C.
-                keep("zoffload", time_steps(opt, args.steps))
-                opt.close()
-                del opt, ps
-                gc.collect()
+                ours(sock, rnd, "zoffload")
+                ours(sock, rnd, "zoffload_fresh_grad", fresh=True)
+                ours(sock, rnd, "zoffload_q8", state_format="q8-moments")
                 out = subprocess.run([cprog, "--socket", sock, "--tensors", str(args.tensors),
                                       "--numel", str(args.numel), "--steps", str(args.steps)],
                                      capture_output=True, text=True, check=True)
                 keep("c", float(out.stdout))
-                for name, foreach in (("torch_forloop", False), ("torch_foreach", True)):
-                    ps = model(args.tensors, args.numel)
-                    keep(name, time_steps(torch.optim.AdamW(ps, lr=1e-3, foreach=foreach),
-                                          args.steps))
-                    del ps
-                    gc.collect()
+                if fused:
+                    peer("torch_fused", lambda ps: torch.optim.AdamW(ps, lr=1e-3, fused=True))
+                peer("torch_foreach", lambda ps: torch.optim.AdamW(ps, lr=1e-3, foreach=True))
+                peer("torch_forloop", lambda ps: torch.optim.AdamW(ps, lr=1e-3, foreach=False))
+                if ds_cls is not None:
+                    peer("deepspeed_cpu_adam", lambda ps: ds_cls(ps, lr=1e-3, adamw_mode=True))
         finally:
             proc.send_signal(signal.SIGTERM)
             proc.wait()
-    figures = [
-        ("speedup_vs_torch_forloop", times["torch_forloop"] / times["zoffload"], "x", 5.0),
-        ("speedup_vs_torch_foreach", times["torch_foreach"] / times["zoffload"], "x", 5.0),
-        ("overhead_vs_c", times["zoffload"] / times["c"], "x", 1.10),
-    ]
-    summary = (f"bench_torch: {nparams / 1e6:.1f} M fp32 params in {args.tensors} tensors, "
-               f"step time: zoffload.torch {times['zoffload']:.3f} s, C through libzclient "
-               f"{times['c']:.3f} s, torch AdamW for-loop {times['torch_forloop']:.3f} s, "
-               f"foreach {times['torch_foreach']:.3f} s ({args.threads} threads each)")
+    figures = []
+
+    def figure(name, peer_name, our_name, limit):
+        if peer_name in times:
+            figures.append((name, times[peer_name] / times[our_name], "x", limit))
+    figure("speedup_vs_torch_fused", "torch_fused", "zoffload", 1.0)
+    figure("speedup_vs_torch_fused_fresh_grad", "torch_fused", "zoffload_fresh_grad", 0.87)
+    figure("q8_speedup_vs_torch_fused", "torch_fused", "zoffload_q8", 1.3)
+    figure("speedup_vs_deepspeed_cpu_adam", "deepspeed_cpu_adam", "zoffload", 1.0)
+    figure("speedup_vs_torch_foreach", "torch_foreach", "zoffload", 1.0)
+    figure("speedup_vs_torch_forloop", "torch_forloop", "zoffload", 1.0)
+    figures.append(("overhead_vs_c", times["zoffload"] / times["c"], "x", 1.10))
+    summary = (f"bench_torch: torch {torch.__version__}, {nparams / 1e6:.1f} M fp32 params in "
+               f"{args.tensors} tensors, {args.threads} threads each; step time (s): " +
+               ", ".join(f"{k} {v:.4f}" for k, v in times.items()))
+    for what in skipped:
+        print(f"bench_torch: skipped {what}", file=sys.stderr)
     if args.json:
         print(summary, file=sys.stderr)
         print(json.dumps([{"name": n, "value": round(v, 3), "unit": u, "limit": lim,
-                           "ratio": round(v, 3)} for n, v, u, lim in figures], indent=1))
+                           "ratio": round(lim / v if n == "overhead_vs_c" else v / lim, 3)}
+                          for n, v, u, lim in figures], indent=1))
     else:
         print(summary)
         for n, v, _, lim in figures:
-            print(f"  {n:26s} {v:6.2f}   (target {'>=' if n.startswith('speed') else '<='} "
+            print(f"  {n:34s} {v:6.2f}   (target {'<=' if n == 'overhead_vs_c' else '>='} "
                   f"{lim})")
 
 
