@@ -596,19 +596,20 @@ def _torch_group_defaults(torch_cls):
             if k != "params"}
 
 
-def _group_defaults(torch_cls, given):
+def _group_defaults(torch_cls, given, implied=()):
     """given over torch_cls's defaults; a key this torch lacks is kept only when it says
-    something (an older torch has no decoupled_weight_decay, say)."""
+    something (Adam's decoupled_weight_decay=True under torch 1.13), never when the class
+    implies it (AdamW's)."""
     theirs = _torch_group_defaults(torch_cls) if torch_cls is not None else {}
     d = dict(theirs)
     for key, value in given.items():
-        if key in theirs or value not in (False, None):
+        if key in theirs or (value not in (False, None) and key not in implied):
             d[key] = value
     return d
 
 
 def _adam_defaults(torch_cls, lr, betas, eps, weight_decay, amsgrad, foreach, maximize,
-                   capturable, differentiable, fused, decoupled_weight_decay):
+                   capturable, differentiable, fused, decoupled_weight_decay, implied=()):
     _check(0.0 <= lr, f"learning rate: {lr}")
     _check(0.0 <= eps, f"epsilon value: {eps}")
     _check(0.0 <= betas[0] < 1.0, f"beta parameter at index 0: {betas[0]}")
@@ -621,7 +622,7 @@ def _adam_defaults(torch_cls, lr, betas, eps, weight_decay, amsgrad, foreach, ma
         lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
         foreach=foreach, maximize=maximize, capturable=capturable,
         differentiable=differentiable, fused=fused,
-        decoupled_weight_decay=decoupled_weight_decay))
+        decoupled_weight_decay=decoupled_weight_decay), implied)
 
 
 class AdamW(_ZoffloadOptimizer):
@@ -636,7 +637,7 @@ class AdamW(_ZoffloadOptimizer):
         # Accepted, kept in the param groups as torch keeps them, and change nothing.
         super().__init__(params, _adam_defaults(
             torch.optim.AdamW, lr, betas, eps, weight_decay, amsgrad, foreach, maximize,
-            capturable, differentiable, fused, True), **zoffload)
+            capturable, differentiable, fused, True, ("decoupled_weight_decay",)), **zoffload)
 
     def _update_of(self, g):
         # torch 2.x's AdamW is Adam with decoupled_weight_decay in its groups; a group that
