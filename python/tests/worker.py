@@ -28,13 +28,19 @@ def params_of(m):
     return [p.detach().clone() for p in m.parameters()]
 
 
-def train(socket, job, steps, out, kill_after=None):
-    m = zhelpers.model(seed=11)
-    opt = zt.AdamW(m.parameters(), lr=LR, job=job, socket=socket)
+def trained(m, opt, steps):
+    """Steps 1..steps on the small transformer's batches, yielding each step once done."""
     for step in range(1, steps + 1):
         opt.zero_grad()
         zhelpers.loss_of(m, step).backward()
         opt.step()
+        yield step
+
+
+def train(socket, job, steps, out, kill_after=None):
+    m = zhelpers.model(seed=11)
+    opt = zt.AdamW(m.parameters(), lr=LR, job=job, socket=socket)
+    for step in trained(m, opt, steps):
         if kill_after == step:
             torch.save(params_of(m), out)
             os.kill(os.getpid(), signal.SIGKILL)
@@ -51,10 +57,8 @@ def zero(rank, world, port, socket, job, steps, out, ckpt=None):
     opt = ZeroRedundancyOptimizer(m.parameters(), optimizer_class=zt.AdamW, lr=LR, job=job,
                                   socket=socket)
     assert opt.optim.rank == rank and opt.optim.world_size == world
-    for step in range(1, steps + 1):
-        opt.zero_grad()
-        zhelpers.loss_of(m, step).backward()
-        opt.step()
+    for _ in trained(m, opt, steps):
+        pass
     if ckpt is not None:
         opt.optim.save_checkpoint(ckpt, names={p: n for n, p in m.named_parameters()})
     # torch's consolidated state: every rank's shard, read from its own daemon.
@@ -72,10 +76,7 @@ def zero(rank, world, port, socket, job, steps, out, ckpt=None):
 def nanogpt(socket, job, ckpt_at, steps, ckpt):
     m = zhelpers.model(seed=11)
     opt = zt.AdamW(m.parameters(), lr=LR, job=job, socket=socket)
-    for step in range(1, steps + 1):
-        opt.zero_grad()
-        zhelpers.loss_of(m, step).backward()
-        opt.step()
+    for step in trained(m, opt, steps):
         if step == ckpt_at:
             torch.save({"model": m.state_dict(), "optimizer": opt.state_dict(), "step": step},
                        ckpt)
@@ -90,10 +91,8 @@ def launch(rank, world, port, socket, steps, kill=False):
     m = zhelpers.model(seed=11)
     opt = zt.AdamW(m.parameters(), lr=LR, socket=socket)
     print(f"JOB {opt.job} {opt.resumed_step}", flush=True)
-    for step in range(1, steps + 1):
-        opt.zero_grad()
-        zhelpers.loss_of(m, step).backward()
-        opt.step()
+    for _ in trained(m, opt, steps):
+        pass
     dist.barrier()
     if kill:
         os.kill(os.getpid(), signal.SIGKILL)
