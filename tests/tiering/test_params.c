@@ -4,6 +4,8 @@
 #include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
+#include <linux/sockios.h>
+#include <sys/ioctl.h>
 
 #include "th.h"
 
@@ -176,8 +178,22 @@ Test(params, release_prefetch_wait_and_step)
 		cr_assert_lt(itd_now(), deadline, "the prefetch did not complete");
 		usleep(10000);
 	}
-	/* The READYs sit in the sockets now; nobody has read them yet. */
-	usleep(50000);
+	/*
+	 * Until every READY sits in its socket, unread: counted in the socket's
+	 * queue (SIOCINQ adds up a SEQPACKET socket's datagrams), not guessed
+	 * from a sleep that a loaded machine outlasts.
+	 */
+	for (size_t i = 0; i < 2; i++) {
+		int queued = 0;
+
+		deadline = itd_now() + 10;
+		while (ioctl(zc_conn_fd(off[i]->c), SIOCINQ, &queued) == 0 &&
+		    (size_t)queued < NT * (ZP_HEADER_SIZE + 8)) {
+			cr_assert_lt(itd_now(), deadline, "job %zu: %d bytes of READYs queued", i,
+			    queued);
+			usleep(1000);
+		}
+	}
 	for (size_t i = 0; i < 2; i++) {
 		for (size_t k = 0; k < NT; k++)
 			cr_assert_eq(zc_param_wait(off[i]->t[k]), 0, "%s", zc_errmsg(off[i]->c));
