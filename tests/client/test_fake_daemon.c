@@ -702,7 +702,7 @@ serve_two_lives(int lfd, bool shutting_down)
  * file's.
  */
 /* A driver's registration of the slots, counted: it must let go before the pages change. */
-static unsigned released, unpinned;
+static unsigned released, unpinned, remapped, unmapped;
 
 static void
 count_release(struct zc_tensor *t, void *arg)
@@ -710,6 +710,18 @@ count_release(struct zc_tensor *t, void *arg)
 	(void)t;
 	(void)arg;
 	released++;
+}
+
+/* The slots hook is told which: the remap keeps it, the unmap is its last call. */
+static void
+count_slots(struct zc_tensor *t, enum zc_slots_event why, void *arg)
+{
+	(void)t;
+	(void)arg;
+	if (why == ZC_SLOTS_REMAP)
+		remapped++;
+	else
+		unmapped++;
 }
 
 static int
@@ -722,7 +734,7 @@ count_unpin(struct zc_tensor *t, void *arg)
 }
 
 static void
-reattach_in_other_files(bool shutting_down)
+reattach_in_other_files(bool shutting_down, bool slots_hook)
 {
 	struct sockaddr_un sa = { .sun_family = AF_UNIX };
 	struct zc_tensor_desc desc = { .name = "w", .numel = REMAP_N, .grad_dtype = ZC_F32,
@@ -760,8 +772,11 @@ reattach_in_other_files(bool shutting_down)
 	param = zc_tensor_param_slot(t, NULL);
 	for (int i = 0; i < REMAP_N; i++)
 		grad[i] = (float)i;
-	released = unpinned = 0;
-	zc_tensor_set_release_hook(t, count_release, NULL);
+	released = unpinned = remapped = unmapped = 0;
+	if (slots_hook)
+		zc_tensor_set_slots_hook(t, count_slots, NULL);
+	else
+		zc_tensor_set_release_hook(t, count_release, NULL);
 	zc_tensor_set_param_pin(t, count_unpin, NULL);
 	/* The fake hangs up on this request; its second life answers it. */
 	cr_assert_eq(zc_tensor_set_step(t, 6), 0, "%s", zc_errmsg(c));
@@ -772,7 +787,8 @@ reattach_in_other_files(bool shutting_down)
 	cr_assert_eq(zc_tensor_param_slot(t, NULL), param, "the param slot moved");
 	cr_assert_eq(zc_tensor_last_step(t), 6);
 	/* The driver let go of the old pages, once, and holds none now. */
-	cr_assert_eq(released, 1);
+	cr_assert_eq(released + remapped, 1);
+	cr_assert_eq(unmapped, 0);
 	cr_assert_eq(unpinned, 1);
 	cr_assert(!zc_tensor_param_pinned(t));
 	for (int i = 0; i < REMAP_N; i++) {
@@ -782,19 +798,27 @@ reattach_in_other_files(bool shutting_down)
 	/* The transfer window is the new session's too. */
 	cr_assert_eq(zc_tensor_read(t, ZC_STATE_MASTER, 0, 4, out), 0, "%s", zc_errmsg(c));
 	zc_disconnect(c);
-	cr_assert_eq(released, 1, "the release hook ran again at the unmap");
+	if (slots_hook)
+		cr_assert_eq(unmapped, 1, "the slots hook was not told of the unmap");
+	else
+		cr_assert_eq(released, 1, "the release hook ran again at the unmap");
 	fake_finish();
 }
 
 Test(fake_daemon, reattach_in_other_files_maps_in_place)
 {
-	reattach_in_other_files(false);
+	reattach_in_other_files(false, false);
+}
+
+Test(fake_daemon, reattach_in_other_files_tells_the_slots_hook_remap_then_unmap)
+{
+	reattach_in_other_files(false, true);
 }
 
 /* "zoffloadd is shutting down" is a connection going away too: the request goes to its successor. */
 Test(fake_daemon, shutting_down_is_a_reconnect)
 {
-	reattach_in_other_files(true);
+	reattach_in_other_files(true, false);
 }
 
 /* ---- a save over an earlier checkpoint ---- */
