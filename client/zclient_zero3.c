@@ -242,6 +242,8 @@ fail:
 int
 zcc_zero3_set_param_offload(struct zcc_zero3 *z, bool on)
 {
+	if (z == NULL)
+		return zcc__fail(-EINVAL, "zcc_zero3_set_param_offload: no zcc_zero3");
 	z->param_offload = on;
 	return 0;
 }
@@ -249,7 +251,7 @@ zcc_zero3_set_param_offload(struct zcc_zero3 *z, bool on)
 uint32_t
 zcc_zero3_submitted(const struct zcc_zero3 *z)
 {
-	return z->in_step ? (uint32_t)z->qhead : 0;
+	return z != NULL && z->in_step ? (uint32_t)z->qhead : 0;
 }
 
 const struct zcc_partition *
