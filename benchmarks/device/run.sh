@@ -217,10 +217,10 @@ run_step "example: gpu_train ($ranks_label)" timeout 180 "$build/examples/gpu_tr
 
 # The param slots handed back to zoffloadd between steps (unpinned first, refilled by the
 # step): a missing unpin leaves the GPU copying stale pages, which the comparison sees.
-run_step "example: gpu_train --offload-params" timeout 180 "$build/examples/gpu_train" \
+run_step "gpu_train --offload-params" timeout 180 "$build/examples/gpu_train" \
 	--socket "$sock" --steps 50 --job gpu-offload-params --offload-params ${ranks[@]+"${ranks[@]}"}
 # No check_finite: each layer's shard goes to zoffloadd from zcc_zero3_poll as its copy lands.
-run_step "example: gpu_train --no-check-finite" timeout 180 "$build/examples/gpu_train" \
+run_step "gpu_train --no-check-finite" timeout 180 "$build/examples/gpu_train" \
 	--socket "$sock" --steps 50 --job gpu-no-check-finite --no-check-finite \
 	${ranks[@]+"${ranks[@]}"}
 
