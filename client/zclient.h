@@ -128,9 +128,10 @@ ZC_API int zc_conn_fd(const struct zc_conn *conn);
  *   timeout 0 then reconnects.
  * - A slot whose mapping was replaced (other files) has new pages: a driver
  *   that registered the old ones (libzclient_cuda) lets go of them first
- *   (zc_tensor_set_param_pin's unpin, then the release hook, which is then
- *   cleared), so its copies go on through pageable memory.  The daemon hands
- *   back the same files when it keeps the state, so this is rare.
+ *   (zc_tensor_set_param_pin's unpin, then the slots hook with
+ *   ZC_SLOTS_REMAP, which stays installed for the unmap), so its copies go
+ *   on through pageable memory.  The daemon hands back the same files when
+ *   it keeps the state, so this is rare.
  */
 ZC_API int zc_set_reconnect(struct zc_conn *conn, int timeout_ms);
 
@@ -234,10 +235,28 @@ ZC_API uint64_t zc_tensor_last_step(const struct zc_tensor *tensor);
 ZC_API void *zc_tensor_grad_slot(struct zc_tensor *tensor, size_t *ret_bytes);
 ZC_API const void *zc_tensor_param_slot(struct zc_tensor *tensor, size_t *ret_bytes);
 /*
- * Called once, just before the tensor's slots are unmapped (by
- * zc_tensor_unregister, zc_job_close or zc_disconnect), so that a layer that
- * registered the slots with a driver (libzclient_cuda: cudaHostRegister) can
- * unregister them first.  One hook per tensor; fn NULL removes it.
+ * A layer that registered the slots with a driver (libzclient_cuda:
+ * cudaHostRegister) must let go of their pages before they change; the slots
+ * hook says when, and why:
+ * - ZC_SLOTS_UNMAP: just before the slots are unmapped (zc_tensor_unregister,
+ *   zc_job_close, zc_disconnect).  The last call: the tensor goes with it.
+ * - ZC_SLOTS_REMAP: a reconnect is about to map other files over the slots
+ *   at the same addresses.  The tensor lives on, and so does the hook: it runs
+ *   again (ZC_SLOTS_UNMAP at the latest).  What the layer holds for the
+ *   tensor must survive this call; only the old pages go.
+ * One hook per tensor (zc_tensor_set_release_hook's included: setting either
+ * replaces the other); fn NULL removes it.
+ */
+enum zc_slots_event {
+	ZC_SLOTS_UNMAP = 0,
+	ZC_SLOTS_REMAP = 1,
+};
+typedef void zc_slots_fn(struct zc_tensor *tensor, enum zc_slots_event why, void *arg);
+ZC_API void zc_tensor_set_slots_hook(struct zc_tensor *tensor, zc_slots_fn *fn, void *arg);
+/*
+ * The older form, not told why: called once, before an unmap or before a
+ * remap, and removed after a remap (so a layer using it must not free what
+ * the tensor's other users still hold; prefer zc_tensor_set_slots_hook).
  */
 typedef void zc_release_fn(struct zc_tensor *tensor, void *arg);
 ZC_API void zc_tensor_set_release_hook(struct zc_tensor *tensor, zc_release_fn *fn, void *arg);

@@ -100,6 +100,20 @@ zcc__dtype_size(enum zc_dtype dtype)
 
 /* ---- Slots ---- */
 
+/*
+ * Who owns a zcc_slots, and when each pointer to it dies: it is created by
+ * zcc_slots_attach and installed as its tensor's slots hook, and it is freed
+ * exactly once, by whichever comes first:
+ *   - zcc_slots_detach (which removes the hook first);
+ *   - the hook with ZC_SLOTS_UNMAP: zc_tensor_unregister, zc_job_close or
+ *     zc_disconnect is about to unmap the slots, and the tensor goes too.
+ * Every pointer to it (the caller's, zcc_flat's f->slots) dies at that
+ * moment and at no other.  The hook with ZC_SLOTS_REMAP (a reconnect mapping
+ * other files over the slots) frees nothing: it waits for the copies,
+ * unregisters both slots, and the struct lives on with them pageable, its
+ * events still good, so zcc_zero3 and every other holder go on with it.
+ * unpin_param (before zc_param_release) likewise only unregisters.
+ */
 struct zcc_slots {
 	struct zc_tensor *tensor;
 	uint64_t numel;
@@ -112,9 +126,13 @@ struct zcc_slots {
 	cudaEvent_t grad_event, param_event;
 };
 
-/* Waits for copies in flight, unregisters and frees; the first error wins. */
+/*
+ * Waits for copies in flight and unregisters both slots, which are pageable
+ * from then on; the first error wins.  Either way nothing stays registered:
+ * the pages are about to go.
+ */
 static int
-slots_release(struct zcc_slots *s)
+slots_let_go(struct zcc_slots *s)
 {
 	int r = 0, r2;
 
@@ -124,6 +142,7 @@ slots_release(struct zcc_slots *s)
 		r2 = zcc__cuda(cudaEventSynchronize(s->param_event), "wait for the param copy");
 		r = r < 0 ? r : r2;
 	}
+	s->grad_recorded = s->param_recorded = false;
 	/* A DMA must not run into pages that are about to be unpinned: unregister after the waits. */
 	if (s->grad_registered) {
 		r2 = zcc__cuda(cudaHostUnregister(s->grad), "unregister the grad slot");
@@ -133,6 +152,16 @@ slots_release(struct zcc_slots *s)
 		r2 = zcc__cuda(cudaHostUnregister((void *)s->param), "unregister the param slot");
 		r = r < 0 ? r : r2;
 	}
+	s->grad_registered = s->param_registered = false;
+	return r;
+}
+
+/* Lets go and frees: the end of the struct (see above for when). */
+static int
+slots_release(struct zcc_slots *s)
+{
+	int r = slots_let_go(s);
+
 	if (s->grad_event != NULL)
 		(void)cudaEventDestroy(s->grad_event);
 	if (s->param_event != NULL)
@@ -164,12 +193,15 @@ unpin_param(struct zc_tensor *tensor, void *arg)
 	return r;
 }
 
-/* libzclient calls this before unmapping; it cannot report errors, and at exit CUDA may be gone. */
+/* libzclient calls this before the slots' pages go; no error can go back, and at exit CUDA may be gone. */
 static void
-release_hook(struct zc_tensor *tensor, void *arg)
+slots_hook(struct zc_tensor *tensor, enum zc_slots_event why, void *arg)
 {
 	(void)tensor;
-	(void)slots_release(arg);
+	if (why == ZC_SLOTS_REMAP)
+		(void)slots_let_go(arg);
+	else
+		(void)slots_release(arg);
 }
 
 int
@@ -227,7 +259,7 @@ zcc_slots_attach(struct zc_tensor *tensor, struct zcc_slots **ret)
 	    "cudaEventCreate");
 	if (r < 0)
 		goto fail;
-	zc_tensor_set_release_hook(tensor, release_hook, s);
+	zc_tensor_set_slots_hook(tensor, slots_hook, s);
 	if (s->param_registered)
 		zc_tensor_set_param_pin(tensor, unpin_param, s);
 	*ret = s;
@@ -242,7 +274,7 @@ zcc_slots_detach(struct zcc_slots *s)
 {
 	if (s == NULL)
 		return 0;
-	zc_tensor_set_release_hook(s->tensor, NULL, NULL);
+	zc_tensor_set_slots_hook(s->tensor, NULL, NULL);
 	zc_tensor_set_param_pin(s->tensor, NULL, NULL);
 	return slots_release(s);
 }

@@ -39,10 +39,14 @@ ZC_API int zcc_errno_nccl(ncclResult_t res);
  * driver's back leaves it stale, so the CUDA layer owns it and libzclient
  * calls back before it unmaps: zcc_slots_attach registers both slots
  * (cudaHostRegister, portable to every device; the read-only param slot with
- * cudaHostRegisterReadOnly) and installs a release hook on the tensor.
+ * cudaHostRegisterReadOnly) and installs a slots hook on the tensor.
  * zc_tensor_unregister, zc_job_close and zc_disconnect then wait for copies in
  * flight, unregister and free the zcc_slots themselves: after any of those the
- * zcc_slots pointer is gone.  zcc_slots_detach does the same earlier.
+ * zcc_slots pointer is gone.  zcc_slots_detach does the same earlier.  A
+ * reconnect whose daemon hands the slots back in other files (mapped over the
+ * old ones in place) makes it wait and unregister both slots, and nothing
+ * more: the zcc_slots stays good, its copies go on through pageable memory
+ * (zcc_slots_param_pinned() false).
  *
  * Where the device cannot register read-only memory (attribute
  * cudaDevAttrHostRegisterReadOnlySupported is 0) the param slot stays
@@ -155,6 +159,13 @@ ZC_API void zcc_zero3_destroy(struct zcc_zero3 *zero3);
  */
 ZC_API int zcc_flat_create(struct zcc_zero3 *zero3, const char *name, uint64_t numel,
     enum zc_dtype dtype, const float *init, struct zcc_flat **ret);
+/*
+ * Flat parameters created from now on are registered with param_offload:
+ * once zcc_zero3_end_step has copied the new shards out, zc_param_release on
+ * their tensors (zcc_flat_tensor) hands the param slots' memory back to the
+ * daemon (the unpin waits for that copy); the next step refills them.
+ */
+ZC_API int zcc_zero3_set_param_offload(struct zcc_zero3 *zero3, bool on);
 ZC_API const struct zcc_partition *zcc_flat_partition(const struct zcc_flat *flat);
 ZC_API struct zc_tensor *zcc_flat_tensor(struct zcc_flat *flat);
 ZC_API struct zcc_slots *zcc_flat_slots(struct zcc_flat *flat);
@@ -191,6 +202,8 @@ ZC_API int zcc_flat_reduce_scatter(struct zcc_flat *flat, const void *full_grad,
 
 /* Submits every queued shard whose copy has finished, in order; returns how many. */
 ZC_API int zcc_zero3_poll(struct zcc_zero3 *zero3);
+/* Shards of this step submitted so far (by poll, before end_step); 0 outside a step. */
+ZC_API uint32_t zcc_zero3_submitted(const struct zcc_zero3 *zero3);
 
 struct zcc_step_summary {
 	uint32_t submitted;	/* flat parameters stepped by the daemon */

@@ -42,7 +42,9 @@ struct zc_tensor {
 	enum { PARAM_RESIDENT, PARAM_RELEASED, PARAM_FETCHING } param_state;
 	int param_error;
 	bool param_waited;		/* counted in `waited` by a wait that has not ended */
-	zc_release_fn *release;		/* see zc_tensor_set_release_hook */
+	/* At most one of the two is set (zc_tensor_set_slots_hook, _release_hook); one arg. */
+	zc_slots_fn *slots_hook;
+	zc_release_fn *release;
 	void *release_arg;
 	/*
 	 * Non-NULL while a driver has the param slot pinned (see
@@ -209,8 +211,10 @@ int zci_reconnect_default(int *ret_ms);
 
 /* NULL for a handle no tensor of this connection has. */
 struct zc_tensor *zci_tensor_by_handle(struct zc_conn *c, uint32_t handle);
-/* Runs the release hook, unmaps the slots and frees t; the daemon is not told. */
+/* Runs the slots hook (ZC_SLOTS_UNMAP), unmaps the slots and frees t; the daemon is not told. */
 void zci_tensor_unmap(struct zc_tensor *t);
+/* Tells the driver layer the slots are about to go or change (see zc_slots_event). */
+void zci_tensor_slots_event(struct zc_tensor *t, enum zc_slots_event why);
 /* zc_tensor_register, where init NULL means the caller writes master itself next. */
 int zci_tensor_register(struct zc_conn *c, const struct zc_tensor_desc *desc, const float *init,
     struct zc_tensor **ret);

@@ -273,9 +273,10 @@ remap_slot(struct zc_conn *c, void *addr, size_t bytes, int prot, int fd, uint64
 /*
  * Slots coming back in other files are mapped over the old pages; a driver
  * that registered those pages (libzclient_cuda: cudaHostRegister) would go on
- * copying through them, not the new files.  So it lets go first, as before an
- * unmap: the param pin's unpin, the release hook; copies then go through
- * pageable memory, correct if slower.
+ * copying through them, not the new files.  So it lets go first: the param
+ * pin's unpin, then the slots hook told it is a remap (the tensor, and what
+ * the driver keeps for it, live on); copies then go through pageable memory,
+ * correct if slower.
  */
 static int
 let_go_of_driver(struct zc_conn *c, struct zc_tensor *t, const int *fds)
@@ -296,11 +297,7 @@ let_go_of_driver(struct zc_conn *c, struct zc_tensor *t, const int *fds)
 		t->unpin = NULL;
 		t->unpin_arg = NULL;
 	}
-	if (t->release != NULL) {
-		t->release(t, t->release_arg);
-		t->release = NULL;
-		t->release_arg = NULL;
-	}
+	zci_tensor_slots_event(t, ZC_SLOTS_REMAP);
 	return 0;
 }
 

@@ -141,11 +141,25 @@ unregister_quietly(struct zc_conn *c, uint32_t handle)
 }
 
 void
+zci_tensor_slots_event(struct zc_tensor *t, enum zc_slots_event why)
+{
+	if (t->slots_hook != NULL) {
+		t->slots_hook(t, why, t->release_arg);
+		return;
+	}
+	if (t->release == NULL)
+		return;
+	t->release(t, t->release_arg);
+	/* Not told why, it let go as for an unmap: it must not be called for the pages again. */
+	t->release = NULL;
+	t->release_arg = NULL;
+}
+
+void
 zci_tensor_unmap(struct zc_tensor *t)
 {
 	/* Before munmap: a driver's registration must not outlive the mapping. */
-	if (t->release != NULL)
-		t->release(t, t->release_arg);
+	zci_tensor_slots_event(t, ZC_SLOTS_UNMAP);
 	munmap(t->grad, t->grad_bytes);
 	munmap(t->param, t->param_bytes);
 	free(t);
@@ -294,8 +308,17 @@ zc_tensor_unregister(struct zc_tensor *t)
 }
 
 void
+zc_tensor_set_slots_hook(struct zc_tensor *t, zc_slots_fn *fn, void *arg)
+{
+	t->slots_hook = fn;
+	t->release = NULL;
+	t->release_arg = fn != NULL ? arg : NULL;
+}
+
+void
 zc_tensor_set_release_hook(struct zc_tensor *t, zc_release_fn *fn, void *arg)
 {
+	t->slots_hook = NULL;
 	t->release = fn;
 	t->release_arg = fn != NULL ? arg : NULL;
 }

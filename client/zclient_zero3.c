@@ -42,6 +42,7 @@ struct zcc_zero3 {
 	size_t qhead, qlen, qcap;
 	struct zc_step_params params;
 	bool in_step;
+	bool param_offload;		/* for the flat parameters created from now on */
 	/*
 	 * max_grad_norm or check_finite: the norm and the inf/NaN check cover
 	 * the whole model on every rank, so the shards are held until backward
@@ -161,7 +162,8 @@ int
 zcc_flat_create(struct zcc_zero3 *z, const char *name, uint64_t numel, enum zc_dtype dtype,
     const float *init, struct zcc_flat **ret)
 {
-	struct zc_tensor_desc desc = { .name = name, .grad_dtype = dtype, .param_dtype = dtype };
+	struct zc_tensor_desc desc = { .name = name, .grad_dtype = dtype, .param_dtype = dtype,
+		.param_offload = z != NULL && z->param_offload };
 	struct zcc_flat *f, **bigger;
 	ncclDataType_t nt = ncclBfloat16;
 	float *shard_init = NULL;
@@ -235,6 +237,21 @@ zcc_flat_create(struct zcc_zero3 *z, const char *name, uint64_t numel, enum zc_d
 fail:
 	flat_free(f);
 	return r;
+}
+
+int
+zcc_zero3_set_param_offload(struct zcc_zero3 *z, bool on)
+{
+	if (z == NULL)
+		return zcc__fail(-EINVAL, "zcc_zero3_set_param_offload: no zcc_zero3");
+	z->param_offload = on;
+	return 0;
+}
+
+uint32_t
+zcc_zero3_submitted(const struct zcc_zero3 *z)
+{
+	return z != NULL && z->in_step ? (uint32_t)z->qhead : 0;
 }
 
 const struct zcc_partition *

@@ -27,6 +27,11 @@
  * when they differ at all (the GPU AdamW does zk_step_scalar's operations in
  * its order; the CUDA stand-in's test run, tests/cuda/gpu_train.sh, holds it
  * to that).
+ * --offload-params registers the shards with param_offload and hands their
+ * param slots back to the daemon after each step (zc_param_release, the
+ * unpin hook first); --no-check-finite drops the global inf/NaN check, so
+ * each layer's shard goes to the daemon from zcc_zero3_poll as it lands, and
+ * says how many did during backward.
  */
 
 #define NCLASSES 10
@@ -38,6 +43,8 @@ struct opts {
 	const char *socket, *job;
 	int ranks, steps, hidden, batch, ndev;
 	bool exact;		/* --exact: bit for bit, not within bf16 tolerance */
+	bool offload_params;	/* param slots released after every step but the last */
+	bool no_check_finite;	/* each layer's shard to the daemon as it lands */
 };
 
 struct layer_buf {
@@ -64,6 +71,7 @@ struct model {
 struct rank_ctx {
 	const struct opts *o;
 	int rank, world;
+	unsigned early;			/* shards handed over during backward, all steps */
 	cudaStream_t s;
 	ncclComm_t comm;
 	struct zc_conn *conn;
@@ -315,6 +323,7 @@ train_step(struct rank_ctx *x, struct model *m, const struct zc_step_params *sp,
 	if (m->offload) {
 		struct zcc_step_summary sum_step;
 
+		x->early += zcc_zero3_submitted(x->z);
 		ZK(zcc_zero3_end_step(x->z, x->s, &sum_step));
 		if (sum_step.skipped > 0)
 			printf("rank %d: step %llu: %u layers skipped (inf/NaN)\n", x->rank,
@@ -342,6 +351,31 @@ train_step(struct rank_ctx *x, struct model *m, const struct zc_step_params *sp,
 	for (int i = 0; i < b; i++)
 		sum += loss[i];
 	return sum / b;
+}
+
+static void
+release_params(struct rank_ctx *x, struct model *m)
+{
+	struct zc_tensor *ts[NLAYERS];
+
+	for (int i = 0; i < NLAYERS; i++)
+		ts[i] = zcc_flat_tensor(m->l[i].flat);
+	if (zc_param_release(x->conn, ts, NLAYERS) < 0) {
+		fprintf(stderr, "rank %d: zc_param_release: %s\n", x->rank, zc_errmsg(x->conn));
+		exit(1);
+	}
+}
+
+/* After the releases: every param slot pageable (unpinned before its first release). */
+static void
+print_param_stats(struct rank_ctx *x, struct model *m)
+{
+	int pinned = 0;
+
+	for (int i = 0; i < NLAYERS; i++)
+		pinned += zcc_slots_param_pinned(zcc_flat_slots(m->l[i].flat));
+	printf("rank %d: param slots released %d times each, %d of %d still pinned\n", x->rank,
+	    x->o->steps - 1, pinned, NLAYERS);
 }
 
 /* Compares this rank's shards of the two models; returns the number of layers that disagree. */
@@ -398,7 +432,7 @@ rank_main(const struct opts *o, int rank, int id_fd[2])
 	struct rank_ctx x = { .o = o, .rank = rank, .world = o->ranks };
 	struct zc_step_params sp = {
 		.optim = ZC_ADAMW, .lr = 1e-3, .beta1 = 0.9, .beta2 = 0.999, .eps = 1e-8,
-		.weight_decay = 0.01, .check_finite = true,
+		.weight_decay = 0.01, .check_finite = !o->no_check_finite,
 		/* No clipping: the daemon would clip per layer, the GPU AdamW has none. */
 		.max_grad_norm = 0,
 	};
@@ -449,6 +483,7 @@ rank_main(const struct opts *o, int rank, int id_fd[2])
 		return 1;
 	}
 	ZK(zcc_zero3_create(x.conn, x.comm, &x.z));
+	ZK(zcc_zero3_set_param_offload(x.z, o->offload_params));
 
 	/* Same data on every rank (same seed); labels from a random linear teacher. */
 	data = malloc(sizeof(float) * NDATA * INPUT);
@@ -501,6 +536,13 @@ rank_main(const struct opts *o, int rank, int id_fd[2])
 		sp.step = (uint64_t)step;
 		t0 = now_s();
 		la = train_step(&x, &ma, &sp, start, show, &norm);
+		/*
+		 * The param slots go back to the daemon once the new shards are on
+		 * the GPU (the unpin waits for that copy); the next step refills them.
+		 * Not after the last: compare() reads the master through them.
+		 */
+		if (o->offload_params && step < o->steps)
+			release_params(&x, &ma);
 		t_off += now_s() - t0;
 		t0 = now_s();
 		lg = train_step(&x, &mg, &sp, start, false, NULL);
@@ -513,6 +555,11 @@ rank_main(const struct opts *o, int rank, int id_fd[2])
 		printf("gpu_train: %.2f ms/step with AdamW in zoffloadd, %.2f ms/step on the GPU "
 		    "(naive kernels: the comparison, not the speed, is the point)\n",
 		    1e3 * t_off / o->steps, 1e3 * t_gpu / o->steps);
+	if (o->no_check_finite)
+		printf("rank %d: %u of %d layer shards handed to zoffloadd during backward\n", rank,
+		    x.early, NLAYERS * o->steps);
+	if (o->offload_params)
+		print_param_stats(&x, &ma);
 	bad = compare(&x, &ma, &mg);
 	if (o->exact)
 		printf("rank %d: %s\n", rank, bad ? "DISAGREE: zoffloadd's AdamW and the GPU AdamW "
@@ -563,6 +610,8 @@ main(int argc, char **argv)
 		{ "batch", required_argument, NULL, 'b' },
 		{ "job", required_argument, NULL, 'j' },
 		{ "exact", no_argument, NULL, 'e' },
+		{ "offload-params", no_argument, NULL, 'p' },
+		{ "no-check-finite", no_argument, NULL, 'f' },
 		{ NULL, 0, NULL, 0 },
 	};
 	struct opts o = { .job = "gpu-example", .steps = 50, .hidden = 512, .batch = 32 };
@@ -578,9 +627,12 @@ main(int argc, char **argv)
 		case 'b': o.batch = atoi(optarg); break;
 		case 'j': o.job = optarg; break;
 		case 'e': o.exact = true; break;
+		case 'p': o.offload_params = true; break;
+		case 'f': o.no_check_finite = true; break;
 		default:
 			fprintf(stderr, "usage: gpu_train [--socket PATH] [--ranks N (default: every "
-			    "GPU)] [--steps N] [--hidden N] [--batch N] [--job NAME] [--exact]\n");
+			    "GPU)] [--steps N] [--hidden N] [--batch N] [--job NAME] [--exact] "
+			    "[--offload-params] [--no-check-finite]\n");
 			return 2;
 		}
 	}

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# GPU machine check, one run (< 5 min on one H200): build with CUDA, CUDA tests, gpu_train vs GPU AdamW, slot bandwidth, AVX-512 kernels.
+# GPU machine check, one run (< 5 min on one H200): build with CUDA, CUDA tests, gpu_train vs GPU AdamW (plain, param offload, per-layer handoff), slot bandwidth, AVX-512 kernels.
 #
 # Usage: benchmarks/device/run.sh [BUILD_DIR]        (default build-device, wiped first)
 # Writes its whole output to $OUT/zoffload-device.log when $OUT is set (the device
@@ -131,7 +131,7 @@ section "CUDA tests (meson test --suite cuda)"
 # nothing and exits 0: the tests must exist before their pass means anything.
 cuda_tests=$(meson test -C "$build" --no-rebuild --list --suite cuda 2>/dev/null || true)
 missing=()
-for t in cuda-host cuda-kernels cuda-casts-all cuda-gpu-train; do
+for t in cuda-host cuda-kernels cuda-casts-all cuda-reconnect cuda-gpu-train; do
 	grep -q "/ $t\$" <<<"$cuda_tests" || missing+=("$t")
 done
 if [ ${#missing[@]} -gt 0 ]; then
@@ -141,27 +141,30 @@ if [ ${#missing[@]} -gt 0 ]; then
 else
 	run_step "tests: cuda suite" timeout 240 meson test -C "$build" --no-rebuild --suite cuda \
 		--print-errorlogs
-	# meson counts a 77 as skipped and exits 0: with a GPU present, the kernels must have run.
+	# meson counts a 77 as skipped and exits 0: with a GPU present, the kernels (and the
+	# slots through a reconnect, on real registrations) must have run.
 	if [ "$gpu_required" -eq 1 ]; then
-		kernels_result=$(python3 - "$build/meson-logs/testlog.json" <<'PY'
+		for t in cuda-kernels cuda-reconnect; do
+			t_result=$(python3 - "$build/meson-logs/testlog.json" "$t" <<'PY'
 import json, sys
 result = "absent"
 try:
     for line in open(sys.argv[1]):
         r = json.loads(line)
-        if r.get("name", "").endswith("cuda-kernels"):
+        if r.get("name", "").endswith(sys.argv[2]):
             result = r.get("result")
 except OSError:
     pass
 print(result)
 PY
 )
-		if [ "$kernels_result" != OK ]; then
-			echo "cuda-kernels: $kernels_result although nvidia-smi lists ${ngpu} GPU(s)"
-			results+=("$(printf '%-34s %-18s %4ds' "tests: cuda-kernels OK on the GPU" \
-				"FAIL ($kernels_result)" 0)")
-			failed=$((failed + 1))
-		fi
+			if [ "$t_result" != OK ]; then
+				echo "$t: $t_result although nvidia-smi lists ${ngpu} GPU(s)"
+				results+=("$(printf '%-34s %-18s %4ds' "tests: $t OK on the GPU" \
+					"FAIL ($t_result)" 0)")
+				failed=$((failed + 1))
+			fi
+		done
 	fi
 fi
 
@@ -211,6 +214,15 @@ if [ "${ngpu:-0}" -gt 0 ]; then
 fi
 run_step "example: gpu_train ($ranks_label)" timeout 180 "$build/examples/gpu_train" \
 	--socket "$sock" --steps 50 ${ranks[@]+"${ranks[@]}"}
+
+# The param slots handed back to zoffloadd between steps (unpinned first, refilled by the
+# step): a missing unpin leaves the GPU copying stale pages, which the comparison sees.
+run_step "gpu_train --offload-params" timeout 180 "$build/examples/gpu_train" \
+	--socket "$sock" --steps 50 --job gpu-offload-params --offload-params ${ranks[@]+"${ranks[@]}"}
+# No check_finite: each layer's shard goes to zoffloadd from zcc_zero3_poll as its copy lands.
+run_step "gpu_train --no-check-finite" timeout 180 "$build/examples/gpu_train" \
+	--socket "$sock" --steps 50 --job gpu-no-check-finite --no-check-finite \
+	${ranks[@]+"${ranks[@]}"}
 
 section "bench_slots: slot H2D/D2H vs cudaMallocHost (target ratio >= 0.90)"
 run_step "bench: slot bandwidth" timeout 120 "$build/benchmarks/bench_slots" --socket "$sock" \

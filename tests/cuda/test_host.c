@@ -57,6 +57,13 @@ Test(partition, rejects_bad_arguments)
 	cr_assert_eq(zcc_partition(UINT64_MAX, 2, 0, 1u << 20, &p), -EOVERFLOW);
 }
 
+Test(zero3, option_and_count_without_an_object)
+{
+	cr_assert_eq(zcc_zero3_set_param_offload(NULL, true), -EINVAL);
+	cr_assert_neq(strstr(zcc_errmsg(), "zcc_zero3_set_param_offload"), NULL);
+	cr_assert_eq(zcc_zero3_submitted(NULL), 0);
+}
+
 Test(errors, cuda_and_nccl_map_to_errno)
 {
 	cr_assert_eq(zcc_errno_cuda(cudaSuccess), 0);

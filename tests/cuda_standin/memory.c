@@ -22,6 +22,7 @@ struct hostreg {
 	size_t len;
 	unsigned flags;
 	bool owned;			/* cudaMallocHost: freed by cudaFreeHost */
+	struct zs_pin *pin;
 };
 
 static struct devmem *devmems;
@@ -117,15 +118,15 @@ find_reg_overlap(const void *p, size_t len)
 	return NULL;
 }
 
-/* true when [p, p + len) lies inside one registered or cudaMallocHost range. */
-static bool
-is_pinned(const void *p, size_t len)
+/* The registered or cudaMallocHost range [p, p + len) lies inside, or NULL. */
+static struct hostreg *
+pinned_range(const void *p, size_t len)
 {
 	for (struct hostreg *h = hostregs; h != NULL; h = h->next)
 		if ((const char *)p >= h->base && (const char *)p < h->base + h->len &&
 		    len <= (size_t)(h->base + h->len - (const char *)p))
-			return true;
-	return false;
+			return h;
+	return NULL;
 }
 
 cudaError_t
@@ -144,6 +145,7 @@ cudaMallocHost(void **ptr, size_t size)
 	h->len = size;
 	h->owned = true;
 	h->flags = cudaHostRegisterPortable;
+	h->pin = zs__pin_add(h->base, size);
 	pthread_mutex_lock(&zs__lock);
 	h->next = hostregs;
 	hostregs = h;
@@ -181,6 +183,7 @@ cudaFreeHost(void *ptr)
 	if (h == NULL)
 		return zs__fail(cudaErrorInvalidValue, "cudaFreeHost(%p): not a cudaMallocHost pointer",
 		    ptr);
+	zs__pin_drop(h->pin);
 	free(h->base);
 	free(h);
 	return cudaSuccess;
@@ -262,6 +265,7 @@ cudaHostRegister(void *ptr, size_t size, unsigned int flags)
 	h->base = ptr;
 	h->len = size;
 	h->flags = flags;
+	h->pin = zs__pin_add(ptr, size);
 	h->next = hostregs;
 	hostregs = h;
 	pthread_mutex_unlock(&zs__lock);
@@ -275,12 +279,15 @@ cudaHostUnregister(void *ptr)
 
 	pthread_mutex_lock(&zs__lock);
 	h = take_reg(ptr, false);
-	if (h != NULL)
+	if (h != NULL) {
 		zs__check_no_pending_use(h->base, h->len, "cudaHostUnregister");
+		zs__pin_check(h->pin, "cudaHostUnregister");
+	}
 	pthread_mutex_unlock(&zs__lock);
 	if (h == NULL)
 		return zs__fail(cudaErrorHostMemoryNotRegistered, "cudaHostUnregister(%p): not the "
 		    "start of a registered range", ptr);
+	zs__pin_drop(h->pin);
 	free(h);
 	return cudaSuccess;
 }
@@ -363,6 +370,7 @@ do_copy(void *dst, const void *src, size_t n, enum cudaMemcpyKind kind, cudaStre
     bool async, const char *what)
 {
 	struct CUstream_st *s;
+	struct hostreg *reg;
 	struct copy *c;
 	int dd, sd;
 	bool pinned;
@@ -401,7 +409,11 @@ do_copy(void *dst, const void *src, size_t n, enum cudaMemcpyKind kind, cudaStre
 	c->n = n;
 	const void *host = kind == cudaMemcpyHostToDevice ? src :
 	    kind == cudaMemcpyDeviceToHost ? dst : NULL;
-	pinned = host != NULL && is_pinned(host, n);
+	reg = host != NULL ? pinned_range(host, n) : NULL;
+	pinned = reg != NULL;
+	/* A DMA through pages the range no longer has: what the real one would do silently. */
+	if (pinned)
+		zs__pin_check(reg->pin, what);
 	if (kind == cudaMemcpyHostToDevice && !pinned) {
 		/* Staged at the call: the caller may reuse its buffer at once. */
 		if (!async)

@@ -20,7 +20,12 @@
  *     cudaFree and cudaFreeHost (implicit device syncs) run what they wait for;
  *   - cudaEventQuery / cudaStreamQuery answer cudaErrorNotReady once per
  *     record while work is pending, and run it at the next query (a poll
- *     loop makes progress, a single peek sees nothing done);
+ *     loop makes progress, a single peek sees nothing done).  Both extremes
+ *     are a knob away, counted in queries, never in time:
+ *     ZS_CUDA_QUERY_PENDING=N answers N times (0: the first query runs the
+ *     work and succeeds), =never leaves the work to a wait; and a record
+ *     answered cudaErrorNotReady more than ZS_CUDA_QUERY_SPIN times (default
+ *     10000) aborts as a busy-wait;
  *   - cudaMemcpy to the host, and cudaMemcpyAsync to pageable host memory,
  *     return once their copy is done (and so whatever it depends on);
  *   - cudaMemcpy and cudaMemcpyAsync from pageable host memory copy the
@@ -318,6 +323,31 @@ zs__check_no_pending_use(const void *p, size_t len, const char *what)
 				    "still uses: wait for it first", what, p, len, (void *)t);
 }
 
+/*
+ * Whether a query of pending work answers cudaErrorNotReady (*queries counts
+ * the answers since the record) or runs it; see "When work runs".
+ */
+static bool
+query_not_ready(int *queries, const char *what)
+{
+	const char *knob = getenv("ZS_CUDA_QUERY_PENDING"), *spin = getenv("ZS_CUDA_QUERY_SPIN");
+	long pending = 1, limit = 10000;
+
+	if (knob != NULL && strcmp(knob, "never") == 0)
+		pending = -1;
+	else if (knob != NULL && knob[0] != '\0')
+		pending = atol(knob);
+	if (spin != NULL && spin[0] != '\0')
+		limit = atol(spin);
+	if (pending >= 0 && *queries >= pending)
+		return false;
+	if (++*queries > limit)
+		zs__die("%s answered cudaErrorNotReady %d times for one record: a busy-wait (wait "
+		    "with cudaEventSynchronize or cudaStreamSynchronize; ZS_CUDA_QUERY_SPIN)", what,
+		    *queries - 1);
+	return true;
+}
+
 /* ---- Errors and devices ---- */
 
 const char *
@@ -487,7 +517,7 @@ cudaStreamQuery(cudaStream_t stream)
 	pthread_mutex_lock(&zs__lock);
 	s = zs__resolve(stream);
 	if (s->done_seq < s->enq_seq) {
-		if (s->queries++ == 0)
+		if (query_not_ready(&s->queries, "cudaStreamQuery"))
 			e = cudaErrorNotReady;
 		else
 			run_stream(s);
@@ -604,7 +634,7 @@ cudaEventQuery(cudaEvent_t event)
 		return zs__fail(cudaErrorInvalidResourceHandle, "cudaEventQuery(NULL)");
 	pthread_mutex_lock(&zs__lock);
 	if (event->s != NULL && event->s->done_seq < event->seq) {
-		if (event->queries++ == 0)
+		if (query_not_ready(&event->queries, "cudaEventQuery"))
 			e = cudaErrorNotReady;
 		else
 			zs__run_to(event->s, event->seq);

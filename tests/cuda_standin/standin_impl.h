@@ -45,6 +45,13 @@ int zs__stream_device(cudaStream_t s);
 /* Runs all queued work of every stream: cudaDeviceSynchronize for all devices. */
 void zs__run_all(void);
 
+/* pins.c: the pages behind a registered range, watched for being replaced (see there). */
+struct zs_pin;
+struct zs_pin *zs__pin_add(const void *p, size_t len);
+/* Dies when the range's pages were punched out of its file while registered. */
+void zs__pin_check(const struct zs_pin *pin, const char *what);
+void zs__pin_drop(struct zs_pin *pin);
+
 #ifdef __cplusplus
 }
 #endif

@@ -4,6 +4,9 @@
 
 #include <stddef.h>
 
+/* Only the stand-in defines it: a test may hold code to answers that only its queue makes exact. */
+#define ZS_CUDA_STANDIN 1
+
 #ifdef __cplusplus
 extern "C" {
 #endif
