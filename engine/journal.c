@@ -16,43 +16,46 @@
 #define ROUND(x) (((x) + PAGE - 1) / PAGE * PAGE)
 
 /*
- * Roll forward, not undo.  A slice is stepped in place a block at a time;
- * each worker copies the block it is about to step (the arrays the
- * optimizer writes) into its own before-image in the journal, names the
- * block, steps it and sets the block's bit.  A crash at any instant leaves
- * every block at step s (bit set), untouched at s - 1, or half stepped with
- * a whole before-image naming it.  At adoption the half-stepped blocks are
- * put back from their images and the engine steps every block without its
- * bit itself, from the journaled hyperparameters, ISA and the gradients
- * still in the grad slot, then stamps the slice: it comes back whole at s.
+ * Roll forward, not undo.  A slice is stepped in place by the pool's
+ * workers, each over its own range, and each keeps one word in the
+ * journal, a zk_undo record: (at, count, slot) says that every element of
+ * its range before `at` is stepped, every one from at + count on is
+ * untouched, and the old values of [at, at + count) are whole in the
+ * worker's own area of the journal.  A crash at any instant leaves that
+ * true.  At adoption the engine puts [at, at + count) back and steps the
+ * rest of each range itself, from the journaled hyperparameters and ISA
+ * and the gradients still in the grad slot, keeping the same records as
+ * it goes, then stamps the slice: it comes back whole at its step.
  *
- * Why finish at adoption rather than leave the unstepped blocks to the
- * resubmitted step: the stamps stay per unit (no block bits to keep in the
- * tensor's record between adoption and a resubmission that may never come,
- * or a checkpoint taken in between, or a second crash), and every path
- * after adoption sees units at whole steps only, exactly as before.  The
- * gradients it reads are those the resubmission would read: a client does
- * not write the grad slot of a step it has not seen answered.
+ * fp32 (the memory-bound step): the kernel keeps the record itself
+ * (zk_step_undo), a vector at a time, storing each vector's old values
+ * from the registers it loaded them into, to a two-slot ring that stays
+ * in L1.  No extra memory traffic: measured at the noise of the step (the
+ * undo journal this replaces copied the whole slice first, with streaming
+ * stores, 12 B an element to memory, and doubled the step; a separate
+ * copy of each block into a cache-resident image still cost 30-50%: the
+ * copy's loads stall where the step's overlap).  The compressed formats
+ * (compute-bound: their decode and encode dominate) copy a block of
+ * JOURNAL_BLOCK elements at a time into the worker's image (master, m, v
+ * and the q8 scales the optimizer writes) before stepping it, a record a
+ * block.
  *
- * Why a block of 8 Ki elements: its before-image (96 KiB at fp32) and its
- * state stay in the worker's L2 between the copy and the step, so the copy
- * costs cache bandwidth, not memory bandwidth: the step's own loads are
- * only moved earlier, and the image, written again for every block, is not
- * evicted to memory.  (The undo journal this replaces copied the whole
- * slice with streaming stores, 12 B an element to memory, which doubled a
- * memory-bound step.)  Smaller blocks pay the kernel's per-call set-up
- * more often; a multiple of ZK_Q8_BLOCK and of the pool's 32-element
- * alignment keeps q8 blocks and cache lines whole.
+ * Why finish at adoption rather than leave the unstepped part to the
+ * resubmitted step: the stamps stay per unit (no partial-slice state to
+ * keep in the tensor's record between adoption and a resubmission that
+ * may never come, a checkpoint taken in between, or a second crash), and
+ * every path after adoption sees slices at whole steps only, as before.
+ * The gradients it reads are those the resubmission would read: a client
+ * does not touch the grad slot of a step it has not seen answered.
  *
  * What a SIGKILL leaves: every store the process executed reaches memory
- * (the store buffers and write-combining buffers drain whatever happens
- * to the process), and a memfd's pages outlive it, so program order is the
- * only order that matters: the image before the name (release), the step
- * before the bit (release).  A power loss is not covered (nor is the state).
+ * (store and write-combining buffers drain whatever happens to the
+ * process), in program order for ordinary stores, and a memfd's pages
+ * outlive the process; so program order is the only order that matters
+ * (the old values before the record that names them, the record before
+ * the new values).  A power loss is not covered (nor is the state).
  */
 #define JOURNAL_BLOCK 8192u
-#define JOURNAL_NBLOCKS (ZE_QUANTUM_ELEMENTS / JOURNAL_BLOCK)
-#define NO_BLOCK UINT64_MAX
 _Static_assert(JOURNAL_BLOCK % ZK_Q8_BLOCK == 0 && JOURNAL_BLOCK % 32 == 0,
     "a journal block is whole q8 blocks and vectors");
 _Static_assert(ZE_QUANTUM_ELEMENTS % JOURNAL_BLOCK == 0, "a slice is whole journal blocks");
@@ -65,10 +68,11 @@ struct journal_hp {
 	double lr, beta1, beta2, eps, weight_decay, lr_decay, grad_scale, clip_coef;
 };
 
-/* A worker's current block, alone on its cache line (written once a block). */
+/* A worker's range and record, alone on its cache line (the record changes a vector at a time). */
 struct journal_worker {
-	uint64_t block;			/* in the slice; NO_BLOCK: none */
-	uint64_t pad[7];
+	uint64_t record;		/* zk_undo_pack(at, count, slot); 0: no range */
+	uint64_t last;			/* its range ends here */
+	uint64_t pad[6];
 };
 
 /*
@@ -88,7 +92,6 @@ struct ze_journal {
 	uint32_t slice_arrays;		/* the arrays each image holds (1 << J_MASTER, ...) */
 	uint32_t reserved;
 	struct journal_hp hp;
-	uint64_t stepped[JOURNAL_NBLOCKS / 64];	/* a bit per block at slice_step */
 	struct {
 		uint64_t tensor;
 		uint64_t chunk;
@@ -100,13 +103,15 @@ struct ze_journal {
 enum { J_MASTER, J_M, J_V, J_M_SCALE, J_V_SCALE, J_ARRAYS };
 
 /*
- * A before-image: master, m and v of a block at fp32 size each (a
+ * A worker's area: for fp32 the kernel's ring (two ZK_UNDO_SLOTs); for a
+ * compressed format a block's image, master, m and v at fp32 size each (a
  * compressed format's arrays are smaller and sit at the start of theirs),
- * then the two scale arrays of a q8 block; a page apart from the next.
+ * then the two scale arrays of a q8 block.
  */
 #define IMAGE_ARRAY ((size_t)JOURNAL_BLOCK * sizeof(float))
 #define IMAGE_SCALES ((size_t)JOURNAL_BLOCK / ZK_Q8_BLOCK * sizeof(float))
 #define IMAGE_BYTES ROUND(3 * IMAGE_ARRAY + 2 * IMAGE_SCALES)
+_Static_assert(IMAGE_BYTES >= 2 * ZK_UNDO_SLOT, "a worker's area holds the kernel's ring");
 #define JOURNAL_HEADER ROUND(sizeof(struct ze_journal))
 #define JOURNAL_BYTES (JOURNAL_HEADER + (size_t)ZE_JOURNAL_WORKERS * IMAGE_BYTES)
 
@@ -146,12 +151,12 @@ arrays_written(enum zk_state_format f, enum zk_optim optim)
 	return a;
 }
 
-/* No worker names a block (a fresh memfd's zeros would name block 0). */
+/* No worker has a range. */
 static void
 workers_clear(struct ze_journal *j)
 {
 	for (unsigned w = 0; w < ZE_JOURNAL_WORKERS; w++)
-		__atomic_store_n(&j->worker[w].block, NO_BLOCK, __ATOMIC_RELEASE);
+		__atomic_store_n(&j->worker[w].record, 0, __ATOMIC_RELEASE);
 }
 
 static char *
@@ -221,7 +226,7 @@ ze_engine_journal_fd(const struct ze_engine *e)
 	return e->journal_fd;
 }
 
-/* One slice stepped block by block on the pool (j NULL: no journal, the test gate only). */
+/* One slice stepped on the pool (j NULL: no journal, the test gate only). */
 struct slice_run {
 	struct ze_journal *j;
 	const struct zk_qtensor *q;	/* the slice's arrays, whatever the format */
@@ -235,65 +240,115 @@ struct slice_run {
 	int error;
 };
 
-static int
-step_range(const struct slice_run *sr, size_t begin, size_t end)
+/* Worker idx's range of n elements: whole journal blocks, as the pool would split them. */
+static void
+worker_range(size_t n, unsigned idx, unsigned nthreads, size_t *first, size_t *last)
 {
-	if (sr->q->format == ZK_STATE_FP32)
-		return zk_step(sr->isa, sr->hp, sr->view, begin, end);
-	return zk_qstep(sr->isa, sr->hp, sr->q, begin, end);
+	size_t nblocks = (n + JOURNAL_BLOCK - 1) / JOURNAL_BLOCK;
+	size_t f = nblocks * idx / nthreads * JOURNAL_BLOCK;
+	size_t l = nblocks * (idx + 1) / nthreads * JOURNAL_BLOCK;
+
+	*first = f < n ? f : n;
+	*last = l < n ? l : n;
 }
 
 static int
-step_block(const struct slice_run *sr, uint64_t b, size_t begin, size_t end)
+step_range(const struct slice_run *sr, size_t begin, size_t end, struct zk_undo *u)
 {
-	size_t mid = begin + (end - begin) / 2 / ZK_Q8_BLOCK * ZK_Q8_BLOCK;
+	if (sr->q->format == ZK_STATE_FP32)
+		return zk_step_undo(sr->isa, sr->hp, sr->view, begin, end, u);
+	return zk_qstep(sr->isa, sr->hp, sr->q, begin, end);
+}
+
+/*
+ * [begin, end), or with the test gate block by block, each held half way:
+ * the gate's worker stops there with the record naming a unit in the block.
+ */
+static int
+step_gated(const struct slice_run *sr, size_t begin, size_t end, struct zk_undo *u)
+{
+	int r = 0;
+
+	if (sr->gate == NULL)
+		return step_range(sr, begin, end, u);
+	for (size_t x = begin; x < end && r == 0; x += JOURNAL_BLOCK) {
+		size_t y = x + JOURNAL_BLOCK < end ? x + JOURNAL_BLOCK : end;
+		size_t mid = x + (y - x) / 2 / ZK_Q8_BLOCK * ZK_Q8_BLOCK;
+
+		r = step_range(sr, x, mid, u);
+		if (r == 0 && mid > x)
+			sr->gate->fn(sr->gate->arg, sr->step, sr->unit, x / JOURNAL_BLOCK);
+		if (r == 0)
+			r = step_range(sr, mid, y, u);
+	}
+	return r;
+}
+
+/* A compressed format's blocks [from, last), each copied to the image before it is stepped. */
+static int
+step_blocks(const struct slice_run *sr, unsigned w, size_t from, size_t last)
+{
+	struct ze_journal *j = sr->j;
+	char *image = image_of(j, w);
+	uint64_t *rec = &j->worker[w].record;
+
+	for (size_t begin = from; begin < last; begin += JOURNAL_BLOCK) {
+		size_t end = begin + JOURNAL_BLOCK < last ? begin + JOURNAL_BLOCK : last;
+		struct jspan sp[J_ARRAYS];
+		int r;
+
+		/* The last block is stepped: no image needed for it, and this one is untouched. */
+		__atomic_store_n(rec, zk_undo_pack(begin, 0, 0), __ATOMIC_RELEASE);
+		block_spans(sr->q, begin, end, sp);
+		for (unsigned k = 0; k < J_ARRAYS; k++)
+			if ((sr->arrays & (1u << k)) && sp[k].bytes > 0)
+				memcpy(image + sp[k].image, sp[k].at, sp[k].bytes);
+		/* The image is whole before the record names it, and before the step begins. */
+		__atomic_store_n(rec, zk_undo_pack(begin, end - begin, 0), __ATOMIC_RELEASE);
+		__atomic_signal_fence(__ATOMIC_SEQ_CST);
+		r = step_gated(sr, begin, end, NULL);
+		if (r < 0)
+			return r;
+	}
+	return 0;
+}
+
+/* Worker w steps its range from `from` on, its record kept (j NULL: plainly); slot: the ring's next. */
+static int
+step_worker(const struct slice_run *sr, unsigned w, size_t from, size_t last, unsigned slot)
+{
+	struct ze_journal *j = sr->j;
+	struct zk_undo u;
 	int r;
 
-	if (sr->gate == NULL || mid == begin)
-		return step_range(sr, begin, end);
-	/* Tests: the gate holds the worker with half the block stepped. */
-	r = step_range(sr, begin, mid);
+	if (j == NULL)
+		return step_gated(sr, from, last, NULL);
+	if (sr->q->format != ZK_STATE_FP32) {
+		r = step_blocks(sr, w, from, last);
+		slot = 0;
+	} else {
+		u = (struct zk_undo){ .ring = image_of(j, w), .record = &j->worker[w].record,
+			.slot = slot };
+		r = step_gated(sr, from, last, &u);
+		slot = u.slot;
+	}
+	/* All stepped: nothing to put back, nothing left (the last unit need not be stepped again). */
 	if (r == 0)
-		sr->gate->fn(sr->gate->arg, sr->step, sr->unit, b);
-	return r < 0 ? r : step_range(sr, mid, end);
+		__atomic_store_n(&j->worker[w].record, zk_undo_pack(last, 0, slot), __ATOMIC_RELEASE);
+	return r;
 }
 
 static void
 slice_worker(void *arg, unsigned idx, unsigned nthreads)
 {
 	struct slice_run *sr = arg;
-	struct ze_journal *j = sr->j;
-	size_t n = sr->q->n, nblocks = (n + JOURNAL_BLOCK - 1) / JOURNAL_BLOCK;
-	size_t first = nblocks * idx / nthreads, last = nblocks * (idx + 1) / nthreads;
-	char *image = j != NULL ? image_of(j, idx) : NULL;
+	size_t first, last;
+	int r;
 
-	for (size_t b = first; b < last; b++) {
-		size_t begin = b * JOURNAL_BLOCK, end = begin + JOURNAL_BLOCK < n ?
-		    begin + JOURNAL_BLOCK : n;
-		uint64_t bit = 1ull << (b % 64);
-		struct jspan sp[J_ARRAYS];
-		int r;
-
-		if (j != NULL) {
-			/* At adoption: a block stepped before the crash is not stepped again. */
-			if (__atomic_load_n(&j->stepped[b / 64], __ATOMIC_RELAXED) & bit)
-				continue;
-			block_spans(sr->q, begin, end, sp);
-			for (unsigned k = 0; k < J_ARRAYS; k++)
-				if ((sr->arrays & (1u << k)) && sp[k].bytes > 0)
-					memcpy(image + sp[k].image, sp[k].at, sp[k].bytes);
-			/* The image is whole before it names the block. */
-			__atomic_store_n(&j->worker[idx].block, b, __ATOMIC_RELEASE);
-		}
-		r = step_block(sr, b, begin, end);
-		if (r < 0) {
-			__atomic_store_n(&sr->error, r, __ATOMIC_RELAXED);
-			continue;
-		}
-		/* The block's stores come before its bit; its image is void from here. */
-		if (j != NULL)
-			__atomic_or_fetch(&j->stepped[b / 64], bit, __ATOMIC_RELEASE);
-	}
+	worker_range(sr->q->n, idx, nthreads, &first, &last);
+	r = step_worker(sr, idx, first, last, 0);
+	if (r < 0)
+		__atomic_store_n(&sr->error, r, __ATOMIC_RELAXED);
 }
 
 static void
@@ -337,6 +392,7 @@ ze_journal_step(struct ze_engine *e, struct zk_pool *pool, enum zk_isa isa,
 	struct ze_journal *j = e->journal;
 	bool fp32 = task->qview.format == ZK_STATE_FP32;
 	const struct ze_block_gate *gate = e->cfg.block_gate.fn != NULL ? &e->cfg.block_gate : NULL;
+	unsigned nthreads = zk_pool_threads(pool);
 	struct zk_qtensor q;
 	struct slice_run sr = { .j = j, .q = &q, .view = &task->view, .isa = isa, .hp = hp,
 		.arrays = arrays_written(task->qview.format, hp->optim), .step = task->step,
@@ -347,16 +403,20 @@ ze_journal_step(struct ze_engine *e, struct zk_pool *pool, enum zk_isa isa,
 	if ((j == NULL && gate == NULL) || q.n > ZE_QUANTUM_ELEMENTS)
 		return fp32 ? zk_pool_step(pool, isa, hp, &task->view, 1) :
 		    zk_pool_qstep(pool, isa, hp, &task->qview, 1);
-	r = step_range(&sr, 0, 0);
+	r = step_range(&sr, 0, 0, NULL);
 	if (r < 0)
 		return r;
 	if (j != NULL) {
 		/* The last slice's record is void first, then this one is written, then it counts. */
 		__atomic_store_n(&j->slice_step, 0, __ATOMIC_RELEASE);
-		memset(j->stepped, 0, sizeof(j->stepped));
-		/* Workers past the pool's were cleared when the journal was made or adopted. */
-		for (unsigned w = 0; w < zk_pool_threads(pool); w++)
-			j->worker[w].block = NO_BLOCK;
+		/* Workers past the pool's have no range since the journal was made or adopted. */
+		for (unsigned w = 0; w < nthreads; w++) {
+			size_t first, last;
+
+			worker_range(q.n, w, nthreads, &first, &last);
+			j->worker[w].last = last;
+			j->worker[w].record = zk_undo_pack(first, 0, 0);
+		}
 		j->slice_tensor = task->tensor_id;
 		j->slice_unit = task->unit;
 		j->slice_elements = q.n;
@@ -411,10 +471,33 @@ ze_journal_rewrite_chunks(struct ze_engine *e, struct ze_tensor *t, struct ze_ad
 	return 0;
 }
 
+/* Puts back the part of worker w's range its record says may be half stepped. */
+static int
+put_back(const struct slice_run *sr, unsigned w, uint64_t rec)
+{
+	size_t at = zk_undo_at(rec), n = zk_undo_count(rec);
+	struct jspan sp[J_ARRAYS];
+
+	if (n == 0)
+		return 0;
+	if (sr->q->format == ZK_STATE_FP32) {
+		struct zk_undo u = { .ring = image_of(sr->j, w) };
+
+		return zk_undo_restore(sr->hp->optim, sr->view, &u, rec);
+	}
+	if (at % JOURNAL_BLOCK != 0 || n > JOURNAL_BLOCK)
+		return -EBADMSG;
+	block_spans(sr->q, at, at + n, sp);
+	for (unsigned k = 0; k < J_ARRAYS; k++)
+		if ((sr->arrays & (1u << k)) && sp[k].bytes > 0)
+			memcpy(sp[k].at, image_of(sr->j, w) + sp[k].image, sp[k].bytes);
+	return 0;
+}
+
 /*
- * The slice the journal names, if it is t's and not stamped: its half
- * stepped blocks put back, the rest of the step applied, the unit stamped.
- * 1: finished; 0: nothing of t's; -errno: could not be (the slice may be torn).
+ * The slice the journal names, if it is t's and not stamped: each worker's
+ * half-stepped part put back, the rest of its range stepped, the unit
+ * stamped.  1: finished; 0: nothing of t's; -errno: could not be (torn).
  */
 int
 ze_journal_finish(struct ze_engine *e, struct ze_tensor *t)
@@ -460,35 +543,27 @@ ze_journal_finish(struct ze_engine *e, struct ze_tensor *t)
 		.n = q.n };
 	sr = (struct slice_run){ .j = j, .q = &q, .view = &view, .isa = isa, .hp = &hp,
 		.arrays = j->slice_arrays, .step = s, .unit = u };
-	r = step_range(&sr, 0, 0);
+	r = step_range(&sr, 0, 0, NULL);
 	if (r < 0)
 		return r;
-	for (unsigned w = 0; w < ZE_JOURNAL_WORKERS; w++) {
-		uint64_t b = j->worker[w].block, begin, end;
-		struct jspan sp[J_ARRAYS];
-
-		if (b >= (q.n + JOURNAL_BLOCK - 1) / JOURNAL_BLOCK ||
-		    (j->stepped[b / 64] & (1ull << (b % 64))) != 0)
-			continue;
-		begin = b * JOURNAL_BLOCK;
-		end = begin + JOURNAL_BLOCK < q.n ? begin + JOURNAL_BLOCK : q.n;
-		block_spans(&q, begin, end, sp);
-		for (unsigned k = 0; k < J_ARRAYS; k++)
-			if ((sr.arrays & (1u << k)) && sp[k].bytes > 0)
-				memcpy(sp[k].at, image_of(j, w) + sp[k].image, sp[k].bytes);
-	}
 	/*
-	 * Put back, and only then unnamed: a crash before puts them back again
-	 * from the same images, and the roll forward overwrites images that no
-	 * longer name anything.
+	 * Range by range, on this thread, through the same records: a crash in
+	 * here leaves them as true as a crash in the step did.  The ring goes
+	 * on in the other slot, so the one the record names stays whole.
 	 */
-	workers_clear(j);
-	/* The rest of the step, as the workers would have gone on, journaled the same way. */
-	r = zk_pool_run(e->pool, slice_worker, &sr);
-	if (r == 0)
-		r = sr.error;
-	if (r < 0)
-		return r;
+	for (unsigned w = 0; w < ZE_JOURNAL_WORKERS; w++) {
+		uint64_t rec = j->worker[w].record, last = j->worker[w].last;
+
+		if (rec == 0)
+			continue;
+		if (last > q.n || zk_undo_at(rec) > last)
+			return -EBADMSG;
+		r = put_back(&sr, w, rec);
+		if (r == 0)
+			r = step_worker(&sr, w, zk_undo_at(rec), last, zk_undo_slot(rec) ^ 1);
+		if (r < 0)
+			return r;
+	}
 	__atomic_store_n(&t->unit_step[u], s, __ATOMIC_RELEASE);
 	t->unit_pend[u] = s;
 	j->slice_step = 0;
