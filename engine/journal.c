@@ -27,18 +27,16 @@
  * and the gradients still in the grad slot, keeping the same records as
  * it goes, then stamps the slice: it comes back whole at its step.
  *
- * fp32 (the memory-bound step): the kernel keeps the record itself
- * (zk_step_undo), a vector at a time, storing each vector's old values
- * from the registers it loaded them into, to a two-slot ring that stays
- * in L1.  No extra memory traffic: measured at the noise of the step (the
- * undo journal this replaces copied the whole slice first, with streaming
- * stores, 12 B an element to memory, and doubled the step; a separate
- * copy of each block into a cache-resident image still cost 30-50%: the
- * copy's loads stall where the step's overlap).  The compressed formats
- * (compute-bound: their decode and encode dominate) copy a block of
- * JOURNAL_BLOCK elements at a time into the worker's image (master, m, v
- * and the q8 scales the optimizer writes) before stepping it, a record a
- * block.
+ * The kernel keeps the record itself (zk_step_undo, zk_qstep_undo), a unit
+ * at a time (a vector; a q8 block for the 8-bit formats), storing each
+ * unit's old values to a two-slot ring that stays in L1, from the
+ * registers or cache lines the step loads anyway.  No extra memory
+ * traffic: measured at the noise of the step.  The undo journal this
+ * replaces copied the whole slice first, with streaming stores, 12 B an
+ * element to memory, and doubled the step; a separate copy of each block
+ * of 8 Ki elements into a cache-resident image, the first version of this
+ * journal, still cost 30-50% of a pinned step on the test machine, fp32
+ * and compressed alike (the copy's loads stall where the step's overlap).
  *
  * Why finish at adoption rather than leave the unstepped part to the
  * resubmitted step: the stamps stay per unit (no partial-slice state to
@@ -55,10 +53,14 @@
  * (the old values before the record that names them, the record before
  * the new values).  A power loss is not covered (nor is the state).
  */
+/*
+ * Workers' ranges are whole blocks of this many elements (q8 blocks and
+ * cache lines stay whole), and the test gate holds a worker half way
+ * through one.
+ */
 #define JOURNAL_BLOCK 8192u
 _Static_assert(JOURNAL_BLOCK % ZK_Q8_BLOCK == 0 && JOURNAL_BLOCK % 32 == 0,
     "a journal block is whole q8 blocks and vectors");
-_Static_assert(ZE_QUANTUM_ELEMENTS % JOURNAL_BLOCK == 0, "a slice is whole journal blocks");
 
 /* Hyperparameters as stepped (with the clip coefficient applied), in fixed-width fields. */
 struct journal_hp {
@@ -89,8 +91,6 @@ struct ze_journal {
 	uint64_t slice_elements;
 	uint32_t slice_format;		/* enum zk_state_format */
 	uint32_t slice_isa;		/* enum zk_isa: the roll forward gets the same bits */
-	uint32_t slice_arrays;		/* the arrays each image holds (1 << J_MASTER, ...) */
-	uint32_t reserved;
 	struct journal_hp hp;
 	struct {
 		uint64_t tensor;
@@ -100,56 +100,10 @@ struct ze_journal {
 	struct journal_worker worker[ZE_JOURNAL_WORKERS] __attribute__((aligned(64)));
 };
 
-enum { J_MASTER, J_M, J_V, J_M_SCALE, J_V_SCALE, J_ARRAYS };
-
-/*
- * A worker's area: for fp32 the kernel's ring (two ZK_UNDO_SLOTs); for a
- * compressed format a block's image, master, m and v at fp32 size each (a
- * compressed format's arrays are smaller and sit at the start of theirs),
- * then the two scale arrays of a q8 block.
- */
-#define IMAGE_ARRAY ((size_t)JOURNAL_BLOCK * sizeof(float))
-#define IMAGE_SCALES ((size_t)JOURNAL_BLOCK / ZK_Q8_BLOCK * sizeof(float))
-#define IMAGE_BYTES ROUND(3 * IMAGE_ARRAY + 2 * IMAGE_SCALES)
-_Static_assert(IMAGE_BYTES >= 2 * ZK_UNDO_SLOT, "a worker's area holds the kernel's ring");
+/* A worker's area: the kernel's ring. */
+#define AREA_BYTES (2 * (size_t)ZK_UNDO_SLOT)
 #define JOURNAL_HEADER ROUND(sizeof(struct ze_journal))
-#define JOURNAL_BYTES (JOURNAL_HEADER + (size_t)ZE_JOURNAL_WORKERS * IMAGE_BYTES)
-
-/* One array's bytes for a block, and where their copy sits in an image. */
-struct jspan {
-	char *at;
-	size_t image;			/* from the image's start */
-	size_t bytes;
-};
-
-/* Elements [begin, end) of q (any format; begin on a q8 block) as the byte ranges of its arrays. */
-static void
-block_spans(const struct zk_qtensor *q, size_t begin, size_t end, struct jspan s[J_ARRAYS])
-{
-	size_t ms = zk_state_moment_bytes(q->format, 1), n = end - begin;
-	size_t mas = zk_state_master_bytes(q->format, 1);
-	size_t nb = zk_state_blocks(q->format, n), sb0 = begin / ZK_Q8_BLOCK;
-
-	s[J_MASTER] = (struct jspan){ (char *)q->master + begin * mas, 0, n * mas };
-	s[J_M] = (struct jspan){ (char *)q->m + begin * ms, IMAGE_ARRAY, n * ms };
-	s[J_V] = (struct jspan){ (char *)q->v + begin * ms, 2 * IMAGE_ARRAY, n * ms };
-	s[J_M_SCALE] = (struct jspan){ nb > 0 ? (char *)(q->m_scale + sb0) : NULL,
-		3 * IMAGE_ARRAY, nb * sizeof(float) };
-	s[J_V_SCALE] = (struct jspan){ nb > 0 ? (char *)(q->v_scale + sb0) : NULL,
-		3 * IMAGE_ARRAY + IMAGE_SCALES, nb * sizeof(float) };
-}
-
-/* What the optimizer writes: Adagrad and Lion keep one moment (m), Adam and AdamW two. */
-static uint32_t
-arrays_written(enum zk_state_format f, enum zk_optim optim)
-{
-	bool two = optim == ZK_OPTIM_ADAM || optim == ZK_OPTIM_ADAMW;
-	uint32_t a = 1u << J_MASTER | 1u << J_M | (two ? 1u << J_V : 0);
-
-	if (f == ZK_STATE_Q8 || f == ZK_STATE_BF16_Q8)
-		a |= 1u << J_M_SCALE | (two ? 1u << J_V_SCALE : 0);
-	return a;
-}
+#define JOURNAL_BYTES (JOURNAL_HEADER + (size_t)ZE_JOURNAL_WORKERS * AREA_BYTES)
 
 /* No worker has a range. */
 static void
@@ -162,7 +116,7 @@ workers_clear(struct ze_journal *j)
 static char *
 image_of(struct ze_journal *j, unsigned w)
 {
-	return (char *)j + JOURNAL_HEADER + (size_t)w * IMAGE_BYTES;
+	return (char *)j + JOURNAL_HEADER + (size_t)w * AREA_BYTES;
 }
 
 int
@@ -179,7 +133,7 @@ ze_journal_start(struct ze_engine *e, int kept_fd)
 		fd = memfd_create("zoffload-journal", MFD_CLOEXEC);
 		if (fd < 0)
 			return -errno;
-		/* Sparse: a worker's image has pages once it has stepped a block. */
+		/* Sparse: a worker's ring has pages once it has stepped. */
 		if (ftruncate(fd, (off_t)JOURNAL_BYTES) != 0) {
 			r = -errno;
 			close(fd);
@@ -233,7 +187,6 @@ struct slice_run {
 	const struct zk_tensor *view;	/* fp32: the same as the kernel takes it */
 	enum zk_isa isa;
 	const struct zk_hparams *hp;
-	uint32_t arrays;
 	uint64_t step;
 	uint64_t unit;
 	const struct ze_block_gate *gate;
@@ -257,7 +210,7 @@ step_range(const struct slice_run *sr, size_t begin, size_t end, struct zk_undo 
 {
 	if (sr->q->format == ZK_STATE_FP32)
 		return zk_step_undo(sr->isa, sr->hp, sr->view, begin, end, u);
-	return zk_qstep(sr->isa, sr->hp, sr->q, begin, end);
+	return zk_qstep_undo(sr->isa, sr->hp, sr->q, begin, end, u);
 }
 
 /*
@@ -284,35 +237,6 @@ step_gated(const struct slice_run *sr, size_t begin, size_t end, struct zk_undo 
 	return r;
 }
 
-/* A compressed format's blocks [from, last), each copied to the image before it is stepped. */
-static int
-step_blocks(const struct slice_run *sr, unsigned w, size_t from, size_t last)
-{
-	struct ze_journal *j = sr->j;
-	char *image = image_of(j, w);
-	uint64_t *rec = &j->worker[w].record;
-
-	for (size_t begin = from; begin < last; begin += JOURNAL_BLOCK) {
-		size_t end = begin + JOURNAL_BLOCK < last ? begin + JOURNAL_BLOCK : last;
-		struct jspan sp[J_ARRAYS];
-		int r;
-
-		/* The last block is stepped: no image needed for it, and this one is untouched. */
-		__atomic_store_n(rec, zk_undo_pack(begin, 0, 0), __ATOMIC_RELEASE);
-		block_spans(sr->q, begin, end, sp);
-		for (unsigned k = 0; k < J_ARRAYS; k++)
-			if ((sr->arrays & (1u << k)) && sp[k].bytes > 0)
-				memcpy(image + sp[k].image, sp[k].at, sp[k].bytes);
-		/* The image is whole before the record names it, and before the step begins. */
-		__atomic_store_n(rec, zk_undo_pack(begin, end - begin, 0), __ATOMIC_RELEASE);
-		__atomic_signal_fence(__ATOMIC_SEQ_CST);
-		r = step_gated(sr, begin, end, NULL);
-		if (r < 0)
-			return r;
-	}
-	return 0;
-}
-
 /* Worker w steps its range from `from` on, its record kept (j NULL: plainly); slot: the ring's next. */
 static int
 step_worker(const struct slice_run *sr, unsigned w, size_t from, size_t last, unsigned slot)
@@ -323,18 +247,12 @@ step_worker(const struct slice_run *sr, unsigned w, size_t from, size_t last, un
 
 	if (j == NULL)
 		return step_gated(sr, from, last, NULL);
-	if (sr->q->format != ZK_STATE_FP32) {
-		r = step_blocks(sr, w, from, last);
-		slot = 0;
-	} else {
-		u = (struct zk_undo){ .ring = image_of(j, w), .record = &j->worker[w].record,
-			.slot = slot };
-		r = step_gated(sr, from, last, &u);
-		slot = u.slot;
-	}
+	u = (struct zk_undo){ .ring = image_of(j, w), .record = &j->worker[w].record,
+		.slot = slot };
+	r = step_gated(sr, from, last, &u);
 	/* All stepped: nothing to put back, nothing left (the last unit need not be stepped again). */
 	if (r == 0)
-		__atomic_store_n(&j->worker[w].record, zk_undo_pack(last, 0, slot), __ATOMIC_RELEASE);
+		__atomic_store_n(&j->worker[w].record, zk_undo_pack(last, 0, u.slot), __ATOMIC_RELEASE);
 	return r;
 }
 
@@ -395,8 +313,7 @@ ze_journal_step(struct ze_engine *e, struct zk_pool *pool, enum zk_isa isa,
 	unsigned nthreads = zk_pool_threads(pool);
 	struct zk_qtensor q;
 	struct slice_run sr = { .j = j, .q = &q, .view = &task->view, .isa = isa, .hp = hp,
-		.arrays = arrays_written(task->qview.format, hp->optim), .step = task->step,
-		.unit = task->unit, .gate = gate };
+		.step = task->step, .unit = task->unit, .gate = gate };
 	int r;
 
 	task_views(task, &q);
@@ -422,7 +339,6 @@ ze_journal_step(struct ze_engine *e, struct zk_pool *pool, enum zk_isa isa,
 		j->slice_elements = q.n;
 		j->slice_format = (uint32_t)q.format;
 		j->slice_isa = (uint32_t)isa;
-		j->slice_arrays = sr.arrays;
 		hp_save(&j->hp, hp);
 		__atomic_store_n(&j->slice_step, task->step, __ATOMIC_RELEASE);
 	}
@@ -471,27 +387,17 @@ ze_journal_rewrite_chunks(struct ze_engine *e, struct ze_tensor *t, struct ze_ad
 	return 0;
 }
 
-/* Puts back the part of worker w's range its record says may be half stepped. */
+/* Puts back the unit worker w's record names (count 0: none, the range is stepped up to at). */
 static int
 put_back(const struct slice_run *sr, unsigned w, uint64_t rec)
 {
-	size_t at = zk_undo_at(rec), n = zk_undo_count(rec);
-	struct jspan sp[J_ARRAYS];
+	struct zk_undo u = { .ring = image_of(sr->j, w) };
 
-	if (n == 0)
+	if (zk_undo_count(rec) == 0)
 		return 0;
-	if (sr->q->format == ZK_STATE_FP32) {
-		struct zk_undo u = { .ring = image_of(sr->j, w) };
-
+	if (sr->q->format == ZK_STATE_FP32)
 		return zk_undo_restore(sr->hp->optim, sr->view, &u, rec);
-	}
-	if (at % JOURNAL_BLOCK != 0 || n > JOURNAL_BLOCK)
-		return -EBADMSG;
-	block_spans(sr->q, at, at + n, sp);
-	for (unsigned k = 0; k < J_ARRAYS; k++)
-		if ((sr->arrays & (1u << k)) && sp[k].bytes > 0)
-			memcpy(sp[k].at, image_of(sr->j, w) + sp[k].image, sp[k].bytes);
-	return 0;
+	return zk_qundo_restore(sr->q, &u, rec);
 }
 
 /*
@@ -515,8 +421,7 @@ ze_journal_finish(struct ze_engine *e, struct ze_tensor *t)
 	if (j == NULL || s == 0 || t->on_nvme || j->slice_tensor != t->id || u >= t->nunits ||
 	    t->unit_step[u] >= s)
 		return 0;
-	if (j->slice_elements != ze_unit_len(t, u) || j->slice_format != (uint32_t)t->format ||
-	    j->slice_arrays != arrays_written(t->format, (enum zk_optim)j->hp.optim))
+	if (j->slice_elements != ze_unit_len(t, u) || j->slice_format != (uint32_t)t->format)
 		return -EBADMSG;
 	hp_load(&hp, &j->hp);
 	/* The same ISA gives the same bits; one this CPU lacks cannot have been used here. */
@@ -542,7 +447,7 @@ ze_journal_finish(struct ze_engine *e, struct ze_tensor *t)
 		.grad_dtype = q.grad_dtype, .param = q.param, .param_dtype = q.param_dtype,
 		.n = q.n };
 	sr = (struct slice_run){ .j = j, .q = &q, .view = &view, .isa = isa, .hp = &hp,
-		.arrays = j->slice_arrays, .step = s, .unit = u };
+		.step = s, .unit = u };
 	r = step_range(&sr, 0, 0, NULL);
 	if (r < 0)
 		return r;

@@ -120,10 +120,15 @@ struct zk_undo {
 	unsigned slot;
 };
 
-/* A slot: master at 0, m at ZK_UNDO_M, v at ZK_UNDO_V (bytes), up to 256 elements each. */
+/*
+ * A slot: master at 0, m at ZK_UNDO_M, v at ZK_UNDO_V (bytes), up to 256
+ * elements each as the state keeps them; a q8 unit (a whole q8 block, the
+ * compressed formats' zk_qstep_undo) adds its two scales at ZK_UNDO_SCALES.
+ */
 #define ZK_UNDO_SLOT 4096u
 #define ZK_UNDO_M 1024u
 #define ZK_UNDO_V 2048u
+#define ZK_UNDO_SCALES 3072u
 
 static inline uint64_t zk_undo_pack(uint64_t at, uint64_t count, unsigned slot)
 {
