@@ -1,4 +1,4 @@
-/* The step journal: what finishes a pinned slice's step after a crash, and which chunks the staging buffers hold. */
+/* The step journal: how a pinned slice caught mid-step is finished, and what staging buffers hold. */
 #include <errno.h>
 #include <fcntl.h>
 #include <stdint.h>
@@ -237,7 +237,7 @@ step_gated(const struct slice_run *sr, size_t begin, size_t end, struct zk_undo 
 	return r;
 }
 
-/* Worker w steps its range from `from` on, its record kept (j NULL: plainly); slot: the ring's next. */
+/* Worker w steps its range from `from` on, its record kept (j NULL: plainly) from ring slot `slot`. */
 static int
 step_worker(const struct slice_run *sr, unsigned w, size_t from, size_t last, unsigned slot)
 {
