@@ -78,7 +78,7 @@ struct journal_worker {
 };
 
 /*
- * The header, then ZE_JOURNAL_WORKERS before-images.  The slice's fields
+ * The header, then ZE_JOURNAL_WORKERS rings.  The slice's fields
  * are valid while slice_step is not 0 (set last, cleared first).
  */
 struct ze_journal {
@@ -114,7 +114,7 @@ workers_clear(struct ze_journal *j)
 }
 
 static char *
-image_of(struct ze_journal *j, unsigned w)
+ring_of(struct ze_journal *j, unsigned w)
 {
 	return (char *)j + JOURNAL_HEADER + (size_t)w * AREA_BYTES;
 }
@@ -247,7 +247,7 @@ step_worker(const struct slice_run *sr, unsigned w, size_t from, size_t last, un
 
 	if (j == NULL)
 		return step_gated(sr, from, last, NULL);
-	u = (struct zk_undo){ .ring = image_of(j, w), .record = &j->worker[w].record,
+	u = (struct zk_undo){ .ring = ring_of(j, w), .record = &j->worker[w].record,
 		.slot = slot };
 	r = step_gated(sr, from, last, &u);
 	/* All stepped: nothing to put back, nothing left (the last unit need not be stepped again). */
@@ -391,7 +391,7 @@ ze_journal_rewrite_chunks(struct ze_engine *e, struct ze_tensor *t, struct ze_ad
 static int
 put_back(const struct slice_run *sr, unsigned w, uint64_t rec)
 {
-	struct zk_undo u = { .ring = image_of(sr->j, w) };
+	struct zk_undo u = { .ring = ring_of(sr->j, w) };
 
 	if (zk_undo_count(rec) == 0)
 		return 0;
