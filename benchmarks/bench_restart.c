@@ -292,9 +292,10 @@ main(int argc, char **argv)
 	}
 	free(list);
 	/*
-	 * What recovery.journal costs: the step over 1 GiB of pinned state with the undo copy
-	 * of each slice and without, daemons with and without taking turns (so that both see
-	 * the same machine), the best of their steady steps each.
+	 * What recovery.journal costs: the step over 1 GiB of pinned state with the journal
+	 * (each vector's old values kept by the kernel as it steps) and without, daemons
+	 * with and without taking turns (so that both see the same machine), the best of
+	 * their steady steps each.
 	 */
 	if (nres > 0 && mem_available() > (3ull << 30)) {
 		double with = 1e9, without = 1e9;

@@ -40,6 +40,7 @@ struct opts {
 	 */
 	const char *formats;
 	bool pinned_tier;		/* --pinned-tier: --formats with every tensor pinned instead */
+	bool no_journal;		/* --no-journal: recovery.journal false (the default is on) */
 };
 
 /* What the daemon run measured. */
@@ -95,7 +96,8 @@ usage(void)
 	    "usage: bench_step [--daemon PATH] [--dir DIR] [--pinned-budget SIZE] [--state SIZE]\n"
 	    "                  [--tensors N] [--steps N] [--threads N] [--staging N]\n"
 	    "                  [--chunk-elements N] [--queue-depth N] [--block-size SIZE] [--json]\n"
-	    "                  [--formats fp32,bf16-moments,q8-moments,bf16-master+q8 [--pinned-tier]]\n");
+	    "                  [--formats fp32,bf16-moments,q8-moments,bf16-master+q8 [--pinned-tier]]\n"
+	    "                  [--no-journal]\n");
 }
 
 static int
@@ -116,6 +118,7 @@ parse(int argc, char **argv, struct opts *o)
 		{ "json", no_argument, NULL, 'j' },
 		{ "formats", required_argument, NULL, 'f' },
 		{ "pinned-tier", no_argument, NULL, 'P' },
+		{ "no-journal", no_argument, NULL, 'J' },
 		{ NULL, 0, NULL, 0 },
 	};
 	int ch;
@@ -136,6 +139,7 @@ parse(int argc, char **argv, struct opts *o)
 		case 'j': o->json = true; break;
 		case 'f': o->formats = optarg; break;
 		case 'P': o->pinned_tier = true; break;
+		case 'J': o->no_journal = true; break;
 		default: return -1;
 		}
 	}
@@ -181,10 +185,11 @@ daemon_start(struct bench_daemon *dp, const struct opts *o)
 		die("%s: %s", dp->config, strerror(errno));
 	/* Swap twice the state, so placement never fails on rounding. */
 	fprintf(f, "{ \"compute\": { \"worker_threads\": %u }, \"log\": { \"level\": \"info\" },\n"
+	    "  \"recovery\": { \"journal\": %s },\n"
 	    "  \"memory\": { \"pinned_budget\": %" PRIu64 ", \"policy\": \"auto\" },\n"
 	    "  \"swap\": { \"paths\": [ { \"path\": \"%s\", \"capacity\": %" PRIu64 " } ],\n"
 	    "    \"chunk_elements\": %" PRIu64 ", \"staging_buffers\": %u, \"queue_depth\": %u,\n"
-	    "    \"block_size\": %" PRIu64 " } }\n", o->threads,
+	    "    \"block_size\": %" PRIu64 " } }\n", o->threads, o->no_journal ? "false" : "true",
 	    /* --pinned-tier: room for all of it, with the arrays' padding. */
 	    o->pinned_tier ? 2 * o->state_bytes + (64u << 20) : o->pinned_budget, dp->dir,
 	    2 * o->state_bytes + (64u << 20), o->chunk_elements, o->staging, o->queue_depth,

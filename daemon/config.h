@@ -66,8 +66,8 @@ struct zd_config {
 	/*
 	 * A restart finds the state kept (systemd's fd store or the daemon's own
 	 * successor): start_empty sets an unusable kept state aside instead of
-	 * refusing to start; journal keeps an undo copy of the slice being
-	 * stepped, so a crash mid-slice is stepped again exactly (off: torn).
+	 * refusing to start; journal keeps the step journal (engine/journal.c),
+	 * so a crash mid-slice is finished exactly at the next start (off: torn).
 	 */
 	bool recovery_start_empty;
 	bool recovery_journal;

@@ -535,12 +535,18 @@ adopt_one(struct zd_daemon *d, const char *id, uint64_t *pinned, uint64_t *nvme)
 	}
 	d->recovered_tensors++;
 	*(info.on_nvme ? nvme : pinned) += info.numel * ZE_STATE_BYTES_PER_ELEMENT;
-	if (rep.undone > 0 || rep.rewritten > 0)
+	if (rep.finished > 0 || rep.rewritten > 0)
 		log_info("job '%s' rank %u: tensor '%s': a step cut short by the restart was made "
-		    "whole (%u slice(s) put back from the journal, %u computed chunk(s) written "
+		    "whole (%u slice(s) finished from the journal, %u computed chunk(s) written "
 		    "again)", job->name,
-		    (unsigned)info.owner[OWNER_RANK], info.name, rep.undone, rep.rewritten);
-	if (rep.torn_step != 0)
+		    (unsigned)info.owner[OWNER_RANK], info.name, rep.finished, rep.rewritten);
+	if (rep.torn_step != 0 && rep.finish_error < 0)
+		log_errorx("job '%s' rank %u: tensor '%s' is torn: step %" PRIu64 " was half "
+		    "applied when zoffloadd died and the journal could not finish it (%s); its "
+		    "steps are refused until it is restored from a checkpoint", job->name,
+		    (unsigned)info.owner[OWNER_RANK], info.name, rep.torn_step,
+		    ze_strerror(rep.finish_error));
+	else if (rep.torn_step != 0)
 		log_errorx("job '%s' rank %u: tensor '%s' is torn: step %" PRIu64 " was half "
 		    "applied when zoffloadd died (journal off); its steps are refused until it is "
 		    "restored from a checkpoint", job->name, (unsigned)info.owner[OWNER_RANK],

@@ -27,6 +27,7 @@
 #include "requests.h"
 #include "server.h"
 #include "session.h"
+#include "step_gate.h"
 #include "swap.h"
 #include "uid.h"
 
@@ -549,6 +550,7 @@ start_engine(struct zd_daemon *d)
 		.kept_journal_fd = d->kept_journal > 2 ? d->kept_journal : 0,
 		.kept_staging_fds = d->kept_staging,
 		.nkept_staging = d->nkept_staging,
+		.block_gate = zd_step_gate(),
 	}, swap, &zd_engine_callbacks, d, &d->engine, err, sizeof(err));
 	if (r < 0) {
 		log_errorx("%s", err);

@@ -33,6 +33,16 @@ enum ze_state { ZE_STATE_MASTER, ZE_STATE_EXP_AVG, ZE_STATE_EXP_AVG_SQ };
 enum ze_step_status { ZE_STEP_APPLIED, ZE_STEP_SKIPPED_NONFINITE, ZE_STEP_FAILED };
 enum ze_io { ZE_IO_READ, ZE_IO_WRITE, ZE_IO_PARAM_RELEASE };
 
+/*
+ * Tests only: called by the worker stepping a block of a pinned slice with
+ * half of the block stepped (the daemon's $ZOFFLOADD_TEST_STEP_GATE), so a
+ * test can kill the daemon there.  Steps go block by block while it is set.
+ */
+struct ze_block_gate {
+	void (*fn)(void *arg, uint64_t step, uint64_t unit, uint64_t block);
+	void *arg;
+};
+
 struct ze_config {
 	uint64_t pinned_budget;
 	int numa_node;			/* -1: none */
@@ -48,9 +58,11 @@ struct ze_config {
 	const char *const *swap_path_names;	/* for messages about a full swap */
 	unsigned nswap_paths;
 	/*
-	 * Keep an undo copy of the slice being stepped in place, so that a crash
-	 * mid-slice can be stepped again exactly (recover.h); costs a copy of
-	 * the slice's state per slice.  Off: such a slice is reported torn.
+	 * Keep the step journal (journal.c): the slice being stepped in place,
+	 * its hyperparameters, a bit per block stepped and each worker's
+	 * before-image of its block, so that a crash mid-slice is finished at
+	 * adoption exactly (recover.h); a few percent of a pinned step.  Off:
+	 * such a slice is reported torn.
 	 */
 	bool journal;
 	/*
@@ -60,6 +72,7 @@ struct ze_config {
 	int kept_journal_fd;
 	const int *kept_staging_fds;
 	unsigned nkept_staging;
+	struct ze_block_gate block_gate;	/* fn NULL: none */
 };
 
 /* What the engine reports.  Every callback runs from an engine call on the loop. */

@@ -177,7 +177,7 @@ struct ze_engine {
 	unsigned xfers;				/* transfers and param I/O not yet reported */
 	struct ze_stats stats;
 	uint64_t next_tensor_id;
-	/* recover.c: the undo copy of the slice being stepped, and staging buffers' chunks */
+	/* journal.c: the slice being stepped and its workers' blocks, and staging buffers' chunks */
 	struct ze_journal *journal;
 	size_t journal_bytes;
 	int journal_fd;
@@ -292,13 +292,17 @@ int ze_shm_create_from(struct ze_engine *e, const char *name, size_t bytes,
 int ze_record_create(struct ze_tensor *t);
 void ze_record_initialized(struct ze_tensor *t);
 void ze_record_destroy(struct ze_tensor *t);
+
+/* journal.c */
+/* A new journal (kept_fd -1) or the one an earlier process kept; -EPROTO: not one we know. */
 int ze_journal_start(struct ze_engine *e, int kept_fd);
 void ze_journal_stop(struct ze_engine *e);
 /* The journal names the engine's staging buffers from now on. */
 void ze_journal_set_staging(struct ze_engine *e);
 /*
- * Stepper thread: a pinned slice stepped in place with its undo copy made
- * block by block as it goes (zk_pool_step's result, bit for bit).
+ * Stepper thread: a pinned slice stepped in place, block by block, each
+ * block's before-image kept by the worker stepping it until its bit says
+ * it is stepped (zk_pool_step's result, bit for bit).
  */
 struct zk_pool;
 int ze_journal_step(struct ze_engine *e, struct zk_pool *pool, enum zk_isa isa,
@@ -307,6 +311,16 @@ int ze_journal_step(struct ze_engine *e, struct zk_pool *pool, enum zk_isa isa,
 void ze_journal_staging(struct ze_engine *e, unsigned i, const struct ze_tensor *t,
     uint64_t chunk, uint64_t step);
 void ze_journal_staging_clear(struct ze_engine *e, unsigned i);
+/* Adoption: t's computed chunks that the kept staging buffers hold, written again. */
+int ze_journal_rewrite_chunks(struct ze_engine *e, struct ze_tensor *t,
+    struct ze_adopt_report *rep);
+/*
+ * Adoption: the slice of t the journal names, caught mid-step, finished and
+ * stamped.  1: finished; 0: none of t's; -errno: it could not be.
+ */
+int ze_journal_finish(struct ze_engine *e, struct ze_tensor *t);
+/* The step of the slice the journal names (0: none). */
+uint64_t ze_journal_slice_step(const struct ze_engine *e);
 /* nvme.c: a computed chunk from a kept staging buffer written again, synchronously. */
 int ze_nvme_rewrite(struct ze_engine *e, struct ze_tensor *t, uint64_t chunk, const void *buf);
 

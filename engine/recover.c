@@ -8,9 +8,6 @@
 #include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
-#if defined(__SSE2__)
-#include <emmintrin.h>
-#endif
 
 #include "crc32c.h"
 #include "engine_impl.h"
@@ -20,12 +17,6 @@
 #include "swap.h"
 
 #define PAGE 4096u
-/*
- * The undo copy is made a block at a time, just before the block is
- * stepped, by the thread that steps it: the block is then in its cache
- * for the step, and the copy costs about its writes alone.
- */
-#define JOURNAL_BLOCK 16384u
 #define ROUND(x) (((x) + PAGE - 1) / PAGE * PAGE)
 
 /*
@@ -237,256 +228,6 @@ ze_tensor_fds(const struct ze_tensor *t, struct ze_tensor_fds *ret)
 		.grad = t->grad_slot.fd, .param = t->param_slot.fd };
 }
 
-/*
- * The journal: a header page, then the undo copy of the one slice the
- * stepper is stepping in place (master, m, v of ZE_QUANTUM_ELEMENTS).
- * Staging buffers are kept memfds of their own; the header says which
- * chunk each one holds computed and not yet known to have landed.
- */
-struct ze_journal {
-	uint64_t magic;
-	uint32_t version;
-	uint32_t nstaging;
-	uint64_t slice_tensor;
-	uint64_t slice_unit;
-	uint64_t slice_step;		/* 0: no copy */
-	uint64_t slice_elements;
-	/* Blocks of the slice copied (and so perhaps stepped): only those are put back. */
-	uint64_t copied[(ZE_QUANTUM_ELEMENTS / JOURNAL_BLOCK + 63) / 64];
-	struct {
-		uint64_t tensor;
-		uint64_t chunk;
-		uint64_t step;		/* 0: holds nothing to write */
-	} staging[ZE_MAX_STAGING];
-};
-
-/*
- * The header's pages, then the undo copy: master, m and v of the slice at
- * fp32 size each (a compressed format's arrays are smaller and sit at the
- * start of theirs), then the two scale arrays of a q8 slice.
- */
-#define JOURNAL_HEADER ROUND(sizeof(struct ze_journal))
-#define JOURNAL_ARRAY ((size_t)ZE_QUANTUM_ELEMENTS * sizeof(float))
-#define JOURNAL_SCALES ((size_t)ZE_QUANTUM_ELEMENTS / ZK_Q8_BLOCK * sizeof(float))
-#define JOURNAL_BYTES (JOURNAL_HEADER + 3 * JOURNAL_ARRAY + 2 * JOURNAL_SCALES)
-
-enum { J_MASTER, J_M, J_V, J_M_SCALE, J_V_SCALE, J_ARRAYS };
-
-/* One array's bytes for a block of a slice, and where their copy sits in the journal. */
-struct jspan {
-	char *at;
-	size_t copy;		/* from the journal's start */
-	size_t bytes;
-};
-
-/*
- * Elements [begin, end) of the slice at element slice_off of q (any
- * format; begin on a q8 block) as the byte ranges of its arrays.
- */
-static void
-block_spans(const struct zk_qtensor *q, size_t slice_off, size_t begin, size_t end,
-    struct jspan s[J_ARRAYS])
-{
-	size_t ms = zk_state_moment_bytes(q->format, 1), n = end - begin;
-	size_t mas = zk_state_master_bytes(q->format, 1);
-	size_t b0 = begin / ZK_Q8_BLOCK, nb = zk_state_blocks(q->format, n);
-	size_t e0 = slice_off + begin, sb0 = e0 / ZK_Q8_BLOCK;
-
-	/* bf16-master+q8's master is 2 bytes an element (its copy sits at the array's start). */
-	s[J_MASTER] = (struct jspan){ (char *)q->master + e0 * mas,
-		JOURNAL_HEADER + begin * mas, n * mas };
-	s[J_M] = (struct jspan){ (char *)q->m + e0 * ms,
-		JOURNAL_HEADER + JOURNAL_ARRAY + begin * ms, n * ms };
-	s[J_V] = (struct jspan){ (char *)q->v + e0 * ms,
-		JOURNAL_HEADER + 2 * JOURNAL_ARRAY + begin * ms, n * ms };
-	s[J_M_SCALE] = (struct jspan){ nb > 0 ? (char *)(q->m_scale + sb0) : NULL,
-		JOURNAL_HEADER + 3 * JOURNAL_ARRAY + b0 * sizeof(float), nb * sizeof(float) };
-	s[J_V_SCALE] = (struct jspan){ nb > 0 ? (char *)(q->v_scale + sb0) : NULL,
-		JOURNAL_HEADER + 3 * JOURNAL_ARRAY + JOURNAL_SCALES + b0 * sizeof(float),
-		nb * sizeof(float) };
-}
-
-int
-ze_journal_start(struct ze_engine *e, int kept_fd)
-{
-	struct stat st;
-	void *map;
-	int fd = kept_fd, r;
-
-	e->journal_fd = -1;
-	if (fd < 0) {
-		fd = memfd_create("zoffload-journal", MFD_CLOEXEC);
-		if (fd < 0)
-			return -errno;
-		/* Sparse: pages appear as slices are copied. */
-		if (ftruncate(fd, (off_t)JOURNAL_BYTES) != 0) {
-			r = -errno;
-			close(fd);
-			return r;
-		}
-	} else if (fstat(fd, &st) != 0 || (size_t)st.st_size != JOURNAL_BYTES) {
-		return -EBADFD;
-	}
-	map = mmap(NULL, JOURNAL_BYTES, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-	if (map == MAP_FAILED) {
-		r = -errno;
-		if (kept_fd < 0)
-			close(fd);
-		return r;
-	}
-	e->journal = map;
-	e->journal_bytes = JOURNAL_BYTES;
-	e->journal_fd = fd;
-	if (kept_fd < 0) {
-		e->journal->magic = ZE_JOURNAL_MAGIC;
-		e->journal->version = ZE_RECORD_VERSION;
-	} else if (e->journal->magic != ZE_JOURNAL_MAGIC ||
-	    e->journal->version != ZE_RECORD_VERSION) {
-		return -EPROTO;
-	}
-	return 0;
-}
-
-void
-ze_journal_stop(struct ze_engine *e)
-{
-	if (e->journal != NULL)
-		munmap(e->journal, e->journal_bytes);
-	if (e->journal_fd >= 0)
-		close(e->journal_fd);
-	e->journal = NULL;
-	e->journal_fd = -1;
-}
-
-int
-ze_engine_journal_fd(const struct ze_engine *e)
-{
-	return e->journal_fd;
-}
-
-struct journal_run {
-	struct ze_journal *j;
-	const struct ze_task *task;
-	struct zk_qtensor q;		/* the slice's arrays, whatever the format */
-	enum zk_isa isa;
-	const struct zk_hparams *hp;
-	int error;
-};
-
-/*
- * The undo copy, with stores that bypass the caches where the ISA has them:
- * a slice's copy (48 MiB at fp32) is larger than the caches and is not read
- * again unless the daemon dies, so ordinary stores would first read every
- * line of it from memory.  The step that follows reads the state from the
- * cache the copy's loads warmed.  Ordered before what follows by the fence
- * in journal_run.
- */
-static void
-copy_stream(void *dst, const void *src, size_t bytes)
-{
-	size_t done = 0;
-
-#if defined(__SSE2__)
-	if (((uintptr_t)dst & 15) == 0) {
-		for (; done + 64 <= bytes; done += 64) {
-			const __m128i *s = (const __m128i *)((const char *)src + done);
-			__m128i *d = (__m128i *)((char *)dst + done);
-			__m128i a = _mm_loadu_si128(s), b = _mm_loadu_si128(s + 1);
-			__m128i c = _mm_loadu_si128(s + 2), e = _mm_loadu_si128(s + 3);
-
-			_mm_stream_si128(d, a);
-			_mm_stream_si128(d + 1, b);
-			_mm_stream_si128(d + 2, c);
-			_mm_stream_si128(d + 3, e);
-		}
-	}
-#endif
-	memcpy((char *)dst + done, (const char *)src + done, bytes - done);
-}
-
-static void
-journal_run(void *arg, unsigned idx, unsigned nthreads)
-{
-	struct journal_run *jr = arg;
-	size_t n = jr->q.n, nblocks = (n + JOURNAL_BLOCK - 1) / JOURNAL_BLOCK;
-	size_t first = nblocks * idx / nthreads, last = nblocks * (idx + 1) / nthreads;
-
-	for (size_t b = first; b < last; b++) {
-		size_t begin = b * JOURNAL_BLOCK, end = begin + JOURNAL_BLOCK < n ?
-		    begin + JOURNAL_BLOCK : n;
-		struct jspan sp[J_ARRAYS];
-		int r;
-
-		block_spans(&jr->q, 0, begin, end, sp);
-		for (unsigned k = 0; k < J_ARRAYS; k++)
-			if (sp[k].bytes > 0)
-				copy_stream((char *)jr->j + sp[k].copy, sp[k].at, sp[k].bytes);
-#if defined(__SSE2__)
-		/* The streamed copy is in the journal before the bit says so. */
-		_mm_sfence();
-#endif
-		/* Counted only once copied whole: a crash before leaves the block untouched. */
-		__atomic_or_fetch(&jr->j->copied[b / 64], 1ull << (b % 64), __ATOMIC_RELEASE);
-		r = jr->q.format == ZK_STATE_FP32 ?
-		    zk_step(jr->isa, jr->hp, &jr->task->view, begin, end) :
-		    zk_qstep(jr->isa, jr->hp, &jr->task->qview, begin, end);
-		if (r < 0)
-			__atomic_store_n(&jr->error, r, __ATOMIC_RELAXED);
-	}
-}
-
-int
-ze_journal_step(struct ze_engine *e, struct zk_pool *pool, enum zk_isa isa,
-    const struct zk_hparams *hp, const struct ze_task *task)
-{
-	struct ze_journal *j = e->journal;
-	bool fp32 = task->qview.format == ZK_STATE_FP32;
-	struct journal_run jr = { .j = j, .task = task, .isa = isa, .hp = hp };
-	size_t n = fp32 ? task->view.n : task->qview.n;
-	int r;
-
-	if (j == NULL || n > ZE_QUANTUM_ELEMENTS)
-		return fp32 ? zk_pool_step(pool, isa, hp, &task->view, 1) :
-		    zk_pool_qstep(pool, isa, hp, &task->qview, 1);
-	if (fp32)
-		jr.q = (struct zk_qtensor){ .format = ZK_STATE_FP32, .master = task->view.master,
-			.m = task->view.m, .v = task->view.v, .n = n };
-	else
-		jr.q = task->qview;
-	r = fp32 ? zk_step(isa, hp, &task->view, 0, 0) : zk_qstep(isa, hp, &task->qview, 0, 0);
-	if (r == 0)
-		r = zk_hparams_validate(hp);
-	if (r < 0)
-		return r;
-	/* The old copy is void first, then the new one is described, then it counts. */
-	__atomic_store_n(&j->slice_step, 0, __ATOMIC_RELEASE);
-	memset(j->copied, 0, sizeof(j->copied));
-	j->slice_tensor = task->tensor_id;
-	j->slice_unit = task->unit;
-	j->slice_elements = n;
-	__atomic_store_n(&j->slice_step, task->step, __ATOMIC_RELEASE);
-	r = zk_pool_run(pool, journal_run, &jr);
-	return r < 0 ? r : jr.error;
-}
-
-void
-ze_journal_staging(struct ze_engine *e, unsigned i, const struct ze_tensor *t, uint64_t chunk,
-    uint64_t step)
-{
-	if (e->journal == NULL || i >= ZE_MAX_STAGING)
-		return;
-	e->journal->staging[i].tensor = t->id;
-	e->journal->staging[i].chunk = chunk;
-	__atomic_store_n(&e->journal->staging[i].step, step, __ATOMIC_RELEASE);
-}
-
-void
-ze_journal_staging_clear(struct ze_engine *e, unsigned i)
-{
-	if (e->journal != NULL && i < ZE_MAX_STAGING)
-		__atomic_store_n(&e->journal->staging[i].step, 0, __ATOMIC_RELEASE);
-}
-
 int
 ze_record_peek(int fd, struct ze_record_info *ret, char *err, size_t errlen)
 {
@@ -563,66 +304,24 @@ adopt_record(struct ze_tensor *t, int fd, char *err, size_t errlen)
 	return 0;
 }
 
-/* A staging buffer holds chunk c of t computed at step s and not known to have landed. */
-static int
-rewrite_chunks(struct ze_engine *e, struct ze_tensor *t, struct ze_adopt_report *rep)
-{
-	struct ze_journal *j = e->journal;
-
-	for (unsigned i = 0; j != NULL && i < ZE_MAX_STAGING && i < j->nstaging; i++) {
-		uint64_t c = j->staging[i].chunk, s = j->staging[i].step;
-		int r;
-
-		if (s == 0 || j->staging[i].tensor != t->id || c >= t->nunits || t->unit_step[c] >= s)
-			continue;
-		if (i >= e->nstaging)
-			return -ENOENT;
-		r = ze_nvme_rewrite(e, t, c, e->staging[i].buf);
-		if (r < 0)
-			return r;
-		t->unit_step[c] = s;
-		j->staging[i].step = 0;
-		rep->rewritten++;
-	}
-	return 0;
-}
-
 /* Every unit at a step it reached whole; then the tensor's steps from the stamps. */
 static void
 settle_steps(struct ze_engine *e, struct ze_tensor *t, bool journal_kept,
     struct ze_adopt_report *rep)
 {
-	struct ze_journal *j = e->journal;
 	uint64_t lo = UINT64_MAX, hi = 0, torn = 0;
+	int r = journal_kept ? ze_journal_finish(e, t) : 0;
 
-	if (j != NULL && journal_kept && !t->on_nvme && j->slice_step != 0 &&
-	    j->slice_tensor == t->id && j->slice_unit < t->nunits &&
-	    t->unit_step[j->slice_unit] < j->slice_step &&
-	    j->slice_elements == ze_unit_len(t, j->slice_unit)) {
-		uint64_t off = j->slice_unit * t->unit_elements, n = j->slice_elements;
-		struct zk_qtensor q;
-
-		ze_tensor_state_view(t, &q);
-		for (uint64_t b = 0; b * JOURNAL_BLOCK < n; b++) {
-			uint64_t begin = b * JOURNAL_BLOCK, end = begin + JOURNAL_BLOCK < n ?
-			    begin + JOURNAL_BLOCK : n;
-			struct jspan sp[J_ARRAYS];
-
-			if ((j->copied[b / 64] & (1ull << (b % 64))) == 0)
-				continue;
-			block_spans(&q, off, begin, end, sp);
-			for (unsigned k = 0; k < J_ARRAYS; k++)
-				if (sp[k].bytes > 0)
-					memcpy(sp[k].at, (char *)j + sp[k].copy, sp[k].bytes);
-		}
-		t->unit_pend[j->slice_unit] = t->unit_step[j->slice_unit];
-		j->slice_step = 0;
-		rep->undone++;
+	if (r > 0) {
+		rep->finished++;
+	} else if (r < 0) {
+		torn = ze_journal_slice_step(e);
+		rep->finish_error = r;
 	}
 	for (uint64_t u = 0; u < t->nunits; u++) {
 		/*
 		 * Handed to compute and not stamped: with the journal kept, the one
-		 * slice it caught was put back above and a chunk's disk copy is
+		 * slice it caught was finished above and a chunk's disk copy is
 		 * written only from a buffer it names, so the rest were not touched.
 		 */
 		if (t->unit_pend[u] > t->unit_step[u] && !journal_kept)
@@ -633,6 +332,12 @@ settle_steps(struct ze_engine *e, struct ze_tensor *t, bool journal_kept,
 	}
 	if (hi > lo + 1)
 		torn = hi;
+	/*
+	 * The finish made the step whole: every unit's step wrote its params
+	 * into the slot, as the step's end would have said (tensor_done).
+	 */
+	if (r > 0 && lo == hi && torn == 0)
+		ze_param_flags(t, true, true);
 	t->last_step = lo;
 	t->partial_step = hi > lo ? hi : 0;
 	t->torn_step = torn;
@@ -730,7 +435,7 @@ ze_tensor_adopt(struct ze_engine *e, const struct ze_tensor_fds *fds, struct ze_
 	t->init_missing = count_init_missing(t);
 	if (t->on_nvme) {
 		snprintf(what, sizeof(what), "a computed chunk kept in a staging buffer");
-		r = journal_kept ? rewrite_chunks(e, t, rep) : 0;
+		r = journal_kept ? ze_journal_rewrite_chunks(e, t, rep) : 0;
 		if (r < 0) {
 			/* Not written: the chunks it names count as torn below. */
 			journal_kept = false;
@@ -764,22 +469,4 @@ fail:
 		munmap(t->rec, t->rec_bytes);
 	free(t);
 	return r;
-}
-
-void
-ze_journal_set_staging(struct ze_engine *e)
-{
-	if (e->journal != NULL)
-		e->journal->nstaging = e->nstaging;
-}
-
-void
-ze_engine_recovered(struct ze_engine *e)
-{
-	if (e->journal == NULL)
-		return;
-	e->journal->slice_step = 0;
-	for (unsigned i = 0; i < ZE_MAX_STAGING; i++)
-		e->journal->staging[i].step = 0;
-	ze_journal_set_staging(e);
 }

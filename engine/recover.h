@@ -17,9 +17,13 @@
 #define ZE_RECORD_MAGIC 0x31636572666f7a7aull	/* "zzofrec1" */
 #define ZE_JOURNAL_MAGIC 0x316c726a666f7a7aull	/* "zzofjrl1" */
 #define ZE_RECORD_VERSION 1u
+/* 1: an undo copy of the whole slice; 2: roll forward (journal.c). */
+#define ZE_JOURNAL_VERSION 2u
 #define ZE_OWNER_WORDS 4
 /* Staging buffers whose computed chunks the journal can name. */
 #define ZE_MAX_STAGING 256
+/* Worker threads with a before-image of their own in the journal (compute.worker_threads' most). */
+#define ZE_JOURNAL_WORKERS 1024
 
 struct ze_tensor_fds {
 	int record;
@@ -34,7 +38,7 @@ uint64_t ze_tensor_id(const struct ze_tensor *t);
 void ze_tensor_fds(const struct ze_tensor *t, struct ze_tensor_fds *ret);
 /* Words the owner (the daemon: job, rank, uid) keeps in t's record, for its own rebuilding. */
 void ze_tensor_set_owner(struct ze_tensor *t, const uint64_t owner[ZE_OWNER_WORDS]);
-/* The engine's undo journal (-1 when off) and staging buffer i's memfd (-1: none). */
+/* The engine's step journal (-1 when off) and staging buffer i's memfd (-1: none). */
 int ze_engine_journal_fd(const struct ze_engine *e);
 int ze_engine_staging_fd(const struct ze_engine *e, unsigned i);
 unsigned ze_engine_staging_count(const struct ze_engine *e);
@@ -57,7 +61,8 @@ struct ze_adopt_report {
 	uint64_t last_step;		/* every element is at least here */
 	uint64_t partial_step;		/* a step that landed on part of it: resubmit to finish */
 	uint64_t torn_step;		/* a step a crash left half applied: refused until set */
-	unsigned undone;		/* slices put back from the undo copy (stepped again later) */
+	unsigned finished;		/* slices whose step the engine finished from the journal */
+	int finish_error;		/* -errno: the journal's slice could not be finished (torn) */
 	unsigned rewritten;		/* NVMe chunks written again from a kept staging buffer */
 	/*
 	 * The param slot is a new memfd with the kept one's contents (which was
@@ -71,7 +76,8 @@ struct ze_adopt_report {
 /*
  * Rebuilds a tensor from kept descriptors (taken over on success: the
  * tensor closes them), charged again to job and uid, as the owner left it.
- * A slice caught mid-step is put back from the journal and a computed chunk
+ * A slice caught mid-step is finished from the journal (its half-stepped
+ * blocks put back, the rest stepped from the grad slot) and a computed chunk
  * not known to have landed is written again, so every element is at a step
  * it reached whole; what cannot be made so is reported torn.  Call before
  * any new work, for every kept tensor, then ze_engine_recovered().

@@ -57,7 +57,7 @@ run_task(struct ze_stepper *st, struct ze_task *task)
 		    zk_pool_step(st->pool, b->isa, &b->hp_run, &task->view, 1);
 	} else {
 		task->result = ze_journal_step(task->e, st->pool, b->isa, &b->hp_run, task);
-		/* Landed: stamped before the next slice's undo copy replaces this one's. */
+		/* Landed: stamped before the next slice's journal record replaces this one's. */
 		if (task->stamp != NULL && task->result == 0)
 			__atomic_store_n(task->stamp, task->step, __ATOMIC_RELEASE);
 	}

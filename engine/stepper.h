@@ -44,9 +44,9 @@ struct ze_task {
 	struct zk_qtensor qview;	/* ... in a compressed format: used when its format is not fp32 */
 	struct ze_staging *staging;	/* NVMe chunk being stepped, NULL in place */
 	/*
-	 * In place: the tensor's id and stamp for the unit.  The stepper keeps
-	 * an undo copy of the slice while it runs and stamps it when it lands,
-	 * so a crash at any instant leaves it recoverable (recover.c).
+	 * In place: the tensor's id and stamp for the unit.  The stepper steps
+	 * it through the step journal and stamps it when it lands, so a crash at
+	 * any instant leaves it finishable (journal.c).
 	 */
 	struct ze_engine *e;
 	uint64_t tensor_id;

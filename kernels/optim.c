@@ -288,6 +288,12 @@ static int check_tensor(enum zk_isa isa, enum zk_optim optim, const struct zk_te
 int zk_step(enum zk_isa isa, const struct zk_hparams *hp, const struct zk_tensor *t,
     size_t begin, size_t end)
 {
+	return zk_step_undo(isa, hp, t, begin, end, NULL);
+}
+
+int zk_step_undo(enum zk_isa isa, const struct zk_hparams *hp, const struct zk_tensor *t,
+    size_t begin, size_t end, struct zk_undo *u)
+{
 	struct zk_consts c;
 	int r;
 
@@ -301,7 +307,24 @@ int zk_step(enum zk_isa isa, const struct zk_hparams *hp, const struct zk_tensor
 	if (r < 0)
 		return r;
 	if (begin < end)
-		step_fns[isa](&c, hp->optim, t, begin, end);
+		step_fns[isa](&c, hp->optim, t, begin, end, u);
+	return 0;
+}
+
+int zk_undo_restore(enum zk_optim optim, const struct zk_tensor *t, const struct zk_undo *u,
+    uint64_t record)
+{
+	uint64_t at = zk_undo_at(record), n = zk_undo_count(record);
+	const char *slot = (const char *)u->ring + (size_t)zk_undo_slot(record) * ZK_UNDO_SLOT;
+	bool adam = optim == ZK_OPTIM_ADAMW || optim == ZK_OPTIM_ADAM;
+
+	if (record == 0 || n == 0 || n > ZK_UNDO_M / sizeof(float) || at > t->n || n > t->n - at ||
+	    !t->master || !t->m || (adam && !t->v))
+		return -EINVAL;
+	memcpy(t->master + at, slot, n * sizeof(float));
+	memcpy(t->m + at, slot + ZK_UNDO_M, n * sizeof(float));
+	if (adam)
+		memcpy(t->v + at, slot + ZK_UNDO_V, n * sizeof(float));
 	return 0;
 }
 

@@ -100,6 +100,54 @@ int zk_hparams_validate(const struct zk_hparams *hp);
 int zk_step(enum zk_isa isa, const struct zk_hparams *hp, const struct zk_tensor *t,
     size_t begin, size_t end);
 
+/*
+ * A way back for a step in place (the engine's step journal).  Before the
+ * kernel stores a unit's new values (one vector, or a padded head or
+ * tail), it copies the unit's old master, m and v (v for Adam and AdamW
+ * only) into ring slot `slot`, sets *record to zk_undo_pack(its first
+ * element, its count, slot) and flips slot for the next unit; units go in
+ * ascending order.  So at whatever instruction the process dies, every
+ * element before the unit *record names is stepped, every one after it is
+ * untouched, and the unit's old values are whole in the slot the record
+ * names (the next unit's go to the other one).  The extra stores come from
+ * registers the step loaded anyway: no extra memory traffic.  slot is left
+ * where the next call should go on from.  The param output is not kept:
+ * stepping the unit again writes it.
+ */
+struct zk_undo {
+	void *ring;		/* 2 * ZK_UNDO_SLOT bytes */
+	uint64_t *record;	/* 0: no unit yet */
+	unsigned slot;
+};
+
+/*
+ * A slot: master at 0, m at ZK_UNDO_M, v at ZK_UNDO_V (bytes), up to 256
+ * elements each as the state keeps them; a q8 unit (a whole q8 block, the
+ * compressed formats' zk_qstep_undo) adds its two scales at ZK_UNDO_SCALES.
+ */
+#define ZK_UNDO_SLOT 4096u
+#define ZK_UNDO_M 1024u
+#define ZK_UNDO_V 2048u
+#define ZK_UNDO_SCALES 3072u
+
+static inline uint64_t zk_undo_pack(uint64_t at, uint64_t count, unsigned slot)
+{
+	return 1ull << 63 | (uint64_t)(slot & 1) << 62 | count << 40 | at;
+}
+static inline uint64_t zk_undo_at(uint64_t rec) { return rec & ((1ull << 40) - 1); }
+static inline uint64_t zk_undo_count(uint64_t rec) { return (rec >> 40) & ((1ull << 22) - 1); }
+static inline unsigned zk_undo_slot(uint64_t rec) { return (unsigned)(rec >> 62) & 1; }
+
+/* zk_step keeping a way back in u (NULL: none, zk_step itself); the same bits. */
+int zk_step_undo(enum zk_isa isa, const struct zk_hparams *hp, const struct zk_tensor *t,
+    size_t begin, size_t end, struct zk_undo *u);
+/*
+ * Puts back into t the old values of the unit record names, from u's ring
+ * (a step of optim).  -EINVAL: the record does not fit t.
+ */
+int zk_undo_restore(enum zk_optim optim, const struct zk_tensor *t, const struct zk_undo *u,
+    uint64_t record);
+
 /* Gradient pass over [begin, end): adds into *stats.  grad_scale as in hparams. */
 int zk_grad_check(enum zk_isa isa, const void *grad, enum zk_dtype dtype, double grad_scale,
     size_t begin, size_t end, struct zk_grad_stats *stats);

@@ -46,9 +46,9 @@ struct zk_consts {
 
 int zk_consts_init(const struct zk_hparams *hp, struct zk_consts *c);
 
-/* [begin, end) already validated by zk_step. */
+/* [begin, end) already validated by zk_step; u NULL: no way back kept. */
 typedef void zk_step_fn(const struct zk_consts *c, enum zk_optim optim,
-    const struct zk_tensor *t, size_t begin, size_t end);
+    const struct zk_tensor *t, size_t begin, size_t end, struct zk_undo *u);
 typedef void zk_grad_fn(const void *grad, enum zk_dtype dtype, float inv_scale,
     size_t begin, size_t end, struct zk_grad_stats *stats);
 typedef void zk_memonly_fn(const struct zk_tensor *t, size_t begin, size_t end);
@@ -56,6 +56,26 @@ typedef void zk_memonly_fn(const struct zk_tensor *t, size_t begin, size_t end);
 zk_step_fn zk_step_scalar, zk_step_avx2, zk_step_avx512;
 zk_grad_fn zk_grad_scalar, zk_grad_avx2, zk_grad_avx512;
 zk_memonly_fn zk_memonly_scalar, zk_memonly_avx2, zk_memonly_avx512;
+
+/*
+ * The way back for one unit of count elements at i (zk_undo): its old
+ * values into the current slot, then the record, and only then may the
+ * caller store the new values (the compiler keeps that order; the CPU
+ * does for a process that dies, which sees its own stores in order).
+ */
+static inline void zk_undo_save(struct zk_undo *u, bool adam, const float *master,
+    const float *m, const float *v, size_t i, size_t count)
+{
+	char *slot = (char *)u->ring + (size_t)u->slot * ZK_UNDO_SLOT;
+
+	__builtin_memcpy(slot, master, count * sizeof(float));
+	__builtin_memcpy(slot + ZK_UNDO_M, m, count * sizeof(float));
+	if (adam)
+		__builtin_memcpy(slot + ZK_UNDO_V, v, count * sizeof(float));
+	__atomic_store_n(u->record, zk_undo_pack(i, count, u->slot), __ATOMIC_RELAXED);
+	__atomic_signal_fence(__ATOMIC_SEQ_CST);
+	u->slot ^= 1;
+}
 
 /* Shared fold of the lane sums so every variant rounds the same way. */
 static inline double zk_fold_lanes(double *acc)

@@ -177,6 +177,12 @@ static int check_qtensor(enum zk_isa isa, const struct zk_qtensor *t, size_t beg
 int zk_qstep(enum zk_isa isa, const struct zk_hparams *hp, const struct zk_qtensor *t,
     size_t begin, size_t end)
 {
+	return zk_qstep_undo(isa, hp, t, begin, end, NULL);
+}
+
+int zk_qstep_undo(enum zk_isa isa, const struct zk_hparams *hp, const struct zk_qtensor *t,
+    size_t begin, size_t end, struct zk_undo *u)
+{
 	struct zk_qconsts qc;
 	double bc2 = 1;
 	int r;
@@ -199,7 +205,29 @@ int zk_qstep(enum zk_isa isa, const struct zk_hparams *hp, const struct zk_qtens
 	if (!isfinite(qc.inv_bc2_sqrt))
 		return -EINVAL;
 	if (begin < end)
-		qstep_fn(isa)(&qc, hp->optim, t, begin, end);
+		qstep_fn(isa)(&qc, hp->optim, t, begin, end, u);
+	return 0;
+}
+
+int zk_qundo_restore(const struct zk_qtensor *t, const struct zk_undo *u, uint64_t record)
+{
+	uint64_t at = zk_undo_at(record), n = zk_undo_count(record);
+	const char *slot = (const char *)u->ring + (size_t)zk_undo_slot(record) * ZK_UNDO_SLOT;
+	size_t mb, ms;
+
+	if (!t || !format_ok(t->format) || record == 0 || n == 0 || n > ZK_Q8_BLOCK ||
+	    at > t->n || n > t->n - at || (blocked(t->format) && at % ZK_Q8_BLOCK != 0))
+		return -EINVAL;
+	mb = zk_state_master_bytes(t->format, 1);
+	ms = zk_state_moment_bytes(t->format, 1);
+	memcpy((char *)t->master + at * mb, slot, n * mb);
+	memcpy((char *)t->m + at * ms, slot + ZK_UNDO_M, n * ms);
+	memcpy((char *)t->v + at * ms, slot + ZK_UNDO_V, n * ms);
+	if (blocked(t->format)) {
+		memcpy(&t->m_scale[at / ZK_Q8_BLOCK], slot + ZK_UNDO_SCALES, sizeof(float));
+		memcpy(&t->v_scale[at / ZK_Q8_BLOCK], slot + ZK_UNDO_SCALES + sizeof(float),
+		    sizeof(float));
+	}
 	return 0;
 }
 
@@ -366,7 +394,7 @@ static inline struct q8blk q8blk_init(float sm, float sr)
 }
 
 void zk_qstep_scalar(const struct zk_qconsts *c, enum zk_optim optim, const struct zk_qtensor *t,
-    size_t begin, size_t end)
+    size_t begin, size_t end, struct zk_undo *u)
 {
 	if (t->format == ZK_STATE_BF16) {
 		uint16_t *m = t->m, *v = t->v;
@@ -374,6 +402,8 @@ void zk_qstep_scalar(const struct zk_qconsts *c, enum zk_optim optim, const stru
 		for (size_t i = begin; i < end; i++) {
 			float mi, vi;
 
+			if (u != NULL)
+				zk_qundo_save(u, t, i, 1, 4, 2, false);
 			adam_elem(c, optim, t, i, zk__bf16_to_f32(m[i]), zk__bf16_to_f32(v[i]), &mi, &vi);
 			m[i] = zk__f32_to_bf16(mi);
 			v[i] = zk__f32_to_bf16(vi);
@@ -391,6 +421,8 @@ void zk_qstep_scalar(const struct zk_qconsts *c, enum zk_optim optim, const stru
 
 		uint32_t hk = zk__sr_block_key(c->sr_key, t->base + b);
 
+		if (u != NULL)
+			zk_qundo_save(u, t, b, len, bf16m ? 2 : 4, 1, true);
 		for (size_t j = 0; j < len; j++) {
 			size_t i = b + j;
 			float p = bf16m ? zk__bf16_to_f32(t->master_bf16[i]) : t->master[i];

@@ -248,7 +248,7 @@ ZK_INLINE void bf16_body(const struct qconsts *k, bool common, int optim, int gd
 
 /* Whole vectors from b on; the last few elements on zero-padded copies, like optim_simd.c. */
 ZK_INLINE void bf16_run(const struct qconsts *k, bool common, int optim, int gdt, int pdt,
-    bool nt, const struct zk_qtensor *t, size_t b, size_t e)
+    bool nt, const struct zk_qtensor *t, size_t b, size_t e, struct zk_undo *u)
 {
 	size_t gs = dsize(gdt), ps = dsize(pdt), i = b;
 	uint16_t *m = t->m, *v = t->v;
@@ -258,6 +258,8 @@ ZK_INLINE void bf16_run(const struct qconsts *k, bool common, int optim, int gdt
 	for (; i + ZK_W <= e; i += ZK_W) {
 		if (i % ZK_PF_EVERY == 0)
 			prefetch_ahead(t->master + i, 4, m + i, v + i, g + i * gs, gs, 2);
+		if (u != NULL)
+			zk_qundo_save(u, t, i, ZK_W, 4, 2, false);
 		bf16_body(k, common, optim, gdt, pdt, nt, t->master + i, m + i, v + i, g + i * gs,
 		    pdt != ZK_NO_PARAM ? param + i * ps : NULL);
 	}
@@ -270,6 +272,8 @@ ZK_INLINE void bf16_run(const struct qconsts *k, bool common, int optim, int gdt
 		memcpy(lm, m + i, cnt * 2);
 		memcpy(lv, v + i, cnt * 2);
 		memcpy(lg, g + i * gs, cnt * gs);
+		if (u != NULL)
+			zk_qundo_save(u, t, i, cnt, 4, 2, false);
 		bf16_body(k, common, optim, gdt, pdt, false, lmaster, lm, lv, lg, lp);
 		memcpy(t->master + i, lmaster, cnt * 4);
 		memcpy(m + i, lm, cnt * 2);
@@ -421,7 +425,7 @@ ZK_INLINE void q8_encode(const struct qconsts *k, const float *bm, const float *
  * block's new scales.
  */
 ZK_INLINE void q8_run(const struct qconsts *k, bool common, int optim, int gdt, int pdt,
-    bool nt, bool bm16, const struct zk_qtensor *t, size_t b, size_t e)
+    bool nt, bool bm16, const struct zk_qtensor *t, size_t b, size_t e, struct zk_undo *u)
 {
 	size_t gs = dsize(gdt), ps = dsize(pdt), mb = bm16 ? 2 : 4;
 	const char *g = t->grad;
@@ -437,6 +441,16 @@ ZK_INLINE void q8_run(const struct qconsts *k, bool common, int optim, int gdt, 
 		float sm, sr;
 		vf qm, qr, mi, r;
 
+		/*
+		 * The block's codes, scales and master as they were, before pass 1
+		 * stores any (just prefetched: from L1).  A whole block's sizes are
+		 * constants, so the copy is inlined vector moves; a call here would
+		 * spill the loop's vector registers (measured 1.7x the step).
+		 */
+		if (u != NULL && len == ZK_Q8_BLOCK)
+			zk_qundo_save(u, t, blk, ZK_Q8_BLOCK, mb, 1, true);
+		else if (u != NULL)
+			zk_qundo_save(u, t, blk, len, mb, 1, true);
 		if (bm16) {
 			hk = vi_set1(zk__sr_block_key(k->sr_key, t->base + blk));
 			idx = vi_add(vi_set1((uint32_t)(t->base + blk)), vi_iota());
@@ -503,7 +517,7 @@ static bool nt_ok(const void *param, size_t esize)
 }
 
 ZK_INLINE void qrun(const struct qconsts *kp, int optim, int gdt, int pdt,
-    const struct zk_qtensor *t, size_t b, size_t e)
+    const struct zk_qtensor *t, size_t b, size_t e, struct zk_undo *u)
 {
 	/*
 	 * A copy whose address never leaves these inlined functions: vector types
@@ -516,10 +530,10 @@ ZK_INLINE void qrun(const struct qconsts *kp, int optim, int gdt, int pdt,
 	bool common = k->scale_one && k->clip_one && k->lerp_small;
 
 #define ZK_RUN(FN, ...) do { \
-		if (common && nt) FN(k, true, optim, gdt, pdt, true, __VA_ARGS__ t, b, e); \
-		else if (common) FN(k, true, optim, gdt, pdt, false, __VA_ARGS__ t, b, e); \
-		else if (nt) FN(k, false, optim, gdt, pdt, true, __VA_ARGS__ t, b, e); \
-		else FN(k, false, optim, gdt, pdt, false, __VA_ARGS__ t, b, e); \
+		if (common && nt) FN(k, true, optim, gdt, pdt, true, __VA_ARGS__ t, b, e, u); \
+		else if (common) FN(k, true, optim, gdt, pdt, false, __VA_ARGS__ t, b, e, u); \
+		else if (nt) FN(k, false, optim, gdt, pdt, true, __VA_ARGS__ t, b, e, u); \
+		else FN(k, false, optim, gdt, pdt, false, __VA_ARGS__ t, b, e, u); \
 	} while (0)
 	if (t->format == ZK_STATE_BF16)
 		ZK_RUN(bf16_run, );
@@ -540,9 +554,9 @@ ZK_INLINE void qrun(const struct qconsts *kp, int optim, int gdt, int pdt,
  */
 #define ZK_DEF(O, G, P) \
 	static __attribute__((noinline)) void run_##O##_##G##_##P(const struct qconsts *k, \
-	    const struct zk_qtensor *t, size_t b, size_t e) \
+	    const struct zk_qtensor *t, size_t b, size_t e, struct zk_undo *u) \
 	{ \
-		qrun(k, O, G, P, t, b, e); \
+		qrun(k, O, G, P, t, b, e, u); \
 	}
 #define ZK_DEFS_P(O, G) \
 	ZK_DEF(O, G, ZK_DTYPE_F32) ZK_DEF(O, G, ZK_DTYPE_BF16) \
@@ -552,7 +566,7 @@ ZK_INLINE void qrun(const struct qconsts *kp, int optim, int gdt, int pdt,
 ZK_DEFS(ZK_OPTIM_ADAMW)
 ZK_DEFS(ZK_OPTIM_ADAM)
 
-#define ZK_CASE(O, G, P) case (G) * 4 + (P): run_##O##_##G##_##P(&k, t, b, e); break
+#define ZK_CASE(O, G, P) case (G) * 4 + (P): run_##O##_##G##_##P(&k, t, b, e, u); break
 #define ZK_CASES_P(O, G) \
 	ZK_CASE(O, G, ZK_DTYPE_F32); ZK_CASE(O, G, ZK_DTYPE_BF16); \
 	ZK_CASE(O, G, ZK_DTYPE_F16); ZK_CASE(O, G, ZK_NO_PARAM)
@@ -560,7 +574,7 @@ ZK_DEFS(ZK_OPTIM_ADAM)
 	ZK_CASES_P(O, ZK_DTYPE_F32); ZK_CASES_P(O, ZK_DTYPE_BF16); ZK_CASES_P(O, ZK_DTYPE_F16)
 
 void ZK_QFN(zk_qstep)(const struct zk_qconsts *c, enum zk_optim optim, const struct zk_qtensor *t,
-    size_t b, size_t e)
+    size_t b, size_t e, struct zk_undo *u)
 {
 	int sel = (int)t->grad_dtype * 4 + (t->param ? (int)t->param_dtype : ZK_NO_PARAM);
 	struct qconsts k;

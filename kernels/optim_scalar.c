@@ -19,13 +19,17 @@ static inline float lerp(const struct zk_consts *c, float self, float end)
 }
 
 void zk_step_scalar(const struct zk_consts *c, enum zk_optim optim, const struct zk_tensor *t,
-    size_t begin, size_t end)
+    size_t begin, size_t end, struct zk_undo *undo)
 {
 	float *master = t->master, *m = t->m, *v = t->v;
+	bool adam = optim == ZK_OPTIM_ADAMW || optim == ZK_OPTIM_ADAM;
 
 	for (size_t i = begin; i < end; i++) {
 		float g = zk_load_grad(t->grad, t->grad_dtype, i) * c->inv_scale * c->clip;
 		float p = master[i], mi, vi, d, u;
+
+		if (undo != NULL)
+			zk_undo_save(undo, adam, master + i, m + i, adam ? v + i : NULL, i, 1);
 
 		switch (optim) {
 		case ZK_OPTIM_ADAMW:

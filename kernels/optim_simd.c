@@ -112,7 +112,7 @@ ZK_INLINE void body(const struct vconsts *k, int optim, int gdt, int pdt, bool n
  * on zero-padded copies so the results match the main loop bit for bit.
  */
 ZK_INLINE void padded(const struct vconsts *k, int optim, int gdt, int pdt,
-    const struct zk_tensor *t, size_t i, size_t cnt)
+    const struct zk_tensor *t, size_t i, size_t cnt, struct zk_undo *u)
 {
 	float lmaster[ZK_W] = { 0 }, lm[ZK_W] = { 0 }, lv[ZK_W] = { 0 };
 	float lg[ZK_W] = { 0 }, lp[ZK_W];
@@ -125,6 +125,8 @@ ZK_INLINE void padded(const struct vconsts *k, int optim, int gdt, int pdt,
 	if (adam)
 		memcpy(lv, t->v + i, cnt * sizeof(float));
 	memcpy(lg, (const char *)t->grad + i * gs, cnt * gs);
+	if (u != NULL)
+		zk_undo_save(u, adam, lmaster, lm, lv, i, cnt);
 	body(k, optim, gdt, pdt, false, lmaster, lm, lv, lg, lp);
 	memcpy(t->master + i, lmaster, cnt * sizeof(float));
 	memcpy(t->m + i, lm, cnt * sizeof(float));
@@ -167,7 +169,7 @@ ZK_INLINE size_t nt_split(int pdt, char *param, size_t ps, size_t b, size_t e, b
 }
 
 ZK_INLINE void run(const struct vconsts *k, int optim, int gdt, int pdt,
-    const struct zk_tensor *t, size_t b, size_t e)
+    const struct zk_tensor *t, size_t b, size_t e, struct zk_undo *u)
 {
 	size_t gs = dsize(gdt), ps = dsize(pdt);
 	const char *g = t->grad;
@@ -176,28 +178,36 @@ ZK_INLINE void run(const struct vconsts *k, int optim, int gdt, int pdt,
 	bool nt, adam = optim == ZK_OPTIM_ADAMW || optim == ZK_OPTIM_ADAM;
 	size_t head = nt_split(pdt, param, ps, b, e, &nt);
 	if (head) {
-		padded(k, optim, gdt, pdt, t, i, head);
+		padded(k, optim, gdt, pdt, t, i, head, u);
 		i += head;
 	}
-#define ZK_MAIN_LOOP(NT) \
-	for (; i + ZK_W <= e; i += ZK_W) \
+	/* The way back's stores come from the registers body loads; a loop of their own. */
+#define ZK_MAIN_LOOP(NT, UNDO) \
+	for (; i + ZK_W <= e; i += ZK_W) { \
+		if (UNDO) \
+			zk_undo_save(u, adam, t->master + i, t->m + i, adam ? t->v + i : NULL, i, ZK_W); \
 		body(k, optim, gdt, pdt, NT, t->master + i, t->m + i, adam ? t->v + i : NULL, \
-		    g + i * gs, pdt != ZK_NO_PARAM ? param + i * ps : NULL)
-	if (nt) {
-		ZK_MAIN_LOOP(true);
+		    g + i * gs, pdt != ZK_NO_PARAM ? param + i * ps : NULL); \
+	}
+	if (nt && u != NULL) {
+		ZK_MAIN_LOOP(true, true);
+	} else if (nt) {
+		ZK_MAIN_LOOP(true, false);
+	} else if (u != NULL) {
+		ZK_MAIN_LOOP(false, true);
 	} else {
-		ZK_MAIN_LOOP(false);
+		ZK_MAIN_LOOP(false, false);
 	}
 #undef ZK_MAIN_LOOP
 	if (i < e)
-		padded(k, optim, gdt, pdt, t, i, e - i);
+		padded(k, optim, gdt, pdt, t, i, e - i, u);
 	/* Streaming stores are weakly ordered: fence before the pool reports completion. */
 	if (nt)
 		_mm_sfence();
 }
 
 /* One specialized loop per (optimizer, grad dtype, param dtype), so no switch runs per element. */
-#define ZK_CASE(O, G, P) case (G) * 4 + (P): run(&k, O, G, P, t, b, e); break
+#define ZK_CASE(O, G, P) case (G) * 4 + (P): run(&k, O, G, P, t, b, e, u); break
 #define ZK_CASES_P(O, G) \
 	ZK_CASE(O, G, ZK_DTYPE_F32); ZK_CASE(O, G, ZK_DTYPE_BF16); \
 	ZK_CASE(O, G, ZK_DTYPE_F16); ZK_CASE(O, G, ZK_NO_PARAM)
@@ -205,7 +215,7 @@ ZK_INLINE void run(const struct vconsts *k, int optim, int gdt, int pdt,
 	ZK_CASES_P(O, ZK_DTYPE_F32); ZK_CASES_P(O, ZK_DTYPE_BF16); ZK_CASES_P(O, ZK_DTYPE_F16)
 
 void ZK_FN(zk_step)(const struct zk_consts *c, enum zk_optim optim, const struct zk_tensor *t,
-    size_t b, size_t e)
+    size_t b, size_t e, struct zk_undo *u)
 {
 	int sel = (int)t->grad_dtype * 4 + (t->param ? (int)t->param_dtype : ZK_NO_PARAM);
 	struct vconsts k;

@@ -159,6 +159,16 @@ int zk_qtensor_slice(const struct zk_qtensor *t, size_t off, size_t len,
 int zk_qstep(enum zk_isa isa, const struct zk_hparams *hp, const struct zk_qtensor *t,
     size_t begin, size_t end);
 
+/*
+ * zk_qstep keeping a way back in u (optim.h's struct zk_undo; NULL: none):
+ * the units are vectors for bf16-moments and whole q8 blocks (codes and
+ * scales) for the 8-bit formats.  The same bits as zk_qstep.
+ */
+int zk_qstep_undo(enum zk_isa isa, const struct zk_hparams *hp, const struct zk_qtensor *t,
+    size_t begin, size_t end, struct zk_undo *u);
+/* Puts back into t the unit record names, from u's ring.  -EINVAL: the record does not fit t. */
+int zk_qundo_restore(const struct zk_qtensor *t, const struct zk_undo *u, uint64_t record);
+
 /* The bytes zk_qstep moves over [begin, end), without the arithmetic (benchmarks). */
 int zk_qstep_memonly(enum zk_isa isa, const struct zk_qtensor *t, size_t begin, size_t end);
 

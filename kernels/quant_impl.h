@@ -150,9 +150,32 @@ static inline uint16_t zk__sr_bf16(float p, uint32_t r)
 	return (uint16_t)((zk__f32_bits(p) + r) >> 16);
 }
 
-/* Ranges were validated by zk_qstep; optim is AdamW or Adam. */
+/* Ranges were validated by zk_qstep; optim is AdamW or Adam; u NULL: no way back kept. */
 typedef void zk_qstep_fn(const struct zk_qconsts *qc, enum zk_optim optim,
-    const struct zk_qtensor *t, size_t begin, size_t end);
+    const struct zk_qtensor *t, size_t begin, size_t end, struct zk_undo *u);
+
+/*
+ * The way back for one unit of a compressed state (zk_undo_save's, at the
+ * state's own sizes: mb and ms bytes an element of master and of each
+ * moment; scales: the unit is the q8 block at i, whose scales go too).
+ */
+static inline void zk_qundo_save(struct zk_undo *u, const struct zk_qtensor *t, size_t i,
+    size_t count, size_t mb, size_t ms, bool scales)
+{
+	char *slot = (char *)u->ring + (size_t)u->slot * ZK_UNDO_SLOT;
+
+	__builtin_memcpy(slot, (const char *)t->master + i * mb, count * mb);
+	__builtin_memcpy(slot + ZK_UNDO_M, (const char *)t->m + i * ms, count * ms);
+	__builtin_memcpy(slot + ZK_UNDO_V, (const char *)t->v + i * ms, count * ms);
+	if (scales) {
+		__builtin_memcpy(slot + ZK_UNDO_SCALES, &t->m_scale[i / ZK_Q8_BLOCK], sizeof(float));
+		__builtin_memcpy(slot + ZK_UNDO_SCALES + sizeof(float), &t->v_scale[i / ZK_Q8_BLOCK],
+		    sizeof(float));
+	}
+	__atomic_store_n(u->record, zk_undo_pack(i, count, u->slot), __ATOMIC_RELAXED);
+	__atomic_signal_fence(__ATOMIC_SEQ_CST);
+	u->slot ^= 1;
+}
 typedef void zk_qmemonly_fn(const struct zk_qtensor *t, size_t begin, size_t end);
 
 zk_qstep_fn zk_qstep_scalar, zk_qstep_avx2, zk_qstep_avx512, zk_qstep_avx512bf16;

@@ -93,14 +93,14 @@ Test(restart, sigkill_with_library_reconnects)
 
 /*
  * Compressed state (q8 codes and their block scales) kept the same way: a
- * slice caught mid-step is put back from the journal's copy of its bytes.
+ * slice caught mid-step is finished from the journal (its q8 block put back).
  */
 Test(restart, sigkill_q8_moments_state)
 {
 	compare(ZRT_SIGKILL, 10, 60, false, true, "q8-moments");
 }
 
-/* The same with a 2-byte bf16 master: the journal copies master at its own size. */
+/* The same with a 2-byte bf16 master: the journal keeps master at its own size. */
 Test(restart, sigkill_bf16_master_q8_state)
 {
 	compare(ZRT_SIGKILL, 10, 60, false, true, "bf16-master+q8");

@@ -1,6 +1,7 @@
 /* The restart tests' trainer: deterministic steps on two jobs, going on across daemon restarts. */
 #include <errno.h>
 #include <fcntl.h>
+#include <poll.h>
 #include <pthread.h>
 #include <signal.h>
 #include <stdio.h>
@@ -71,11 +72,19 @@ copy_file(const char *from, const char *to)
 int
 zrt_setup(struct zrt *r, bool swap_file, char *err, size_t errlen)
 {
+	return zrt_setup_with(r, swap_file, &(struct zrt_options){ 0 }, err, errlen);
+}
+
+int
+zrt_setup_with(struct zrt *r, bool swap_file, const struct zrt_options *o, char *err,
+    size_t errlen)
+{
 	const char *daemon = getenv("ZOFFLOADD");
 	FILE *f;
 	int rc;
 
 	memset(r, 0, sizeof(*r));
+	r->opts = *o;
 	rc = zst_init(&r->st);
 	if (rc < 0 || daemon == NULL) {
 		snprintf(err, errlen, "stand-in: %s", daemon == NULL ? "$ZOFFLOADD is not set" :
@@ -97,8 +106,10 @@ zrt_setup(struct zrt *r, bool swap_file, char *err, size_t errlen)
 	if (f == NULL)
 		return -errno;
 	fprintf(f, "{ \"compute\": { \"worker_threads\": 2 }, \"log\": { \"level\": \"info\" },\n"
+	    "  \"recovery\": { \"journal\": %s },\n"
 	    "  \"swap\": { \"paths\": [ { \"path\": \"%s\", \"capacity\": \"64M\" } ],\n"
-	    "    \"chunk_elements\": 65536, \"staging_buffers\": 2 } }\n", r->swap);
+	    "    \"chunk_elements\": 65536, \"staging_buffers\": 2 } }\n",
+	    o->journal_off ? "false" : "true", r->swap);
 	fclose(f);
 	r->argv[0] = r->exe;
 	r->argv[1] = "--config";
@@ -196,6 +207,7 @@ write_grads(struct zrt *r, int j, int k, unsigned step)
 
 struct disturber {
 	struct zrt *r;
+	int gate;			/* ZRT_GATE: the FIFO's reading end */
 	enum zrt_disturb kind;
 	unsigned count;
 	uint64_t seed;
@@ -216,9 +228,21 @@ disturb_once(struct disturber *ds)
 	int status, rc;
 
 	switch (ds->kind) {
+	case ZRT_GATE: {
+		struct pollfd p = { .fd = ds->gate, .events = POLLIN };
+		char c;
+
+		/* The gate writes a byte once a worker holds there, half way through its block. */
+		if (poll(&p, 1, 60000) != 1 || read(ds->gate, &c, 1) != 1) {
+			snprintf(ds->err, sizeof(ds->err), "the daemon never reached its step gate\n%s",
+			    zst_log(&r->st));
+			return -ETIMEDOUT;
+		}
+	}
+		/* fall through */
 	case ZRT_SIGKILL:
 	case ZRT_SIGTERM:
-		kill(pid, ds->kind == ZRT_SIGKILL ? SIGKILL : SIGTERM);
+		kill(pid, ds->kind == ZRT_SIGTERM ? SIGTERM : SIGKILL);
 		status = zst_wait_exit(&r->st, 60);
 		if (ds->kind == ZRT_SIGTERM && (status < 0 || !WIFEXITED(status) ||
 		    WEXITSTATUS(status) != 0)) {
@@ -296,12 +320,13 @@ submit(struct zrt *r, int j, unsigned step, bool grads_in)
 	if (rc < 0)
 		return rc;
 	p.step = step;
+	p.optim = r->optim;
 	p.clip_coef = zc_clip_coef(0.5, part.sumsq);
 	return zc_step_submit(r->j[j].c, &p, todo, n);
 }
 
-static int
-one_step(struct zrt *r, unsigned step, bool *submitted)
+int
+zrt_step(struct zrt *r, unsigned step, bool submitted[ZRT_JOBS])
 {
 	struct zc_step_result res;
 	int rc;
@@ -338,16 +363,23 @@ int
 zrt_train(struct zrt *r, enum zrt_disturb kind, unsigned count, uint64_t seed, char *err,
     size_t errlen)
 {
-	struct disturber ds = { .r = r, .kind = kind, .count = count, .seed = seed };
+	struct disturber ds = { .r = r, .kind = kind, .count = count, .seed = seed, .gate = -1 };
 	bool submitted[ZRT_JOBS] = { false };
 	unsigned step = 1, gen = 0;
 	pthread_t th;
 	int rc = 0;
 
-	if (kind != ZRT_NONE && pthread_create(&th, NULL, disturber_main, &ds) != 0)
+	/* Not blocking: open before the daemon's end is, and read with a timeout. */
+	if (kind == ZRT_GATE && (r->opts.gate_fifo == NULL ||
+	    (ds.gate = open(r->opts.gate_fifo, O_RDONLY | O_NONBLOCK | O_CLOEXEC)) < 0))
+		return -errno;
+	if (kind != ZRT_NONE && pthread_create(&th, NULL, disturber_main, &ds) != 0) {
+		if (ds.gate >= 0)
+			close(ds.gate);
 		return -EAGAIN;
+	}
 	while (step <= r->steps) {
-		rc = one_step(r, step, submitted);
+		rc = zrt_step(r, step, submitted);
 		if (rc == 0) {
 			memset(submitted, 0, sizeof(submitted));
 			ds.progress = step++;
@@ -385,10 +417,14 @@ zrt_train(struct zrt *r, enum zrt_disturb kind, unsigned count, uint64_t seed, c
 			break;
 		for (int j = 0; j < ZRT_JOBS; j++)
 			r->resubmits += submitted[j];
+		if (r->stop_after_restart)
+			break;
 	}
 	ds.stop = true;
 	if (kind != ZRT_NONE)
 		pthread_join(th, NULL);
+	if (ds.gate >= 0)
+		close(ds.gate);
 	r->reconnects = UINT64_MAX;
 	for (int j = 0; j < ZRT_JOBS; j++) {
 		struct zc_conn_stats cs;
@@ -408,6 +444,32 @@ zrt_train(struct zrt *r, enum zrt_disturb kind, unsigned count, uint64_t seed, c
 	if (rc < 0 && err[0] == '\0')
 		snprintf(err, errlen, "step %u: %s", step, strerror(-rc));
 	return rc;
+}
+
+int
+zrt_restore(struct zrt *r, const void *buf, uint64_t step)
+{
+	size_t off = 0;
+	int rc;
+
+	for (int j = 0; j < ZRT_JOBS; j++) {
+		for (int k = 0; k < ZRT_TENSORS; k++) {
+			uint64_t n = jobs[j].t[k].numel;
+
+			for (int s = 0; s < 3; s++) {
+				rc = zc_tensor_write(r->j[j].t[k], (enum zc_state)s, 0, n,
+				    (const float *)((const char *)buf + off));
+				if (rc < 0)
+					return rc;
+				off += n * sizeof(float);
+			}
+			off += n * (jobs[j].t[k].pd == ZC_F32 ? 4 : 2);
+			rc = zc_tensor_set_step(r->j[j].t[k], step);
+			if (rc < 0)
+				return rc;
+		}
+	}
+	return 0;
 }
 
 size_t

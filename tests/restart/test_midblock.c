@@ -1,0 +1,164 @@
+/* A SIGKILL half way through a block of a pinned slice: the journal finishes the step bit for bit; without it the tensor is torn until set. */
+#include <criterion/criterion.h>
+#include <errno.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include "trainer.h"
+
+/*
+ * Where the daemon is held: step 3, the first slice of tensor 'w' (4 Mi
+ * elements: 512 journal blocks, two workers), block 200, so the slice has
+ * blocks stepped, one half stepped, blocks not begun and the other worker
+ * somewhere in its own half.
+ */
+#define GATE_AT "3,0,200"
+#define STEPS 4
+
+static struct zrt ref_, run_;
+static char dir_[64], fifo_[96];
+
+static void
+teardown(void)
+{
+	zrt_teardown(&ref_);
+	zrt_teardown(&run_);
+	unsetenv("ZOFFLOADD_TEST_STEP_GATE");
+	unsetenv("ZOFFLOADD_TEST_STEP_GATE_AT");
+	if (fifo_[0] != '\0')
+		unlink(fifo_);
+	if (dir_[0] != '\0')
+		rmdir(dir_);
+	fifo_[0] = dir_[0] = '\0';
+}
+
+TestSuite(midblock, .fini = teardown, .timeout = 300);
+
+/* An uninterrupted run of steps 1..steps (no gate): its master, m, v and param slots. */
+static void *
+reference(const char *format, enum zc_optim optim, unsigned steps, size_t *bytes)
+{
+	char err[20000] = "";
+	void *want;
+
+	unsetenv("ZOFFLOADD_TEST_STEP_GATE");
+	cr_assert_eq(zrt_setup(&ref_, false, err, sizeof(err)), 0, "%s", err);
+	ref_.steps = steps;
+	ref_.state_format = format;
+	ref_.optim = optim;
+	cr_assert_eq(zrt_attach(&ref_, false, err, sizeof(err)), 0, "%s", err);
+	cr_assert_eq(zrt_train(&ref_, ZRT_NONE, 0, 0, err, sizeof(err)), 0, "%s", err);
+	*bytes = zrt_snapshot(&ref_, NULL);
+	want = malloc(*bytes);
+	cr_assert(want != NULL);
+	zrt_snapshot(&ref_, want);
+	zrt_teardown(&ref_);
+	return want;
+}
+
+/* The gated daemon: held at GATE_AT on its first pass there, with or without the journal. */
+static void
+gated_setup(const char *format, enum zc_optim optim, bool journal)
+{
+	struct zrt_options o = { .journal_off = !journal, .gate_fifo = fifo_ };
+	char err[20000] = "";
+
+	snprintf(dir_, sizeof(dir_), "/tmp/zoffload-midblock-XXXXXX");
+	cr_assert(mkdtemp(dir_) != NULL);
+	snprintf(fifo_, sizeof(fifo_), "%s/gate", dir_);
+	cr_assert_eq(mkfifo(fifo_, 0600), 0, "mkfifo: %s", strerror(errno));
+	setenv("ZOFFLOADD_TEST_STEP_GATE", fifo_, 1);
+	setenv("ZOFFLOADD_TEST_STEP_GATE_AT", GATE_AT, 1);
+	cr_assert_eq(zrt_setup_with(&run_, false, &o, err, sizeof(err)), 0, "%s", err);
+	run_.steps = STEPS;
+	run_.state_format = format;
+	run_.optim = optim;
+	/* Reconnects by hand: the trainer sees the death and submits again. */
+	cr_assert_eq(zrt_attach(&run_, false, err, sizeof(err)), 0, "%s", err);
+}
+
+static void
+same_bytes(const void *got, const void *want, size_t bytes)
+{
+	for (size_t i = 0; i < bytes; i++)
+		cr_assert_eq(((const unsigned char *)got)[i], ((const unsigned char *)want)[i],
+		    "byte %zu of %zu differs (%u restarts, %u steps submitted again)\n%s", i, bytes,
+		    run_.restarts, run_.resubmits, zst_log(&run_.st));
+}
+
+static void
+finished_by_journal(const char *format, enum zc_optim optim)
+{
+	char err[20000] = "";
+	size_t bytes;
+	void *want = reference(format, optim, STEPS, &bytes), *got = malloc(bytes);
+
+	cr_assert(got != NULL);
+	gated_setup(format, optim, true);
+	cr_assert_eq(zrt_train(&run_, ZRT_GATE, 1, 1, err, sizeof(err)), 0,
+	    "%s\n--- daemon log ---\n%s", err, zst_log(&run_.st));
+	cr_assert_eq(run_.restarts, 1);
+	cr_assert(strstr(zst_log(&run_.st), "tensor 'w': a step cut short by the restart was made "
+	    "whole (1 slice(s) finished from the journal") != NULL, "%s", zst_log(&run_.st));
+	zrt_snapshot(&run_, got);
+	same_bytes(got, want, bytes);
+	free(want);
+	free(got);
+}
+
+Test(midblock, fp32_adamw) { finished_by_journal("fp32", ZC_ADAMW); }
+Test(midblock, fp32_adam) { finished_by_journal("fp32", ZC_ADAM); }
+Test(midblock, fp32_adagrad) { finished_by_journal("fp32", ZC_ADAGRAD); }
+Test(midblock, fp32_lion) { finished_by_journal("fp32", ZC_LION); }
+Test(midblock, bf16_moments_adamw) { finished_by_journal("bf16-moments", ZC_ADAMW); }
+Test(midblock, bf16_moments_adam) { finished_by_journal("bf16-moments", ZC_ADAM); }
+Test(midblock, q8_moments_adamw) { finished_by_journal("q8-moments", ZC_ADAMW); }
+Test(midblock, q8_moments_adam) { finished_by_journal("q8-moments", ZC_ADAM); }
+Test(midblock, bf16_master_q8_adamw) { finished_by_journal("bf16-master+q8", ZC_ADAMW); }
+Test(midblock, bf16_master_q8_adam) { finished_by_journal("bf16-master+q8", ZC_ADAM); }
+
+/*
+ * recovery.journal false: the half-stepped slice leaves 'w' torn (and any
+ * tensor handed to compute and not stamped: nothing says it was not
+ * touched).  Its steps are refused, naming the step, until its state is
+ * written back (here every tensor's from an uninterrupted run's step 2, as
+ * from a checkpoint) and its step set; then it trains on to the
+ * uninterrupted run's bytes.
+ */
+Test(midblock, journal_off_torn_until_set)
+{
+	bool in[ZRT_JOBS] = { true, true };
+	struct zc_step_result res;
+	size_t bytes, b2;
+	void *want = reference("fp32", ZC_ADAMW, STEPS, &bytes), *got = malloc(bytes);
+	void *at2 = reference("fp32", ZC_ADAMW, 2, &b2);
+	char err[20000] = "";
+
+	cr_assert(got != NULL && b2 == bytes);
+	gated_setup("fp32", ZC_ADAMW, false);
+	run_.stop_after_restart = true;
+	cr_assert_eq(zrt_train(&run_, ZRT_GATE, 1, 1, err, sizeof(err)), 0,
+	    "%s\n--- daemon log ---\n%s", err, zst_log(&run_.st));
+	cr_assert_eq(run_.restarts, 1);
+	cr_assert(strstr(zst_log(&run_.st), "tensor 'w' is torn: step 3 was half applied") != NULL,
+	    "%s", zst_log(&run_.st));
+	cr_assert_eq(zc_tensor_last_step(run_.j[0].t[0]), 2);
+	cr_assert_lt(zrt_step(&run_, 3, in), 0, "a torn tensor's step went through");
+	cr_assert(strstr(zc_errmsg(run_.j[0].c), "left half way through step 3") != NULL, "%s",
+	    zc_errmsg(run_.j[0].c));
+	/* The other job's step may still be landing. */
+	(void)zc_wait_all(run_.j[1].c, &res);
+	cr_assert_eq(zrt_restore(&run_, at2, 2), 0, "%s / %s", zc_errmsg(run_.j[0].c),
+	    zc_errmsg(run_.j[1].c));
+	cr_assert_eq(zrt_step(&run_, 3, in), 0, "%s", zc_errmsg(run_.j[0].c));
+	memset(in, 0, sizeof(in));
+	cr_assert_eq(zrt_step(&run_, 4, in), 0, "%s", zc_errmsg(run_.j[0].c));
+	zrt_snapshot(&run_, got);
+	same_bytes(got, want, bytes);
+	free(want);
+	free(got);
+	free(at2);
+}
