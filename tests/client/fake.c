@@ -193,22 +193,30 @@ serve(int sock, const struct fake *f)
 	}
 }
 
-/* Starts the fake daemon; returns its socket path. */
-const char *
-fake_start(const struct fake *f)
+int
+fake_listen(char path[FAKE_PATH_MAX])
 {
-	static char path[96];
 	struct sockaddr_un sa = { .sun_family = AF_UNIX };
 	int lfd;
 
 	snprintf(fake_dir, sizeof(fake_dir), "/tmp/zoff-fake-XXXXXX");
 	cr_assert_not_null(mkdtemp(fake_dir));
-	snprintf(path, sizeof(path), "%s/sock", fake_dir);
+	snprintf(path, FAKE_PATH_MAX, "%s/sock", fake_dir);
 	snprintf(sa.sun_path, sizeof(sa.sun_path), "%s", path);
 	lfd = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
 	cr_assert_geq(lfd, 0);
 	cr_assert_eq(bind(lfd, (struct sockaddr *)&sa, sizeof(sa)), 0, "%s", strerror(errno));
 	cr_assert_eq(listen(lfd, 4), 0);
+	return lfd;
+}
+
+/* Starts the fake daemon; returns its socket path. */
+const char *
+fake_start(const struct fake *f)
+{
+	static char path[FAKE_PATH_MAX];
+	int lfd = fake_listen(path);
+
 	fake_child = fork();
 	cr_assert_geq(fake_child, 0);
 	if (fake_child == 0) {

@@ -29,6 +29,9 @@ extern char fake_dir[64];
 extern pid_t fake_child;
 void fake_teardown(void);
 
+#define FAKE_PATH_MAX 96
+/* A listening socket in a new fake_dir; its path into path (the caller forks the server). */
+int fake_listen(char path[FAKE_PATH_MAX]);
 unsigned fd_count(void);
 /* Like zp_send_raw, but any number of descriptors (up to 8): msgio refuses to send more than it takes. */
 int sendmsg_fds(int sock, const void *buf, size_t len, const int *fds, unsigned nfds);

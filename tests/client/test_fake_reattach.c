@@ -140,26 +140,17 @@ count_unpin(struct zc_tensor *t, void *arg)
 static void
 reattach_in_other_files(bool shutting_down, bool slots_hook)
 {
-	struct sockaddr_un sa = { .sun_family = AF_UNIX };
 	struct zc_tensor_desc desc = { .name = "w", .numel = REMAP_N, .grad_dtype = ZC_F32,
 		.param_dtype = ZC_F32 };
 	static float init[REMAP_N];
 	struct zc_conn_stats cs;
 	struct zc_conn *c = NULL;
 	struct zc_tensor *t = NULL;
-	char path[96];
+	char path[FAKE_PATH_MAX];
 	float *grad, out[4];
 	const float *param;
-	int lfd;
+	int lfd = fake_listen(path);
 
-	snprintf(fake_dir, sizeof(fake_dir), "/tmp/zoff-fake-XXXXXX");
-	cr_assert_not_null(mkdtemp(fake_dir));
-	snprintf(path, sizeof(path), "%s/sock", fake_dir);
-	snprintf(sa.sun_path, sizeof(sa.sun_path), "%s", path);
-	lfd = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
-	cr_assert_geq(lfd, 0);
-	cr_assert_eq(bind(lfd, (struct sockaddr *)&sa, sizeof(sa)), 0, "%s", strerror(errno));
-	cr_assert_eq(listen(lfd, 4), 0);
 	fake_child = fork();
 	cr_assert_geq(fake_child, 0);
 	if (fake_child == 0) {

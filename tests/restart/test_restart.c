@@ -50,9 +50,15 @@ compare(enum zrt_disturb kind, unsigned count, unsigned steps, bool swap_file,
 	rc = zrt_train(&run_, kind, count, 12345 + (uint64_t)kind, err, sizeof(err));
 	cr_assert_eq(rc, 0, "%s\n--- daemon log ---\n%s", err, zst_log(&run_.st));
 	if (auto_reconnect) {
-		/* Every death cut every connection, and a step followed each. */
+		/*
+		 * The trainer never saw a failure and came back at least once.  Not one
+		 * reconnect per death: a death while the library is still reconnecting
+		 * from the last is taken in the same reconnect, which a loaded machine
+		 * makes likely (2 for 3 deaths was seen).  The bytes below are what the
+		 * product guarantees.
+		 */
 		cr_assert_eq(run_.restarts, 0, "the trainer saw %u failures", run_.restarts);
-		cr_assert_geq(run_.reconnects, count, "%llu reconnects",
+		cr_assert_geq(run_.reconnects, 1, "%llu reconnects",
 		    (unsigned long long)run_.reconnects);
 	} else {
 		cr_assert_geq(run_.restarts, count, "%u restarts", run_.restarts);
