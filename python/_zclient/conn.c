@@ -105,8 +105,10 @@ zpy_conn_views_gone(struct zpy_conn *conn, const char *what)
 void
 zpy_conn_forget_tensors(struct zpy_conn *conn)
 {
-	for (struct zpy_tensor *t = conn->tensors; t != NULL; t = t->next)
+	for (struct zpy_tensor *t = conn->tensors; t != NULL; t = t->next) {
 		t->t = NULL;
+		t->hook = NULL;		/* freed by its last call */
+	}
 }
 
 static PyObject *

@@ -300,10 +300,84 @@ tensor_unregister(struct zpy_tensor *self, PyObject *unused)
 	if (r < 0)
 		return zpy_raise(Py_TYPE(self), r, err);
 	self->t = NULL;
+	self->hook = NULL;		/* freed by its last call */
+	Py_RETURN_NONE;
+}
+
+#if PY_VERSION_HEX >= 0x030D0000
+#define zpy_finalizing() Py_IsFinalizing()
+#else
+#define zpy_finalizing() _Py_IsFinalizing()
+#endif
+
+/*
+ * libzclient's slots hook: runs the record's callable with "remap" or "unmap".
+ * It is called inside a libzclient call, under the connection's lock and
+ * without the GIL, from the thread that made the call; the callable must not
+ * use the connection (it would wait for the lock that thread holds).  An
+ * exception cannot propagate through libzclient: it is reported as unraisable.
+ */
+static void
+slots_hook_run(struct zc_tensor *t, enum zc_slots_event why, void *arg)
+{
+	struct zpy_slots_hook *h = arg;
+	PyGILState_STATE gil;
+	PyObject *r;
+
+	(void)t;
+	/* At interpreter exit nothing Python may run (the memory goes with the process). */
+	if (zpy_finalizing())
+		return;
+	gil = PyGILState_Ensure();
+	r = PyObject_CallFunction(h->fn, "s", why == ZC_SLOTS_REMAP ? "remap" : "unmap");
+	if (r == NULL)
+		PyErr_WriteUnraisable(h->fn);
+	Py_XDECREF(r);
+	if (why == ZC_SLOTS_UNMAP) {
+		Py_DECREF(h->fn);
+		PyMem_RawFree(h);
+	}
+	PyGILState_Release(gil);
+}
+
+static PyObject *
+tensor_set_slots_hook(struct zpy_tensor *self, PyObject *fn)
+{
+	struct zpy_slots_hook *h = NULL, *old;
+	char err[ZPY_ERRLEN];
+	int r;
+
+	if (!zpy_tensor_ready(self))
+		return NULL;
+	if (fn != Py_None && !PyCallable_Check(fn))
+		return PyErr_Format(PyExc_TypeError, "set_slots_hook() takes a callable or None, "
+		    "not %.100s", Py_TYPE(fn)->tp_name);
+	if (fn != Py_None) {
+		h = PyMem_RawMalloc(sizeof(*h));
+		if (h == NULL)
+			return PyErr_NoMemory();
+		h->fn = Py_NewRef(fn);
+	}
+	old = self->hook;
+	/* Under the lock: a reconnect on another thread may be running the old hook. */
+	ZPY_CALL(self->conn, r, err, (zc_tensor_set_slots_hook(self->t,
+	    h != NULL ? slots_hook_run : NULL, h), 0));
+	(void)r;
+	self->hook = h;
+	if (old != NULL) {
+		Py_DECREF(old->fn);
+		PyMem_RawFree(old);
+	}
 	Py_RETURN_NONE;
 }
 
 static PyMethodDef tensor_methods[] = {
+	{ "set_slots_hook", (PyCFunction)tensor_set_slots_hook, METH_O,
+	  "set_slots_hook(fn): fn('remap') just before a reconnect maps other files over the "
+	  "slots (same addresses; the tensor lives on), fn('unmap') just before they are "
+	  "unmapped for good (its last call).  A layer that registered the slots' pages with a "
+	  "driver (cudaHostRegister) lets go of them there.  fn must not use the connection; "
+	  "None removes it." },
 	{ "wait", (PyCFunction)tensor_wait, METH_NOARGS,
 	  "wait() -> dict: wait for this tensor's step; raises if it failed." },
 	{ "read", (PyCFunction)(void (*)(void))tensor_read, METH_VARARGS | METH_KEYWORDS,

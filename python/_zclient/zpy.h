@@ -47,7 +47,21 @@ struct zpy_tensor {
 	uint64_t numel;
 	enum zc_dtype grad_dtype, param_dtype;
 	Py_ssize_t live_slots;
+	struct zpy_slots_hook *hook;	/* set_slots_hook's; owned by t's hook (below) */
 	struct zpy_tensor *prev, *next;	/* in conn->tensors */
+};
+
+/*
+ * A Python callable run as t's libzclient slots hook (Tensor.set_slots_hook).
+ * The record belongs to the C tensor's hook, not to the Python Tensor: the C
+ * tensor can outlive its Python object (it stays with the connection until
+ * disconnect), and its last hook call (ZC_SLOTS_UNMAP) frees the record and
+ * the reference to fn.  Replacing the hook frees the old record; the Python
+ * Tensor's pointer to it is used only while t is registered, when the record
+ * is surely alive.
+ */
+struct zpy_slots_hook {
+	PyObject *fn;			/* strong */
 };
 
 extern PyType_Spec zpy_conn_spec, zpy_tensor_spec, zpy_slot_spec;

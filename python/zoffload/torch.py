@@ -138,7 +138,7 @@ def _raw(t):
 
 class _Entry:
     """One parameter's tensor in the daemon and no-copy views of its slots."""
-    __slots__ = ("zt", "grad", "param", "in_flight", "cuda_addrs", "grad_view_ok", "gd")
+    __slots__ = ("zt", "grad", "param", "in_flight", "pins", "grad_view_ok", "gd")
 
     def __init__(self, zt, grad_dtype, param_dtype):
         self.zt = zt
@@ -149,7 +149,52 @@ class _Entry:
             warnings.simplefilter("ignore", UserWarning)
             self.param = torch.frombuffer(zt.param, dtype=_TORCH_DTYPES[param_dtype])
         self.in_flight = 0          # step submitted and not yet waited for
-        self.cuda_addrs = []
+        self.pins = None            # _CudaPins: the slots registered with CUDA
+
+
+class _CudaPins:
+    """A tensor's two slots registered with CUDA (cudaHostRegister), so that the copies to
+    and from them are asynchronous.  The pages must be let go of before they change: the
+    slots hook (Tensor.set_slots_hook) says when.  On "remap" (a reconnect maps the daemon's
+    other slot files over the same addresses) they are unregistered and registered again
+    before the next copy (repin); on "unmap" for good.  Until then copies go through pageable
+    memory, which is only slower."""
+    __slots__ = ("ranges", "pinned")
+
+    def __init__(self, zt):
+        # The addresses stay: a remap maps the new files at the same place (MAP_FIXED).
+        self.ranges = [(zt.grad.address, zt.grad.nbytes, 0),
+                       (zt.param.address, zt.param.nbytes, 8)]  # 8: cudaHostRegisterReadOnly
+        self.pinned = []
+
+    def pin(self):
+        cudart = torch.cuda.cudart()
+        for addr, nbytes, flags in self.ranges:
+            r = cudart.cudaHostRegister(addr, nbytes, flags)
+            if int(r) != 0:
+                self.unpin()
+                raise RuntimeError(f"zoffload: cudaHostRegister of a slot failed ({r})")
+            self.pinned.append(addr)
+
+    def repin(self):
+        if self.ranges and not self.pinned:
+            self.pin()
+
+    def unpin(self):
+        if not self.pinned:
+            return
+        # A copy still in flight would read or write the old pages.
+        torch.cuda.synchronize()
+        cudart = torch.cuda.cudart()
+        for addr in self.pinned:
+            cudart.cudaHostUnregister(addr)
+        self.pinned = []
+
+    def slots_changed(self, why):
+        # Called from inside a libzclient call (under the connection's lock): CUDA only.
+        self.unpin()
+        if why == "unmap":
+            self.ranges = []
 
 
 class _ZoffloadOptimizer(torch.optim.Optimizer):
@@ -280,14 +325,11 @@ class _ZoffloadOptimizer(torch.optim.Optimizer):
 
     def _cuda_register(self, e):
         # Slots registered with CUDA: the copies to and from them are asynchronous on the
-        # current stream.  Compiled here; not run (no GPU on the machine that tests this).
-        cudart = torch.cuda.cudart()
-        for slot, flags in ((e.zt.grad, 0), (e.zt.param, 8)):     # 8: cudaHostRegisterReadOnly
-            addr = slot.address
-            r = cudart.cudaHostRegister(addr, slot.nbytes, flags)
-            if int(r) != 0:
-                raise RuntimeError(f"zoffload: cudaHostRegister of a slot failed ({r})")
-            e.cuda_addrs.append(addr)
+        # current stream.  Run here against a stand-in of torch's cudart (test_cuda_pins.py).
+        pins = _CudaPins(e.zt)
+        pins.pin()
+        e.pins = pins
+        e.zt.set_slots_hook(pins.slots_changed)
 
     # The step.
     def _update_of(self, group):
@@ -300,6 +342,8 @@ class _ZoffloadOptimizer(torch.optim.Optimizer):
     def _put_grad(self, p, e, grad, group):
         if grad.is_sparse:
             raise RuntimeError("zoffload: sparse gradients are not supported")
+        if e.pins is not None:
+            e.pins.repin()          # let go of at a reconnect that remapped the slots
         g = e.grad.view(p.shape)
         if grad.data_ptr() == g.data_ptr():
             # p.grad is the slot itself (see _finish): backward wrote it there.
@@ -561,15 +605,11 @@ class _ZoffloadOptimizer(torch.optim.Optimizer):
 
 def _drop_views(entries):
     """Lets go of every view of the entries' slots, which go away with their tensors."""
-    cudart = None
     for p, e in entries.items():
         if p.grad is not None and p.grad.data_ptr() == e.grad.data_ptr():
             p.grad = p.grad.clone()     # the slot goes away with the tensor
-        if e.cuda_addrs:
-            cudart = cudart or torch.cuda.cudart()
-            for addr in e.cuda_addrs:
-                cudart.cudaHostUnregister(addr)
-            e.cuda_addrs = []
+        if e.pins is not None:
+            e.pins.unpin()          # before unregister() unmaps (its hook would as well)
         e.grad = e.param = None
 
 
