@@ -7,10 +7,10 @@
 #include <string.h>
 #include <sys/mman.h>
 #include <sys/socket.h>
-#include <sys/un.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include "fake.h"
 #include "msgio.h"
 #include "proto.h"
 #include "zclient_cuda.h"
@@ -39,28 +39,7 @@
 	cr_assert_geq(r_, 0, "%s: %d: %s", #call, r_, zcc_errmsg());	\
 } while (0)
 
-static char dir[64];
-static pid_t child;
-
-static void
-teardown(void)
-{
-	char path[96];
-
-	if (child > 0) {
-		kill(child, SIGKILL);
-		waitpid(child, NULL, 0);
-	}
-	child = 0;
-	if (dir[0] != '\0') {
-		snprintf(path, sizeof(path), "%s/sock", dir);
-		unlink(path);
-		rmdir(dir);
-	}
-	dir[0] = '\0';
-}
-
-TestSuite(reconnect, .fini = teardown, .timeout = 60);
+TestSuite(reconnect, .fini = fake_teardown, .timeout = 60);
 
 /* What the daemon's first param slot holds, and what its step makes of a gradient. */
 static uint16_t
@@ -87,30 +66,6 @@ struct fake_slots {
 	uint16_t *grad, *param;
 	uint16_t cur[N];		/* the params, carried into the next life's file */
 };
-
-static void
-send_or_die(int sock, uint16_t type, uint64_t id, struct zp_msg *m, const int *fds,
-    unsigned nfds)
-{
-	static uint8_t buf[ZP_MAX_MESSAGE];
-	size_t len;
-
-	m->hdr.type = type;
-	m->hdr.request_id = id;
-	if (zp_encode(m, buf, sizeof(buf), &len) != ZP_S_OK || zp_send_raw(sock, buf, len, fds,
-	    nfds) != 0)
-		_exit(3);
-}
-
-static int
-memfd_of(size_t bytes)
-{
-	int fd = memfd_create("fake-slot", MFD_CLOEXEC);
-
-	if (fd < 0 || ftruncate(fd, (off_t)bytes) != 0)
-		_exit(4);
-	return fd;
-}
 
 /* New slot files, the fake's own mappings of them, the params written in. */
 static void
@@ -152,7 +107,6 @@ static void
 reply(int sock, const struct zp_msg *req, struct fake_slots *fs, int life)
 {
 	struct zp_msg m = { 0 };
-	int fd;
 
 	switch (req->hdr.type) {
 	case ZP_HELLO:
@@ -168,20 +122,12 @@ reply(int sock, const struct zp_msg *req, struct fake_slots *fs, int life)
 	case ZP_TENSOR_REGISTER:
 		tensor_ok(sock, req, fs, life);
 		break;
-	case ZP_XFER_OPEN:
-		fd = memfd_of(64 << 10);
-		m.u.xfer_ok.bytes = 64 << 10;
-		send_or_die(sock, ZP_XFER_OK, req->hdr.request_id, &m, &fd, 1);
-		close(fd);
-		break;
 	case ZP_STEP_SUBMIT:
 		step(sock, req, fs);
 		break;
-	case ZP_PING:
-		send_or_die(sock, ZP_PONG, req->hdr.request_id, &m, NULL, 0);
-		break;
 	default:
-		send_or_die(sock, ZP_OK, req->hdr.request_id, &m, NULL, 0);
+		/* XFER_OPEN, PING and the rest: as the client suite's fake answers them. */
+		default_reply(sock, req);
 		break;
 	}
 }
@@ -223,24 +169,15 @@ serve(int lfd)
 }
 
 static const char *
-fake_start(void)
+start_fake(void)
 {
-	static char path[96];
-	struct sockaddr_un sa = { .sun_family = AF_UNIX };
-	int lfd;
+	static char path[FAKE_PATH_MAX];
+	int lfd = fake_listen(path);
 
-	snprintf(dir, sizeof(dir), "/tmp/zoff-cuda-fake-XXXXXX");
-	cr_assert_not_null(mkdtemp(dir));
-	snprintf(path, sizeof(path), "%s/sock", dir);
-	snprintf(sa.sun_path, sizeof(sa.sun_path), "%s", path);
-	lfd = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
-	cr_assert_geq(lfd, 0);
-	cr_assert_eq(bind(lfd, (struct sockaddr *)&sa, sizeof(sa)), 0, "%s", strerror(errno));
-	cr_assert_eq(listen(lfd, 4), 0);
 	fflush(NULL);
-	child = fork();
-	cr_assert_geq(child, 0);
-	if (child == 0) {
+	fake_child = fork();
+	cr_assert_geq(fake_child, 0);
+	if (fake_child == 0) {
 		signal(SIGPIPE, SIG_IGN);
 		serve(lfd);
 	}
@@ -322,7 +259,7 @@ Test(reconnect, zero3_goes_on_through_slots_in_other_files)
 	ncclComm_t comm;
 	cudaStream_t s;
 	uint16_t *dgrad = NULL;
-	const char *path = fake_start();
+	const char *path = start_fake();
 	int status;
 
 	CUDA_OK(cudaSetDevice(0));
@@ -351,8 +288,8 @@ Test(reconnect, zero3_goes_on_through_slots_in_other_files)
 	one_step(z, f, dgrad, s, 2);
 	zcc_zero3_destroy(z);
 	zc_disconnect(c);
-	cr_assert_eq(waitpid(child, &status, 0), child);
-	child = 0;
+	cr_assert_eq(waitpid(fake_child, &status, 0), fake_child);
+	fake_child = 0;
 	cr_assert(WIFEXITED(status) && WEXITSTATUS(status) == 0,
 	    "the fake daemon failed (status 0x%x)", status);
 	cr_assert_eq(ncclCommDestroy(comm), ncclSuccess);
