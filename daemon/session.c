@@ -448,13 +448,20 @@ session_fail(struct zd_session *s)
 }
 
 static void
+close_fds(const int *fds, unsigned n)
+{
+	for (unsigned i = 0; i < n; i++)
+		close(fds[i]);
+}
+
+static void
 session_read_cb(evutil_socket_t fd, short what, void *arg)
 {
 	struct zd_session *s = arg;
 	uint8_t buf[ZP_MAX_MESSAGE];
 	struct zp_msg *msg;
 	char why[256];
-	int fds[ZP_MAX_FDS];
+	int fds[ZP_RECV_ALL_FDS];
 	unsigned nfds;
 	ssize_t n;
 
@@ -462,9 +469,18 @@ session_read_cb(evutil_socket_t fd, short what, void *arg)
 	if (msg == NULL)
 		return;
 	for (int i = 0; i < READ_BURST && !s->closing; i++) {
-		n = zp_recv_raw(s->fd, buf, sizeof(buf), fds, ZP_MAX_FDS, &nfds, MSG_DONTWAIT);
+		n = zp_recv_all(s->fd, buf, sizeof(buf), fds, &nfds, MSG_DONTWAIT);
 		if (n == -EAGAIN)
 			break;
+		/*
+		 * Every descriptor not for a handler is closed, an empty message's too: it
+		 * reads as the end, and what came with it was kept for ever.
+		 */
+		if (n <= 0 || nfds > ZP_MAX_FDS) {
+			close_fds(fds, nfds);
+			if (n > 0)
+				n = -ETOOMANYREFS;
+		}
 		if (n == 0 || n == -ECONNRESET) {
 			free(msg);
 			zd_session_close(s);
