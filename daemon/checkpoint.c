@@ -18,6 +18,7 @@
 #include "checkpoint.h"
 #include "checkpoint_io.h"
 #include "checkpoint_xfer.h"
+#include "closer.h"
 #include "daemon.h"
 #include "engine.h"
 #include "job.h"
@@ -34,54 +35,19 @@
  */
 #define CKPT_IO_THREADS 3
 
-/*
- * A replaced file's descriptor (CKPT_RELEASE), closed on an I/O thread; freed by the loop
- * after.  It is charged to its uid's descriptors (limits.uid_max_fds) from its arrival to
- * its close, and the charge keeps uid alive.  d->ckpt_releasing counts those held by
- * sessions and those queued here.
- */
-struct zd_ckpt_release {
-	struct zd_ckpt_job job;
-	int fd;
-	struct zd_uid *uid;
-};
-
-static void
-release_run(struct zd_ckpt_job *job)
-{
-	struct zd_ckpt_release *rel = (struct zd_ckpt_release *)job;
-
-	close(rel->fd);
-	rel->fd = -1;
-}
-
-/* A released file is closed: counted, and its descriptor's charge given back to uid. */
-static void
-release_closed(struct zd_daemon *d, struct zd_uid *uid)
+void
+zd_ckpt_release_closed(struct zd_daemon *d, struct zd_uid *uid)
 {
 	d->ckpt_releasing--;
 	d->ckpt_released++;
 	zd_uid_refund(d, uid, 1, 0, 0);
 }
 
-/* A job the threads finished was a release: counted and freed, true. */
-static bool
-release_done(struct zd_daemon *d, struct zd_ckpt_job *job)
-{
-	struct zd_ckpt_release *rel = (struct zd_ckpt_release *)job;
-
-	if (job->run != release_run)
-		return false;
-	release_closed(d, rel->uid);
-	zd_uid_put(d, rel->uid);
-	free(rel);
-	return true;
-}
-
 static void
-ckpt_free(struct zd_ckpt_write *w)
+ckpt_free(struct zd_daemon *d, struct zd_ckpt_write *w)
 {
-	close(w->fd);
+	zd_closer_close(d, w->uid, w->fd, ZD_CLOSE_CHARGED);
+	zd_uid_put(d, w->uid);
 	zd_ckpt_buf_put(w->buf[0], w->buf_elements);
 	zd_ckpt_buf_put(w->buf[1], w->buf_elements);
 	if (w->held != NULL)
@@ -98,7 +64,7 @@ ckpt_end(struct zd_daemon *d, struct zd_ckpt_write *w)
 	for (pp = &d->ckpt_writes; *pp != w; pp = &(*pp)->next)
 		;
 	*pp = w->next;
-	ckpt_free(w);
+	ckpt_free(d, w);
 	if (d->ckpt_io != NULL)
 		zd_maybe_finish(d);
 }
@@ -388,8 +354,6 @@ io_cb(evutil_socket_t fd, short what, void *arg)
 		uint64_t off[ZE_RAW_ARRAYS];
 		uint64_t bytes;
 
-		if (release_done(d, job))
-			continue;
 		s = zd_session_by_id(d, w->lane);
 		bytes = ze_raw_layout(w->format, w->io_n, off);
 		w->in_io = false;
@@ -437,8 +401,7 @@ zd_ckpt_stop(struct zd_daemon *d)
 		return;
 	zd_ckpt_io_stop(d->ckpt_io);
 	while ((job = zd_ckpt_io_take(d->ckpt_io)) != NULL)
-		if (!release_done(d, job))
-			((struct zd_ckpt_write *)job)->in_io = false;
+		((struct zd_ckpt_write *)job)->in_io = false;
 	/* Those with a piece in the engine end when it comes back (no session is left). */
 	for (w = d->ckpt_writes; w != NULL; w = next) {
 		next = w->next;
@@ -598,37 +561,27 @@ ckpt_new(struct zd_session *s, const struct zp_msg *msg, int fd)
 	memcpy(w->file_offset, req->file_offset, sizeof(w->file_offset));
 	memcpy(w->crc, req->crc, sizeof(w->crc));
 	snprintf(w->name, sizeof(w->name), "%s", t->name);
+	/* Its descriptor is the uid's until the closer has closed it: the charge keeps uid. */
+	w->uid = s->uid_usage;
+	zd_uid_hold_fd(s->daemon, w->uid);
 	return w;
 }
 
 void
 zd_ckpt_release_held(struct zd_session *s)
 {
-	struct zd_daemon *d = s->daemon;
-	struct zd_ckpt_release *rel;
 	int fd = s->released_fd;
 
 	if (fd < 0)
 		return;
 	s->released_fd = -1;
-	rel = d->ckpt_io != NULL ? calloc(1, sizeof(*rel)) : NULL;
-	if (rel == NULL) {
-		/* Freed here then, on the loop: the daemon is stopping, or out of memory. */
-		close(fd);
-		release_closed(d, s->uid_usage);
-		return;
-	}
-	rel->job.run = release_run;
-	rel->fd = fd;
-	rel->uid = s->uid_usage;
-	zd_ckpt_io_submit(d->ckpt_io, &rel->job);
+	zd_closer_close(s->daemon, s->uid_usage, fd, ZD_CLOSE_RELEASED);
 }
 
 /*
  * CKPT_RELEASE: fd held by the session until its next message (zd_ckpt_release_held), and
- * OK.  A refusal closes it here, on the loop, where it may be the file's last reference
- * (the client need not wait for our answer to close its own), as a refused CKPT_WRITE's
- * may: only a uid past its descriptors pays for that, or a descriptor that frees nothing.
+ * OK.  A refusal hands it to the closer like any other: it may be the file's last
+ * reference (the client need not wait for our answer to close its own).
  */
 static void
 release(struct zd_session *s, const struct zp_msg *msg, int fd)
@@ -640,14 +593,14 @@ release(struct zd_session *s, const struct zp_msg *msg, int fd)
 	int r;
 
 	if (fstat(fd, &st) < 0 || !S_ISREG(st.st_mode)) {
-		close(fd);
+		zd_closer_close(d, s->uid_usage, fd, ZD_CLOSE_UNCHARGED);
 		zd_session_error(s, msg->hdr.request_id, -EBADF, "CKPT_RELEASE: the descriptor "
 		    "is not a regular file");
 		return;
 	}
 	r = zd_uid_charge(d, s->uid_usage, 1, 0, 0, err, sizeof(err));
 	if (r < 0) {
-		close(fd);
+		zd_closer_close(d, s->uid_usage, fd, ZD_CLOSE_UNCHARGED);
 		zd_session_error(s, msg->hdr.request_id, r, "CKPT_RELEASE: %s", err);
 		return;
 	}
@@ -665,7 +618,7 @@ zd_handle_request_fd(struct zd_session *s, const struct zp_msg *msg, int fd)
 
 	if ((msg->hdr.type != ZP_CKPT_WRITE && msg->hdr.type != ZP_CKPT_READ &&
 	    msg->hdr.type != ZP_CKPT_RELEASE) || !s->hello_done) {
-		close(fd);
+		zd_closer_close(d, s->uid_usage, fd, ZD_CLOSE_UNCHARGED);
 		zd_handle_request(s, msg);	/* says what is wrong (no HELLO yet) */
 		return;
 	}
@@ -675,7 +628,7 @@ zd_handle_request_fd(struct zd_session *s, const struct zp_msg *msg, int fd)
 	}
 	w = ckpt_new(s, msg, fd);
 	if (w == NULL) {
-		close(fd);
+		zd_closer_close(d, s->uid_usage, fd, ZD_CLOSE_UNCHARGED);
 		return;
 	}
 	w->next = d->ckpt_writes;

@@ -17,6 +17,7 @@
 
 #include "arena.h"
 #include "checkpoint.h"
+#include "closer.h"
 #include "daemon.h"
 #include "engine.h"
 #include "job.h"
@@ -203,7 +204,7 @@ accept_cb(evutil_socket_t lfd, short what, void *arg)
 				snprintf(m.u.error.message, sizeof(m.u.error.message),
 				    "zoffloadd is out of descriptors");
 				(void)zp_send(fd, &m, NULL, 0);
-				close(fd);
+				zd_closer_close_socket(d, NULL, fd, ZD_CLOSE_CHARGED);
 				log_warnx("refused a client: out of descriptors");
 			}
 			d->spare_fd = open("/dev/null", O_RDONLY | O_CLOEXEC);
@@ -222,7 +223,8 @@ accept_cb(evutil_socket_t lfd, short what, void *arg)
 			    "zoffloadd serves at most %u clients (limits.max_clients)",
 			    d->cfg.max_clients);
 			(void)zp_send(fd, &m, NULL, 0);
-			close(fd);
+			/* What it sent before accept goes with the socket: off the loop. */
+			zd_closer_close_socket(d, NULL, fd, ZD_CLOSE_CHARGED);
 			log_warnx("refused a client: %u clients connected", d->nsessions);
 			continue;
 		}
@@ -577,6 +579,8 @@ start_engine(struct zd_daemon *d)
 			return -ENOMEM;
 	}
 	r = zd_ckpt_start(d);
+	if (r == 0)
+		r = zd_closer_start(d);
 	if (r < 0)
 		return r;
 	report_pinning(d);
@@ -758,6 +762,7 @@ out:
 	zd_metrics_free(metrics);
 	/* Checkpoint file I/O first: a save from memory holds its tensor's arrays. */
 	zd_ckpt_stop(d);
+	zd_closer_stop(d);
 	/* Work still queued finishes first (none is left after a drain); then the tiers go. */
 	ze_engine_free(d->engine);
 	d->engine = NULL;
