@@ -30,6 +30,7 @@ struct zd_uid {
 	uint64_t shm_bytes;		/* its tensors' slots and its sessions' transfer windows */
 	uint64_t queued_bytes;		/* replies its sessions have not read */
 	unsigned closing;		/* of its fds, those waiting for a closer thread (closer.c) */
+	unsigned metrics_conns;		/* its connections to the metrics endpoint (one fd each) */
 	struct ze_account *account;	/* the uid's budgets; tensors registered by it are charged here */
 };
 
