@@ -159,6 +159,10 @@ zd_job_attach(struct zd_session *s, const struct zp_job_open *req, char *err, si
 			    req->state_format, list);
 			return -EINVAL;
 		}
+		/* Its slot in the recovery table first: a restart must find every job kept. */
+		r = zd_table_room(d, s->uid, err, errlen);
+		if (r < 0)
+			return r;
 		job = zd_job_new(d, s->uid, name, world_size,
 		    req->policy != ZP_POLICY_DEFAULT ? req->policy : d->cfg.policy,
 		    req->pinned_budget > 0 ? req->pinned_budget : d->cfg.job_pinned_budget,
