@@ -549,6 +549,12 @@ session_read_cb(evutil_socket_t fd, short what, void *arg)
 			session_fail(s);
 			break;
 		}
+		/*
+		 * A reply built from the whole daemon (STATS, JOBS: 130 KB with 300 jobs) ends
+		 * the burst: pipelined, they cost the others one each per wakeup, not 32.
+		 */
+		if (msg->hdr.type == ZP_STATS || msg->hdr.type == ZP_JOBS)
+			break;
 	}
 	free(msg);
 }
