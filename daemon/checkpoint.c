@@ -447,6 +447,31 @@ check_fd(int fd, bool write, char *err, size_t errlen)
 }
 
 
+/* -EBADMSG with err when the file ends before an array of the range does. */
+static int
+short_file(int fd, const struct zp_ckpt_write *req, char *err, size_t errlen)
+{
+	struct stat st;
+
+	if (fstat(fd, &st) < 0)
+		return 0;	/* the read will say why */
+	for (unsigned i = 0; i < ZP_CKPT_ARRAYS; i++) {
+		uint64_t bytes = ze_raw_array_bytes((enum zk_state_format)req->format, i,
+		    req->count);
+		uint64_t end = req->file_offset[i] + bytes;
+
+		if (bytes == 0)
+			continue;
+		if (end < bytes || end > (uint64_t)st.st_size) {
+			snprintf(err, errlen, "the checkpoint file is %lld bytes, array %u of the "
+			    "range ends at byte %llu (truncated)", (long long)st.st_size, i,
+			    (unsigned long long)end);
+			return -EBADMSG;
+		}
+	}
+	return 0;
+}
+
 /* Validates the request; a new w, or NULL after answering why not. */
 static struct zd_ckpt_write *
 ckpt_new(struct zd_session *s, const struct zp_msg *msg, int fd)
@@ -498,6 +523,14 @@ ckpt_new(struct zd_session *s, const struct zp_msg *msg, int fd)
 		    "blocks", t->name, (unsigned long long)req->offset,
 		    (unsigned long long)(req->offset + req->count),
 		    zk_state_format_name(req->format), (unsigned long long)numel);
+		return NULL;
+	}
+	/*
+	 * A restore reads into the tensor as it goes: a file too short for what it names
+	 * would leave the elements before its end overwritten.  Refused before any is.
+	 */
+	if (restore && short_file(fd, req, err, sizeof(err)) < 0) {
+		zd_session_error(s, id, -EBADMSG, "tensor '%s': %s", t->name, err);
 		return NULL;
 	}
 	/*
