@@ -309,6 +309,10 @@ progress(struct zd_daemon *d, struct zd_ckpt_write *w)
 	s = d->ckpt_io != NULL ? zd_session_by_id(d, w->lane) : NULL;
 	/* The client went away, or its tensor did, or it was answered: the file is of no use. */
 	if (s == NULL || w->et == NULL || w->dead) {
+		/* Its tensor went (its rank's state expired): the request is still answered. */
+		if (s != NULL && !w->dead)
+			zd_session_error(s, w->id, -ENOENT, "tensor '%s' went during its checkpoint "
+			    "transfer: the file is incomplete", w->name);
 		ckpt_end(d, w);
 		return;
 	}
@@ -676,6 +680,15 @@ zd_handle_request_fd(struct zd_session *s, const struct zp_msg *msg, int fd)
 		fail(d, s, w, ze_errno(r), "tensor '%s': %s", w->name, ze_strerror(r));
 	else
 		progress(d, w);
+}
+
+bool
+zd_ckpt_in_transfer(const struct zd_daemon *d, const struct ze_tensor *et)
+{
+	for (const struct zd_ckpt_write *w = d->ckpt_writes; w != NULL; w = w->next)
+		if (w->et == et && !w->dead)
+			return true;
+	return false;
 }
 
 void

@@ -32,6 +32,11 @@ int zd_ckpt_start(struct zd_daemon *d);
 /* Joins the I/O threads and ends the transfers they had; before the engine goes. */
 void zd_ckpt_stop(struct zd_daemon *d);
 /* A tensor is freed: transfers of it end when what they have in flight comes back. */
+/*
+ * A save or restore of et is in flight: between its pieces the tensor is not busy, and a
+ * step, write, set_step, release or unregister then would tear what the file gets.
+ */
+bool zd_ckpt_in_transfer(const struct zd_daemon *d, const struct ze_tensor *et);
 void zd_ckpt_tensor_gone(struct zd_daemon *d, struct ze_tensor *et);
 /* "checkpoint" in the stats: bytes saved and restored, transfers in flight. */
 void zd_ckpt_stats_json(struct cJSON *root, const struct zd_daemon *d);
