@@ -325,6 +325,19 @@ adopt_record(struct ze_tensor *t, int fd, char *err, size_t errlen)
 		return -EBADMSG;
 	}
 	record_point(t);
+	/*
+	 * The stamps are outside the crc (they change with every step), but a unit is handed
+	 * its step (pend) before it is stamped with it: a stamp past its pend is not one the
+	 * engine wrote.
+	 */
+	for (uint64_t u = 0; u < t->nunits; u++)
+		if (t->unit_step[u] > t->unit_pend[u]) {
+			snprintf(err, errlen, "record of tensor '%s': unit %llu is stamped step %llu, "
+			    "past step %llu, the last it was given: its step stamps are corrupt",
+			    t->name, (unsigned long long)u, (unsigned long long)t->unit_step[u],
+			    (unsigned long long)t->unit_pend[u]);
+			return -EBADMSG;
+		}
 	t->param_resident = DYN(t->rec)->param_resident != 0;
 	t->param_dirty = DYN(t->rec)->param_dirty != 0;
 	return 0;
