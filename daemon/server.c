@@ -434,6 +434,11 @@ handoff(struct zd_daemon *d)
 		unlink_own_socket(d);
 		d->listen_fd = -1;
 	}
+	/*
+	 * The closer's closes end first: one after the store's descriptors are moved into
+	 * place (dup2 over numbers it may hold) would close one of them.
+	 */
+	zd_closer_stop(d);
 	log_info("handing %zu descriptor(s) over to %s", d->store.nlive, d->exe);
 	r = zd_fdstore_handoff(&d->store, d->exe, d->argv);
 	log_errorx("cannot hand over to %s: %s; the state is lost", d->exe, strerror(-r));
