@@ -90,6 +90,31 @@ get(const char *req, char *reply, size_t cap)
 	return request(req, strlen(req), reply, cap);
 }
 
+/* In a forked child (no assertions there): the status of a GET /metrics, or -errno. */
+static void
+get_as_child(void *arg, struct svc_report *out)
+{
+	static const char req[] = "GET /metrics HTTP/1.1\r\n\r\n";
+	struct sockaddr_in sa = { .sin_family = AF_INET, .sin_port = htons((uint16_t)port_) };
+	char buf[256];
+	int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0), code = 0;
+	ssize_t n;
+
+	sa.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+	if (fd < 0 || connect(fd, (struct sockaddr *)&sa, sizeof(sa)) != 0 ||
+	    send(fd, req, strlen(req), MSG_NOSIGNAL) != (ssize_t)strlen(req) ||
+	    (n = recv(fd, buf, sizeof(buf) - 1, 0)) <= 0) {
+		out->result = -errno;
+		snprintf(out->text, sizeof(out->text), "%s", strerror(errno));
+		return;
+	}
+	buf[n] = '\0';
+	(void)sscanf(buf, "HTTP/1.%*d %d", &code);
+	out->result = code;
+	snprintf(out->text, sizeof(out->text), "%.200s", buf);
+	close(fd);
+}
+
 Test(metrics_http, answers_and_refusals)
 {
 	static char reply[1 << 20], big[20000];
@@ -186,6 +211,14 @@ Test(metrics_http, connections_capped_per_uid)
 		buf[n] = '\0';
 		cr_assert(strstr(buf, " 503 ") != NULL && strstr(buf, "metrics connections") != NULL,
 		    "%s", buf);
+	}
+	/* Another uid is served meanwhile: a loopback TCP peer's uid is told apart. */
+	if (geteuid() == 0) {
+		struct svc_report rep;
+
+		svc_in_child(65534, get_as_child, NULL, &rep);
+		cr_assert_eq(rep.result, 200, "another uid's GET while one uid holds 4: %d %s",
+		    rep.result, rep.text);
 	}
 	for (int i = 0; i < HELD; i++)
 		close(held[i]);
