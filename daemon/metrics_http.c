@@ -128,8 +128,8 @@ bad:
 #define LINGER_MAX (64u << 10)
 
 /*
- * One connection: its socket (charged to uid's descriptors, ZD_FD_RESERVE aside, until the
- * closer closes it), the request read so far, the reply being written.
+ * One connection: its socket (one of its uid's descriptors until it is closed), the request
+ * read so far, the reply being written.
  */
 struct mconn {
 	TAILQ_ENTRY(mconn) entry;
@@ -211,7 +211,10 @@ metrics_reply(struct mconn *c, bool head)
 	cJSON_Delete(tree);
 }
 
-/* The header named name (lower case, with its colon) has a value other than "0". */
+/*
+ * A header named name (with its colon, any case), before the blank line that ends them,
+ * has a value other than "0".
+ */
 static bool
 has_header(const char *headers, const char *name)
 {
@@ -220,6 +223,8 @@ has_header(const char *headers, const char *name)
 	for (const char *p = headers; p != NULL && *p != '\0'; p = strchr(p, '\n')) {
 		if (*p == '\n')
 			p++;
+		if (*p == '\r' || *p == '\n')
+			return false;
 		if (strncasecmp(p, name, n) == 0) {
 			p += n;
 			while (*p == ' ' || *p == '\t')
