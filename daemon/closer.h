@@ -26,7 +26,10 @@ enum zd_close_kind {
 	ZD_CLOSE_RELEASED,	/* a CKPT_RELEASE file (charged): counted in d->ckpt_released */
 };
 
-/* Threads and their eventfd on d's loop; ZOFFLOADD_TEST_CLOSE_GATE names a FIFO that holds each close (tests). */
+/*
+ * Threads and their eventfd on d's loop; ZOFFLOADD_TEST_CLOSE_GATE names a FIFO that each
+ * close waits to open (tests).
+ */
 int zd_closer_start(struct zd_daemon *d);
 /* Closes what is left (on the threads), joins them; later closes happen in place. */
 void zd_closer_stop(struct zd_daemon *d);
