@@ -112,6 +112,7 @@ static void
 submit(struct zd_daemon *d, struct zd_ckpt_write *w)
 {
 	w->job.run = zd_ckpt_piece_run;
+	w->job.key = w->uid;
 	w->in_io = true;
 	zd_ckpt_io_submit(d->ckpt_io, &w->job);
 }
