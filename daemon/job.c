@@ -190,6 +190,13 @@ zd_job_unref(struct zd_daemon *d, struct zd_job *job)
 	log_info("job '%s' (id %llu) closed after %llu steps", job->name,
 	    (unsigned long long)job->id, (unsigned long long)job->steps_applied);
 	zd_forget_job(d, job);
+	zd_job_discard(d, job);
+	return true;
+}
+
+void
+zd_job_discard(struct zd_daemon *d, struct zd_job *job)
+{
 	TAILQ_REMOVE(&d->jobs, job, entry);
 	d->njobs--;
 	ze_account_unref(job->account);
@@ -197,7 +204,6 @@ zd_job_unref(struct zd_daemon *d, struct zd_job *job)
 	TAILQ_REMOVE(&job->owner->job_list, job, uid_entry);
 	zd_uid_put(d, job->owner);
 	free(job);
-	return true;
 }
 
 static void tensor_free(struct zd_daemon *d, struct zd_tensor *t);

@@ -461,7 +461,7 @@ adopt_one(struct zd_daemon *d, const char *id, uint64_t *pinned, uint64_t *nvme)
 	struct ze_tensor *et = NULL;
 	struct zd_job *job;
 	char name[48], err[400];
-	bool alt;
+	bool alt, made;
 	int r, alt_fd;
 
 	snprintf(name, sizeof(name), "zt%s.rec", id);
@@ -495,6 +495,7 @@ adopt_one(struct zd_daemon *d, const char *id, uint64_t *pinned, uint64_t *nvme)
 		goto fail;
 	}
 	job = find_job(d, info.owner[OWNER_JOB]);
+	made = job == NULL;
 	for (unsigned j = 0; job == NULL && j < ZD_TABLE_JOBS; j++) {
 		const struct zd_table_job *tj = &d->table->jobs[j];
 
@@ -537,6 +538,9 @@ adopt_one(struct zd_daemon *d, const char *id, uint64_t *pinned, uint64_t *nvme)
 	if (r < 0) {
 		log_errorx("refusing to start: job '%s' rank %u: %s", job->name,
 		    (unsigned)info.owner[OWNER_RANK], err);
+		/* Rebuilt for this tensor alone: it goes, and its slot stays as kept. */
+		if (made)
+			zd_job_discard(d, job);
 		goto fail;
 	}
 	d->recovered_tensors++;
