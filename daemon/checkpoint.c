@@ -18,6 +18,7 @@
 #include "checkpoint.h"
 #include "checkpoint_io.h"
 #include "checkpoint_xfer.h"
+#include "closer.h"
 #include "daemon.h"
 #include "engine.h"
 #include "job.h"
@@ -34,54 +35,19 @@
  */
 #define CKPT_IO_THREADS 3
 
-/*
- * A replaced file's descriptor (CKPT_RELEASE), closed on an I/O thread; freed by the loop
- * after.  It is charged to its uid's descriptors (limits.uid_max_fds) from its arrival to
- * its close, and the charge keeps uid alive.  d->ckpt_releasing counts those held by
- * sessions and those queued here.
- */
-struct zd_ckpt_release {
-	struct zd_ckpt_job job;
-	int fd;
-	struct zd_uid *uid;
-};
-
-static void
-release_run(struct zd_ckpt_job *job)
-{
-	struct zd_ckpt_release *rel = (struct zd_ckpt_release *)job;
-
-	close(rel->fd);
-	rel->fd = -1;
-}
-
-/* A released file is closed: counted, and its descriptor's charge given back to uid. */
-static void
-release_closed(struct zd_daemon *d, struct zd_uid *uid)
+void
+zd_ckpt_release_closed(struct zd_daemon *d, struct zd_uid *uid)
 {
 	d->ckpt_releasing--;
 	d->ckpt_released++;
 	zd_uid_refund(d, uid, 1, 0, 0);
 }
 
-/* A job the threads finished was a release: counted and freed, true. */
-static bool
-release_done(struct zd_daemon *d, struct zd_ckpt_job *job)
-{
-	struct zd_ckpt_release *rel = (struct zd_ckpt_release *)job;
-
-	if (job->run != release_run)
-		return false;
-	release_closed(d, rel->uid);
-	zd_uid_put(d, rel->uid);
-	free(rel);
-	return true;
-}
-
 static void
-ckpt_free(struct zd_ckpt_write *w)
+ckpt_free(struct zd_daemon *d, struct zd_ckpt_write *w)
 {
-	close(w->fd);
+	zd_closer_close(d, w->uid, w->fd, ZD_CLOSE_CHARGED);
+	zd_uid_put(d, w->uid);
 	zd_ckpt_buf_put(w->buf[0], w->buf_elements);
 	zd_ckpt_buf_put(w->buf[1], w->buf_elements);
 	if (w->held != NULL)
@@ -98,7 +64,7 @@ ckpt_end(struct zd_daemon *d, struct zd_ckpt_write *w)
 	for (pp = &d->ckpt_writes; *pp != w; pp = &(*pp)->next)
 		;
 	*pp = w->next;
-	ckpt_free(w);
+	ckpt_free(d, w);
 	if (d->ckpt_io != NULL)
 		zd_maybe_finish(d);
 }
@@ -146,6 +112,7 @@ static void
 submit(struct zd_daemon *d, struct zd_ckpt_write *w)
 {
 	w->job.run = zd_ckpt_piece_run;
+	w->job.key = w->uid;
 	w->in_io = true;
 	zd_ckpt_io_submit(d->ckpt_io, &w->job);
 }
@@ -343,6 +310,10 @@ progress(struct zd_daemon *d, struct zd_ckpt_write *w)
 	s = d->ckpt_io != NULL ? zd_session_by_id(d, w->lane) : NULL;
 	/* The client went away, or its tensor did, or it was answered: the file is of no use. */
 	if (s == NULL || w->et == NULL || w->dead) {
+		/* Its tensor went (its rank's state expired): the request is still answered. */
+		if (s != NULL && !w->dead)
+			zd_session_error(s, w->id, -ENOENT, "tensor '%s' went during its checkpoint "
+			    "transfer: the file is incomplete", w->name);
 		ckpt_end(d, w);
 		return;
 	}
@@ -388,8 +359,6 @@ io_cb(evutil_socket_t fd, short what, void *arg)
 		uint64_t off[ZE_RAW_ARRAYS];
 		uint64_t bytes;
 
-		if (release_done(d, job))
-			continue;
 		s = zd_session_by_id(d, w->lane);
 		bytes = ze_raw_layout(w->format, w->io_n, off);
 		w->in_io = false;
@@ -437,8 +406,7 @@ zd_ckpt_stop(struct zd_daemon *d)
 		return;
 	zd_ckpt_io_stop(d->ckpt_io);
 	while ((job = zd_ckpt_io_take(d->ckpt_io)) != NULL)
-		if (!release_done(d, job))
-			((struct zd_ckpt_write *)job)->in_io = false;
+		((struct zd_ckpt_write *)job)->in_io = false;
 	/* Those with a piece in the engine end when it comes back (no session is left). */
 	for (w = d->ckpt_writes; w != NULL; w = next) {
 		next = w->next;
@@ -483,6 +451,31 @@ check_fd(int fd, bool write, char *err, size_t errlen)
 	return 0;
 }
 
+
+/* -EBADMSG with err when the file ends before an array of the range does. */
+static int
+short_file(int fd, const struct zp_ckpt_write *req, char *err, size_t errlen)
+{
+	struct stat st;
+
+	if (fstat(fd, &st) < 0)
+		return 0;	/* the read will say why */
+	for (unsigned i = 0; i < ZP_CKPT_ARRAYS; i++) {
+		uint64_t bytes = ze_raw_array_bytes((enum zk_state_format)req->format, i,
+		    req->count);
+		uint64_t end = req->file_offset[i] + bytes;
+
+		if (bytes == 0)
+			continue;
+		if (end < bytes || end > (uint64_t)st.st_size) {
+			snprintf(err, errlen, "the checkpoint file is %lld bytes, array %u of the "
+			    "range ends at byte %llu (truncated)", (long long)st.st_size, i,
+			    (unsigned long long)end);
+			return -EBADMSG;
+		}
+	}
+	return 0;
+}
 
 /* Validates the request; a new w, or NULL after answering why not. */
 static struct zd_ckpt_write *
@@ -535,6 +528,14 @@ ckpt_new(struct zd_session *s, const struct zp_msg *msg, int fd)
 		    "blocks", t->name, (unsigned long long)req->offset,
 		    (unsigned long long)(req->offset + req->count),
 		    zk_state_format_name(req->format), (unsigned long long)numel);
+		return NULL;
+	}
+	/*
+	 * A restore reads into the tensor as it goes: a file too short for what it names
+	 * would leave the elements before its end overwritten.  Refused before any is.
+	 */
+	if (restore && short_file(fd, req, err, sizeof(err)) < 0) {
+		zd_session_error(s, id, -EBADMSG, "tensor '%s': %s", t->name, err);
 		return NULL;
 	}
 	/*
@@ -598,37 +599,27 @@ ckpt_new(struct zd_session *s, const struct zp_msg *msg, int fd)
 	memcpy(w->file_offset, req->file_offset, sizeof(w->file_offset));
 	memcpy(w->crc, req->crc, sizeof(w->crc));
 	snprintf(w->name, sizeof(w->name), "%s", t->name);
+	/* Its descriptor is the uid's until the closer has closed it: the charge keeps uid. */
+	w->uid = s->uid_usage;
+	zd_uid_hold_fd(s->daemon, w->uid);
 	return w;
 }
 
 void
 zd_ckpt_release_held(struct zd_session *s)
 {
-	struct zd_daemon *d = s->daemon;
-	struct zd_ckpt_release *rel;
 	int fd = s->released_fd;
 
 	if (fd < 0)
 		return;
 	s->released_fd = -1;
-	rel = d->ckpt_io != NULL ? calloc(1, sizeof(*rel)) : NULL;
-	if (rel == NULL) {
-		/* Freed here then, on the loop: the daemon is stopping, or out of memory. */
-		close(fd);
-		release_closed(d, s->uid_usage);
-		return;
-	}
-	rel->job.run = release_run;
-	rel->fd = fd;
-	rel->uid = s->uid_usage;
-	zd_ckpt_io_submit(d->ckpt_io, &rel->job);
+	zd_closer_close(s->daemon, s->uid_usage, fd, ZD_CLOSE_RELEASED);
 }
 
 /*
  * CKPT_RELEASE: fd held by the session until its next message (zd_ckpt_release_held), and
- * OK.  A refusal closes it here, on the loop, where it may be the file's last reference
- * (the client need not wait for our answer to close its own), as a refused CKPT_WRITE's
- * may: only a uid past its descriptors pays for that, or a descriptor that frees nothing.
+ * OK.  A refusal hands it to the closer like any other: it may be the file's last
+ * reference (the client need not wait for our answer to close its own).
  */
 static void
 release(struct zd_session *s, const struct zp_msg *msg, int fd)
@@ -640,14 +631,14 @@ release(struct zd_session *s, const struct zp_msg *msg, int fd)
 	int r;
 
 	if (fstat(fd, &st) < 0 || !S_ISREG(st.st_mode)) {
-		close(fd);
+		zd_closer_close(d, s->uid_usage, fd, ZD_CLOSE_UNCHARGED);
 		zd_session_error(s, msg->hdr.request_id, -EBADF, "CKPT_RELEASE: the descriptor "
 		    "is not a regular file");
 		return;
 	}
 	r = zd_uid_charge(d, s->uid_usage, 1, 0, 0, err, sizeof(err));
 	if (r < 0) {
-		close(fd);
+		zd_closer_close(d, s->uid_usage, fd, ZD_CLOSE_UNCHARGED);
 		zd_session_error(s, msg->hdr.request_id, r, "CKPT_RELEASE: %s", err);
 		return;
 	}
@@ -665,7 +656,7 @@ zd_handle_request_fd(struct zd_session *s, const struct zp_msg *msg, int fd)
 
 	if ((msg->hdr.type != ZP_CKPT_WRITE && msg->hdr.type != ZP_CKPT_READ &&
 	    msg->hdr.type != ZP_CKPT_RELEASE) || !s->hello_done) {
-		close(fd);
+		zd_closer_close(d, s->uid_usage, fd, ZD_CLOSE_UNCHARGED);
 		zd_handle_request(s, msg);	/* says what is wrong (no HELLO yet) */
 		return;
 	}
@@ -675,7 +666,7 @@ zd_handle_request_fd(struct zd_session *s, const struct zp_msg *msg, int fd)
 	}
 	w = ckpt_new(s, msg, fd);
 	if (w == NULL) {
-		close(fd);
+		zd_closer_close(d, s->uid_usage, fd, ZD_CLOSE_UNCHARGED);
 		return;
 	}
 	w->next = d->ckpt_writes;
@@ -690,6 +681,15 @@ zd_handle_request_fd(struct zd_session *s, const struct zp_msg *msg, int fd)
 		fail(d, s, w, ze_errno(r), "tensor '%s': %s", w->name, ze_strerror(r));
 	else
 		progress(d, w);
+}
+
+bool
+zd_ckpt_in_transfer(const struct zd_daemon *d, const struct ze_tensor *et)
+{
+	for (const struct zd_ckpt_write *w = d->ckpt_writes; w != NULL; w = w->next)
+		if (w->et == et && !w->dead)
+			return true;
+	return false;
 }
 
 void

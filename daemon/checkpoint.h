@@ -7,6 +7,7 @@
 
 #include "proto.h"
 
+struct zd_uid;
 struct cJSON;
 struct zd_daemon;
 struct zd_session;
@@ -22,6 +23,8 @@ void zd_handle_request_fd(struct zd_session *s, const struct zp_msg *msg, int fd
  * the session's next message and at its end.
  */
 void zd_ckpt_release_held(struct zd_session *s);
+/* The closer closed a CKPT_RELEASE file of uid's: counted, and its charge given back. */
+void zd_ckpt_release_closed(struct zd_daemon *d, struct zd_uid *uid);
 /* An engine io_done that belongs to a checkpoint transfer: handled, true. */
 bool zd_ckpt_io_done(struct zd_daemon *d, uint32_t lane, uint64_t id, void *user, int result);
 /* The I/O threads and their event on the loop; 0 or -errno. */
@@ -29,6 +32,11 @@ int zd_ckpt_start(struct zd_daemon *d);
 /* Joins the I/O threads and ends the transfers they had; before the engine goes. */
 void zd_ckpt_stop(struct zd_daemon *d);
 /* A tensor is freed: transfers of it end when what they have in flight comes back. */
+/*
+ * A save or restore of et is in flight: between its pieces the tensor is not busy, and a
+ * step, write, set_step, release or unregister then would tear what the file gets.
+ */
+bool zd_ckpt_in_transfer(const struct zd_daemon *d, const struct ze_tensor *et);
 void zd_ckpt_tensor_gone(struct zd_daemon *d, struct ze_tensor *et);
 /* "checkpoint" in the stats: bytes saved and restored, transfers in flight. */
 void zd_ckpt_stats_json(struct cJSON *root, const struct zd_daemon *d);

@@ -17,6 +17,8 @@
 #include "checkpoint_io.h"
 
 #define MAX_THREADS 8
+/* Keys remembered for their last start; past it the oldest is forgotten (it counts as new). */
+#define RECENT_KEYS 64
 
 TAILQ_HEAD(job_list, zd_ckpt_job);
 
@@ -34,7 +36,67 @@ struct zd_ckpt_io {
 	const char *gate;
 	unsigned nthreads;
 	pthread_t threads[MAX_THREADS];
+	const void *running[MAX_THREADS];	/* the key of each thread's job (NULL: idle) */
+	struct { const void *key; uint64_t seq; } recent[RECENT_KEYS];	/* last starts */
+	uint64_t seq;
 };
+
+static unsigned
+running_of(const struct zd_ckpt_io *io, const void *key)
+{
+	unsigned n = 0;
+
+	for (unsigned i = 0; i < MAX_THREADS; i++)
+		n += io->running[i] == key;
+	return n;
+}
+
+static uint64_t
+last_start(const struct zd_ckpt_io *io, const void *key)
+{
+	for (unsigned i = 0; i < RECENT_KEYS; i++)
+		if (io->recent[i].seq != 0 && io->recent[i].key == key)
+			return io->recent[i].seq;
+	return 0;
+}
+
+static void
+started(struct zd_ckpt_io *io, const void *key)
+{
+	unsigned at = 0;
+
+	for (unsigned i = 0; i < RECENT_KEYS; i++) {
+		if (io->recent[i].seq != 0 && io->recent[i].key == key) {
+			at = i;
+			break;
+		}
+		if (io->recent[i].seq < io->recent[at].seq)
+			at = i;
+	}
+	io->recent[at].key = key;
+	io->recent[at].seq = ++io->seq;
+}
+
+/* The job to start: its key has the fewest running, then the oldest last start; FIFO within. */
+static struct zd_ckpt_job *
+pick(struct zd_ckpt_io *io)
+{
+	struct zd_ckpt_job *job, *best = NULL;
+	unsigned best_running = 0;
+	uint64_t best_last = 0;
+
+	TAILQ_FOREACH(job, &io->queue, entry) {
+		unsigned r = running_of(io, job->key);
+		uint64_t last = last_start(io, job->key);
+
+		if (best == NULL || r < best_running || (r == best_running && last < best_last)) {
+			best = job;
+			best_running = r;
+			best_last = last;
+		}
+	}
+	return best;
+}
 
 static void
 wait_gate(const char *gate)
@@ -48,21 +110,30 @@ wait_gate(const char *gate)
 		close(fd);
 }
 
+struct io_thread {
+	struct zd_ckpt_io *io;
+	unsigned index;
+};
+
 static void *
 io_main(void *arg)
 {
-	struct zd_ckpt_io *io = arg;
+	struct zd_ckpt_io *io = ((struct io_thread *)arg)->io;
+	unsigned self = ((struct io_thread *)arg)->index;
 	struct zd_ckpt_job *job;
 	uint64_t one = 1;
 
+	free(arg);
 	pthread_mutex_lock(&io->lock);
 	for (;;) {
 		while (TAILQ_EMPTY(&io->queue) && !io->stopping)
 			pthread_cond_wait(&io->cond, &io->lock);
-		job = TAILQ_FIRST(&io->queue);
+		job = pick(io);
 		if (job == NULL)
 			break;
 		TAILQ_REMOVE(&io->queue, job, entry);
+		io->running[self] = job->key;
+		started(io, job->key);
 		pthread_mutex_unlock(&io->lock);
 
 		if (io->gate != NULL)
@@ -70,6 +141,7 @@ io_main(void *arg)
 		job->run(job);
 
 		pthread_mutex_lock(&io->lock);
+		io->running[self] = NULL;
 		TAILQ_INSERT_TAIL(&io->done, job, entry);
 		(void)!write(io->efd, &one, sizeof(one));
 	}
@@ -99,9 +171,18 @@ zd_ckpt_io_new(unsigned nthreads, const char *gate, struct zd_ckpt_io **ret)
 		goto fail;
 	}
 	for (; io->nthreads < nthreads; io->nthreads++) {
-		r = -pthread_create(&io->threads[io->nthreads], NULL, io_main, io);
-		if (r < 0)
+		struct io_thread *t = malloc(sizeof(*t));
+
+		if (t == NULL) {
+			r = -ENOMEM;
 			goto fail;
+		}
+		*t = (struct io_thread){ .io = io, .index = io->nthreads };
+		r = -pthread_create(&io->threads[io->nthreads], NULL, io_main, t);
+		if (r < 0) {
+			free(t);
+			goto fail;
+		}
 	}
 	*ret = io;
 	return 0;

@@ -13,6 +13,12 @@ struct zd_ckpt_io;
 struct zd_ckpt_job {
 	TAILQ_ENTRY(zd_ckpt_job) entry;
 	void (*run)(struct zd_ckpt_job *job);	/* on an I/O thread */
+	/*
+	 * Whose it is (the daemon's: the uid), for taking turns: a free thread takes a job of
+	 * the key with the fewest jobs running, then the one that started one least recently,
+	 * so that one key's many transfers do not hold back another's one.
+	 */
+	const void *key;
 };
 
 /*

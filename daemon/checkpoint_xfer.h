@@ -12,6 +12,8 @@
 #include "engine.h"
 #include "proto.h"
 
+struct zd_uid;
+
 /*
  * Elements per piece: a transfer moves a request's range a piece at a time through two
  * buffers.  A save reads the next piece from the tiers (NVMe: through the staging
@@ -69,7 +71,8 @@ struct zd_ckpt_write {
 	struct zd_ckpt_write *next;
 	uint32_t lane;
 	uint64_t id;			/* the request's */
-	int fd;
+	int fd;				/* charged to uid's descriptors until closed */
+	struct zd_uid *uid;
 	struct ze_tensor *et;
 	struct ze_tensor *held;		/* state in memory: busy until w ends */
 	bool restore;

@@ -135,6 +135,8 @@ zd_config_defaults(struct zd_config *cfg)
 	cfg->chunk_elements = 4u << 20;
 	cfg->policy = 3;
 	cfg->max_clients = 1024;
+	/* A node's ranks and tools need a few each; one uid cannot take every connection. */
+	cfg->max_clients_per_uid = 64;
 	cfg->max_queued_messages = 8192;
 	cfg->max_queued_bytes = 16ull << 20;
 	cfg->uid_queued_bytes = 64ull << 20;

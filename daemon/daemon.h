@@ -31,6 +31,7 @@ struct zd_swap_sample {
 
 struct zd_ckpt_io;
 struct zd_ckpt_write;
+struct zd_closer;
 
 /*
  * One per process.  Owns the engine (and through it every tensor's state),
@@ -76,6 +77,8 @@ struct zd_daemon {
 	uint64_t ckpt_bytes_read;		/* read from them (restores) */
 	unsigned ckpt_releasing;		/* CKPT_RELEASE files held or queued to close */
 	uint64_t ckpt_released;			/* and closed */
+	struct zd_closer *closer;		/* closer.c: client descriptors, closed off the loop */
+	uint64_t closed_off_loop;		/* by it */
 	/* recover.c: what outlives the process, and what a restart found of it */
 	struct zd_fdstore store;
 	struct zd_table *table;

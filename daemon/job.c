@@ -159,6 +159,10 @@ zd_job_attach(struct zd_session *s, const struct zp_job_open *req, char *err, si
 			    req->state_format, list);
 			return -EINVAL;
 		}
+		/* Its slot in the recovery table first: a restart must find every job kept. */
+		r = zd_table_room(d, s->uid, err, errlen);
+		if (r < 0)
+			return r;
 		job = zd_job_new(d, s->uid, name, world_size,
 		    req->policy != ZP_POLICY_DEFAULT ? req->policy : d->cfg.policy,
 		    req->pinned_budget > 0 ? req->pinned_budget : d->cfg.job_pinned_budget,
@@ -186,6 +190,13 @@ zd_job_unref(struct zd_daemon *d, struct zd_job *job)
 	log_info("job '%s' (id %llu) closed after %llu steps", job->name,
 	    (unsigned long long)job->id, (unsigned long long)job->steps_applied);
 	zd_forget_job(d, job);
+	zd_job_discard(d, job);
+	return true;
+}
+
+void
+zd_job_discard(struct zd_daemon *d, struct zd_job *job)
+{
 	TAILQ_REMOVE(&d->jobs, job, entry);
 	d->njobs--;
 	ze_account_unref(job->account);
@@ -193,7 +204,6 @@ zd_job_unref(struct zd_daemon *d, struct zd_job *job)
 	TAILQ_REMOVE(&job->owner->job_list, job, uid_entry);
 	zd_uid_put(d, job->owner);
 	free(job);
-	return true;
 }
 
 static void tensor_free(struct zd_daemon *d, struct zd_tensor *t);

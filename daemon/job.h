@@ -105,6 +105,8 @@ int zd_job_attach(struct zd_session *s, const struct zp_job_open *req, char *err
 void zd_job_detach(struct zd_session *s, bool keep);
 /* true when that was the last reference and the job is gone. */
 bool zd_job_unref(struct zd_daemon *d, struct zd_job *job);
+/* Frees a job that holds nothing, its recovery-table slot left as it is (a refused start). */
+void zd_job_discard(struct zd_daemon *d, struct zd_job *job);
 /* Frees detached tensors past the grace period, or all of them. */
 void zd_job_expire_detached(struct zd_daemon *d, bool all);
 int zd_job_drop(struct zd_session *s, const char *name, char *err, size_t errlen);

@@ -9,6 +9,7 @@
 #include <unistd.h>
 
 #include "build_config.h"
+#include "checkpoint.h"
 #include "daemon.h"
 #include "engine.h"
 #include "job.h"
@@ -157,6 +158,10 @@ find_tensor(struct zd_session *s, uint64_t request_id, uint32_t handle)
 		    handle);
 	else if (ze_tensor_busy(t->et)) {
 		zd_session_error(s, request_id, -EBUSY, "tensor '%s' is in a step", t->name);
+		t = NULL;
+	} else if (zd_ckpt_in_transfer(s->daemon, t->et)) {
+		zd_session_error(s, request_id, -EBUSY, "tensor '%s' is in a checkpoint transfer; "
+		    "wait for its answer first", t->name);
 		t = NULL;
 	}
 	return t;
@@ -327,6 +332,13 @@ handle_step_submit(struct zd_session *s, const struct zp_msg *msg)
 			free(ts);
 			return;
 		}
+		if (zd_ckpt_in_transfer(s->daemon, t->et)) {
+			snprintf(err, sizeof(err), "step %llu: tensor '%s' is in a checkpoint "
+			    "transfer", (unsigned long long)req->step, t->name);
+			refuse_step(s, msg, -EBUSY, err);
+			free(ts);
+			return;
+		}
 		ts[i] = t->et;
 	}
 	/* Counted first: the engine may report a step that has nothing left to do at once. */
@@ -431,7 +443,7 @@ handle_param_release(struct zd_session *s, const struct zp_msg *msg)
 	for (uint32_t i = 0; i < h->count; i++) {
 		struct zd_tensor *t = zd_session_tensor(s, h->handles[i]);
 
-		if (t == NULL || ze_tensor_busy(t->et)) {
+		if (t == NULL || ze_tensor_busy(t->et) || zd_ckpt_in_transfer(s->daemon, t->et)) {
 			zd_session_error(s, msg->hdr.request_id, t == NULL ? -ENOENT : -EBUSY,
 			    "PARAM_RELEASE: tensor handle %u %s", h->handles[i], t != NULL ?
 			    "is in a step or transfer" : "is not on this connection");
@@ -496,6 +508,13 @@ zd_handle_request(struct zd_session *s, const struct zp_msg *msg)
 			zd_session_error(s, id, -EBUSY, "steps are still in flight; wait for them first");
 			return;
 		}
+		for (uint32_t i = 0; i < s->ntensor_slots; i++)
+			if (s->tensors[i] != NULL && zd_ckpt_in_transfer(s->daemon,
+			    s->tensors[i]->et)) {
+				zd_session_error(s, id, -EBUSY, "tensor '%s' is in a checkpoint "
+				    "transfer; wait for its answer first", s->tensors[i]->name);
+				return;
+			}
 		zd_job_detach(s, false);
 		reply_ok(s, id);
 		break;

@@ -22,6 +22,12 @@
 #define ZD_TABLE_MAGIC 0x316c6274666f7a7aull	/* "zzoftbl1" */
 #define ZD_TABLE_VERSION 1u
 #define ZD_TABLE_JOBS 1024
+/*
+ * A uid's share of the table: the jobs one uid (but root) may hold at once, so that one
+ * uid cannot take every slot.  A job is refused when its slot cannot be had, never made
+ * without one: a tensor kept for a job the table does not list makes a restart refuse.
+ */
+#define ZD_TABLE_UID_JOBS (ZD_TABLE_JOBS / 4)
 
 enum { SWAP_FILE = 1, SWAP_UNNAMED = 2, SWAP_BLOCKDEV = 3 };
 
@@ -455,7 +461,7 @@ adopt_one(struct zd_daemon *d, const char *id, uint64_t *pinned, uint64_t *nvme)
 	struct ze_tensor *et = NULL;
 	struct zd_job *job;
 	char name[48], err[400];
-	bool alt;
+	bool alt, made;
 	int r, alt_fd;
 
 	snprintf(name, sizeof(name), "zt%s.rec", id);
@@ -489,6 +495,7 @@ adopt_one(struct zd_daemon *d, const char *id, uint64_t *pinned, uint64_t *nvme)
 		goto fail;
 	}
 	job = find_job(d, info.owner[OWNER_JOB]);
+	made = job == NULL;
 	for (unsigned j = 0; job == NULL && j < ZD_TABLE_JOBS; j++) {
 		const struct zd_table_job *tj = &d->table->jobs[j];
 
@@ -531,6 +538,9 @@ adopt_one(struct zd_daemon *d, const char *id, uint64_t *pinned, uint64_t *nvme)
 	if (r < 0) {
 		log_errorx("refusing to start: job '%s' rank %u: %s", job->name,
 		    (unsigned)info.owner[OWNER_RANK], err);
+		/* Rebuilt for this tensor alone: it goes, and its slot stays as kept. */
+		if (made)
+			zd_job_discard(d, job);
 		goto fail;
 	}
 	d->recovered_tensors++;
@@ -623,6 +633,30 @@ zd_recover_end(struct zd_daemon *d)
 		close(d->table_fd);
 	d->table = NULL;
 	d->table_fd = -1;
+}
+
+int
+zd_table_room(struct zd_daemon *d, uid_t uid, char *err, size_t errlen)
+{
+	unsigned used = 0, mine = 0;
+
+	if (d->table == NULL)
+		return 0;
+	for (unsigned j = 0; j < ZD_TABLE_JOBS; j++) {
+		used += d->table->jobs[j].id != 0;
+		mine += d->table->jobs[j].id != 0 && d->table->jobs[j].uid == (uint32_t)uid;
+	}
+	if (used >= ZD_TABLE_JOBS) {
+		snprintf(err, errlen, "the recovery table is full (%d jobs, detached ones "
+		    "included): a job can be opened once another ends", ZD_TABLE_JOBS);
+		return -ENOSPC;
+	}
+	if (uid != 0 && mine >= ZD_TABLE_UID_JOBS) {
+		snprintf(err, errlen, "uid %u holds %u jobs (detached ones included), the most "
+		    "one uid may keep in the recovery table", (unsigned)uid, mine);
+		return -EDQUOT;
+	}
+	return 0;
 }
 
 void

@@ -2,6 +2,9 @@
 #ifndef ZD_RESTART_H
 #define ZD_RESTART_H
 
+#include <stddef.h>
+#include <sys/types.h>
+
 struct zd_daemon;
 struct zd_job;
 struct zd_tensor;
@@ -18,6 +21,12 @@ int zd_recover_begin(struct zd_daemon *d);
 /* After the engine starts: keeps its swap files, journal and staging; rebuilds every kept tensor. */
 int zd_recover_finish(struct zd_daemon *d);
 void zd_recover_end(struct zd_daemon *d);
+
+/*
+ * Whether a new job of uid can have a slot in the recovery table: 0, or -ENOSPC (full) or
+ * -EDQUOT (uid holds its share, a quarter of the slots; root has no share) with err.
+ */
+int zd_table_room(struct zd_daemon *d, uid_t uid, char *err, size_t errlen);
 
 /* Write-through of the recovery table and the store as jobs and tensors come and go. */
 void zd_keep_job(struct zd_daemon *d, struct zd_job *job);

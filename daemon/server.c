@@ -17,6 +17,7 @@
 
 #include "arena.h"
 #include "checkpoint.h"
+#include "closer.h"
 #include "daemon.h"
 #include "engine.h"
 #include "job.h"
@@ -203,7 +204,7 @@ accept_cb(evutil_socket_t lfd, short what, void *arg)
 				snprintf(m.u.error.message, sizeof(m.u.error.message),
 				    "zoffloadd is out of descriptors");
 				(void)zp_send(fd, &m, NULL, 0);
-				close(fd);
+				zd_closer_close_socket(d, NULL, fd, ZD_CLOSE_CHARGED);
 				log_warnx("refused a client: out of descriptors");
 			}
 			d->spare_fd = open("/dev/null", O_RDONLY | O_CLOEXEC);
@@ -222,7 +223,8 @@ accept_cb(evutil_socket_t lfd, short what, void *arg)
 			    "zoffloadd serves at most %u clients (limits.max_clients)",
 			    d->cfg.max_clients);
 			(void)zp_send(fd, &m, NULL, 0);
-			close(fd);
+			/* What it sent before accept goes with the socket: off the loop. */
+			zd_closer_close_socket(d, NULL, fd, ZD_CLOSE_CHARGED);
 			log_warnx("refused a client: %u clients connected", d->nsessions);
 			continue;
 		}
@@ -432,6 +434,11 @@ handoff(struct zd_daemon *d)
 		unlink_own_socket(d);
 		d->listen_fd = -1;
 	}
+	/*
+	 * The closer's closes end first: one after the store's descriptors are moved into
+	 * place (dup2 over numbers it may hold) would close one of them.
+	 */
+	zd_closer_stop(d);
 	log_info("handing %zu descriptor(s) over to %s", d->store.nlive, d->exe);
 	r = zd_fdstore_handoff(&d->store, d->exe, d->argv);
 	log_errorx("cannot hand over to %s: %s; the state is lost", d->exe, strerror(-r));
@@ -577,6 +584,8 @@ start_engine(struct zd_daemon *d)
 			return -ENOMEM;
 	}
 	r = zd_ckpt_start(d);
+	if (r == 0)
+		r = zd_closer_start(d);
 	if (r < 0)
 		return r;
 	report_pinning(d);
@@ -758,6 +767,7 @@ out:
 	zd_metrics_free(metrics);
 	/* Checkpoint file I/O first: a save from memory holds its tensor's arrays. */
 	zd_ckpt_stop(d);
+	zd_closer_stop(d);
 	/* Work still queued finishes first (none is left after a drain); then the tiers go. */
 	ze_engine_free(d->engine);
 	d->engine = NULL;

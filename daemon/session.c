@@ -10,6 +10,7 @@
 #include <unistd.h>
 
 #include "checkpoint.h"
+#include "closer.h"
 #include "daemon.h"
 #include "job.h"
 #include "log.h"
@@ -53,7 +54,8 @@ refuse(struct zd_daemon *d, int fd, struct zd_uid *u, int code, const char *why)
 	snprintf(m.u.error.message, sizeof(m.u.error.message), "%s", why);
 	(void)zp_send(fd, &m, NULL, 0);
 	log_warnx("refused a client of uid %u: %s", (unsigned)u->uid, why);
-	close(fd);
+	/* It may have sent descriptors already: they go with the socket, off the loop. */
+	zd_closer_close_socket(d, u, fd, ZD_CLOSE_UNCHARGED);
 	zd_uid_put(d, u);
 }
 
@@ -139,9 +141,8 @@ zd_session_accept(struct zd_daemon *d, int fd)
 	log_debug("session %u: connected, pid %d uid %u", s->id, (int)s->pid, (unsigned)s->uid);
 	return;
 fail:
-	zd_uid_refund(d, u, 1, 0, 0);
+	zd_closer_close_socket(d, u, fd, ZD_CLOSE_CHARGED);
 	zd_uid_put(d, u);
-	close(fd);
 }
 
 void
@@ -167,10 +168,13 @@ zd_session_close(struct zd_session *s)
 	ze_shm_destroy(d->engine, &s->xfer);
 	event_free(s->ev_read);
 	event_free(s->ev_write);
-	close(s->fd);
-	zd_uid_refund(d, s->uid_usage, 1, 0, 0);
 	TAILQ_REMOVE(&d->sessions, s, entry);
 	d->nsessions--;
+	/*
+	 * Off the loop, with its charge: messages the client queued and we did not read go
+	 * with the socket's last close, and so do the descriptors they carry.
+	 */
+	zd_closer_close_socket(d, s->uid_usage, s->fd, ZD_CLOSE_CHARGED);
 	zd_uid_put(d, s->uid_usage);
 	free(s->tensors);
 	free(s);
@@ -447,6 +451,15 @@ session_fail(struct zd_session *s)
 		zd_session_close(s);
 }
 
+void
+zd_session_resume(struct zd_session *s)
+{
+	if (!s->read_paused || s->closing)
+		return;
+	s->read_paused = false;
+	event_add(s->ev_read, NULL);
+}
+
 static void
 session_read_cb(evutil_socket_t fd, short what, void *arg)
 {
@@ -454,7 +467,7 @@ session_read_cb(evutil_socket_t fd, short what, void *arg)
 	uint8_t buf[ZP_MAX_MESSAGE];
 	struct zp_msg *msg;
 	char why[256];
-	int fds[ZP_MAX_FDS];
+	int fds[ZP_RECV_ALL_FDS];
 	unsigned nfds;
 	ssize_t n;
 
@@ -462,9 +475,24 @@ session_read_cb(evutil_socket_t fd, short what, void *arg)
 	if (msg == NULL)
 		return;
 	for (int i = 0; i < READ_BURST && !s->closing; i++) {
-		n = zp_recv_raw(s->fd, buf, sizeof(buf), fds, ZP_MAX_FDS, &nfds, MSG_DONTWAIT);
+		/* Its uid's descriptors wait for the closer: what it sends waits in the socket. */
+		if (zd_closer_uid_busy(s->uid_usage)) {
+			s->read_paused = true;
+			event_del(s->ev_read);
+			break;
+		}
+		n = zp_recv_all(s->fd, buf, sizeof(buf), fds, &nfds, MSG_DONTWAIT);
 		if (n == -EAGAIN)
 			break;
+		/*
+		 * Any descriptor not for a handler (an empty message's too: it reads as the
+		 * end) goes to the closer, never closed here.
+		 */
+		if (n <= 0 || nfds > ZP_MAX_FDS) {
+			zd_closer_close_fds(s->daemon, s->uid_usage, fds, nfds);
+			if (n > 0)
+				n = -ETOOMANYREFS;
+		}
 		if (n == 0 || n == -ECONNRESET) {
 			free(msg);
 			zd_session_close(s);
@@ -488,8 +516,7 @@ session_read_cb(evutil_socket_t fd, short what, void *arg)
 		}
 		/* Descriptors come only with the requests that carry one (CKPT_*), exactly. */
 		if (st == ZP_S_OK && nfds != zp_type_fds(msg->hdr.type)) {
-			for (unsigned j = 0; j < nfds; j++)
-				close(fds[j]);
+			zd_closer_close_fds(s->daemon, s->uid_usage, fds, nfds);
 			zd_session_error(s, msg->hdr.request_id, -EBADMSG, "%s carries %u file "
 			    "descriptors, not %u", zp_type_name(msg->hdr.type), nfds,
 			    zp_type_fds(msg->hdr.type));
@@ -499,8 +526,7 @@ session_read_cb(evutil_socket_t fd, short what, void *arg)
 			break;
 		}
 		if (st != ZP_S_OK) {
-			for (unsigned j = 0; j < nfds; j++)
-				close(fds[j]);
+			zd_closer_close_fds(s->daemon, s->uid_usage, fds, nfds);
 			zd_session_error(s, st == ZP_S_SHORT ? 0 : msg->hdr.request_id,
 			    st == ZP_S_VERSION ? -EPROTONOSUPPORT : -EBADMSG, "%s", why);
 			log_info("session %u (pid %d): dropped: %s", s->id, (int)s->pid, why);
@@ -523,6 +549,12 @@ session_read_cb(evutil_socket_t fd, short what, void *arg)
 			session_fail(s);
 			break;
 		}
+		/*
+		 * A reply built from the whole daemon (STATS, JOBS: 130 KB with 300 jobs) ends
+		 * the burst: pipelined, they cost the others one each per wakeup, not 32.
+		 */
+		if (msg->hdr.type == ZP_STATS || msg->hdr.type == ZP_JOBS)
+			break;
 	}
 	free(msg);
 }

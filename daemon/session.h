@@ -41,6 +41,7 @@ struct zd_session {
 	unsigned outq_len;
 	uint64_t outq_bytes;		/* counted in uid_usage->queued_bytes too */
 	bool stalled;			/* dropped for not reading: give up on what is queued */
+	bool read_paused;		/* its uid waits for the closer (closer.c) */
 	struct zd_job *job;
 	uint32_t rank;
 	struct zd_uid *uid_usage;
@@ -61,6 +62,8 @@ struct zd_session {
 
 void zd_session_accept(struct zd_daemon *d, int fd);
 void zd_session_close(struct zd_session *s);
+/* Reads again after a pause for its uid's closes. */
+void zd_session_resume(struct zd_session *s);
 struct zd_session *zd_session_by_id(struct zd_daemon *d, uint32_t id);
 /*
  * Sends msg, or queues it while the client is not reading (bounded in

@@ -336,6 +336,8 @@ add_limits(cJSON *root, const struct zd_daemon *d)
 	cJSON_AddNumberToObject(l, "uid_shm_budget", (double)d->cfg.uid_shm_budget);
 	cJSON_AddNumberToObject(l, "fd_limit", d->fd_limit);
 	cJSON_AddNumberToObject(l, "client_fds", d->client_fds);
+	/* Client descriptors closed by the closer's threads, not on the loop (closer.c). */
+	cJSON_AddNumberToObject(l, "fds_closed_off_loop", (double)d->closed_off_loop);
 }
 
 static void

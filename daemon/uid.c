@@ -166,6 +166,13 @@ zd_uid_charge(struct zd_daemon *d, struct zd_uid *u, unsigned fds, uint64_t shm,
 }
 
 void
+zd_uid_hold_fd(struct zd_daemon *d, struct zd_uid *u)
+{
+	u->fds++;
+	d->client_fds++;
+}
+
+void
 zd_uid_refund(struct zd_daemon *d, struct zd_uid *u, unsigned fds, uint64_t shm,
     unsigned tensors)
 {

@@ -29,6 +29,8 @@ struct zd_uid {
 	unsigned fds;			/* sockets, slots, windows and queued descriptors held for it */
 	uint64_t shm_bytes;		/* its tensors' slots and its sessions' transfer windows */
 	uint64_t queued_bytes;		/* replies its sessions have not read */
+	unsigned closing;		/* of its fds, those waiting for a closer thread (closer.c) */
+	unsigned metrics_conns;		/* its connections to the metrics endpoint (one fd each) */
 	struct ze_account *account;	/* the uid's budgets; tensors registered by it are charged here */
 };
 
@@ -50,6 +52,8 @@ unsigned zd_uid_fd_cap(const struct zd_daemon *d);
  */
 int zd_uid_charge(struct zd_daemon *d, struct zd_uid *u, unsigned fds, uint64_t shm,
     unsigned tensors, char *err, size_t errlen);
+/* A descriptor the daemon holds already (a client sent it): charged whatever the caps. */
+void zd_uid_hold_fd(struct zd_daemon *d, struct zd_uid *u);
 void zd_uid_refund(struct zd_daemon *d, struct zd_uid *u, unsigned fds, uint64_t shm,
     unsigned tensors);
 

@@ -232,10 +232,34 @@ int
 ze_record_peek(int fd, struct ze_record_info *ret, char *err, size_t errlen)
 {
 	struct ze_record r;
-	ssize_t n = pread(fd, &r, sizeof(r), 0);
+	int fl = fcntl(fd, F_GETFL);
+	ssize_t n;
 
+	/*
+	 * A record is mapped for writing: the descriptor handed back must be the one kept
+	 * (systemd's store passes that very open file), not a reopening of it (a supervisor's
+	 * "3</proc/PID/fd/N" is read-only, "3>" write-only).  Only its access mode and its
+	 * contents count: it is read with pread at offset 0, whatever its offset.
+	 */
+	if (fl < 0) {
+		snprintf(err, errlen, "the descriptor handed back is not open: %s", strerror(errno));
+		return -EBADF;
+	}
+	if ((fl & O_ACCMODE) != O_RDWR) {
+		snprintf(err, errlen, "the descriptor handed back is open %s, not read-write: a "
+		    "supervisor must pass the stored descriptor itself, not a reopening of it",
+		    (fl & O_ACCMODE) == O_RDONLY ? "read-only" : "write-only");
+		return -EBADF;
+	}
+	n = pread(fd, &r, sizeof(r), 0);
+	if (n < 0) {
+		int e = errno;
+
+		snprintf(err, errlen, "cannot be read: pread: %s", strerror(e));
+		return -e;
+	}
 	if (n != (ssize_t)sizeof(r)) {
-		snprintf(err, errlen, "too short (%zd bytes)", n);
+		snprintf(err, errlen, "too short (%zd of %zu bytes)", n, sizeof(r));
 		return -EPROTO;
 	}
 	if (r.magic != ZE_RECORD_MAGIC) {
@@ -277,11 +301,13 @@ adopt_record(struct ze_tensor *t, int fd, char *err, size_t errlen)
 	r = ze_record_peek(fd, &info, err, errlen);
 	if (r < 0)
 		return r;
-	if (fstat(fd, &st) != 0)
-		return -errno;
-	map = mmap(NULL, (size_t)st.st_size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-	if (map == MAP_FAILED)
-		return -errno;
+	if (fstat(fd, &st) != 0 || (map = mmap(NULL, (size_t)st.st_size, PROT_READ |
+	    PROT_WRITE, MAP_SHARED, fd, 0)) == MAP_FAILED) {
+		r = -errno;
+		snprintf(err, errlen, "record of tensor '%s' cannot be mapped: %s", info.name,
+		    strerror(-r));
+		return r;
+	}
 	t->rec = map;
 	t->rec_bytes = (size_t)st.st_size;
 	t->rec_fd = fd;
@@ -299,6 +325,19 @@ adopt_record(struct ze_tensor *t, int fd, char *err, size_t errlen)
 		return -EBADMSG;
 	}
 	record_point(t);
+	/*
+	 * The stamps are outside the crc (they change with every step), but a unit is handed
+	 * its step (pend) before it is stamped with it: a stamp past its pend is not one the
+	 * engine wrote.
+	 */
+	for (uint64_t u = 0; u < t->nunits; u++)
+		if (t->unit_step[u] > t->unit_pend[u]) {
+			snprintf(err, errlen, "record of tensor '%s': unit %llu is stamped step %llu, "
+			    "past step %llu, the last it was given: its step stamps are corrupt",
+			    t->name, (unsigned long long)u, (unsigned long long)t->unit_step[u],
+			    (unsigned long long)t->unit_pend[u]);
+			return -EBADMSG;
+		}
 	t->param_resident = DYN(t->rec)->param_resident != 0;
 	t->param_dirty = DYN(t->rec)->param_dirty != 0;
 	return 0;

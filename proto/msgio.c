@@ -112,3 +112,43 @@ zp_recv_raw(int sock, void *buf, size_t cap, int *fds, unsigned max_fds, unsigne
 	*ret_nfds = nfds;
 	return n;
 }
+
+ssize_t
+zp_recv_all(int sock, void *buf, size_t cap, int *fds, unsigned *ret_nfds, int flags)
+{
+	union {
+		struct cmsghdr align;
+		char buf[CMSG_SPACE(sizeof(int) * ZP_RECV_ALL_FDS)];
+	} control;
+	struct iovec iov = { .iov_base = buf, .iov_len = cap };
+	struct msghdr mh = {
+		.msg_iov = &iov,
+		.msg_iovlen = 1,
+		.msg_control = control.buf,
+		.msg_controllen = sizeof(control.buf),
+	};
+	unsigned nfds = 0;
+	ssize_t n;
+
+	*ret_nfds = 0;
+	do
+		n = recvmsg(sock, &mh, flags | MSG_CMSG_CLOEXEC);
+	while (n < 0 && errno == EINTR);
+	if (n < 0)
+		return errno == EWOULDBLOCK ? -EAGAIN : -errno;
+	for (struct cmsghdr *c = CMSG_FIRSTHDR(&mh); c != NULL; c = CMSG_NXTHDR(&mh, c)) {
+		size_t count;
+
+		if (c->cmsg_level != SOL_SOCKET || c->cmsg_type != SCM_RIGHTS)
+			continue;
+		count = (c->cmsg_len - CMSG_LEN(0)) / sizeof(int);
+		for (size_t i = 0; i < count && nfds < ZP_RECV_ALL_FDS; i++)
+			memcpy(&fds[nfds++], CMSG_DATA(c) + i * sizeof(int), sizeof(int));
+	}
+	*ret_nfds = nfds;
+	if ((mh.msg_flags & MSG_CTRUNC) != 0)
+		return -ETOOMANYREFS;
+	if ((mh.msg_flags & MSG_TRUNC) != 0)
+		return -EMSGSIZE;
+	return n;
+}

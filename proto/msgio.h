@@ -26,4 +26,16 @@ int zp_send(int sock, const struct zp_msg *msg, const int *fds, unsigned nfds);
 ssize_t zp_recv_raw(int sock, void *buf, size_t cap, int *fds, unsigned max_fds,
     unsigned *ret_nfds, int flags);
 
+/* The most descriptors one datagram carries on Linux (SCM_MAX_FD). */
+#define ZP_RECV_ALL_FDS 253
+
+/*
+ * As zp_recv_raw, but closes nothing: every descriptor that came with the datagram is in
+ * fds (room for ZP_RECV_ALL_FDS) and *ret_nfds, whatever the result (0, -EMSGSIZE, ...),
+ * so that the caller decides where they are closed: the last close of a file can take
+ * seconds.  The room is the kernel's limit, so it never drops any itself.
+ */
+ssize_t zp_recv_all(int sock, void *buf, size_t cap, int *fds, unsigned *ret_nfds,
+    int flags);
+
 #endif

@@ -306,8 +306,11 @@ ck_gated_start(struct itd *d, struct ck_gated *g)
 	cr_assert_eq(mkfifo(g->gate, 0600), 0, "mkfifo %s: %s", g->gate, strerror(errno));
 	ck_config(config, sizeof(config), g->swapdir);
 	cr_assert_eq(setenv("ZOFFLOADD_TEST_CKPT_GATE", g->gate, 1), 0);
+	if (g->closes)
+		cr_assert_eq(setenv("ZOFFLOADD_TEST_CLOSE_GATE", g->gate, 1), 0);
 	itd_start(d, config);
 	cr_assert_eq(unsetenv("ZOFFLOADD_TEST_CKPT_GATE"), 0);
+	cr_assert_eq(unsetenv("ZOFFLOADD_TEST_CLOSE_GATE"), 0);
 }
 
 void

@@ -71,11 +71,13 @@ struct zc_step_params ck_params(enum zc_optim optim, uint64_t step);
  * reading before each job: one waits there until a writer holds the gate open (fd: the
  * test's, -1 when shut).  Its swap, a checkpoint directory and the gate's are fresh.
  * ck_gated_cleanup opens the gate for good, so that the daemon's threads can stop, stops
- * the daemon and removes them.
+ * the daemon and removes them.  closes: the daemon's closer threads wait at the same gate
+ * before each close of a client's descriptor (ZOFFLOADD_TEST_CLOSE_GATE).
  */
 struct ck_gated {
 	char swapdir[64], ckdir[64], gatedir[64], gate[96];
 	int fd;
+	bool closes;
 };
 void ck_gated_start(struct itd *d, struct ck_gated *g);
 void ck_gated_cleanup(struct itd *d, struct ck_gated *g);

@@ -2,13 +2,14 @@
  * A save over an earlier checkpoint leaves freeing the replaced file to the daemon: the
  * library holds the old file open across its rename and hands that descriptor over
  * (CKPT_RELEASE); the daemon holds it until the connection's next message, which the
- * client sends after closing its own copy, and then closes it on a checkpoint I/O thread.
+ * client sends after closing its own copy, and then closes it on a closer thread.
  * Whoever drops the last reference to an unlinked file pays for freeing its blocks, so
  * the rank that saved does not.  (That the library closes its copy before its next
  * message is tested against the fake daemon in tests/client.)
  *
- * The daemon's I/O threads open ZOFFLOADD_TEST_CKPT_GATE (a FIFO) for reading before each
- * job; with no writer holding it, a queued close waits there.  That shows, with no clock,
+ * The daemon's closer threads open ZOFFLOADD_TEST_CLOSE_GATE (a FIFO, here the same as the
+ * I/O threads' ZOFFLOADD_TEST_CKPT_GATE) for reading before each close; with no writer
+ * holding it, a queued close waits there.  That shows, with no clock,
  * that the daemon holds the last reference after the client has let go of its own.
  */
 #include <criterion/criterion.h>
@@ -25,7 +26,7 @@
 #include "msgio.h"
 
 static struct itd d;
-static struct ck_gated g = { .fd = -1 };
+static struct ck_gated g = { .fd = -1, .closes = true };
 static struct ck_job job, restored;
 
 static void
@@ -138,7 +139,7 @@ Test(release, the_daemon_drops_the_last_reference_on_its_io_thread)
 	cr_assert_eq(fstat(fd, &st), 0);
 	cr_assert_eq(unlink(path), 0);
 
-	/* The gate shut: a queued close waits on its I/O thread. */
+	/* The gate shut: a queued close waits on its closer thread. */
 	close(g.fd);
 	g.fd = -1;
 	raw = itd_raw_connect(&d);

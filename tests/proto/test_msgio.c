@@ -232,3 +232,40 @@ Test(msgio, send_refuses_unencodable)
 
 	cr_assert_eq(zp_send(sv[0], &m, NULL, 0), -EPROTO);
 }
+
+/*
+ * zp_recv_all closes nothing: the descriptors of an empty datagram, of one with more than
+ * a message carries, and of one too large all come back, for the caller to close where it
+ * chooses.
+ */
+Test(msgio, recv_all_returns_every_descriptor)
+{
+	static uint8_t big[ZP_MAX_MESSAGE + 1];
+	int p[2], fds[ZP_RECV_ALL_FDS];
+	int sndbuf = 4 * ZP_MAX_MESSAGE;
+	unsigned nfds;
+
+	cr_assert_eq(setsockopt(sv[0], SOL_SOCKET, SO_SNDBUF, &sndbuf, sizeof(sndbuf)), 0);
+	cr_assert_eq(pipe2(p, O_CLOEXEC), 0);
+	send_fds_raw(sv[0], "", 0, p[0], 1);
+	cr_assert_eq(zp_recv_all(sv[1], rbuf, sizeof(rbuf), fds, &nfds, 0), 0);
+	cr_assert_eq(nfds, 1, "an empty datagram's descriptor was dropped");
+	cr_assert(same_file(fds[0], p[0]));
+	close(fds[0]);
+
+	send_fds_raw(sv[0], "abc", 3, p[0], 8);
+	cr_assert_eq(zp_recv_all(sv[1], rbuf, sizeof(rbuf), fds, &nfds, 0), 3);
+	cr_assert_eq(nfds, 8);
+	for (unsigned i = 0; i < nfds; i++) {
+		cr_assert(same_file(fds[i], p[0]));
+		close(fds[i]);
+	}
+
+	send_fds_raw(sv[0], big, sizeof(big), p[0], 2);
+	cr_assert_eq(zp_recv_all(sv[1], rbuf, sizeof(rbuf), fds, &nfds, 0), -EMSGSIZE);
+	cr_assert_eq(nfds, 2);
+	close(fds[0]);
+	close(fds[1]);
+	close(p[0]);
+	close(p[1]);
+}

@@ -275,7 +275,8 @@ Test(churn, crowd_then_connection_churn)
 	uint64_t rss0, rss1;
 	double v;
 
-	itd_start(&daemon_, CHURN_CONFIG(""));
+	/* The crowd is one uid, past the default limits.max_clients_per_uid of 64. */
+	itd_start(&daemon_, CHURN_CONFIG(", \"max_clients_per_uid\": 0"));
 	c = itd_connect(&daemon_);
 	fds0 = svc_fd_count(daemon_.pid);
 
