@@ -105,8 +105,10 @@ Test(metrics_http, answers_and_refusals)
 	cr_assert(strstr(reply, "zoffload_") == NULL, "HEAD has a body");
 	cr_assert_eq(get("GET /other HTTP/1.1\r\n\r\n", reply, sizeof(reply)), 404);
 	cr_assert_eq(get("DELETE /metrics HTTP/1.1\r\n\r\n", reply, sizeof(reply)), 405);
+	cr_assert_eq(get("POST /metrics HTTP/1.1\r\n\r\n", reply, sizeof(reply)), 405);
+	/* A body is refused (evhttp's max body size, 0) before its method is looked at. */
 	cr_assert_eq(get("POST /metrics HTTP/1.1\r\nContent-Length: 3\r\n\r\nabc", reply,
-	    sizeof(reply)), 405);
+	    sizeof(reply)), 413);
 	cr_assert_eq(get("GET /metrics HTTP/1.1\r\nContent-Length: 3\r\n\r\nabc", reply,
 	    sizeof(reply)), 413);
 	cr_assert_eq(get("GET /metrics HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n3\r\nabc"
