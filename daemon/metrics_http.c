@@ -1,14 +1,17 @@
 /*
- * The metrics endpoint: GET /metrics on a Unix socket or a loopback port.  A small HTTP/1.x
- * server of its own rather than evhttp, which buffered any body whole, counted its
- * connections against no one and timed each read, not the request: here a request is its
- * headers (16 KiB at most, no body), a connection has DEADLINE_S from accept to the reply's
- * end, and connections are capped in all and per uid, each charged to its uid's descriptors.
+ * The metrics endpoint: libevent's evhttp serving GET /metrics on a Unix socket or a
+ * loopback port, with what evhttp 2.1 does not bound put in front of it: each connection
+ * is tracked from the bufferevent we make for it (evhttp_set_bevcb), admitted against a
+ * cap in all and per uid and charged to its uid's descriptors, and cut off DEADLINE_S
+ * after accept however slowly it sends (evhttp times each read, not the request).
  */
 #include <arpa/inet.h>
 #include <cjson/cJSON.h>
 #include <errno.h>
+#include <event2/buffer.h>
+#include <event2/bufferevent.h>
 #include <event2/event.h>
+#include <event2/http.h>
 #include <grp.h>
 #include <linux/inet_diag.h>
 #include <linux/netlink.h>
@@ -17,36 +20,35 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <strings.h>
 #include <sys/queue.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/un.h>
 #include <unistd.h>
 
-#include "closer.h"
 #include "daemon.h"
 #include "log.h"
 #include "metrics.h"
-#include "msgio.h"
+#include "proto.h"
 #include "uid.h"
 
 struct mconn;
 
 /*
- * Owns its listening socket and its connections (each holds a charge on its peer's uid);
- * unix_path is set only once this daemon made the socket file, so that zd_metrics_free
- * never removes someone else's.
+ * Owns http (which owns the listening socket once evhttp_accept_socket took it, and its
+ * connections) and the trackers of those connections; unix_path is set only once this
+ * daemon made the socket file, so that zd_metrics_free never removes someone else's.
  */
 struct zd_metrics {
 	struct zd_daemon *d;
-	int listen_fd;
+	struct evhttp *http;
+	int listen_fd;			/* ours until evhttp takes it */
 	bool tcp;
-	struct event *ev_listen;
-	TAILQ_HEAD(, mconn) conns;
-	unsigned nconns;
+	TAILQ_HEAD(, mconn) conns;	/* admitted, and made but not yet admitted */
+	unsigned nconns;		/* admitted */
 	char unix_path[108];
 };
+
 
 static bool
 is_loopback(int family, const char *host)
@@ -114,266 +116,61 @@ bad:
 	return -EINVAL;
 }
 
-/* The whole request, headers included, and the blank line: a larger one gets a 400. */
+
+/* Headers and request line; past this evhttp answers 400. */
 #define HEADER_MAX 16384
+/* GET and HEAD have no body: with 0, evhttp answers any body 413 before reading it. */
+#define BODY_MAX 0
 /*
- * From accept to the reply's last byte: a peer that sends a byte now and then (slowloris)
+ * From accept to the connection's end: a peer that sends a byte now and then (slowloris)
  * is cut off here, not after each read.
  */
 #define DEADLINE_S 10
 /* Connections at once, and per uid: past them a connection gets a 503 and goes. */
 #define MAX_CONNECTIONS 32
 #define UID_CONNECTIONS 4
-/* What a lingering close reads and drops (a body we refused) before it just closes. */
-#define LINGER_MAX (64u << 10)
+#ifndef SO_PASSRIGHTS
+#define SO_PASSRIGHTS 83	/* Linux 6.16; not yet in every libc's headers */
+#endif
 
 /*
- * One connection: its socket (one of its uid's descriptors until it is closed), the request
- * read so far, the reply being written.
+ * One connection, from the bufferevent we made for evhttp to its end.  It holds a
+ * reference on bev: a bufferevent made with BEV_OPT_CLOSE_ON_FREE closes its fd only at its
+ * last reference, so the fd stays this connection's (never closed and reused by another)
+ * for as long as we may shutdown() it.  Once admitted it also holds one descriptor charged
+ * to uid and a place in m->nconns.  evcon is set at the first request, whose close
+ * callback then releases the tracker as evhttp frees the connection; until then (or if
+ * evhttp frees it before any request) the deadline does.  Released exactly once
+ * (conn_release), by whichever comes first: refusal, close callback, deadline, shutdown.
  */
 struct mconn {
 	TAILQ_ENTRY(mconn) entry;
 	struct zd_metrics *m;
-	int fd;
-	struct zd_uid *uid;
-	struct event *ev_read, *ev_write, *ev_deadline;
-	char in[HEADER_MAX];
-	size_t inlen;
-	char *out;
-	size_t outlen, outoff;
-	bool lingering;			/* replied: reading what is left until the peer's end */
-	size_t dropped;
+	struct bufferevent *bev;
+	struct evhttp_connection *evcon;
+	struct zd_uid *uid;		/* NULL until admitted */
+	struct event *ev_admit, *ev_deadline;
 };
 
 static void
-conn_close(struct mconn *c)
+conn_release(struct mconn *c)
 {
 	struct zd_metrics *m = c->m;
 
-	TAILQ_REMOVE(&m->conns, c, entry);
-	m->nconns--;
-	c->uid->metrics_conns--;
-	event_free(c->ev_read);
-	event_free(c->ev_write);
+	if (c->evcon != NULL)
+		evhttp_connection_set_closecb(c->evcon, NULL, NULL);
+	if (c->uid != NULL) {
+		m->nconns--;
+		c->uid->metrics_conns--;
+		zd_uid_refund(m->d, c->uid, 1, 0, 0);
+		zd_uid_put(m->d, c->uid);
+	}
+	event_free(c->ev_admit);
 	event_free(c->ev_deadline);
-	/* A Unix socket may hold descriptors sent with what we did not read: off the loop. */
-	zd_closer_close_socket(m->d, c->uid, c->fd, ZD_CLOSE_CHARGED);
-	zd_uid_put(m->d, c->uid);
-	free(c->out);
+	TAILQ_REMOVE(&m->conns, c, entry);
+	/* The last reference when evhttp is done with it: the fd is closed now. */
+	bufferevent_decref(c->bev);
 	free(c);
-}
-
-static void
-set_reply(struct mconn *c, int code, const char *reason, const char *type,
-    const char *extra, const char *body, size_t len, bool head)
-{
-	char hdr[512];
-	int n;
-
-	n = snprintf(hdr, sizeof(hdr), "HTTP/1.1 %d %s\r\nContent-Type: %s\r\nContent-Length: "
-	    "%zu\r\n%sConnection: close\r\n\r\n", code, reason, type, len, extra);
-	free(c->out);
-	c->outlen = (size_t)n + (head ? 0 : len);
-	c->outoff = 0;
-	c->out = malloc(c->outlen);
-	if (c->out == NULL) {
-		c->outlen = 0;
-		return;
-	}
-	memcpy(c->out, hdr, (size_t)n);
-	if (!head)
-		memcpy(c->out + n, body, len);
-}
-
-static void
-error_reply(struct mconn *c, int code, const char *reason, const char *extra,
-    const char *text)
-{
-	set_reply(c, code, reason, "text/plain; charset=utf-8", extra, text, strlen(text),
-	    false);
-}
-
-static void
-metrics_reply(struct mconn *c, bool head)
-{
-	cJSON *tree = zd_stats_tree(c->m->d);
-	char *text = NULL;
-	size_t len = 0;
-
-	if (tree != NULL)
-		text = zd_metrics_render(tree, c->m->d->cfg.metrics_max_jobs, &len);
-	if (text == NULL)
-		error_reply(c, 500, "Internal Server Error", "", "out of memory\n");
-	else
-		set_reply(c, 200, "OK", "text/plain; version=0.0.4; charset=utf-8", "", text, len,
-		    head);
-	free(text);
-	cJSON_Delete(tree);
-}
-
-/*
- * A header named name (with its colon, any case), before the blank line that ends them,
- * has a value other than "0".
- */
-static bool
-has_header(const char *headers, const char *name)
-{
-	size_t n = strlen(name);
-
-	for (const char *p = headers; p != NULL && *p != '\0'; p = strchr(p, '\n')) {
-		if (*p == '\n')
-			p++;
-		if (*p == '\r' || *p == '\n')
-			return false;
-		if (strncasecmp(p, name, n) == 0) {
-			p += n;
-			while (*p == ' ' || *p == '\t')
-				p++;
-			return !(p[0] == '0' && (p[1] == '\r' || p[1] == '\n'));
-		}
-	}
-	return false;
-}
-
-/* The request line and headers in c->in (NUL-terminated): the reply to write. */
-static void
-answer(struct mconn *c)
-{
-	char method[16], target[HEADER_MAX], version[16];
-	const char *headers = strchr(c->in, '\n');
-	char *q;
-
-	if (sscanf(c->in, "%15s %16383s %15s", method, target, version) != 3 ||
-	    strncmp(version, "HTTP/1.", 7) != 0) {
-		error_reply(c, 400, "Bad Request", "", "not an HTTP/1.x request line\n");
-		return;
-	}
-	q = strchr(target, '?');
-	if (q != NULL)
-		*q = '\0';
-	if (strcmp(target, "/metrics") != 0 && strcmp(target, "http://localhost/metrics") != 0) {
-		error_reply(c, 404, "Not Found", "", "zoffloadd serves /metrics only\n");
-		return;
-	}
-	if (strcmp(method, "GET") != 0 && strcmp(method, "HEAD") != 0) {
-		error_reply(c, 405, "Method Not Allowed", "Allow: GET, HEAD\r\n",
-		    "only GET and HEAD\n");
-		return;
-	}
-	/* Nothing is read past the headers: a body is refused, never buffered. */
-	if (has_header(headers, "content-length:") || has_header(headers, "transfer-encoding:")) {
-		error_reply(c, 413, "Content Too Large", "", "/metrics takes no request body\n");
-		return;
-	}
-	metrics_reply(c, strcmp(method, "HEAD") == 0);
-}
-
-static void
-start_reply(struct mconn *c)
-{
-	if (c->out == NULL) {
-		conn_close(c);
-		return;
-	}
-	event_del(c->ev_read);
-	event_active(c->ev_write, EV_WRITE, 0);
-}
-
-/* Reads what there is; descriptors sent on a Unix socket go to the closer. */
-static ssize_t
-conn_recv(struct mconn *c, void *buf, size_t len)
-{
-	union {
-		struct cmsghdr align;
-		char buf[CMSG_SPACE(sizeof(int) * ZP_RECV_ALL_FDS)];
-	} control;
-	struct iovec iov = { .iov_base = buf, .iov_len = len };
-	struct msghdr mh = { .msg_iov = &iov, .msg_iovlen = 1, .msg_control = control.buf,
-		.msg_controllen = sizeof(control.buf) };
-	ssize_t n;
-
-	n = recvmsg(c->fd, &mh, MSG_DONTWAIT | MSG_CMSG_CLOEXEC);
-	for (struct cmsghdr *h = CMSG_FIRSTHDR(&mh); n >= 0 && h != NULL;
-	    h = CMSG_NXTHDR(&mh, h)) {
-		size_t count = (h->cmsg_len - CMSG_LEN(0)) / sizeof(int);
-		int fd;
-
-		if (h->cmsg_level != SOL_SOCKET || h->cmsg_type != SCM_RIGHTS)
-			continue;
-		for (size_t i = 0; i < count; i++) {
-			memcpy(&fd, CMSG_DATA(h) + i * sizeof(int), sizeof(int));
-			zd_closer_close(c->m->d, c->uid, fd, ZD_CLOSE_UNCHARGED);
-		}
-	}
-	return n;
-}
-
-static void
-read_cb(evutil_socket_t fd, short what, void *arg)
-{
-	struct mconn *c = arg;
-	char drop[4096];
-	ssize_t n;
-
-	if (c->lingering) {
-		n = conn_recv(c, drop, sizeof(drop));
-		if (n < 0 && (errno == EAGAIN || errno == EINTR))
-			return;
-		c->dropped += n > 0 ? (size_t)n : 0;
-		if (n <= 0 || c->dropped > LINGER_MAX)
-			conn_close(c);
-		return;
-	}
-	n = conn_recv(c, c->in + c->inlen, sizeof(c->in) - 1 - c->inlen);
-	if (n < 0 && (errno == EAGAIN || errno == EINTR))
-		return;
-	if (n <= 0) {
-		conn_close(c);
-		return;
-	}
-	c->inlen += (size_t)n;
-	c->in[c->inlen] = '\0';
-	if (strstr(c->in, "\r\n\r\n") != NULL || strstr(c->in, "\n\n") != NULL)
-		answer(c);
-	else if (c->inlen == sizeof(c->in) - 1)
-		error_reply(c, 400, "Bad Request", "", "request headers over 16 KiB\n");
-	else if (memchr(c->in, '\0', c->inlen) != NULL)
-		error_reply(c, 400, "Bad Request", "", "a NUL byte in the request\n");
-	else
-		return;
-	start_reply(c);
-}
-
-static void
-write_cb(evutil_socket_t fd, short what, void *arg)
-{
-	struct mconn *c = arg;
-	ssize_t n;
-
-	while (c->outoff < c->outlen) {
-		n = send(c->fd, c->out + c->outoff, c->outlen - c->outoff, MSG_NOSIGNAL |
-		    MSG_DONTWAIT);
-		if (n < 0 && (errno == EAGAIN || errno == EINTR)) {
-			event_add(c->ev_write, NULL);
-			return;
-		}
-		if (n <= 0) {
-			conn_close(c);
-			return;
-		}
-		c->outoff += (size_t)n;
-	}
-	event_del(c->ev_write);
-	/* Said all: read what the peer still sends until it closes, so it gets the reply. */
-	(void)shutdown(c->fd, SHUT_WR);
-	c->lingering = true;
-	event_add(c->ev_read, NULL);
-}
-
-static void
-deadline_cb(evutil_socket_t fd, short what, void *arg)
-{
-	conn_close(arg);
 }
 
 /*
@@ -452,96 +249,218 @@ peer_uid(struct zd_metrics *m, int fd)
 	return tcp_peer_uid(fd);
 }
 
-/* Turned away: a 503 that says why, in one try, then the end (off the loop). */
-static void
-turn_away(struct zd_metrics *m, int fd, const char *why)
-{
-	char buf[256];
-	int n;
 
-	n = snprintf(buf, sizeof(buf), "HTTP/1.1 503 Service Unavailable\r\nContent-Type: "
-	    "text/plain; charset=utf-8\r\nContent-Length: %zu\r\nConnection: close\r\n\r\n%s\n",
-	    strlen(why) + 1, why);
-	(void)!send(fd, buf, (size_t)n, MSG_NOSIGNAL | MSG_DONTWAIT);
-	zd_closer_close_socket(m->d, NULL, fd, ZD_CLOSE_CHARGED);
-}
-
-static void
-accept_one(struct zd_metrics *m, int fd)
+/*
+ * Admits c's connection, or says in why which limit turns it away.  Its socket is one of
+ * its uid's descriptors, as a client's is.
+ */
+static int
+admit(struct mconn *c, char *why, size_t len)
 {
-	struct timeval tv = { .tv_sec = DEADLINE_S };
-	char why[ZP_ERRMSG_MAX + 1];
+	struct zd_metrics *m = c->m;
+	int fd = bufferevent_getfd(c->bev);
 	struct zd_uid *u;
-	struct mconn *c;
 	uid_t uid;
 
+	if (fd < 0) {
+		/* evhttp gave up on it before handing it its socket. */
+		snprintf(why, len, "the connection has no socket");
+		return -1;
+	}
 	if (m->nconns >= MAX_CONNECTIONS) {
-		turn_away(m, fd, "the metrics endpoint serves 32 connections at once");
-		return;
+		snprintf(why, len, "the metrics endpoint serves %d connections at once",
+		    MAX_CONNECTIONS);
+		return -1;
 	}
 	uid = peer_uid(m, fd);
 	u = zd_uid_get(m->d, uid);
 	if (u == NULL) {
-		turn_away(m, fd, "out of memory");
-		return;
+		snprintf(why, len, "out of memory");
+		return -1;
 	}
 	if (u->metrics_conns >= UID_CONNECTIONS) {
-		snprintf(why, sizeof(why), "uid %d has %u metrics connections, the most one uid "
-		    "may have", (int)uid, u->metrics_conns);
-		turn_away(m, fd, why);
-		zd_uid_put(m->d, u);
-		return;
+		snprintf(why, len, "uid %d has %u metrics connections, the most one uid may have",
+		    (int)uid, u->metrics_conns);
+	} else if (zd_uid_charge(m->d, u, 1, 0, 0, why, len) == 0) {
+		c->uid = u;
+		u->metrics_conns++;
+		m->nconns++;
+		return 0;
 	}
-	/* Its socket is one of the uid's descriptors, as a client's is. */
-	if (zd_uid_charge(m->d, u, 1, 0, 0, why, sizeof(why)) < 0) {
-		turn_away(m, fd, why);
-		zd_uid_put(m->d, u);
+	zd_uid_put(m->d, u);
+	return -1;
+}
+
+/*
+ * Runs in the loop pass that accepted the connection, before evhttp can have read from it
+ * (it is made active, not timed).  A refused one gets a 503 that says why, in one try;
+ * shutdown makes evhttp read its end and free it, and our reference dropped, that closes
+ * the fd.
+ */
+static void
+admit_cb(evutil_socket_t unused, short what, void *arg)
+{
+	struct mconn *c = arg;
+	char why[ZP_ERRMSG_MAX + 1], buf[ZP_ERRMSG_MAX + 160];
+	int fd = bufferevent_getfd(c->bev), n;
+
+	if (admit(c, why, sizeof(why)) == 0)
 		return;
+	if (fd >= 0) {
+		n = snprintf(buf, sizeof(buf), "HTTP/1.1 503 Service Unavailable\r\nContent-Type: "
+		    "text/plain; charset=utf-8\r\nContent-Length: %zu\r\nConnection: close\r\n\r\n"
+		    "%s\n", strlen(why) + 1, why);
+		(void)!send(fd, buf, (size_t)n, MSG_NOSIGNAL | MSG_DONTWAIT);
+		(void)shutdown(fd, SHUT_RDWR);
 	}
+	conn_release(c);
+}
+
+/*
+ * The deadline: shutdown ends evhttp's reads and writes, so it frees the connection (its
+ * own timeout, DEADLINE_S per read or write, backs this); the charge goes now.
+ */
+static void
+deadline_cb(evutil_socket_t unused, short what, void *arg)
+{
+	struct mconn *c = arg;
+	int fd = bufferevent_getfd(c->bev);
+
+	if (fd >= 0)
+		(void)shutdown(fd, SHUT_RDWR);
+	conn_release(c);
+}
+
+/* evhttp_set_bevcb: the connection's bufferevent, evhttp sets its fd right after. */
+static struct bufferevent *
+make_bev(struct event_base *base, void *arg)
+{
+	struct timeval tv = { .tv_sec = DEADLINE_S };
+	struct zd_metrics *m = arg;
+	struct bufferevent *bev;
+	struct mconn *c;
+
+	bev = bufferevent_socket_new(base, -1, BEV_OPT_CLOSE_ON_FREE);
 	c = calloc(1, sizeof(*c));
-	if (c != NULL) {
-		c->ev_read = event_new(m->d->base, fd, EV_READ | EV_PERSIST, read_cb, c);
-		c->ev_write = event_new(m->d->base, fd, EV_WRITE, write_cb, c);
-		c->ev_deadline = evtimer_new(m->d->base, deadline_cb, c);
-	}
-	if (c == NULL || c->ev_read == NULL || c->ev_write == NULL || c->ev_deadline == NULL ||
-	    event_add(c->ev_read, NULL) != 0 || evtimer_add(c->ev_deadline, &tv) != 0) {
-		if (c != NULL) {
-			if (c->ev_read != NULL)
-				event_free(c->ev_read);
-			if (c->ev_write != NULL)
-				event_free(c->ev_write);
-			if (c->ev_deadline != NULL)
-				event_free(c->ev_deadline);
-			free(c);
-		}
-		zd_closer_close_socket(m->d, u, fd, ZD_CLOSE_CHARGED);
-		zd_uid_put(m->d, u);
-		return;
-	}
+	if (bev == NULL || c == NULL)
+		goto untracked;
+	/*
+	 * Our reference keeps bev reading after evhttp freed its connection (a refused body,
+	 * a bad request) until the deadline: it stops at this, one byte more than evhttp
+	 * takes for a request's headers, so that evhttp still sees them overflow.
+	 */
+	bufferevent_setwatermark(bev, EV_READ, 0, HEADER_MAX + 1);
+	c->ev_admit = event_new(base, -1, 0, admit_cb, c);
+	c->ev_deadline = evtimer_new(base, deadline_cb, c);
+	if (c->ev_admit == NULL || c->ev_deadline == NULL ||
+	    evtimer_add(c->ev_deadline, &tv) != 0)
+		goto untracked;
 	c->m = m;
-	c->fd = fd;
-	c->uid = u;
-	u->metrics_conns++;
+	c->bev = bev;
+	bufferevent_incref(bev);
 	TAILQ_INSERT_TAIL(&m->conns, c, entry);
-	m->nconns++;
+	event_active(c->ev_admit, EV_TIMEOUT, 0);
+	return bev;
+untracked:
+	/* A connection with no tracker is answered 503 (admitted() finds none). */
+	if (c != NULL) {
+		if (c->ev_admit != NULL)
+			event_free(c->ev_admit);
+		if (c->ev_deadline != NULL)
+			event_free(c->ev_deadline);
+		free(c);
+	}
+	return bev;
 }
 
 static void
-accept_cb(evutil_socket_t lfd, short what, void *arg)
+conn_closed(struct evhttp_connection *evcon, void *arg)
+{
+	conn_release(arg);
+}
+
+/*
+ * req's connection's tracker, admitted now if its admission has not run yet, and set to be
+ * released when evhttp frees the connection; NULL once req was answered 503.
+ */
+static struct mconn *
+admitted(struct zd_metrics *m, struct evhttp_request *req)
+{
+	struct evhttp_connection *evcon = evhttp_request_get_connection(req);
+	struct bufferevent *bev = evhttp_connection_get_bufferevent(evcon);
+	char why[ZP_ERRMSG_MAX + 1] = "the metrics endpoint did not admit this connection";
+	struct mconn *c;
+
+	TAILQ_FOREACH(c, &m->conns, entry)
+		if (c->bev == bev)
+			break;
+	if (c != NULL && c->uid == NULL) {
+		event_del(c->ev_admit);
+		if (admit(c, why, sizeof(why)) < 0) {
+			conn_release(c);
+			c = NULL;
+		}
+	}
+	if (c == NULL) {
+		evhttp_send_error(req, 503, why);
+		return NULL;
+	}
+	if (c->evcon == NULL) {
+		c->evcon = evcon;
+		evhttp_connection_set_closecb(evcon, conn_closed, c);
+	}
+	return c;
+}
+
+static void
+metrics_cb(struct evhttp_request *req, void *arg)
 {
 	struct zd_metrics *m = arg;
+	struct evbuffer *body = NULL;
+	cJSON *tree = NULL;
+	char *text = NULL, length[24];
+	size_t len = 0;
+	bool head;
 
-	for (int i = 0; i < 16; i++) {
-		int fd = accept4(lfd, NULL, NULL, SOCK_NONBLOCK | SOCK_CLOEXEC);
-
-		if (fd < 0) {
-			if (errno != EAGAIN && errno != EINTR && errno != ECONNABORTED)
-				log_warn(errno, "metrics: accept");
-			return;
-		}
-		accept_one(m, fd);
+	if (admitted(m, req) == NULL)
+		return;
+	/* evhttp would answer 501 (evhttp_set_allowed_methods); this method is known, not ours. */
+	if (evhttp_request_get_command(req) != EVHTTP_REQ_GET &&
+	    evhttp_request_get_command(req) != EVHTTP_REQ_HEAD) {
+		evhttp_add_header(evhttp_request_get_output_headers(req), "Allow", "GET, HEAD");
+		evhttp_send_error(req, 405, "only GET and HEAD");
+		return;
 	}
+	tree = zd_stats_tree(m->d);
+	if (tree != NULL)
+		text = zd_metrics_render(tree, m->d->cfg.metrics_max_jobs, &len);
+	body = evbuffer_new();
+	/* evhttp 2.1 would send a HEAD's body: it gets the length alone. */
+	head = evhttp_request_get_command(req) == EVHTTP_REQ_HEAD;
+	snprintf(length, sizeof(length), "%zu", len);
+	if (text == NULL || body == NULL || (!head && evbuffer_add(body, text, len) != 0)) {
+		evhttp_send_error(req, HTTP_INTERNAL, "out of memory");
+		goto out;
+	}
+	evhttp_add_header(evhttp_request_get_output_headers(req), "Content-Type",
+	    "text/plain; version=0.0.4; charset=utf-8");
+	if (head)
+		evhttp_add_header(evhttp_request_get_output_headers(req), "Content-Length", length);
+	/* One request per connection: its deadline is the request's. */
+	evhttp_add_header(evhttp_request_get_output_headers(req), "Connection", "close");
+	evhttp_send_reply(req, HTTP_OK, "OK", body);
+out:
+	if (body != NULL)
+		evbuffer_free(body);
+	free(text);
+	cJSON_Delete(tree);
+}
+
+static void
+other_cb(struct evhttp_request *req, void *arg)
+{
+	if (admitted(arg, req) != NULL)
+		evhttp_send_error(req, HTTP_NOTFOUND, "zoffloadd serves /metrics only");
 }
 
 /* A socket file left by a crash is removed; a live one, or a non-socket, is in the way. */
@@ -550,7 +469,7 @@ bind_unix(struct zd_metrics *m, const char *path)
 {
 	struct sockaddr_un sa = { .sun_family = AF_UNIX };
 	struct stat st;
-	int fd, r;
+	int fd, r, zero = 0;
 
 	snprintf(sa.sun_path, sizeof(sa.sun_path), "%s", path);
 	if (lstat(path, &st) == 0) {
@@ -569,6 +488,12 @@ bind_unix(struct zd_metrics *m, const char *path)
 	fd = socket(AF_UNIX, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
 	if (fd < 0)
 		return -errno;
+	/*
+	 * No descriptor may come with a request (the peer's sendmsg fails): evhttp's reads would
+	 * drop it, and its last close on the event loop may take seconds.  Accepted sockets
+	 * inherit this.  Kernels before 6.16 have no such option, and take them.
+	 */
+	(void)setsockopt(fd, SOL_SOCKET, SO_PASSRIGHTS, &zero, sizeof(zero));
 	if (bind(fd, (struct sockaddr *)&sa, sizeof(sa)) != 0) {
 		r = -errno;
 		close(fd);
@@ -659,16 +584,35 @@ zd_metrics_start(struct zd_daemon *d, struct event_base *base, struct zd_metrics
 	m->d = d;
 	m->listen_fd = -1;
 	TAILQ_INIT(&m->conns);
+	m->http = evhttp_new(base);
+	if (m->http == NULL) {
+		r = -ENOMEM;
+		goto fail;
+	}
+	/* Per read or write; the deadline (DEADLINE_S from accept) is the tracker's. */
+	evhttp_set_timeout(m->http, DEADLINE_S);
+	evhttp_set_max_headers_size(m->http, HEADER_MAX);
+	evhttp_set_max_body_size(m->http, BODY_MAX);
+	/*
+	 * evhttp's default methods (GET, HEAD, POST, PUT, DELETE) reach metrics_cb, which
+	 * answers the last three 405; evhttp answers others 501.
+	 */
+	evhttp_set_bevcb(m->http, make_bev, m);
+	if (evhttp_set_cb(m->http, "/metrics", metrics_cb, m) != 0) {
+		r = -ENOMEM;
+		goto fail;
+	}
+	evhttp_set_gencb(m->http, other_cb, m);
 	r = a.family == AF_UNIX ? bind_unix(m, a.path) : bind_tcp(m, &a, &port);
 	if (r < 0) {
 		log_error(r, "metrics.listen: cannot listen on %s", d->cfg.metrics_listen);
 		goto fail;
 	}
-	m->ev_listen = event_new(base, m->listen_fd, EV_READ | EV_PERSIST, accept_cb, m);
-	if (m->ev_listen == NULL || event_add(m->ev_listen, NULL) != 0) {
+	if (evhttp_accept_socket(m->http, m->listen_fd) != 0) {
 		r = -ENOMEM;
 		goto fail;
 	}
+	m->listen_fd = -1;
 	if (a.family == AF_UNIX)
 		log_info("metrics: serving http://localhost/metrics on Unix socket %s", a.path);
 	else
@@ -686,10 +630,11 @@ zd_metrics_free(struct zd_metrics *m)
 {
 	if (m == NULL)
 		return;
+	/* Frees every connection: those with a request release their trackers on the way. */
+	if (m->http != NULL)
+		evhttp_free(m->http);
 	while (!TAILQ_EMPTY(&m->conns))
-		conn_close(TAILQ_FIRST(&m->conns));
-	if (m->ev_listen != NULL)
-		event_free(m->ev_listen);
+		conn_release(TAILQ_FIRST(&m->conns));
 	if (m->listen_fd >= 0)
 		close(m->listen_fd);
 	if (m->unix_path[0] != '\0')

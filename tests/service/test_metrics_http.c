@@ -1,7 +1,8 @@
 /*
  * The metrics endpoint on a loopback port, against what one uid could do to it: a body
  * is refused, never buffered; connections are capped per uid and charged to it; a request
- * has one deadline from accept, not one per read (slowloris).
+ * has one deadline from accept, not one per read (slowloris); a Unix socket takes no
+ * descriptors.
  */
 #include <arpa/inet.h>
 #include <criterion/criterion.h>
@@ -12,6 +13,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/socket.h>
+#include <sys/un.h>
 #include <unistd.h>
 
 #include "svc.h"
@@ -130,8 +132,10 @@ Test(metrics_http, answers_and_refusals)
 	cr_assert(strstr(reply, "zoffload_") == NULL, "HEAD has a body");
 	cr_assert_eq(get("GET /other HTTP/1.1\r\n\r\n", reply, sizeof(reply)), 404);
 	cr_assert_eq(get("DELETE /metrics HTTP/1.1\r\n\r\n", reply, sizeof(reply)), 405);
+	cr_assert_eq(get("POST /metrics HTTP/1.1\r\n\r\n", reply, sizeof(reply)), 405);
+	/* A body is refused (evhttp's max body size, 0) before its method is looked at. */
 	cr_assert_eq(get("POST /metrics HTTP/1.1\r\nContent-Length: 3\r\n\r\nabc", reply,
-	    sizeof(reply)), 405);
+	    sizeof(reply)), 413);
 	cr_assert_eq(get("GET /metrics HTTP/1.1\r\nContent-Length: 3\r\n\r\nabc", reply,
 	    sizeof(reply)), 413);
 	cr_assert_eq(get("GET /metrics HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n3\r\nabc"
@@ -261,5 +265,61 @@ Test(metrics_http, slowloris_meets_one_deadline)
 	close(fd);
 	cr_assert_lt(sent, 60, "a connection sending a byte every 0.5 s was still open after %u "
 	    "bytes", sent);
+	cr_assert_eq(itd_stop(&daemon_, 10), 0, "%s", itd_log_text(&daemon_));
+}
+
+#ifndef SO_PASSRIGHTS
+#define SO_PASSRIGHTS 83
+#endif
+
+/*
+ * A descriptor sent to a Unix-socket endpoint is refused by the kernel (SO_PASSRIGHTS off):
+ * evhttp's reads would drop it, closing it on the event loop.  Kernels before 6.16 have no
+ * such option: skipped there.
+ */
+Test(metrics_http, unix_socket_refuses_descriptors)
+{
+	char config[512], path[64];
+	struct sockaddr_un sa = { .sun_family = AF_UNIX };
+	union {
+		struct cmsghdr align;
+		char buf[CMSG_SPACE(sizeof(int))];
+	} control;
+	char byte = 'G';
+	struct iovec iov = { .iov_base = &byte, .iov_len = 1 };
+	struct msghdr mh = { .msg_iov = &iov, .msg_iovlen = 1, .msg_control = control.buf,
+		.msg_controllen = sizeof(control.buf) };
+	struct cmsghdr *h;
+	int fd, probe, zero = 0, sent = 0;
+	ssize_t n;
+
+	probe = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+	cr_assert_geq(probe, 0);
+	if (setsockopt(probe, SOL_SOCKET, SO_PASSRIGHTS, &zero, sizeof(zero)) != 0) {
+		close(probe);
+		cr_skip_test("SO_PASSRIGHTS: %s (Linux 6.16 has it)", strerror(errno));
+	}
+	close(probe);
+	snprintf(path, sizeof(path), "/tmp/zoff-metrics-test-%d.sock", (int)getpid());
+	snprintf(config, sizeof(config), "{ \"compute\": { \"worker_threads\": 2 }, \"log\": "
+	    "{ \"level\": \"info\" }, \"metrics\": { \"listen\": \"unix:%s\" } }", path);
+	itd_start(&daemon_, config);
+	for (double end = itd_now() + 20; itd_now() < end; usleep(50000))
+		if (strstr(itd_log_text(&daemon_), "metrics: serving") != NULL)
+			break;
+	snprintf(sa.sun_path, sizeof(sa.sun_path), "%s", path);
+	fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+	cr_assert_geq(fd, 0);
+	cr_assert_eq(connect(fd, (struct sockaddr *)&sa, sizeof(sa)), 0, "connect %s: %s", path,
+	    strerror(errno));
+	h = CMSG_FIRSTHDR(&mh);
+	h->cmsg_level = SOL_SOCKET;
+	h->cmsg_type = SCM_RIGHTS;
+	h->cmsg_len = CMSG_LEN(sizeof(int));
+	memcpy(CMSG_DATA(h), &sent, sizeof(int));
+	n = sendmsg(fd, &mh, MSG_NOSIGNAL);
+	cr_assert(n < 0 && errno == EPERM, "a descriptor sent to the metrics socket: %zd (%s)", n,
+	    n < 0 ? strerror(errno) : "taken");
+	close(fd);
 	cr_assert_eq(itd_stop(&daemon_, 10), 0, "%s", itd_log_text(&daemon_));
 }
