@@ -66,7 +66,7 @@ from itertools import chain
 
 import torch
 
-from . import _checkpoint, _zclient
+from . import _checkpoint, _dtensor, _zclient
 from ._zclient import ZoffloadError
 
 __all__ = ["AdamW", "Adam", "Adagrad", "Lion", "ZoffloadError"]
@@ -220,6 +220,7 @@ class _ZoffloadOptimizer(torch.optim.Optimizer):
         self._given = {}            # taken back: the params as given, until the first step
         self._grad_dtype = grad_dtype
         self._entries = {}
+        self._empty = set()         # DTensor params with no elements on this rank
         self._group_index = {}
         self._hooks = []
         self._next_index = 0
@@ -252,14 +253,20 @@ class _ZoffloadOptimizer(torch.optim.Optimizer):
         if p.dtype not in _DTYPES:
             raise TypeError(f"zoffload: parameter of dtype {p.dtype}: float32, bfloat16 or "
                             "float16 only")
-        if p.numel() == 0:
+        _dtensor.check(p, self.overlap)
+        t = _dtensor.local(p)       # what this rank steps: p, or its shard of a DTensor
+        if t.numel() == 0 and _dtensor.is_dtensor(p):
+            # FSDP2 gives a rank no rows of a dim 0 shorter than the world: only a step count.
+            self._empty.add(p)
+            return
+        if t.numel() == 0:
             raise ValueError("zoffload: empty parameters have nothing to optimize")
         index = self._next_index
         self._next_index += 1
         # Stable across restarts (same model, same order), so a new process finds its state.
-        name = f"p{index}/{p.numel()}"
+        name = f"p{index}/{t.numel()}"
         gd, pd = _grad_dtype_name(self._grad_dtype, p), _DTYPES[p.dtype]
-        init = p.detach().reshape(-1).to(device="cpu", dtype=torch.float32).contiguous()
+        init = t.detach().reshape(-1).to(device="cpu", dtype=torch.float32).contiguous()
         zt = self._register_tensor(name, init, gd, pd)
         if zt.last_step and not self._take_back(zt):
             zt.unregister()         # resume=False: the dead process's state goes
@@ -267,7 +274,7 @@ class _ZoffloadOptimizer(torch.optim.Optimizer):
         elif zt.last_step:
             # Kept for load_state_dict before the first step: what the user loaded, not
             # the daemon's leftovers, is then what they asked for.
-            self._given[p] = p.detach().to(device="cpu", copy=True)
+            self._given[p] = t.detach().to(device="cpu", copy=True)
         last = self._attach(p, zt, gd, pd)
         if last:
             self.resumed_step = max(self.resumed_step, last)
@@ -307,14 +314,17 @@ class _ZoffloadOptimizer(torch.optim.Optimizer):
         e = _Entry(zt, gd, pd)
         # Not with overlap (AccumulateGrad would write a slot under a step), nor for a slot of
         # another dtype or device.
-        e.grad_view_ok = not self.overlap and not p.is_cuda and gd == pd
+        # Nor for a DTensor: FSDP2 assigns each step's sharded grad itself.
+        e.grad_view_ok = (not self.overlap and not p.is_cuda and gd == pd
+                          and not _dtensor.is_dtensor(p))
         self._entries[p] = e
         last = zt.last_step
         if last:
-            master = torch.empty(p.numel(), dtype=torch.float32)
+            t = _dtensor.local(p)
+            master = torch.empty(t.numel(), dtype=torch.float32)
             zt.read("master", master.numpy())
             with torch.no_grad():
-                p.copy_(master.view(p.shape))
+                t.copy_(master.view(t.shape))
             self.state[p]["step"] = torch.tensor(float(last))
         if p.is_cuda:
             self._cuda_register(e)
@@ -344,7 +354,8 @@ class _ZoffloadOptimizer(torch.optim.Optimizer):
             raise RuntimeError("zoffload: sparse gradients are not supported")
         if e.pins is not None:
             e.pins.repin()          # let go of at a reconnect that remapped the slots
-        g = e.grad.view(p.shape)
+        grad = _dtensor.local(grad)
+        g = e.grad.view(_dtensor.local(p).shape)
         if grad.data_ptr() == g.data_ptr():
             # p.grad is the slot itself (see _finish): backward wrote it there.
             if group.get("maximize", False):
@@ -409,6 +420,9 @@ class _ZoffloadOptimizer(torch.optim.Optimizer):
         for group in self.param_groups:
             items = []
             for p in group["params"]:
+                if p in self._empty:
+                    self._step_empty(p)
+                    continue
                 e = self._entries[p]
                 if p.grad is None or e.in_flight:
                     continue        # no gradient (as torch), or submitted by its hook
@@ -418,6 +432,12 @@ class _ZoffloadOptimizer(torch.optim.Optimizer):
                 self._submit(group, items)
         self._finish()
         return loss
+
+    def _step_empty(self, p):
+        # torch's optimizers count the step of a param with a grad, elements or none.
+        if p.grad is not None:
+            st = self.state[p]
+            st["step"] = torch.tensor(float(st.get("step", 0)) + 1.0)
 
     def _finish(self):
         """Waits for every step in flight and copies the new params out of the slots."""
@@ -439,11 +459,12 @@ class _ZoffloadOptimizer(torch.optim.Optimizer):
             if res["status"] != "applied":
                 continue
             self.state[p]["step"] = torch.tensor(float(res["step"]))
-            if _plain(p, e.param.dtype):
-                e.zt.param_into(_raw(p.detach()))
+            t = _dtensor.local(p)   # a DTensor's shard is written in place
+            if _plain(t, e.param.dtype):
+                e.zt.param_into(_raw(t.detach()))
             else:
                 with torch.no_grad():
-                    p.copy_(e.param.view(p.shape), non_blocking=p.is_cuda)
+                    t.copy_(e.param.view(t.shape), non_blocking=p.is_cuda)
             if (e.grad_view_ok and p.grad is not None and p.grad.layout == torch.strided
                     and not self._group_of(p).get("maximize", False)):
                 # The slot holds what p.grad holds; made p.grad, zero_grad() zeroes it in place
@@ -455,20 +476,29 @@ class _ZoffloadOptimizer(torch.optim.Optimizer):
     # State in torch's format, read from and written to the daemon.
     def _flush_loaded_state(self):
         """Writes state loaded into self.state (load_state_dict, ZeroRedundancyOptimizer)."""
+        for p in self._empty:
+            st = self.state.get(p)
+            if st and any(k in st for k in self._state_keys):
+                for key in self._state_keys:
+                    st.pop(key, None)
+                step = st.get("step", 0)
+                st["step"] = torch.tensor(float(step.item() if torch.is_tensor(step) else step))
         for p, e in self._entries.items():
             st = self.state.get(p)
             if not st or not any(k in st for k in self._state_keys):
                 continue
             if e.in_flight:
                 raise RuntimeError("zoffload: state loaded while a step is in flight")
-            master = p.detach().reshape(-1).to(device="cpu", dtype=torch.float32).contiguous()
+            t = _dtensor.local(p)
+            master = t.detach().reshape(-1).to(device="cpu", dtype=torch.float32).contiguous()
             e.zt.write("master", master.numpy())
             for key, which in self._state_keys.items():
                 if key in st:
-                    value = st.pop(key).detach().reshape(-1)
-                    if value.numel() != p.numel():
+                    # A DTensor's moments (load_state_dict, DCP): this rank's shard of them.
+                    value = _dtensor.local(st.pop(key)).detach().reshape(-1)
+                    if value.numel() != t.numel():
                         raise ValueError(f"zoffload: state '{key}' holds {value.numel()} "
-                                         f"values for a parameter of {p.numel()}")
+                                         f"values for a parameter of {t.numel()}")
                     value = value.to(device="cpu", dtype=torch.float32).contiguous()
                     e.zt.write(which, value.numpy())
             step = st.get("step", 0)
@@ -504,14 +534,20 @@ class _ZoffloadOptimizer(torch.optim.Optimizer):
         with self._torch_hooks_held("state_dict_pre", "state_dict_post"):
             sd = super().state_dict()
         params = list(chain.from_iterable(g["params"] for g in self.param_groups))
+        # In param order, as torch's own optimizers have it: an empty shard's step count is
+        # kept before the others' (step()), and DCP's full state dict gathers each param's
+        # moments in this order on every rank.
+        sd["state"] = dict(sorted(sd["state"].items()))
         for index, st in sd["state"].items():
             p = params[index]
-            e = self._entries[p]
+            e = self._entries.get(p)        # None: an empty shard
             st = dict(st)
             for key, which in self._state_keys.items():
-                value = torch.empty(p.numel(), dtype=torch.float32)
-                e.zt.read(which, value.numpy())
-                st[key] = value.view(p.shape)
+                value = torch.empty(e.zt.numel if e else 0, dtype=torch.float32)
+                if e:
+                    e.zt.read(which, value.numpy())
+                # A DTensor param's moments are DTensors of its shape, as torch's are.
+                st[key] = _dtensor.like(p, value)
             sd["state"][index] = st
         for hook in self._hooks_of("state_dict_post"):
             sd = hook(self, sd) or sd
@@ -542,20 +578,20 @@ class _ZoffloadOptimizer(torch.optim.Optimizer):
         given, self._given = self._given, {}
         with torch.no_grad():
             for p, value in given.items():
-                p.copy_(value)
+                _dtensor.local(p).copy_(value)
         id_map = dict(zip(chain.from_iterable(g["params"] for g in saved),
                           chain.from_iterable(g["params"] for g in self.param_groups)))
         for index, ms in moments.items():
             if index in id_map and ms:
                 self.state[id_map[index]].update(ms)
         # A param the saved state does not cover starts afresh, as in torch (lazily there).
-        for p in self._entries:
+        for p in chain(self._entries, self._empty):
             if "step" not in self.state[p]:
                 self.state[p].update(self._fresh_state(p), step=torch.tensor(0.0))
         self._flush_loaded_state()
 
     def _fresh_state(self, p):
-        return {key: torch.zeros(p.shape) for key in self._state_keys}
+        return {key: torch.zeros(_dtensor.local(p).shape) for key in self._state_keys}
 
     def __setstate__(self, state):
         super().__setstate__(state)
@@ -606,7 +642,7 @@ class _ZoffloadOptimizer(torch.optim.Optimizer):
 def _drop_views(entries):
     """Lets go of every view of the entries' slots, which go away with their tensors."""
     for p, e in entries.items():
-        if p.grad is not None and p.grad.data_ptr() == e.grad.data_ptr():
+        if p.grad is not None and _dtensor.local(p.grad).data_ptr() == e.grad.data_ptr():
             p.grad = p.grad.clone()     # the slot goes away with the tensor
         if e.pins is not None:
             e.pins.unpin()          # before unregister() unmaps (its hook would as well)
@@ -728,10 +764,11 @@ class Adagrad(_ZoffloadOptimizer):
     def _init_state(self, p, zt):
         value = self._group_of(p)["initial_accumulator_value"]
         if value:
-            zt.write("exp_avg", torch.full((p.numel(),), float(value)).numpy())
+            zt.write("exp_avg", torch.full((zt.numel,), float(value)).numpy())
 
     def _fresh_state(self, p):
-        return {"sum": torch.full(p.shape, float(self._group_of(p)["initial_accumulator_value"]))}
+        return {"sum": torch.full(_dtensor.local(p).shape,
+                                  float(self._group_of(p)["initial_accumulator_value"]))}
 
     def _group_args(self, g):
         return dict(lr=float(g["lr"]), lr_decay=g["lr_decay"], eps=g["eps"],
