@@ -243,4 +243,9 @@ def load(opt, dir, names, places, convert=False):
             if isinstance(group.get(key), tuple) and isinstance(value, list):
                 value = tuple(value)
             group[key] = value
-    return max((zt.last_step for zt in tensors), default=0)
+    last = max((zt.last_step for zt in tensors), default=0)
+    for p in opt._empty:
+        # No elements here, only the step count: the others', as if it had stepped with them
+        # (every rank's state then covers the same params, as DCP's gathers need).
+        opt.state[p]["step"] = torch.tensor(float(last))
+    return last
