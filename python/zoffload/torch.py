@@ -52,6 +52,11 @@ dead process's state.  Otherwise the constructor raises and leaves that state as
 
 ``save_checkpoint(dir)`` / ``load_checkpoint(dir)`` save and restore through the daemon's
 streaming checkpoint, for models too big for ``state_dict()`` (see _checkpoint.py).
+
+DTensor params (FSDP2's ``fully_shard``): each rank registers and steps its own shard
+(``to_local()``), and ``state_dict()`` gives the moments as DTensors of the param's shape and
+placements, as torch's optimizers keep them, for ``torch.distributed.checkpoint`` (see
+_dtensor.py for what is refused).
 """
 import collections
 import contextlib
