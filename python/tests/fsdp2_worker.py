@@ -7,14 +7,14 @@ train OFFLOAD POLICY STEPS: zoffload.torch.AdamW and torch.optim.AdamW on two co
     update differs), both step.  Rank 0 saves to OUT both runs' full params, the clip norms
     against an independent one (from the gathered full grads), and the final losses.
 save STEPS: first what is refused, by name (REFUSED lines): HSDP's replicate dimension,
-    overlap=True.  Then ours trains STEPS steps, saves through DCP (OUT/dcp) and through the streaming
-    checkpoint (OUT/own), with the full state at that point (OUT/state.pt); trains STEPS more
-    (OUT/after.pt), then a fresh model and optimizer load OUT/dcp and train the same STEPS
-    (OUT/resumed.pt).
-load KINDS STEPS: for each of KINDS (dcp,own), a fresh model and ours load OUT/dcp (dcp)
-    or OUT/own (own) in this world size; rank 0 saves the full state just loaded (OUT/loaded-KIND-WORLD.pt).  For
-    dcp, torch.optim.AdamW loads the same checkpoint and both step STEPS in lockstep
-    (OUT/lockstep-WORLD.pt).
+    overlap=True.  Then ours trains STEPS steps, saves through DCP (OUT/dcp) and through the
+    streaming checkpoint (OUT/own), with the full state at that point (OUT/state.pt); trains
+    STEPS more (OUT/after.pt), then a fresh model and optimizer load OUT/dcp and train the
+    same STEPS (OUT/resumed.pt).
+load KINDS STEPS: for each of KINDS (dcp,own), a fresh model and ours load OUT/dcp (dcp) or
+    OUT/own (own) in this world size; rank 0 saves the full state just loaded
+    (OUT/loaded-KIND-WORLD.pt).  For dcp, torch.optim.AdamW loads the same checkpoint and
+    both step STEPS in lockstep (OUT/lockstep-WORLD.pt).
 """
 import copy
 import os
