@@ -15,7 +15,8 @@ ours, higher is better; ratio = value / limit, >= 1 meets the target):
   train_step_speedup_vs_torch_fused, train_step_speedup_vs_torch_foreach (no target: the
   forward and backward are FSDP2's, the same for both), and each side's times in ms (no
   limit).  A peer this torch refuses is skipped and named on stderr.
-Environment: $ZOFFLOADD (the daemon) defaults to build-test/'s.  Not part of the test run.
+Environment: $ZOFFLOADD (the daemon) defaults to build-test/'s.  Not part of the test run;
+exits 77 (skipped) under a torch without FSDP2 (1.13).
 """
 import argparse
 import json
@@ -137,6 +138,14 @@ def main():
     if args.worker:
         args.rank, args.port, args.socket = int(args.worker[0]), args.worker[1], args.worker[2]
         return worker(args)
+    try:
+        from torch.distributed.fsdp import fully_shard  # noqa: F401
+    except (ImportError, ValueError):
+        # torch 1.13 (meson's first interpreter here) has no FSDP2: 77 is meson's "skipped".
+        import torch
+        print(f"bench_fsdp2: skipped: torch {torch.__version__} has no FSDP2 (fully_shard)",
+              file=sys.stderr)
+        sys.exit(77)
     daemon = os.environ.get("ZOFFLOADD", os.path.join(ROOT, "build-test/daemon/zoffloadd"))
     with tempfile.TemporaryDirectory(prefix="bench-fsdp2-") as tmp:
         proc, sock = start_daemon(daemon, args.threads * args.world, tmp)
