@@ -1,12 +1,14 @@
 """One rank of an FSDP2 (fully_shard) run over gloo on the CPU, for test_fsdp2.py:
 python fsdp2_worker.py MODE RANK WORLD PORT SOCKET JOB OUT [ARGS...]
 
-train OFFLOAD POLICY STEPS: zoffload.torch.AdamW and torch.optim.AdamW on two copies of one
+train OFFLOAD POLICY STEPS (OFFLOAD: offload, CPUOffloadPolicy; mesh, none; hsdp, HSDP over a
+    2-D mesh with CPUOffloadPolicy): zoffload.torch.AdamW and torch.optim.AdamW on two copies of one
     model under fully_shard, in lockstep: ours runs forward, backward and clip_grad_norm_ on
     its DTensor grads, the reference takes the same clipped grads (so that nothing but the
     update differs), both step.  Rank 0 saves to OUT both runs' full params, the clip norms
-    against an independent one (from the gathered full grads), and the final losses.
-save STEPS: first what is refused, by name (REFUSED lines): HSDP's replicate dimension,
+    against an independent one (from the gathered full grads), and the final losses; under
+    hsdp also whether DCP and the streaming checkpoint restore the state bit for bit.
+save STEPS: first what is refused, by name (REFUSED lines): a Partial() placement,
     overlap=True.  Then ours trains STEPS steps, saves through DCP (OUT/dcp) and through the
     streaming checkpoint (OUT/own), with the full state at that point (OUT/state.pt); trains
     STEPS more (OUT/after.pt), then a fresh model and optimizer load OUT/dcp and train the
@@ -50,10 +52,12 @@ class Model(zhelpers.TinyTransformer):
         return super().forward(x) * self.gate.mean()
 
 
-def build(world, offload, seed=21):
+def build(world, offload, seed=21, hsdp=False):
     torch.manual_seed(seed)
     m = Model()
-    mesh = init_device_mesh("cpu", (world,))
+    # HSDP: replicated over world / 2 groups of 2 ranks, sharded within each.
+    mesh = (init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("replicate", "shard"))
+            if hsdp else init_device_mesh("cpu", (world,)))
     kw = dict(mesh=mesh)
     if offload:
         # No CUDA here: pinned memory needs it.
@@ -109,7 +113,7 @@ def independent_norm(m, rank):
 
 
 def train(rank, world, sock, job, out, offload, policy, steps):
-    base, kw = build(world, offload == "offload")
+    base, kw = build(world, offload in ("offload", "hsdp"), hsdp=offload == "hsdp")
     ref = shard(copy.deepcopy(base), kw)
     ours = shard(base, kw)
     opt = zt.AdamW(ours.parameters(), lr=LR, weight_decay=WD, job=job, socket=sock,
@@ -137,10 +141,38 @@ def train(rank, world, sock, job, out, offload, policy, steps):
               "ref_state": full_state(ref, ref_opt)["optim"],
               "local_numels": [p.to_local().numel() for p in ours.parameters()],
               "jobs": opt.jobs()}
+    if offload == "hsdp":
+        result["restored"] = restored_hsdp(world, sock, job, out, ours, opt)
     if rank == 0:
         torch.save(result, out)
     dist.barrier()
     opt.close()
+
+
+def restored_hsdp(world, sock, job, out, m, opt):
+    """Under HSDP: the state saved through DCP and through the streaming checkpoint, loaded
+    into a fresh HSDP model and optimizer; whether each is the saved full state, bit for bit."""
+    want = full_state(m, opt)
+    dcp.save({"model": get_model_state_dict(m), "optim": get_optimizer_state_dict(m, opt)},
+             checkpoint_id=f"{out}.dcp")
+    opt.save_checkpoint(f"{out}.own")
+    same = {}
+    for kind in ("dcp", "own"):
+        m2, kw = build(world, True, seed=99, hsdp=True)
+        m2 = shard(m2, kw)
+        opt2 = zt.AdamW(m2.parameters(), lr=LR, weight_decay=WD, job=f"{job}-{kind}",
+                        socket=sock)
+        if kind == "dcp":
+            load_dcp(m2, opt2, f"{out}.dcp")
+        else:
+            opt2.load_checkpoint(f"{out}.own")
+        got = full_state(m2, opt2)
+        same[kind] = (all(torch.equal(got["params"][k], v) for k, v in want["params"].items())
+                      and all(torch.equal(got["optim"]["state"][k][key], v[key])
+                              for k, v in want["optim"]["state"].items()
+                              for key in ("step", "exp_avg", "exp_avg_sq")))
+        opt2.close()
+    return same
 
 
 def ours_of(world, sock, job, seed=21):
@@ -158,12 +190,11 @@ def plain_steps(m, opt, rank, steps, first):
 
 def refused(world, sock, job):
     """Prints REFUSED and the error for each thing DTensor params refuse."""
-    torch.manual_seed(0)
-    hsdp = Model()
-    # HSDP: replicated over the ranks, sharded within one (a 2-D mesh: replicate, shard).
-    fully_shard(hsdp, mesh=init_device_mesh("cpu", (world, 1), mesh_dim_names=("r", "s")))
+    from torch.distributed.tensor import DTensor, Partial
+    partial = [torch.nn.Parameter(DTensor.from_local(torch.ones(4), init_device_mesh(
+        "cpu", (world,)), [Partial()]))]
     plain = shard(*build(world, True))
-    for what, params, kw in (("hsdp", hsdp.parameters(), {}),
+    for what, params, kw in (("partial", partial, {}),
                              ("overlap", plain.parameters(), {"overlap": True})):
         try:
             zt.AdamW(params, job=f"{job}-{what}", socket=sock, **kw).close()

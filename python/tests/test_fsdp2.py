@@ -130,6 +130,23 @@ def test_four_ranks_on_the_mesh_device_nvme(make_daemon, tmp_path):
     assert job["tensors"] == 4 * len(r["ours"]) - 2
 
 
+def test_hsdp_four_ranks(daemon, tmp_path):
+    """HSDP (a 2-D mesh: 2 replicas of a 2-way shard, CPUOffloadPolicy): each shard stepped
+    once, by its replica at coordinate 0, and broadcast to the other; its state through DCP
+    and the streaming checkpoint."""
+    out = tmp_path / "r.pt"
+    launch(4, daemon.socket, "train", "hsdp-4", out, "hsdp", "default", STEPS)
+    r = torch.load(out, weights_only=False)
+    check_lockstep(r)
+    check_clip(r)
+    job = the_job(r, "hsdp-4")
+    # Once per shard group: two ranks' tensors, each param's elements once.
+    assert job["params"] == sum(v.numel() for v in r["ours"].values())
+    assert job["tensors"] == 2 * len(r["ours"]) and job["ranks_attached"] == 4
+    # Saved (DCP; the streaming checkpoint) and restored into a fresh HSDP run, bit for bit.
+    assert r["restored"] == {"dcp": True, "own": True}, r["restored"]
+
+
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
     """Two ranks train 5 steps and save (DCP, and the streaming checkpoint), then 5 more;
@@ -148,7 +165,8 @@ def test_refused_by_name(saved):
     _, _, outputs = saved
     lines = [line for line in outputs[0].splitlines() if line.startswith("REFUSED ")]
     assert len(lines) == 2, outputs[0][-3000:]
-    assert lines[0].startswith("REFUSED hsdp: NotImplementedError") and "HSDP" in lines[0]
+    assert lines[0].startswith("REFUSED partial: NotImplementedError")
+    assert "placed as P(sum)" in lines[0] and "only Shard() and Replicate()" in lines[0]
     assert lines[1].startswith("REFUSED overlap: ValueError") and "FSDP2" in lines[1]
 
 

@@ -19,7 +19,8 @@ DTensor params (FSDP2's ``fully_shard``) are this rank's shard, placed in the lo
 by their placements (see _dtensor.py): ``names`` alone names the whole param, and without
 names a DTensor param is ``group{g}.param{i}`` with no rank prefix (under FSDP2 every rank's
 optimizer holds every param, in one order), so that N ranks' checkpoint restores into M.  A
-rank with no elements of a param (a dim 0 shorter than the world) has nothing of it to save.
+rank with no elements of a param (a dim 0 shorter than the world) has nothing of it to save,
+nor has an HSDP replica that another rank steps.
 """
 import glob
 import json
@@ -107,14 +108,20 @@ def save(opt, dir, names, places):
         # Before anything is written: no state file without its JSON file.
         raise TypeError(f"zoffload: save_checkpoint: a param group holds a value JSON cannot "
                         f"store ({ex})") from None
-    opt._conn.checkpoint_save(os.fspath(dir), entries, optim=opt._optim, step=step,
-                              **opt._group_args(opt.param_groups[0]))
+    if entries:
+        # A rank with nothing of its own (under HSDP, a replica another rank steps; a rank
+        # with no rows of any param) writes no rank file, only its JSON file: the restore
+        # takes each range from whichever rank files hold it.
+        opt._conn.checkpoint_save(os.fspath(dir), entries, optim=opt._optim, step=step,
+                                  **opt._group_args(opt.param_groups[0]))
     by_pos = {}
     for p, name, offset, gnumel, position in items:
         by_pos[position] = name
     for g, group in enumerate(opt.param_groups):
+        # Those this rank saved (not its empty shards, nor replicas another rank steps).
         groups[g]["params"] = [by_pos[f"group{g}.param{i}"]
-                               for i in range(len(group["params"]))]
+                               for i in range(len(group["params"]))
+                               if f"group{g}.param{i}" in by_pos]
     meta = {
         "format": _FORMAT,
         "optimizer": opt._optim,
@@ -217,8 +224,10 @@ def load(opt, dir, names, places, convert=False):
     for p in olds:
         del opt._entries[p]
     try:
-        tensors, _ = opt._conn.register_checkpoint(os.fspath(dir), request, optim=opt._optim,
-                                                   convert=convert)
+        tensors = []
+        if request:
+            tensors, _ = opt._conn.register_checkpoint(os.fspath(dir), request,
+                                                       optim=opt._optim, convert=convert)
     except BaseException:
         for (n, k, gd, pd, *_), (p, *_) in zip(request, items):
             init = _dtensor.local(p).detach().reshape(-1).to(device="cpu",
@@ -243,9 +252,12 @@ def load(opt, dir, names, places, convert=False):
             if isinstance(group.get(key), tuple) and isinstance(value, list):
                 value = tuple(value)
             group[key] = value
-    last = max((zt.last_step for zt in tensors), default=0)
+    # A rank with no tensors of its own goes on from the step the checkpoint was saved at.
+    last = max((zt.last_step for zt in tensors),
+               default=max(int(m.get("step", 0)) for m in metas.values()))
     for p in opt._empty:
         # No elements here, only the step count: the others', as if it had stepped with them
         # (every rank's state then covers the same params, as DCP's gathers need).
         opt.state[p]["step"] = torch.tensor(float(last))
+    opt._sync_replicas()            # HSDP: the replicas take the restored params
     return last

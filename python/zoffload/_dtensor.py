@@ -9,11 +9,17 @@ next all-gather reads them.  With ``CPUOffloadPolicy`` the shard is a CPU tensor
 copies are the plain-tensor ones (a memcpy each way); without it the shard lives where the
 mesh does (on a CPU run that is a CPU tensor too: the same path; on a GPU, the CUDA copies).
 
-Placements: ``Shard(d)`` on any mesh dimension, and ``Replicate()`` on a mesh dimension of
-size 1.  ``Replicate()`` over more than one rank (HSDP's replicate dimension) is refused:
-every replica would step the same shard (the daemon's work and state times the replicas), and
-stepping one of them needs a broadcast of the new params over the replicate group inside
-``step()``, which is not built.  ``Partial()`` is not a parameter's placement.
+Placements: ``Shard(d)`` on any mesh dimension, and ``Replicate()`` on one (HSDP's replicate
+dimension, over any number of ranks).  A replicated shard is stepped once per shard group,
+not once per replica: by the replica at coordinate 0 of the replicate dimension (the one rank
+of the group every rank can name without asking, and the source rank 0 of the mesh's
+replicate process group), which alone registers it; after each ``step()`` it broadcasts the
+new shard over that group, in param order on every rank.  The replicas' gradients are equal
+(HSDP all-reduces them over the group), so stepping them all would compute the same update
+each time for the daemon's work and state times the replicas; the broadcast is one shard's
+bytes per replica.  ``state_dict()`` broadcasts the moments the same way, so that every
+replica returns them (DCP saves one copy of what is replicated): a collective, as DCP's
+calls are.  ``Replicate()`` on two mesh dimensions and ``Partial()`` are refused.
 
 The shard's place in the logical parameter, ``(offset, numel of the whole)``, is what the
 streaming checkpoint stores, so that a checkpoint made by N ranks restores into M: it is
@@ -23,6 +29,7 @@ the flattened whole; a shard along another dim is not one range and is refused t
 import math
 
 import torch
+import torch.distributed as dist
 
 try:
     from torch.distributed.tensor import DTensor, Replicate, Shard
@@ -44,27 +51,59 @@ def local(t):
     return t
 
 
+def _replicate_dims(p):
+    mesh = p.device_mesh
+    return [d for d, pl in enumerate(p.placements)
+            if isinstance(pl, Replicate) and mesh.size(d) > 1]
+
+
 def check(p, overlap):
     """Refuses, by name, what the optimizer cannot step correctly as a DTensor param."""
     if not is_dtensor(p):
         return
     mesh = p.device_mesh
     for dim, pl in enumerate(p.placements):
-        if isinstance(pl, Shard) or (isinstance(pl, Replicate) and mesh.size(dim) == 1):
+        if isinstance(pl, (Shard, Replicate)):
             continue
-        if isinstance(pl, Replicate):
-            raise NotImplementedError(
-                f"zoffload: a DTensor parameter replicated over mesh dimension {dim} "
-                f"({mesh.size(dim)} ranks; HSDP's replicate dimension) is not supported: each "
-                "replica would step the same shard.  Shard it over every rank (fully_shard on "
-                "a 1-D mesh) instead")
         raise NotImplementedError(f"zoffload: a DTensor parameter placed as {pl} on mesh "
-                                  f"dimension {dim}: only Shard() and Replicate() on a "
-                                  "one-rank dimension are supported")
+                                  f"dimension {dim}: only Shard() and Replicate() "
+                                  "placements (FSDP2's and HSDP's) are supported")
+    if len(_replicate_dims(p)) > 1:
+        raise NotImplementedError(
+            f"zoffload: a DTensor parameter replicated over mesh dimensions "
+            f"{_replicate_dims(p)}: one replicate dimension (HSDP's) is supported")
     if overlap:
         raise ValueError("zoffload: overlap=True with DTensor parameters (FSDP2): FSDP2 hands "
                          "over the sharded gradient after its reduce-scatter, not through the "
                          "parameter's gradient hook, so nothing would be submitted early")
+
+
+def replicated(p):
+    """Whether p is replicated over more than one rank (HSDP's replicate dimension)."""
+    return is_dtensor(p) and bool(_replicate_dims(p))
+
+
+def steps_here(p):
+    """Whether this rank steps p: always, but for a replica another rank steps (above)."""
+    if not replicated(p):
+        return True
+    return p.device_mesh.get_local_rank(_replicate_dims(p)[0]) == 0
+
+
+def from_stepper(p, t):
+    """t, on every replica of p, as the rank that steps p has it (a broadcast over p's
+    replicate group; every replica calls it, in the same order).  Returns t, or a copy on
+    p's device when t is elsewhere (the group's backend needs it there)."""
+    if not replicated(p) or t.numel() == 0:
+        return t
+    group = p.device_mesh.get_group(_replicate_dims(p)[0])
+    dev = local(p).device
+    moved = t if t.device == dev and t.is_contiguous() else t.to(dev).contiguous()
+    dist.broadcast(moved, src=dist.get_global_rank(group, 0), group=group)
+    if moved is not t and t.device == dev:
+        t.copy_(moved)
+        return t
+    return moved
 
 
 def like(p, flat):

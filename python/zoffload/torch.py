@@ -225,7 +225,10 @@ class _ZoffloadOptimizer(torch.optim.Optimizer):
         self._given = {}            # taken back: the params as given, until the first step
         self._grad_dtype = grad_dtype
         self._entries = {}
-        self._empty = set()         # DTensor params with no elements on this rank
+        # DTensor params this rank has no daemon tensor for: no elements of them here, or a
+        # replica that another rank of its replicate group steps (HSDP; see _dtensor.py).
+        self._empty = set()
+        self._replicated = []       # HSDP's replicated params, in registration order
         self._group_index = {}
         self._hooks = []
         self._next_index = 0
@@ -240,6 +243,9 @@ class _ZoffloadOptimizer(torch.optim.Optimizer):
             # (A dead process's state it refused to take is not ours to free: see _register.)
             self.close()
             raise
+        # Every replica of an HSDP shard starts from what its stepping rank has (a state taken
+        # back from a dead process sets that rank's params only).
+        self._sync_replicas()
         if self.resumed_step:
             msg = (f"zoffload: job '{self.job}' rank {rank}: took back the optimizer state of "
                    f"a process that died; resuming after step {self.resumed_step}")
@@ -260,8 +266,11 @@ class _ZoffloadOptimizer(torch.optim.Optimizer):
                             "float16 only")
         _dtensor.check(p, self.overlap)
         t = _dtensor.local(p)       # what this rank steps: p, or its shard of a DTensor
-        if t.numel() == 0 and _dtensor.is_dtensor(p):
-            # FSDP2 gives a rank no rows of a dim 0 shorter than the world: only a step count.
+        if _dtensor.replicated(p):
+            self._replicated.append(p)
+        if (t.numel() == 0 and _dtensor.is_dtensor(p)) or not _dtensor.steps_here(p):
+            # FSDP2 gives a rank no rows of a dim 0 shorter than the world, and under HSDP
+            # another replica steps this shard: only a step count here.
             self._empty.add(p)
             return
         if t.numel() == 0:
@@ -436,7 +445,14 @@ class _ZoffloadOptimizer(torch.optim.Optimizer):
             if items:
                 self._submit(group, items)
         self._finish()
+        self._sync_replicas()
         return loss
+
+    def _sync_replicas(self):
+        """The stepping replica's params to the others, in the same order on every rank."""
+        with torch.no_grad():
+            for p in self._replicated:
+                _dtensor.from_stepper(p, _dtensor.local(p))
 
     def _step_empty(self, p):
         # torch's optimizers count the step of a param with a grad, elements or none.
@@ -545,12 +561,14 @@ class _ZoffloadOptimizer(torch.optim.Optimizer):
         sd["state"] = dict(sorted(sd["state"].items()))
         for index, st in sd["state"].items():
             p = params[index]
-            e = self._entries.get(p)        # None: an empty shard
+            e = self._entries.get(p)        # None: an empty shard, or another rank's
             st = dict(st)
             for key, which in self._state_keys.items():
-                value = torch.empty(e.zt.numel if e else 0, dtype=torch.float32)
+                n = _dtensor.local(p).numel()
+                value = torch.empty(n) if e else torch.zeros(n)
                 if e:
                     e.zt.read(which, value.numpy())
+                value = _dtensor.from_stepper(p, value)     # HSDP: the stepping replica's
                 # A DTensor param's moments are DTensors of its shape, as torch's are.
                 st[key] = _dtensor.like(p, value)
             sd["state"][index] = st
