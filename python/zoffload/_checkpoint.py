@@ -14,6 +14,13 @@ is ``group{g}.param{i}`` (its position in param_groups), prefixed with ``rank{r}
 world size is above 1: positions are those of what this rank's optimizer sees (under
 ZeroRedundancyOptimizer, its partition), which another world size does not share.  Names
 that are the model's (``model.named_parameters()``) restore into any world size.
+
+DTensor params (FSDP2's ``fully_shard``) are this rank's shard, placed in the logical param
+by their placements (see _dtensor.py): ``names`` alone names the whole param, and without
+names a DTensor param is ``group{g}.param{i}`` with no rank prefix (under FSDP2 every rank's
+optimizer holds every param, in one order), so that N ranks' checkpoint restores into M.  A
+rank with no elements of a param (a dim 0 shorter than the world) has nothing of it to save,
+nor has an HSDP replica that another rank steps.
 """
 import glob
 import json
@@ -21,6 +28,8 @@ import os
 import re
 
 import torch
+
+from . import _dtensor
 
 _META = "zoffload-torch-rank-{:05d}-of-{:05d}.json"
 _META_RE = re.compile(r"zoffload-torch-rank-(\d{5})-of-(\d{5})\.json$")
@@ -35,12 +44,16 @@ def _places(opt, names, places):
     for g, group in enumerate(opt.param_groups):
         for i, p in enumerate(group["params"]):
             position = f"group{g}.param{i}"
+            if p in opt._empty:
+                continue
+            dt = _dtensor.is_dtensor(p)
             if places is not None and p in places:
                 name, offset, gnumel = places[p]
                 offset, gnumel = int(offset), int(gnumel)
             else:
-                name = names[p] if names is not None and p in names else prefix + position
-                offset, gnumel = 0, p.numel()
+                name = (names[p] if names is not None and p in names
+                        else (position if dt else prefix + position))
+                offset, gnumel = _dtensor.place(p)
             if not isinstance(name, str) or not name:
                 raise TypeError(f"zoffload: parameter {position}: its global name must be a "
                                 f"non-empty str, not {name!r}")
@@ -95,14 +108,20 @@ def save(opt, dir, names, places):
         # Before anything is written: no state file without its JSON file.
         raise TypeError(f"zoffload: save_checkpoint: a param group holds a value JSON cannot "
                         f"store ({ex})") from None
-    opt._conn.checkpoint_save(os.fspath(dir), entries, optim=opt._optim, step=step,
-                              **opt._group_args(opt.param_groups[0]))
+    if entries:
+        # A rank with nothing of its own (under HSDP, a replica another rank steps; a rank
+        # with no rows of any param) writes no rank file, only its JSON file: the restore
+        # takes each range from whichever rank files hold it.
+        opt._conn.checkpoint_save(os.fspath(dir), entries, optim=opt._optim, step=step,
+                                  **opt._group_args(opt.param_groups[0]))
     by_pos = {}
     for p, name, offset, gnumel, position in items:
         by_pos[position] = name
     for g, group in enumerate(opt.param_groups):
+        # Those this rank saved (not its empty shards, nor replicas another rank steps).
         groups[g]["params"] = [by_pos[f"group{g}.param{i}"]
-                               for i in range(len(group["params"]))]
+                               for i in range(len(group["params"]))
+                               if f"group{g}.param{i}" in by_pos]
     meta = {
         "format": _FORMAT,
         "optimizer": opt._optim,
@@ -111,8 +130,10 @@ def save(opt, dir, names, places):
         "world_size": opt.world_size,
         "step": step,
         "param_groups": groups,
+        # shape: the logical param's (a DTensor's global shape); numel: this rank's part.
         "params": {name: {"shape": list(p.shape), "dtype": str(p.dtype).replace("torch.", ""),
-                          "offset": offset, "numel": p.numel(), "global_numel": gnumel}
+                          "offset": offset, "numel": _dtensor.local(p).numel(),
+                          "global_numel": gnumel}
                    for p, name, offset, gnumel, _ in items},
     }
     _write_atomic(os.path.join(dir, _META.format(opt.rank, opt.world_size)),
@@ -174,7 +195,8 @@ def load(opt, dir, names, places, convert=False):
             raise ValueError(f"zoffload: parameter {position} ('{name}'): "
                              f"{gnumel} elements here, {info['global_numel']} in {path}")
         # Shapes compare between whole params (a shard's is its own).
-        whole = (offset, gnumel) == (0, p.numel()) and info["numel"] == info["global_numel"]
+        whole = ((offset, gnumel) == (0, _dtensor.local(p).numel())
+                 and info["numel"] == info["global_numel"])
         if whole and list(p.shape) != info["shape"]:
             raise ValueError(f"zoffload: parameter {position} ('{name}'): shape "
                              f"{list(p.shape)} here, {info['shape']} in {path}")
@@ -193,7 +215,8 @@ def load(opt, dir, names, places, convert=False):
     # fails, fresh tensors are registered again, as the constructor left them.
     from .torch import _DTYPES, _drop_views
     olds = {p: opt._entries[p] for p, *_ in items}
-    request = [(olds[p].zt.name, p.numel(), olds[p].gd, _DTYPES[p.dtype], name, offset, gnumel)
+    request = [(olds[p].zt.name, olds[p].zt.numel, olds[p].gd, _DTYPES[p.dtype], name, offset,
+                gnumel)
                for p, name, offset, gnumel, _ in items]
     _drop_views(olds)
     for e in olds.values():
@@ -201,11 +224,14 @@ def load(opt, dir, names, places, convert=False):
     for p in olds:
         del opt._entries[p]
     try:
-        tensors, _ = opt._conn.register_checkpoint(os.fspath(dir), request, optim=opt._optim,
-                                                   convert=convert)
+        tensors = []
+        if request:
+            tensors, _ = opt._conn.register_checkpoint(os.fspath(dir), request,
+                                                       optim=opt._optim, convert=convert)
     except BaseException:
         for (n, k, gd, pd, *_), (p, *_) in zip(request, items):
-            init = p.detach().reshape(-1).to(device="cpu", dtype=torch.float32).contiguous()
+            init = _dtensor.local(p).detach().reshape(-1).to(device="cpu",
+                                                             dtype=torch.float32).contiguous()
             zt = opt._conn.register(n, init.numpy(), grad_dtype=gd, param_dtype=pd)
             opt._attach(p, zt, gd, pd)
             opt._init_state(p, zt)
@@ -213,10 +239,11 @@ def load(opt, dir, names, places, convert=False):
     for zt, (n, k, gd, pd, *_), (p, *_) in zip(tensors, request, items):
         if not opt._attach(p, zt, gd, pd):
             # Saved before any step: _attach set nothing; the master is still the saved one.
-            master = torch.empty(p.numel(), dtype=torch.float32)
+            t = _dtensor.local(p)
+            master = torch.empty(t.numel(), dtype=torch.float32)
             zt.read("master", master.numpy())
             with torch.no_grad():
-                p.copy_(master.view(p.shape))
+                t.copy_(master.view(t.shape))
         opt.state[p]["step"] = torch.tensor(float(zt.last_step))
     for group, hyper in zip(opt.param_groups, meta["param_groups"]):
         for key, value in hyper.items():
@@ -225,4 +252,12 @@ def load(opt, dir, names, places, convert=False):
             if isinstance(group.get(key), tuple) and isinstance(value, list):
                 value = tuple(value)
             group[key] = value
-    return max((zt.last_step for zt in tensors), default=0)
+    # A rank with no tensors of its own goes on from the step the checkpoint was saved at.
+    last = max((zt.last_step for zt in tensors),
+               default=max(int(m.get("step", 0)) for m in metas.values()))
+    for p in opt._empty:
+        # No elements here, only the step count: the others', as if it had stepped with them
+        # (every rank's state then covers the same params, as DCP's gathers need).
+        opt.state[p]["step"] = torch.tensor(float(last))
+    opt._sync_replicas()            # HSDP: the replicas take the restored params
+    return last

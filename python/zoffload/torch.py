@@ -52,6 +52,11 @@ dead process's state.  Otherwise the constructor raises and leaves that state as
 
 ``save_checkpoint(dir)`` / ``load_checkpoint(dir)`` save and restore through the daemon's
 streaming checkpoint, for models too big for ``state_dict()`` (see _checkpoint.py).
+
+DTensor params (FSDP2's ``fully_shard``): each rank registers and steps its own shard
+(``to_local()``), and ``state_dict()`` gives the moments as DTensors of the param's shape and
+placements, as torch's optimizers keep them, for ``torch.distributed.checkpoint`` (see
+_dtensor.py for what is refused).
 """
 import collections
 import contextlib
@@ -66,7 +71,7 @@ from itertools import chain
 
 import torch
 
-from . import _checkpoint, _zclient
+from . import _checkpoint, _dtensor, _zclient
 from ._zclient import ZoffloadError
 
 __all__ = ["AdamW", "Adam", "Adagrad", "Lion", "ZoffloadError"]
@@ -220,6 +225,10 @@ class _ZoffloadOptimizer(torch.optim.Optimizer):
         self._given = {}            # taken back: the params as given, until the first step
         self._grad_dtype = grad_dtype
         self._entries = {}
+        # DTensor params this rank has no daemon tensor for: no elements of them here, or a
+        # replica that another rank of its replicate group steps (HSDP; see _dtensor.py).
+        self._empty = set()
+        self._replicated = []       # HSDP's replicated params, in registration order
         self._group_index = {}
         self._hooks = []
         self._next_index = 0
@@ -234,6 +243,9 @@ class _ZoffloadOptimizer(torch.optim.Optimizer):
             # (A dead process's state it refused to take is not ours to free: see _register.)
             self.close()
             raise
+        # Every replica of an HSDP shard starts from what its stepping rank has (a state taken
+        # back from a dead process sets that rank's params only).
+        self._sync_replicas()
         if self.resumed_step:
             msg = (f"zoffload: job '{self.job}' rank {rank}: took back the optimizer state of "
                    f"a process that died; resuming after step {self.resumed_step}")
@@ -252,14 +264,23 @@ class _ZoffloadOptimizer(torch.optim.Optimizer):
         if p.dtype not in _DTYPES:
             raise TypeError(f"zoffload: parameter of dtype {p.dtype}: float32, bfloat16 or "
                             "float16 only")
-        if p.numel() == 0:
+        _dtensor.check(p, self.overlap)
+        t = _dtensor.local(p)       # what this rank steps: p, or its shard of a DTensor
+        if _dtensor.replicated(p):
+            self._replicated.append(p)
+        if (t.numel() == 0 and _dtensor.is_dtensor(p)) or not _dtensor.steps_here(p):
+            # FSDP2 gives a rank no rows of a dim 0 shorter than the world, and under HSDP
+            # another replica steps this shard: only a step count here.
+            self._empty.add(p)
+            return
+        if t.numel() == 0:
             raise ValueError("zoffload: empty parameters have nothing to optimize")
         index = self._next_index
         self._next_index += 1
         # Stable across restarts (same model, same order), so a new process finds its state.
-        name = f"p{index}/{p.numel()}"
+        name = f"p{index}/{t.numel()}"
         gd, pd = _grad_dtype_name(self._grad_dtype, p), _DTYPES[p.dtype]
-        init = p.detach().reshape(-1).to(device="cpu", dtype=torch.float32).contiguous()
+        init = t.detach().reshape(-1).to(device="cpu", dtype=torch.float32).contiguous()
         zt = self._register_tensor(name, init, gd, pd)
         if zt.last_step and not self._take_back(zt):
             zt.unregister()         # resume=False: the dead process's state goes
@@ -267,7 +288,7 @@ class _ZoffloadOptimizer(torch.optim.Optimizer):
         elif zt.last_step:
             # Kept for load_state_dict before the first step: what the user loaded, not
             # the daemon's leftovers, is then what they asked for.
-            self._given[p] = p.detach().to(device="cpu", copy=True)
+            self._given[p] = t.detach().to(device="cpu", copy=True)
         last = self._attach(p, zt, gd, pd)
         if last:
             self.resumed_step = max(self.resumed_step, last)
@@ -307,14 +328,17 @@ class _ZoffloadOptimizer(torch.optim.Optimizer):
         e = _Entry(zt, gd, pd)
         # Not with overlap (AccumulateGrad would write a slot under a step), nor for a slot of
         # another dtype or device.
-        e.grad_view_ok = not self.overlap and not p.is_cuda and gd == pd
+        # Nor for a DTensor: FSDP2 assigns each step's sharded grad itself.
+        e.grad_view_ok = (not self.overlap and not p.is_cuda and gd == pd
+                          and not _dtensor.is_dtensor(p))
         self._entries[p] = e
         last = zt.last_step
         if last:
-            master = torch.empty(p.numel(), dtype=torch.float32)
+            t = _dtensor.local(p)
+            master = torch.empty(t.numel(), dtype=torch.float32)
             zt.read("master", master.numpy())
             with torch.no_grad():
-                p.copy_(master.view(p.shape))
+                t.copy_(master.view(t.shape))
             self.state[p]["step"] = torch.tensor(float(last))
         if p.is_cuda:
             self._cuda_register(e)
@@ -344,7 +368,8 @@ class _ZoffloadOptimizer(torch.optim.Optimizer):
             raise RuntimeError("zoffload: sparse gradients are not supported")
         if e.pins is not None:
             e.pins.repin()          # let go of at a reconnect that remapped the slots
-        g = e.grad.view(p.shape)
+        grad = _dtensor.local(grad)
+        g = e.grad.view(_dtensor.local(p).shape)
         if grad.data_ptr() == g.data_ptr():
             # p.grad is the slot itself (see _finish): backward wrote it there.
             if group.get("maximize", False):
@@ -409,6 +434,9 @@ class _ZoffloadOptimizer(torch.optim.Optimizer):
         for group in self.param_groups:
             items = []
             for p in group["params"]:
+                if p in self._empty:
+                    self._step_empty(p)
+                    continue
                 e = self._entries[p]
                 if p.grad is None or e.in_flight:
                     continue        # no gradient (as torch), or submitted by its hook
@@ -417,7 +445,20 @@ class _ZoffloadOptimizer(torch.optim.Optimizer):
             if items:
                 self._submit(group, items)
         self._finish()
+        self._sync_replicas()
         return loss
+
+    def _sync_replicas(self):
+        """The stepping replica's params to the others, in the same order on every rank."""
+        with torch.no_grad():
+            for p in self._replicated:
+                _dtensor.from_stepper(p, _dtensor.local(p))
+
+    def _step_empty(self, p):
+        # torch's optimizers count the step of a param with a grad, elements or none.
+        if p.grad is not None:
+            st = self.state[p]
+            st["step"] = torch.tensor(float(st.get("step", 0)) + 1.0)
 
     def _finish(self):
         """Waits for every step in flight and copies the new params out of the slots."""
@@ -439,11 +480,12 @@ class _ZoffloadOptimizer(torch.optim.Optimizer):
             if res["status"] != "applied":
                 continue
             self.state[p]["step"] = torch.tensor(float(res["step"]))
-            if _plain(p, e.param.dtype):
-                e.zt.param_into(_raw(p.detach()))
+            t = _dtensor.local(p)   # a DTensor's shard is written in place
+            if _plain(t, e.param.dtype):
+                e.zt.param_into(_raw(t.detach()))
             else:
                 with torch.no_grad():
-                    p.copy_(e.param.view(p.shape), non_blocking=p.is_cuda)
+                    t.copy_(e.param.view(t.shape), non_blocking=p.is_cuda)
             if (e.grad_view_ok and p.grad is not None and p.grad.layout == torch.strided
                     and not self._group_of(p).get("maximize", False)):
                 # The slot holds what p.grad holds; made p.grad, zero_grad() zeroes it in place
@@ -455,20 +497,29 @@ class _ZoffloadOptimizer(torch.optim.Optimizer):
     # State in torch's format, read from and written to the daemon.
     def _flush_loaded_state(self):
         """Writes state loaded into self.state (load_state_dict, ZeroRedundancyOptimizer)."""
+        for p in self._empty:
+            st = self.state.get(p)
+            if st and any(k in st for k in self._state_keys):
+                for key in self._state_keys:
+                    st.pop(key, None)
+                step = st.get("step", 0)
+                st["step"] = torch.tensor(float(step.item() if torch.is_tensor(step) else step))
         for p, e in self._entries.items():
             st = self.state.get(p)
             if not st or not any(k in st for k in self._state_keys):
                 continue
             if e.in_flight:
                 raise RuntimeError("zoffload: state loaded while a step is in flight")
-            master = p.detach().reshape(-1).to(device="cpu", dtype=torch.float32).contiguous()
+            t = _dtensor.local(p)
+            master = t.detach().reshape(-1).to(device="cpu", dtype=torch.float32).contiguous()
             e.zt.write("master", master.numpy())
             for key, which in self._state_keys.items():
                 if key in st:
-                    value = st.pop(key).detach().reshape(-1)
-                    if value.numel() != p.numel():
+                    # A DTensor's moments (load_state_dict, DCP): this rank's shard of them.
+                    value = _dtensor.local(st.pop(key)).detach().reshape(-1)
+                    if value.numel() != t.numel():
                         raise ValueError(f"zoffload: state '{key}' holds {value.numel()} "
-                                         f"values for a parameter of {p.numel()}")
+                                         f"values for a parameter of {t.numel()}")
                     value = value.to(device="cpu", dtype=torch.float32).contiguous()
                     e.zt.write(which, value.numpy())
             step = st.get("step", 0)
@@ -504,14 +555,22 @@ class _ZoffloadOptimizer(torch.optim.Optimizer):
         with self._torch_hooks_held("state_dict_pre", "state_dict_post"):
             sd = super().state_dict()
         params = list(chain.from_iterable(g["params"] for g in self.param_groups))
+        # In param order, as torch's own optimizers have it: an empty shard's step count is
+        # kept before the others' (step()), and DCP's full state dict gathers each param's
+        # moments in this order on every rank.
+        sd["state"] = dict(sorted(sd["state"].items()))
         for index, st in sd["state"].items():
             p = params[index]
-            e = self._entries[p]
+            e = self._entries.get(p)        # None: an empty shard, or another rank's
             st = dict(st)
             for key, which in self._state_keys.items():
-                value = torch.empty(p.numel(), dtype=torch.float32)
-                e.zt.read(which, value.numpy())
-                st[key] = value.view(p.shape)
+                n = _dtensor.local(p).numel()
+                value = torch.empty(n) if e else torch.zeros(n)
+                if e:
+                    e.zt.read(which, value.numpy())
+                value = _dtensor.from_stepper(p, value)     # HSDP: the stepping replica's
+                # A DTensor param's moments are DTensors of its shape, as torch's are.
+                st[key] = _dtensor.like(p, value)
             sd["state"][index] = st
         for hook in self._hooks_of("state_dict_post"):
             sd = hook(self, sd) or sd
@@ -542,20 +601,20 @@ class _ZoffloadOptimizer(torch.optim.Optimizer):
         given, self._given = self._given, {}
         with torch.no_grad():
             for p, value in given.items():
-                p.copy_(value)
+                _dtensor.local(p).copy_(value)
         id_map = dict(zip(chain.from_iterable(g["params"] for g in saved),
                           chain.from_iterable(g["params"] for g in self.param_groups)))
         for index, ms in moments.items():
             if index in id_map and ms:
                 self.state[id_map[index]].update(ms)
         # A param the saved state does not cover starts afresh, as in torch (lazily there).
-        for p in self._entries:
+        for p in chain(self._entries, self._empty):
             if "step" not in self.state[p]:
                 self.state[p].update(self._fresh_state(p), step=torch.tensor(0.0))
         self._flush_loaded_state()
 
     def _fresh_state(self, p):
-        return {key: torch.zeros(p.shape) for key in self._state_keys}
+        return {key: torch.zeros(_dtensor.local(p).shape) for key in self._state_keys}
 
     def __setstate__(self, state):
         super().__setstate__(state)
@@ -606,7 +665,7 @@ class _ZoffloadOptimizer(torch.optim.Optimizer):
 def _drop_views(entries):
     """Lets go of every view of the entries' slots, which go away with their tensors."""
     for p, e in entries.items():
-        if p.grad is not None and p.grad.data_ptr() == e.grad.data_ptr():
+        if p.grad is not None and _dtensor.local(p.grad).data_ptr() == e.grad.data_ptr():
             p.grad = p.grad.clone()     # the slot goes away with the tensor
         if e.pins is not None:
             e.pins.unpin()          # before unregister() unmaps (its hook would as well)
@@ -728,10 +787,11 @@ class Adagrad(_ZoffloadOptimizer):
     def _init_state(self, p, zt):
         value = self._group_of(p)["initial_accumulator_value"]
         if value:
-            zt.write("exp_avg", torch.full((p.numel(),), float(value)).numpy())
+            zt.write("exp_avg", torch.full((zt.numel,), float(value)).numpy())
 
     def _fresh_state(self, p):
-        return {"sum": torch.full(p.shape, float(self._group_of(p)["initial_accumulator_value"]))}
+        return {"sum": torch.full(_dtensor.local(p).shape,
+                                  float(self._group_of(p)["initial_accumulator_value"]))}
 
     def _group_args(self, g):
         return dict(lr=float(g["lr"]), lr_decay=g["lr_decay"], eps=g["eps"],

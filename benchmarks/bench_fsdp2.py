@@ -1,0 +1,196 @@
+#!/usr/bin/python3
+"""Optimizer step time under FSDP2 (fully_shard with CPUOffloadPolicy, 2 processes over gloo
+on the CPU, ~100 M fp32 parameters), zoffload.torch.AdamW beside the peers an FSDP2 user has:
+torch.optim.AdamW foreach, and AdamW(fused=True) where this torch steps DTensors with it; and
+the end-to-end training step (forward, backward, step) of each.  Measured in the same run on
+one zoffloadd started here, on one model whose sharded params every optimizer steps in turn
+(the values do not matter to the times), round by round so that no side gets the quieter
+moment by its place.  A figure is the best round's; each round's time is the slower rank's.
+
+    PYTHONPATH=build-test/python $VENV/bin/python benchmarks/bench_fsdp2.py [--json] [--size M]
+
+Figures (--json: a list of {name, value, unit, limit, ratio}; value = the peer's time /
+ours, higher is better; ratio = value / limit, >= 1 meets the target):
+  step_speedup_vs_torch_fused (>= 1.0), step_speedup_vs_torch_foreach (>= 1.0),
+  train_step_speedup_vs_torch_fused, train_step_speedup_vs_torch_foreach (no target: the
+  forward and backward are FSDP2's, the same for both), and each side's times in ms (no
+  limit).  A peer this torch refuses is skipped and named on stderr.
+Environment: $ZOFFLOADD (the daemon) defaults to build-test/'s.  Not part of the test run;
+exits 77 (skipped) under a torch without FSDP2 (1.13).
+"""
+import argparse
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def start_daemon(path, threads, tmp):
+    sock = os.path.join(tmp, "sock")
+    conf = os.path.join(tmp, "zoffload.conf")
+    with open(conf, "w") as f:
+        json.dump({"compute": {"worker_threads": threads}, "memory": {"policy": "cpu"}}, f)
+    log = open(os.path.join(tmp, "daemon.log"), "w")
+    proc = subprocess.Popen([path, "--config", conf, "--socket", sock], stdout=log, stderr=log)
+    deadline = time.monotonic() + 10
+    while not os.path.exists(sock):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            sys.exit("bench_fsdp2: zoffloadd did not start; see " + log.name)
+        time.sleep(0.01)
+    time.sleep(0.2)
+    return proc, sock
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def worker(args):
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
+
+    import zoffload.torch
+
+    torch.set_num_threads(args.threads)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(args.port))
+    dist.init_process_group("gloo", rank=args.rank, world_size=args.world)
+    d = 2048 if args.size >= 50 else 512
+    layers = max(1, round(args.size * 1e6 / (d * d + d)))
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(d, d) for _ in range(layers)])
+    mesh = init_device_mesh("cpu", (args.world,))
+    policy = CPUOffloadPolicy(pin_memory=False)     # no CUDA here to pin with
+    for layer in model:
+        fully_shard(layer, mesh=mesh, offload_policy=policy)
+    fully_shard(model, mesh=mesh, offload_policy=policy)
+    x = torch.randn(args.batch, d)
+    skipped = []
+    opts = {"zoffload": zoffload.torch.AdamW(model.parameters(), lr=1e-5, socket=args.socket,
+                                             job="bench-fsdp2"),
+            "torch_foreach": torch.optim.AdamW(model.parameters(), lr=1e-5, foreach=True)}
+    try:
+        fused = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
+        model(x).square().mean().backward()
+        fused.step()
+        opts["torch_fused"] = fused
+    except (RuntimeError, TypeError, NotImplementedError) as ex:
+        skipped.append(f"torch_fused: {type(ex).__name__}: {str(ex).splitlines()[0]}")
+    model(x).square().mean().backward()     # the grads every step takes
+
+    def slowest(t):
+        t = torch.tensor([t], dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return float(t)
+
+    def timed(fn):
+        dist.barrier()
+        t0 = time.perf_counter()
+        fn()
+        return slowest(time.perf_counter() - t0)
+
+    def train_step(opt):
+        opt.zero_grad(set_to_none=True)
+        model(x).square().mean().backward()
+        opt.step()
+
+    times = {}
+    for opt in opts.values():
+        opt.step()                          # warm-up
+    for _ in range(args.rounds):
+        for name, opt in opts.items():
+            times.setdefault("step_" + name, []).append(timed(opt.step))
+    for _ in range(args.rounds):
+        for name, opt in opts.items():
+            times.setdefault("train_" + name, []).append(timed(lambda: train_step(opt)))
+    nparams = sum(p.numel() for p in model.parameters())
+    if args.rank == 0:
+        print("RESULT " + json.dumps({"times": {k: min(v) for k, v in times.items()},
+                                      "skipped": skipped, "params": nparams,
+                                      "torch": torch.__version__}), flush=True)
+    dist.barrier()
+    opts["zoffload"].close()
+    dist.destroy_process_group()
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--json", action="store_true")
+    ap.add_argument("--size", type=float, default=100, help="millions of params")
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--rounds", type=int, default=5, help="each figure the best round's")
+    ap.add_argument("--threads", type=int, default=max(1, (os.cpu_count() or 2) // 2),
+                    help="torch's threads per rank (2 ranks), and the daemon's workers "
+                         "twice that: the same cores for both")
+    ap.add_argument("--worker", nargs=3, metavar=("RANK", "PORT", "SOCKET"),
+                    help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    args.world = 2
+    if args.worker:
+        args.rank, args.port, args.socket = int(args.worker[0]), args.worker[1], args.worker[2]
+        return worker(args)
+    try:
+        from torch.distributed.fsdp import fully_shard  # noqa: F401
+    except (ImportError, ValueError):
+        # torch 1.13 (meson's first interpreter here) has no FSDP2: 77 is meson's "skipped".
+        import torch
+        print(f"bench_fsdp2: skipped: torch {torch.__version__} has no FSDP2 (fully_shard)",
+              file=sys.stderr)
+        sys.exit(77)
+    daemon = os.environ.get("ZOFFLOADD", os.path.join(ROOT, "build-test/daemon/zoffloadd"))
+    with tempfile.TemporaryDirectory(prefix="bench-fsdp2-") as tmp:
+        proc, sock = start_daemon(daemon, args.threads * args.world, tmp)
+        try:
+            port = str(free_port())
+            base = [sys.executable, os.path.abspath(__file__), "--size", str(args.size),
+                    "--batch", str(args.batch), "--rounds", str(args.rounds), "--threads",
+                    str(args.threads)]
+            workers = [subprocess.Popen(base + ["--worker", str(r), port, sock],
+                                        stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                        text=True) for r in range(args.world)]
+            outs = [w.communicate() for w in workers]
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            proc.wait()
+    for w, (_, err) in zip(workers, outs):
+        if w.returncode != 0:
+            sys.exit(f"bench_fsdp2: a rank failed:\n{err[-3000:]}")
+    (line,) = [ln for ln in outs[0][0].splitlines() if ln.startswith("RESULT ")]
+    res = json.loads(line[7:])
+    t = res["times"]
+    figures = []
+    for what, limit in (("step", 1.0), ("train", None)):
+        for peer in ("torch_fused", "torch_foreach"):
+            if f"{what}_{peer}" in t:
+                name = f"{'step' if what == 'step' else 'train_step'}_speedup_vs_{peer}"
+                figures.append((name, t[f"{what}_{peer}"] / t[f"{what}_zoffload"], "x", limit))
+    for k, v in t.items():
+        figures.append((f"{k}_ms", v * 1e3, "ms", None))
+    summary = (f"bench_fsdp2: torch {res['torch']}, {res['params'] / 1e6:.1f} M fp32 params "
+               f"under fully_shard (CPUOffloadPolicy) over 2 ranks, {args.threads} torch "
+               f"threads per rank, {args.threads * args.world} daemon workers; times (ms): " +
+               ", ".join(f"{k} {v * 1e3:.1f}" for k, v in t.items()))
+    for what in res["skipped"]:
+        print(f"bench_fsdp2: skipped {what}", file=sys.stderr)
+    if args.json:
+        print(summary, file=sys.stderr)
+        print(json.dumps([{"name": n, "value": round(v, 3), "unit": u, "limit": lim,
+                           "ratio": round(v / lim, 3) if lim else None}
+                          for n, v, u, lim in figures], indent=1))
+    else:
+        print(summary)
+        for n, v, u, lim in figures:
+            print(f"  {n:40s} {v:9.2f} {u}" + (f"   (target >= {lim})" if lim else ""))
+
+
+if __name__ == "__main__":
+    main()
