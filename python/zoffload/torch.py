@@ -190,10 +190,13 @@ class _ZoffloadOptimizer(torch.optim.Optimizer):
             self.close()
             raise
         if self.resumed_step:
-            msg = (f"zoffload: job '{self.job}' rank {rank}: took back the optimizer state of "
-                   f"a process that died; resuming after step {self.resumed_step}")
-            log.warning(msg)
-            warnings.warn(msg, RuntimeWarning, stacklevel=3)
+            self._warn_resumed(stacklevel=4)
+
+    def _warn_resumed(self, stacklevel):
+        msg = (f"zoffload: job '{self.job}' rank {self.rank}: took back the optimizer state of "
+               f"a process that died; resuming after step {self.resumed_step}")
+        log.warning(msg)
+        warnings.warn(msg, RuntimeWarning, stacklevel=stacklevel)
 
     # Registration: every param, as torch's constructor or add_param_group hands it over.
     def add_param_group(self, param_group):
@@ -203,7 +206,45 @@ class _ZoffloadOptimizer(torch.optim.Optimizer):
                 self._group_index[p] = len(self.param_groups) - 1
                 self._register(p)
 
-    def _register(self, p):
+    def _follow(self):
+        """Registers the tensors step() is given that it has not seen, from their current
+        values: DeepSpeed's ZeRO replaces the param lists with its own flat fp32 partitions
+        (ZeRO-1/2 once, ZeRO-3 before each step, emptied after).  A new one is named by its
+        place in the order of registration, as the constructor's are, so that the same
+        model in the same order finds its state again after a restart.  Then the tensors
+        that were replaced before their first step (the model's params DeepSpeed took the
+        optimizer's groups from) are freed: nothing was learnt in them, and their copies
+        in the daemon would double its memory.  The position of each param's group is the
+        one in the param_groups this step sees (ZeRO-1/2 steps one group at a time)."""
+        new = []
+        for gi, group in enumerate(self.param_groups):
+            for p in group["params"]:
+                self._group_index[p] = gi
+                if p not in self._entries:
+                    new.append(p)
+        if not new:
+            return
+        given = {id(p) for g in self.param_groups for p in g["params"]}
+        replaced = {p: e for p, e in self._entries.items()
+                    if id(p) not in given and not e.in_flight and not self._stepped(p)}
+        _drop_views(replaced)
+        for p, e in replaced.items():
+            e.zt.unregister()
+            del self._entries[p]
+            self._group_index.pop(p, None)
+            self._given.pop(p, None)
+            self.state.pop(p, None)
+        resumed = self.resumed_step
+        for p in new:
+            self._register(p, framework_owned=True)
+        if self.resumed_step > resumed:
+            self._warn_resumed(stacklevel=5)
+
+    def _stepped(self, p):
+        step = self.state.get(p, {}).get("step", 0)
+        return bool(step.item() if torch.is_tensor(step) else step)
+
+    def _register(self, p, framework_owned=False):
         if p.dtype not in _DTYPES:
             raise TypeError(f"zoffload: parameter of dtype {p.dtype}: float32, bfloat16 or "
                             "float16 only")
@@ -223,7 +264,7 @@ class _ZoffloadOptimizer(torch.optim.Optimizer):
             # Kept for load_state_dict before the first step: what the user loaded, not
             # the daemon's leftovers, is then what they asked for.
             self._given[p] = p.detach().to(device="cpu", copy=True)
-        last = self._attach(p, zt, gd, pd)
+        last = self._attach(p, zt, gd, pd, framework_owned)
         if last:
             self.resumed_step = max(self.resumed_step, last)
         else:
@@ -257,12 +298,14 @@ class _ZoffloadOptimizer(torch.optim.Optimizer):
             "process takes it only when asked: resume=True to go on from it, resume=False to "
             "free it and start from these parameters (or job='...' for a job of its own)")
 
-    def _attach(self, p, zt, gd, pd):
+    def _attach(self, p, zt, gd, pd, framework_owned=False):
         """Makes zt p's tensor; a zt with state (taken back, restored) sets p and its step."""
         e = _Entry(zt, gd, pd)
         # Not with overlap (AccumulateGrad would write a slot under a step), nor for a slot of
-        # another dtype or device.
-        e.grad_view_ok = not self.overlap and not p.is_cuda and gd == pd
+        # another dtype or device, nor for a tensor a framework swapped in (DeepSpeed writes
+        # its partition's gradient through references of its own, not through p.grad).
+        e.grad_view_ok = (not self.overlap and not p.is_cuda and gd == pd
+                          and not framework_owned)
         self._entries[p] = e
         last = zt.last_step
         if last:
@@ -360,6 +403,7 @@ class _ZoffloadOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self._follow()
         self._flush_loaded_state()
         self._given = {}            # the taken-back state is what this run goes on from
         for group in self.param_groups:
@@ -462,7 +506,9 @@ class _ZoffloadOptimizer(torch.optim.Optimizer):
         params = list(chain.from_iterable(g["params"] for g in self.param_groups))
         for index, st in sd["state"].items():
             p = params[index]
-            e = self._entries[p]
+            e = self._entries.get(p)
+            if e is None:
+                continue            # loaded, not stepped yet: self.state holds all of it
             st = dict(st)
             for key, which in self._state_keys.items():
                 value = torch.empty(p.numel(), dtype=torch.float32)
@@ -503,12 +549,21 @@ class _ZoffloadOptimizer(torch.optim.Optimizer):
                           chain.from_iterable(g["params"] for g in self.param_groups)))
         for index, ms in moments.items():
             if index in id_map and ms:
-                self.state[id_map[index]].update(ms)
+                p = id_map[index]
+                for key, value in ms.items():
+                    if value.numel() != p.numel():
+                        raise ValueError(f"zoffload: state '{key}' holds {value.numel()} "
+                                         f"values for a parameter of {p.numel()}")
+                self.state[p].update(ms)
         # A param the saved state does not cover starts afresh, as in torch (lazily there).
-        for p in self._entries:
-            if "step" not in self.state[p]:
-                self.state[p].update(self._fresh_state(p), step=torch.tensor(0.0))
-        self._flush_loaded_state()
+        for gi, group in enumerate(self.param_groups):
+            for p in group["params"]:
+                self._group_index[p] = gi
+                if p in self._entries and "step" not in self.state[p]:
+                    self.state[p].update(self._fresh_state(p), step=torch.tensor(0.0))
+        # Into the daemon at the next step() (or state_dict(), save_checkpoint()), the master
+        # from the params as they are then: DeepSpeed restores its fp32 partitions after
+        # the optimizer's state.  A tensor not registered yet takes it at its registration.
 
     def _fresh_state(self, p):
         return {key: torch.zeros(p.shape) for key in self._state_keys}
