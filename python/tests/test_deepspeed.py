@@ -102,3 +102,126 @@ def test_zero_stages_against_deepspeed_cpu_adam_and_resume(daemon, tmp_path, wor
             f"{case}: the resumed losses differ"
         for a, b in zip(again["params"], whole["params"]):
             assert torch.equal(a, b), f"{case}: the resumed run differs from the whole one"
+
+
+# zoffload.deepspeed.initialize in this process (world size 1 over gloo): the config mapped.
+@pytest.fixture(scope="module")
+def process_group():
+    import deepspeed
+
+    sys.modules["deepspeed.comm.torch"].build_shm_op = lambda: None    # see ds_worker.py
+    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(free_port()))
+    deepspeed.init_distributed(dist_backend="gloo")
+    yield
+    torch.distributed.destroy_process_group()
+
+
+def nvme_config(path):
+    return {"train_micro_batch_size_per_gpu": 8,
+            "optimizer": {"type": "Adam", "params": {"lr": 1e-3, "weight_decay": 0.01}},
+            "zero_optimization": {"stage": 3, "offload_optimizer": {
+                "device": "nvme", "nvme_path": path, "pin_memory": True, "buffer_count": 4}},
+            "steps_per_print": 1 << 30}
+
+
+def job_of(opt):
+    import json
+
+    (job,) = [j for j in json.loads(opt.jobs())["jobs"] if j["name"] == opt.job]
+    return job
+
+
+def test_nvme_config_is_nvme_state_in_the_daemon(make_daemon, process_group):
+    import zoffload.deepspeed as zds
+
+    d = make_daemon(swap=True)
+    swap = os.path.join(d.dir, "swap")
+    cfg = nvme_config(os.path.join(swap, "ds"))     # inside one of the daemon's swap paths
+    m = zhelpers.model(seed=11)
+    engine, opt, _, _ = zds.initialize(model=m, model_parameters=m.parameters(), config=cfg,
+                                       job="ds-nvme", socket=d.socket)
+    # DeepSpeed's "Adam" is AdamW unless adam_w_mode is false; the config given is unchanged.
+    assert type(opt.optimizer).__name__ == "AdamW" and opt.optimizer.defaults["lr"] == 1e-3
+    assert cfg["zero_optimization"]["offload_optimizer"]["device"] == "nvme"
+    assert "optimizer" in cfg
+    # DeepSpeed keeps its partitions on the CPU and runs no swapper of its own.
+    assert engine.zero_offload_optimizer().device == "cpu"
+    assert not engine.optimizer.swap_optimizer and engine.optimizer.optimizer_swapper is None
+    for step in range(1, 4):
+        x, y = zhelpers.batch(step)
+        logits = engine(x)
+        engine.backward(torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]),
+                                                          y.reshape(-1)))
+        engine.step()
+    job = job_of(opt.optimizer)
+    assert job["policy"] == "nvme" and job["last_step"] == 3
+    assert job["params"] == sum(p.ds_numel for p in m.parameters())
+    engine.destroy()
+    opt.optimizer.close()
+
+
+def test_nvme_path_not_the_daemons(make_daemon, process_group):
+    import zoffload.deepspeed as zds
+
+    d = make_daemon(swap=True)
+    m = zhelpers.model(seed=11)
+    with pytest.raises(ValueError, match=r"nvme_path /elsewhere/ds is not one of the daemon's "
+                                         r"swap paths \(.*/swap\)"):
+        zds.initialize(model=m, config=nvme_config("/elsewhere/ds"), job="ds-bad-path",
+                       socket=d.socket)
+    import zoffload.torch as zt
+
+    own = zt.AdamW(m.parameters(), job="ds-own", socket=d.socket, policy="cpu")
+    cfg = nvme_config(os.path.join(d.dir, "swap"))
+    del cfg["optimizer"]
+    with pytest.raises(ValueError, match="job 'ds-own' has policy cpu: build it with "
+                                         "policy=\"nvme\""):
+        zds.initialize(model=m, optimizer=own, config=cfg, socket=d.socket)
+    own.close()
+    bare = make_daemon()
+    with pytest.raises(ValueError, match="the daemon has no swap.paths"):
+        zds.initialize(model=m, config=nvme_config("/elsewhere/ds"), job="ds-no-swap",
+                       socket=bare.socket)
+
+
+@pytest.mark.parametrize("block, why", [
+    ({"type": "OneBitAdam", "params": {"lr": 1e-3}}, "optimizer type 'OneBitAdam' has no "
+     "zoffload equivalent"),
+    ({"type": "AdamW", "params": {"lr": 1e-3, "momentum": 0.9}},
+     r"optimizer.params.momentum \(0.9\) has no equivalent in zoffload's AdamW"),
+    ({"type": "AdamW", "params": {"lr": "auto"}}, r"optimizer.params.lr is \"auto\""),
+    ({"type": "Adam", "params": {"bias_correction": False}},
+     "optimizer.params.bias_correction"),
+])
+def test_unsupported_optimizer_blocks_refused_by_name(block, why):
+    import zoffload.deepspeed as zds
+
+    with pytest.raises(ValueError, match=why):
+        zds.optimizer_from_config(block)
+
+
+def test_config_blocks_mapped():
+    import zoffload.deepspeed as zds
+    import zoffload.torch as zt
+
+    cls, kw = zds.optimizer_from_config({"type": "adam", "params": {
+        "lr": 2e-4, "betas": [0.8, 0.9], "eps": 1e-6, "weight_decay": 0.1,
+        "adam_w_mode": False, "torch_adam": True}})
+    assert cls is zt.Adam and kw == dict(lr=2e-4, betas=(0.8, 0.9), eps=1e-6,
+                                         weight_decay=0.1)
+    assert zds.optimizer_from_config({"type": "Lion", "params": {"lr": 1e-4}}) == (
+        zt.Lion, {"lr": 1e-4})
+
+
+def test_foreign_optimizer_refused(daemon, process_group):
+    import zoffload.deepspeed as zds
+
+    m = zhelpers.model(seed=11)
+    cfg = {"train_micro_batch_size_per_gpu": 8, "zero_optimization": {"stage": 2}}
+    with pytest.raises(TypeError, match="optimizer= is a AdamW, not a zoffload.torch "
+                                        "optimizer"):
+        zds.initialize(model=m, optimizer=torch.optim.AdamW(m.parameters()), config=cfg,
+                       socket=daemon.socket)
+    with pytest.raises(ValueError, match="no optimizer block and no optimizer= was given"):
+        zds.initialize(model=m, config=cfg, job="ds-none", socket=daemon.socket)

@@ -39,6 +39,7 @@ import secrets
 
 import torch
 
+from . import _zclient
 from . import torch as zt
 
 __all__ = ["initialize", "optimizer_from_config"]
@@ -94,9 +95,15 @@ def optimizer_from_config(block):
     return getattr(zt, name), kwargs
 
 
-def _check_nvme_path(opt, nvme_path):
-    """nvme_path must be one of the daemon's swap paths, or inside one."""
-    paths = [p["path"] for p in json.loads(opt.stats())["tiers"].get("nvme", {}).get("paths", [])]
+def _check_nvme_path(socket, nvme_path):
+    """nvme_path must be one of the daemon's swap paths, or inside one (asked before any
+    state is registered there)."""
+    conn = _zclient.Connection(socket)
+    try:
+        stats = json.loads(conn.stats())
+    finally:
+        conn.close()
+    paths = [p["path"] for p in stats["tiers"].get("nvme", {}).get("paths", [])]
     if not paths:
         raise ValueError("zoffload.deepspeed: offload_optimizer.device is \"nvme\" but the "
                          "daemon has no swap.paths: add nvme_path to its zoffload.conf "
@@ -169,6 +176,8 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None,
         kw = {} if distributed_port is None else {"distributed_port": distributed_port}
         deepspeed.init_distributed(dist_init_required=dist_init_required, **kw)
 
+    if device == "nvme":
+        _check_nvme_path(zoffload.get("socket"), nvme_path)
     block = cfg.pop("optimizer", None)
     built = optimizer is None
     if optimizer is None:
@@ -188,9 +197,14 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None,
     elif block is not None:
         raise ValueError("zoffload.deepspeed: an optimizer both in the config and as "
                          "optimizer=: give one")
+    elif policy is not None:
+        jobs = json.loads(optimizer.jobs())["jobs"]
+        has = next((j["policy"] for j in jobs if j["name"] == optimizer.job), None)
+        if has != policy:
+            raise ValueError(f"zoffload.deepspeed: offload_optimizer.device is \"{device}\" "
+                             f"but the optimizer's job '{optimizer.job}' has policy {has}: "
+                             f"build it with policy=\"{policy}\", or leave optimizer= out")
     try:
-        if device == "nvme":
-            _check_nvme_path(optimizer, nvme_path)
         cfg["zero_allow_untested_optimizer"] = True
         cfg["zero_force_ds_cpu_optimizer"] = False
         kw = {} if distributed_port is None else {"distributed_port": distributed_port}
