@@ -45,6 +45,12 @@ def pss_bytes(pid):
     raise RuntimeError(f"no Pss in /proc/{pid}/smaps_rollup")
 
 
+def cpu_seconds(pid):
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def child(which, size, steps, sock, daemon_pid, threads, port):
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port))
@@ -83,21 +89,26 @@ def child(which, size, steps, sock, daemon_pid, threads, port):
         engine, opt, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=cfg)
     g = torch.Generator().manual_seed(1)
     x = torch.randn(8, WIDTH, generator=g)
-    step_t, iter_t = [], []
+    step_t, iter_t, daemon_cpu = [], [], []
     for i in range(steps + 2):                  # two warm-up steps: first touch of the state
+        c0 = cpu_seconds(daemon_pid) if which == "ours" else 0.0
         t0 = time.perf_counter()
         loss = engine(x).square().mean()
         engine.backward(loss)
         t1 = time.perf_counter()
+        c1 = cpu_seconds(daemon_pid) if which == "ours" else 0.0
         engine.step()
         t2 = time.perf_counter()
         if i >= 2:
             step_t.append(t2 - t1)
             iter_t.append(t2 - t0)
+            daemon_cpu.append(c1 - c0)
     after = sum(pss_bytes(p) for p in pids)
     print(json.dumps({"params": nparams, "step_s": statistics.median(step_t),
                       "iter_s": statistics.median(iter_t),
-                      "bytes_per_param": (after - before) / nparams}), flush=True)
+                      "bytes_per_param": (after - before) / nparams,
+                      # The daemon's CPU time while the trainer ran forward and backward.
+                      "daemon_cpu_fwd_bwd_s": statistics.median(daemon_cpu)}), flush=True)
     engine.destroy()
     if which == "ours":
         opt.optimizer.close()
@@ -164,7 +175,7 @@ def main():
                                  f"{out.stdout[-3000:]}{out.stderr[-3000:]}")
                     got = json.loads(out.stdout.strip().splitlines()[-1])
                     b = best.setdefault(which, got)
-                    for k in ("step_s", "iter_s", "bytes_per_param"):
+                    for k in ("step_s", "iter_s", "bytes_per_param", "daemon_cpu_fwd_bwd_s"):
                         b[k] = min(b[k], got[k])
         finally:
             proc.send_signal(signal.SIGTERM)
@@ -180,7 +191,8 @@ def main():
                f"fp32 params, {args.threads} threads; engine.step() s: zoffload "
                f"{ours['step_s']:.4f}, DeepSpeedCPUAdam {ref['step_s']:.4f}; iteration s: "
                f"{ours['iter_s']:.4f} / {ref['iter_s']:.4f}; host bytes per param: "
-               f"{ours['bytes_per_param']:.1f} / {ref['bytes_per_param']:.1f}")
+               f"{ours['bytes_per_param']:.1f} / {ref['bytes_per_param']:.1f}; the daemon's "
+               f"CPU during forward and backward: {ours['daemon_cpu_fwd_bwd_s']:.3f} s")
     if args.json:
         print(summary, file=sys.stderr)
         print(json.dumps([{"name": n, "value": round(v, 3), "unit": u, "limit": lim,

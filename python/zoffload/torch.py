@@ -236,7 +236,7 @@ class _ZoffloadOptimizer(torch.optim.Optimizer):
             self.state.pop(p, None)
         resumed = self.resumed_step
         for p in new:
-            self._register(p, framework_owned=True)
+            self._register(p)
         if self.resumed_step > resumed:
             self._warn_resumed(stacklevel=5)
 
@@ -244,7 +244,7 @@ class _ZoffloadOptimizer(torch.optim.Optimizer):
         step = self.state.get(p, {}).get("step", 0)
         return bool(step.item() if torch.is_tensor(step) else step)
 
-    def _register(self, p, framework_owned=False):
+    def _register(self, p):
         if p.dtype not in _DTYPES:
             raise TypeError(f"zoffload: parameter of dtype {p.dtype}: float32, bfloat16 or "
                             "float16 only")
@@ -264,7 +264,7 @@ class _ZoffloadOptimizer(torch.optim.Optimizer):
             # Kept for load_state_dict before the first step: what the user loaded, not
             # the daemon's leftovers, is then what they asked for.
             self._given[p] = p.detach().to(device="cpu", copy=True)
-        last = self._attach(p, zt, gd, pd, framework_owned)
+        last = self._attach(p, zt, gd, pd)
         if last:
             self.resumed_step = max(self.resumed_step, last)
         else:
@@ -298,14 +298,14 @@ class _ZoffloadOptimizer(torch.optim.Optimizer):
             "process takes it only when asked: resume=True to go on from it, resume=False to "
             "free it and start from these parameters (or job='...' for a job of its own)")
 
-    def _attach(self, p, zt, gd, pd, framework_owned=False):
+    def _attach(self, p, zt, gd, pd):
         """Makes zt p's tensor; a zt with state (taken back, restored) sets p and its step."""
         e = _Entry(zt, gd, pd)
         # Not with overlap (AccumulateGrad would write a slot under a step), nor for a slot of
-        # another dtype or device, nor for a tensor a framework swapped in (DeepSpeed writes
-        # its partition's gradient through references of its own, not through p.grad).
-        e.grad_view_ok = (not self.overlap and not p.is_cuda and gd == pd
-                          and not framework_owned)
+        # another dtype or device.  A framework's tensor too: DeepSpeed's ZeRO-1/2 writes and
+        # accumulates its partition's gradient through p.grad (its own buffer is then freed);
+        # ZeRO-3 assigns p.grad anew each step, and _put_grad copies that one in.
+        e.grad_view_ok = not self.overlap and not p.is_cuda and gd == pd
         self._entries[p] = e
         last = zt.last_step
         if last:
