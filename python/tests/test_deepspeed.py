@@ -202,8 +202,15 @@ def test_unsupported_optimizer_blocks_refused_by_name(block, why):
 
 
 def test_config_blocks_mapped():
+    import deepspeed
     import zoffload.deepspeed as zds
     import zoffload.torch as zt
+
+    # One changed import: the rest of a script's deepspeed.* is DeepSpeed's own.
+    assert zds.zero is deepspeed.zero
+    assert zds.add_config_arguments is deepspeed.add_config_arguments
+    with pytest.raises(AttributeError):
+        zds.no_such_thing_in_deepspeed
 
     cls, kw = zds.optimizer_from_config({"type": "adam", "params": {
         "lr": 2e-4, "betas": [0.8, 0.9], "eps": 1e-6, "weight_decay": 0.1,

@@ -27,6 +27,9 @@ zoffload.torch).  From the DeepSpeed config (``config``, ``config_params`` or
   launcher has no run id) gets a name rank 0 draws and shares over the process group, new at
   every launch.
 
+Every other name of the module is DeepSpeed's own (``deepspeed.zero``, ``add_config_arguments``,
+``init_distributed``, ...).
+
 Under ZeRO, DeepSpeed hands the optimizer its flat fp32 partitions, not the model's params;
 zoffload.torch registers each at its first step (see ``_follow`` there).
 ``engine.save_checkpoint`` / ``load_checkpoint`` go through the optimizer's ``state_dict`` /
@@ -54,6 +57,15 @@ _PARAMS = {
     "Lion": ("lr", "betas", "weight_decay"),
 }
 _IGNORED = ("adam_w_mode", "torch_adam", "fused")
+
+
+def __getattr__(name):
+    """Everything else is DeepSpeed's (deepspeed.zero, add_config_arguments, init_distributed,
+    comm...), so that a script that imports this module as deepspeed changes nothing else."""
+    if name.startswith("__"):
+        raise AttributeError(name)
+    import deepspeed
+    return getattr(deepspeed, name)
 
 
 def _load_config(config):
