@@ -232,3 +232,29 @@ def test_foreign_optimizer_refused(daemon, process_group):
                        socket=daemon.socket)
     with pytest.raises(ValueError, match="no optimizer block and no optimizer= was given"):
         zds.initialize(model=m, config=cfg, job="ds-none", socket=daemon.socket)
+
+
+def test_job_named_from_the_launch(daemon, process_group, monkeypatch):
+    """DeepSpeed's launcher sets no run id: without $ZOFFLOAD_JOB the ranks of a launch share
+    a drawn name; with it, that is the name."""
+    import zoffload.deepspeed as zds
+
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    cfg = {"train_micro_batch_size_per_gpu": 8,
+           "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+           "zero_optimization": {"stage": 1, "offload_optimizer": {"device": "cpu"}},
+           "steps_per_print": 1 << 30}
+    names = []
+    for env in (None, "from-env"):
+        if env is None:
+            monkeypatch.delenv("ZOFFLOAD_JOB", raising=False)
+        else:
+            monkeypatch.setenv("ZOFFLOAD_JOB", env)
+        m = zhelpers.model(seed=11)
+        engine, opt, _, _ = zds.initialize(model=m, config=cfg, socket=daemon.socket)
+        names.append(opt.optimizer.job)
+        assert job_of(opt.optimizer)["policy"] == "cpu"
+        engine.destroy()
+        opt.optimizer.close()
+    assert names[0].startswith("deepspeed-") and len(names[0]) == len("deepspeed-") + 16
+    assert names[1] == "from-env"
