@@ -8,10 +8,14 @@ ways; rank 0 saves {case/which: {"losses", "params"}} into OUT.  For "ckpt" case
 saves engine.save_checkpoint after step CKPT_AT into CKPT/case.  MODE "resume": only the
 ckpt cases, ours, from load_checkpoint of CKPT/case, steps CKPT_AT+1 to STEPS.
 """
+import faulthandler
 import os
 import sys
 
 import torch
+
+# A rank stuck (in a collective its peer never joins) says where, before the test's timeout.
+faulthandler.dump_traceback_later(500, exit=True)
 
 sys.path.insert(0, os.path.dirname(__file__))
 import zhelpers  # noqa: E402
@@ -19,6 +23,10 @@ import zhelpers  # noqa: E402
 STEPS = 50
 CKPT_AT = 20
 LR = 3e-3
+# DeepSpeed's default buckets are 5e8 elements (2 GB of fp32 allocated up front, untouched
+# unless malloc perturbs it: meson's MALLOC_PERTURB_ writes every byte).  One of 2**16 still
+# holds the whole model (about 12 k params), so the bucketing is the default's.
+SMALL_BUCKETS = {"reduce_bucket_size": 1 << 16, "allgather_bucket_size": 1 << 16}
 # (stage, micro batch, gradient accumulation, clipping, checkpointed)
 CASES = {
     "zero1": dict(stage=1, micro=8, accum=1, clip=0.0, ckpt=False),
@@ -34,7 +42,7 @@ def config(case, job, socket):
            "optimizer": {"type": "AdamW", "params": {"lr": LR, "betas": [0.9, 0.95],
                                                      "eps": 1e-8, "weight_decay": 0.01}},
            "zero_optimization": {"stage": c["stage"], "overlap_comm": True,
-                                 "contiguous_gradients": True,
+                                 "contiguous_gradients": True, **SMALL_BUCKETS,
                                  "offload_optimizer": {"device": "cpu", "pin_memory": False}},
            "steps_per_print": 1 << 30, "wall_clock_breakdown": False}
     if c["clip"]:

@@ -48,6 +48,8 @@ def free_port():
 def launch(world, sock, out, mode, ckpt):
     port = free_port()
     env = dict(os.environ)
+    # meson's MALLOC_PERTURB_ fills every allocation: DeepSpeed's up-front buffers with it.
+    env.pop("MALLOC_PERTURB_", None)
     # Where the project's machines keep DeepSpeed's built CPU Adam op (it compiles for
     # minutes otherwise); a TORCH_EXTENSIONS_DIR of the environment wins.
     env.setdefault("TORCH_EXTENSIONS_DIR", "/root/.cache/zoffload/torch-extensions")
@@ -120,7 +122,7 @@ def process_group():
 def nvme_config(path):
     return {"train_micro_batch_size_per_gpu": 8,
             "optimizer": {"type": "Adam", "params": {"lr": 1e-3, "weight_decay": 0.01}},
-            "zero_optimization": {"stage": 3, "offload_optimizer": {
+            "zero_optimization": {"stage": 3, **ds_worker.SMALL_BUCKETS, "offload_optimizer": {
                 "device": "nvme", "nvme_path": path, "pin_memory": True, "buffer_count": 4}},
             "steps_per_print": 1 << 30}
 
@@ -225,7 +227,8 @@ def test_foreign_optimizer_refused(daemon, process_group):
     import zoffload.deepspeed as zds
 
     m = zhelpers.model(seed=11)
-    cfg = {"train_micro_batch_size_per_gpu": 8, "zero_optimization": {"stage": 2}}
+    cfg = {"train_micro_batch_size_per_gpu": 8,
+           "zero_optimization": {"stage": 2, **ds_worker.SMALL_BUCKETS}}
     with pytest.raises(TypeError, match="optimizer= is a AdamW, not a zoffload.torch "
                                         "optimizer"):
         zds.initialize(model=m, optimizer=torch.optim.AdamW(m.parameters()), config=cfg,
@@ -242,7 +245,8 @@ def test_job_named_from_the_launch(daemon, process_group, monkeypatch):
     monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
     cfg = {"train_micro_batch_size_per_gpu": 8,
            "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
-           "zero_optimization": {"stage": 1, "offload_optimizer": {"device": "cpu"}},
+           "zero_optimization": {"stage": 1, **ds_worker.SMALL_BUCKETS,
+                                 "offload_optimizer": {"device": "cpu"}},
            "steps_per_print": 1 << 30}
     names = []
     for env in (None, "from-env"):
