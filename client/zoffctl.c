@@ -28,8 +28,11 @@ usage(FILE *f)
 	    "  tune [--quick] [--seconds S] [--size BYTES] [--json] DIR...\n"
 	    "                                     measure swap directories and the CPU step\n"
 	    "                                     rate, print a recommended swap config\n"
-	    "  import-deepspeed [--json] FILE     a DeepSpeed config as zoffload config and\n"
-	    "                                     job options, naming what has no equivalent\n"
+	    "  import-deepspeed [--json|--python] FILE\n"
+	    "                                     a DeepSpeed config as zoffload config and\n"
+	    "                                     job options (--python: the training\n"
+	    "                                     script's zoffload.deepspeed call), naming\n"
+	    "                                     what has no equivalent\n"
 	    "  checkpoint inspect DIR             a checkpoint's ranks, tensors, steps, sizes;\n"
 	    "                                     verifies every checksum (exit 1 if damaged)\n"
 	    "\n"
@@ -308,6 +311,7 @@ cmd_ping(struct zc_conn *c, long n)
 struct options {
 	const char *socket_path;
 	bool json;
+	bool python;
 	double watch;
 	long count;
 	struct zoffctl_tune_opts tune;
@@ -362,6 +366,9 @@ take_option(int opt, const char *arg, struct options *o)
 	case 'q':
 		o->tune.quick = true;
 		return 0;
+	case 'P':
+		o->python = true;
+		return 0;
 	case 'h':
 		usage(stdout);
 		return 1;
@@ -387,6 +394,7 @@ main(int argc, char **argv)
 		{ "seconds", required_argument, NULL, 'S' },
 		{ "size", required_argument, NULL, 'B' },
 		{ "quick", no_argument, NULL, 'q' },
+		{ "python", no_argument, NULL, 'P' },
 		{ NULL, 0, NULL, 0 },
 	};
 	struct options o = { .count = 1 };
@@ -395,7 +403,7 @@ main(int argc, char **argv)
 	int opt, r;
 
 	/* '+': stop at the command; its options are read after it. */
-	while ((opt = getopt_long(argc, argv, "+s:jw:n:hVS:B:q", opts, NULL)) != -1)
+	while ((opt = getopt_long(argc, argv, "+s:jw:n:hVS:B:qP", opts, NULL)) != -1)
 		if ((r = take_option(opt, optarg, &o)) != 0)
 			return r == 1 ? 0 : r;
 	if (optind >= argc) {
@@ -406,7 +414,7 @@ main(int argc, char **argv)
 	/* Files, not the daemon: its own arguments, no connection. */
 	if (strcmp(cmd, "checkpoint") == 0)
 		return zoffctl_checkpoint(argc - optind, argv + optind);
-	while ((opt = getopt_long(argc, argv, "s:jw:n:hVS:B:q", opts, NULL)) != -1)
+	while ((opt = getopt_long(argc, argv, "s:jw:n:hVS:B:qP", opts, NULL)) != -1)
 		if ((r = take_option(opt, optarg, &o)) != 0)
 			return r == 1 ? 0 : r;
 	if (strcmp(cmd, "import-deepspeed") == 0) {
@@ -415,7 +423,12 @@ main(int argc, char **argv)
 			    "(- for stdin)\n");
 			return 2;
 		}
-		return zoffctl_import_deepspeed(argv[optind], o.json, stdout);
+		if (o.json && o.python) {
+			fprintf(stderr, "zoffctl: import-deepspeed: --json or --python, not both\n");
+			return 2;
+		}
+		return zoffctl_import_deepspeed(argv[optind], o.json ? ZOFFCTL_JSON : o.python ?
+		    ZOFFCTL_PYTHON : ZOFFCTL_TEXT, stdout);
 	}
 	if (strcmp(cmd, "tune") == 0) {
 		o.tune.json = o.json;

@@ -9,10 +9,13 @@
  * Reads a DeepSpeed config (zero_optimization's offload_optimizer and
  * offload_param, aio, optimizer, gradient_clipping, fp16/bf16) and prints
  * the equivalent zoffload.conf block, job and step options, and what has no
- * equivalent.  json: one JSON object instead of text.  Returns the exit code
- * (0, 1 unreadable input).
+ * equivalent.  ZOFFCTL_JSON: one JSON object instead of text; ZOFFCTL_PYTHON:
+ * the training script's zoffload.deepspeed call and the optimizer it builds.
+ * Returns the exit code (0, 1 unreadable input).
  */
-int zoffctl_import_deepspeed(const char *path, bool json, FILE *out);
+enum zoffctl_format { ZOFFCTL_TEXT, ZOFFCTL_JSON, ZOFFCTL_PYTHON };
+
+int zoffctl_import_deepspeed(const char *path, enum zoffctl_format fmt, FILE *out);
 
 struct zoffctl_tune_opts {
 	double seconds;		/* per measured point */

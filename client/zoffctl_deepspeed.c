@@ -435,8 +435,97 @@ print_text(const struct import *im, FILE *out)
 	}
 }
 
+/* A comment block of the lines of text (the zoffload.conf JSON). */
+static void
+print_commented(const char *text, FILE *out)
+{
+	for (const char *p = text, *nl; *p != '\0'; p = nl + (*nl != '\0')) {
+		nl = strchr(p, '\n');
+		if (nl == NULL)
+			nl = p + strlen(p);
+		fprintf(out, "#   %.*s\n", (int)(nl - p), p);
+	}
+}
+
+/*
+ * The training script's side in Python: zoffload.deepspeed.initialize reads
+ * the same config itself (optimizer block, offload_optimizer device), so the
+ * script changes one import; the optimizer it builds is spelled out.
+ */
+static void
+print_python(const struct import *im, const char *path, FILE *out)
+{
+	static const char *const classes[][2] = { { "adamw", "AdamW" }, { "adam", "Adam" },
+		{ "adagrad", "Adagrad" }, { "lion", "Lion" } };
+	const cJSON *v = cJSON_GetObjectItemCaseSensitive(im->step, "optim");
+	const cJSON *b1 = cJSON_GetObjectItemCaseSensitive(im->step, "beta1");
+	const cJSON *b2 = cJSON_GetObjectItemCaseSensitive(im->step, "beta2");
+	const cJSON *policy = cJSON_GetObjectItemCaseSensitive(im->job, "policy");
+	const char *cls = NULL;
+	char *conf = cJSON_Print(im->config);
+
+	for (size_t i = 0; v != NULL && i < 4; i++)
+		if (strcmp(v->valuestring, classes[i][0]) == 0)
+			cls = classes[i][1];
+	fprintf(out, "# zoffload.conf: merge into the daemon's configuration\n");
+	print_commented(conf != NULL ? conf : "{}", out);
+	free(conf);
+	fprintf(out, "\n# The training script: one changed import.  zoffload.deepspeed.initialize "
+	    "reads this\n# config's optimizer block and offload_optimizer itself.\n");
+	fprintf(out, "import zoffload.deepspeed as deepspeed    # was: import deepspeed\n\n");
+	fprintf(out, "engine, optimizer, _, _ = deepspeed.initialize(\n"
+	    "    args=args, model=model, model_parameters=model.parameters(),\n"
+	    "    config=\"%s\")\n", path);
+	if (cls == NULL) {
+		fprintf(out, "\n# The config names no optimizer zoffload steps: pass "
+		    "optimizer=zoffload.torch.AdamW(...)\n# (or Adam, Adagrad, Lion) to "
+		    "initialize instead.\n");
+	} else {
+		fprintf(out, "\n# What it builds and hands DeepSpeed (zero_allow_untested_optimizer "
+		    "and\n# zero_force_ds_cpu_optimizer: false set for it):\n");
+		fprintf(out, "#   optimizer = zoffload.torch.%s(model.parameters()", cls);
+		cJSON_ArrayForEach(v, im->step) {
+			if (strcmp(v->string, "lr") == 0 || strcmp(v->string, "eps") == 0 ||
+			    strcmp(v->string, "weight_decay") == 0 ||
+			    strcmp(v->string, "lr_decay") == 0)
+				fprintf(out, ", %s=%.10g", v->string, v->valuedouble);
+		}
+		if (b1 != NULL && b2 != NULL)
+			fprintf(out, ", betas=(%.10g, %.10g)", b1->valuedouble, b2->valuedouble);
+		if (policy != NULL)
+			fprintf(out, ", policy=\"%s\"", policy->valuestring);
+		fprintf(out, ")\n");
+	}
+	if (cJSON_IsTrue(cJSON_GetObjectItemCaseSensitive(im->step, "no_bias_correction")))
+		fprintf(out, "# bias_correction false: zoffload.deepspeed refuses it (the step always "
+		    "corrects)\n");
+	if (cJSON_GetObjectItemCaseSensitive(im->step, "max_grad_norm") != NULL)
+		fprintf(out, "# gradient_clipping stays DeepSpeed's: it clips across the ranks "
+		    "before the step\n");
+	if (policy != NULL && strcmp(policy->valuestring, "nvme") == 0)
+		fprintf(out, "# device nvme: the state lives on the daemon's swap paths; "
+		    "DeepSpeed's own swapper\n# does not run (it is given device cpu), and "
+		    "nvme_path must be one of swap.paths\n");
+	if (cJSON_GetObjectItemCaseSensitive(im->job, "param_offload") != NULL ||
+	    strcmp(cJSON_GetObjectItemCaseSensitive(im->job, "grad_dtype")->valuestring, "f32") != 0)
+		fprintf(out, "# fp16/bf16 (loss scaling) and offload_param stay DeepSpeed's\n");
+	cJSON_ArrayForEach(v, im->notes)
+		/* The libzclient notes on precision and param offload are DeepSpeed's here. */
+		if (strncmp(v->valuestring, "fp16:", 5) != 0 &&
+		    strncmp(v->valuestring, "offload_param:", 14) != 0)
+			fprintf(out, "# note: %s\n", v->valuestring);
+	cJSON_ArrayForEach(v, im->unsupported) {
+		char *val = cJSON_PrintUnformatted(cJSON_GetObjectItemCaseSensitive(v, "value"));
+
+		fprintf(out, "# no equivalent: %s = %s: %s\n",
+		    cJSON_GetObjectItemCaseSensitive(v, "key")->valuestring, val != NULL ? val : "?",
+		    cJSON_GetObjectItemCaseSensitive(v, "why")->valuestring);
+		free(val);
+	}
+}
+
 int
-zoffctl_import_deepspeed(const char *path, bool json, FILE *out)
+zoffctl_import_deepspeed(const char *path, enum zoffctl_format fmt, FILE *out)
 {
 	struct import im = { 0 };
 	cJSON *root = NULL, *all = NULL, *zero, *o;
@@ -500,11 +589,13 @@ zoffctl_import_deepspeed(const char *path, bool json, FILE *out)
 	    cJSON_GetObjectItemCaseSensitive(cJSON_GetObjectItemCaseSensitive(im.config, "swap"),
 	    "paths") == NULL)
 		note(&im, "device nvme without nvme_path: add swap.paths");
-	if (json) {
+	if (fmt == ZOFFCTL_JSON) {
 		char *s = cJSON_Print(all);
 
 		fprintf(out, "%s\n", s != NULL ? s : "{}");
 		free(s);
+	} else if (fmt == ZOFFCTL_PYTHON) {
+		print_python(&im, path, out);
 	} else {
 		print_text(&im, out);
 	}

@@ -94,6 +94,7 @@ def save(opt, dir, names, places):
     if opt._conn.closed:
         raise RuntimeError("zoffload: save_checkpoint() after close()")
     opt._finish()
+    opt._follow()       # tensors a framework swapped in since the last step
     opt._flush_loaded_state()
     items = _places(opt, names, places)
     os.makedirs(dir, exist_ok=True)
@@ -169,6 +170,7 @@ def load(opt, dir, names, places, convert=False):
     if opt._conn.closed:
         raise RuntimeError("zoffload: load_checkpoint() after close()")
     opt._finish()
+    opt._follow()
     items = _places(opt, names, places)
     for p, _, _, _, position in items:
         st = opt.state.get(p, {})

@@ -247,10 +247,13 @@ class _ZoffloadOptimizer(torch.optim.Optimizer):
         # back from a dead process sets that rank's params only).
         self._sync_replicas()
         if self.resumed_step:
-            msg = (f"zoffload: job '{self.job}' rank {rank}: took back the optimizer state of "
-                   f"a process that died; resuming after step {self.resumed_step}")
-            log.warning(msg)
-            warnings.warn(msg, RuntimeWarning, stacklevel=3)
+            self._warn_resumed(stacklevel=4)
+
+    def _warn_resumed(self, stacklevel):
+        msg = (f"zoffload: job '{self.job}' rank {self.rank}: took back the optimizer state of "
+               f"a process that died; resuming after step {self.resumed_step}")
+        log.warning(msg)
+        warnings.warn(msg, RuntimeWarning, stacklevel=stacklevel)
 
     # Registration: every param, as torch's constructor or add_param_group hands it over.
     def add_param_group(self, param_group):
@@ -259,6 +262,44 @@ class _ZoffloadOptimizer(torch.optim.Optimizer):
             if p not in self._entries:
                 self._group_index[p] = len(self.param_groups) - 1
                 self._register(p)
+
+    def _follow(self):
+        """Registers the tensors step() is given that it has not seen, from their current
+        values: DeepSpeed's ZeRO replaces the param lists with its own flat fp32 partitions
+        (ZeRO-1/2 once, ZeRO-3 before each step, emptied after).  A new one is named by its
+        place in the order of registration, as the constructor's are, so that the same
+        model in the same order finds its state again after a restart.  Then the tensors
+        that were replaced before their first step (the model's params DeepSpeed took the
+        optimizer's groups from) are freed: nothing was learnt in them, and their copies
+        in the daemon would double its memory.  The position of each param's group is the
+        one in the param_groups this step sees (ZeRO-1/2 steps one group at a time)."""
+        new = []
+        for gi, group in enumerate(self.param_groups):
+            for p in group["params"]:
+                self._group_index[p] = gi
+                if p not in self._entries and p not in self._empty:
+                    new.append(p)
+        if not new:
+            return
+        given = {id(p) for g in self.param_groups for p in g["params"]}
+        replaced = {p: e for p, e in self._entries.items()
+                    if id(p) not in given and not e.in_flight and not self._stepped(p)}
+        _drop_views(replaced)
+        for p, e in replaced.items():
+            e.zt.unregister()
+            del self._entries[p]
+            self._group_index.pop(p, None)
+            self._given.pop(p, None)
+            self.state.pop(p, None)
+        resumed = self.resumed_step
+        for p in new:
+            self._register(p)
+        if self.resumed_step > resumed:
+            self._warn_resumed(stacklevel=5)
+
+    def _stepped(self, p):
+        step = self.state.get(p, {}).get("step", 0)
+        return bool(step.item() if torch.is_tensor(step) else step)
 
     def _register(self, p):
         if p.dtype not in _DTYPES:
@@ -327,8 +368,10 @@ class _ZoffloadOptimizer(torch.optim.Optimizer):
         """Makes zt p's tensor; a zt with state (taken back, restored) sets p and its step."""
         e = _Entry(zt, gd, pd)
         # Not with overlap (AccumulateGrad would write a slot under a step), nor for a slot of
-        # another dtype or device.
-        # Nor for a DTensor: FSDP2 assigns each step's sharded grad itself.
+        # another dtype or device.  A framework's tensor too: DeepSpeed's ZeRO-1/2 writes and
+        # accumulates its partition's gradient through p.grad (its own buffer is then freed);
+        # ZeRO-3 assigns p.grad anew each step, and _put_grad copies that one in.  Nor for a
+        # DTensor: FSDP2 assigns each step's sharded grad itself.
         e.grad_view_ok = (not self.overlap and not p.is_cuda and gd == pd
                           and not _dtensor.is_dtensor(p))
         self._entries[p] = e
@@ -429,6 +472,7 @@ class _ZoffloadOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self._follow()
         self._flush_loaded_state()
         self._given = {}            # the taken-back state is what this run goes on from
         for group in self.param_groups:
@@ -561,7 +605,9 @@ class _ZoffloadOptimizer(torch.optim.Optimizer):
         sd["state"] = dict(sorted(sd["state"].items()))
         for index, st in sd["state"].items():
             p = params[index]
-            e = self._entries.get(p)        # None: an empty shard, or another rank's
+            e = self._entries.get(p)        # None in _empty: an empty shard, or a replica
+            if e is None and p not in self._empty:
+                continue            # loaded, not stepped yet: self.state holds all of it
             st = dict(st)
             for key, which in self._state_keys.items():
                 n = _dtensor.local(p).numel()
@@ -606,12 +652,21 @@ class _ZoffloadOptimizer(torch.optim.Optimizer):
                           chain.from_iterable(g["params"] for g in self.param_groups)))
         for index, ms in moments.items():
             if index in id_map and ms:
-                self.state[id_map[index]].update(ms)
+                p = id_map[index]
+                for key, value in ms.items():
+                    if value.numel() != p.numel():
+                        raise ValueError(f"zoffload: state '{key}' holds {value.numel()} "
+                                         f"values for a parameter of {p.numel()}")
+                self.state[p].update(ms)
         # A param the saved state does not cover starts afresh, as in torch (lazily there).
-        for p in chain(self._entries, self._empty):
-            if "step" not in self.state[p]:
-                self.state[p].update(self._fresh_state(p), step=torch.tensor(0.0))
-        self._flush_loaded_state()
+        for gi, group in enumerate(self.param_groups):
+            for p in group["params"]:
+                self._group_index[p] = gi
+                if (p in self._entries or p in self._empty) and "step" not in self.state[p]:
+                    self.state[p].update(self._fresh_state(p), step=torch.tensor(0.0))
+        # Into the daemon at the next step() (or state_dict(), save_checkpoint()), the master
+        # from the params as they are then: DeepSpeed restores its fp32 partitions after
+        # the optimizer's state.  A tensor not registered yet takes it at its registration.
 
     def _fresh_state(self, p):
         return {key: torch.zeros(_dtensor.local(p).shape) for key in self._state_keys}

@@ -255,6 +255,34 @@ Test(tools, deepspeed_text_output)
 	    "%s", output);
 }
 
+/* --python: the training script's zoffload.deepspeed call and what it builds. */
+Test(tools, deepspeed_python_output)
+{
+	char args[512];
+
+	snprintf(args, sizeof(args), "import-deepspeed --python '%s'",
+	    ds_config("zero3_infinity_nvme.json"));
+	cr_assert_eq(run(args), 0, "%s", output);
+	cr_assert(strstr(output, "import zoffload.deepspeed as deepspeed") != NULL, "%s", output);
+	cr_assert(strstr(output, "deepspeed.initialize(") != NULL, "%s", output);
+	cr_assert(strstr(output, "zoffload.torch.AdamW(model.parameters(), lr=0.0001, eps=1e-08, "
+	    "weight_decay=0.01, betas=(0.9, 0.999), policy=\"nvme\")") != NULL, "%s", output);
+	cr_assert(strstr(output, "#   \t\"swap\":") != NULL, "%s", output);
+	cr_assert(strstr(output, "# no equivalent: aio.single_submit = false") != NULL, "%s",
+	    output);
+	/* No C structs, nor libzclient's notes. */
+	cr_assert(strstr(output, "struct zc_") == NULL, "%s", output);
+	cr_assert(strstr(output, "grad_scale") == NULL, "%s", output);
+	snprintf(args, sizeof(args), "import-deepspeed --python '%s'",
+	    ds_config("zero1_onebit.json"));
+	cr_assert_eq(run(args), 0, "%s", output);
+	cr_assert(strstr(output, "names no optimizer zoffload steps") != NULL, "%s", output);
+	snprintf(args, sizeof(args), "import-deepspeed --python --json '%s' 2>&1",
+	    ds_config("zero1_onebit.json"));
+	cr_assert_eq(run(args), 2, "%s", output);
+	cr_assert(strstr(output, "--json or --python, not both") != NULL, "%s", output);
+}
+
 Test(tools, deepspeed_bad_input)
 {
 	char args[512], path[128];

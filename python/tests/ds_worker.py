@@ -1,0 +1,137 @@
+"""One rank of a DeepSpeed run for test_deepspeed.py: python3 ds_worker.py RANK WORLD PORT SOCKET
+OUT MODE [CKPT].
+
+Every case of CASES in one process group, each with zoffload.torch.AdamW ("ours") and with
+DeepSpeed's DeepSpeedCPUAdam ("ref"): the small transformer of zhelpers under ZeRO stage 1, 2
+or 3 with offload_optimizer on the CPU, STEPS optimizer steps.  MODE "all": every case both
+ways; rank 0 saves {case/which: {"losses", "params"}} into OUT.  For "ckpt" cases ours also
+saves engine.save_checkpoint after step CKPT_AT into CKPT/case.  MODE "resume": only the
+ckpt cases, ours, from load_checkpoint of CKPT/case, steps CKPT_AT+1 to STEPS.
+"""
+import faulthandler
+import os
+import sys
+
+import torch
+
+# A rank stuck (in a collective its peer never joins) says where, before the test's timeout.
+faulthandler.dump_traceback_later(500, exit=True)
+
+sys.path.insert(0, os.path.dirname(__file__))
+import zhelpers  # noqa: E402
+
+STEPS = 50
+CKPT_AT = 20
+LR = 3e-3
+# DeepSpeed's default buckets are 5e8 elements (2 GB of fp32 allocated up front, untouched
+# unless malloc perturbs it: meson's MALLOC_PERTURB_ writes every byte).  One of 2**16 still
+# holds the whole model (about 12 k params), so the bucketing is the default's.
+SMALL_BUCKETS = {"reduce_bucket_size": 1 << 16, "allgather_bucket_size": 1 << 16}
+# (stage, micro batch, gradient accumulation, clipping, checkpointed)
+CASES = {
+    "zero1": dict(stage=1, micro=8, accum=1, clip=0.0, ckpt=False),
+    "zero2-accum4-clip": dict(stage=2, micro=2, accum=4, clip=1.0, ckpt=True),
+    "zero3": dict(stage=3, micro=8, accum=1, clip=0.0, ckpt=True),
+}
+
+
+def config(case, job, socket):
+    c = CASES[case]
+    cfg = {"train_micro_batch_size_per_gpu": c["micro"],
+           "gradient_accumulation_steps": c["accum"],
+           "optimizer": {"type": "AdamW", "params": {"lr": LR, "betas": [0.9, 0.95],
+                                                     "eps": 1e-8, "weight_decay": 0.01}},
+           "zero_optimization": {"stage": c["stage"], "overlap_comm": True,
+                                 "contiguous_gradients": True, **SMALL_BUCKETS,
+                                 "offload_optimizer": {"device": "cpu", "pin_memory": False}},
+           "steps_per_print": 1 << 30, "wall_clock_breakdown": False}
+    if c["clip"]:
+        cfg["gradient_clipping"] = c["clip"]
+    return cfg
+
+
+def micro_batch(case, step, micro, rank, world):
+    """Optimizer step `step`, micro-batch `micro`: this rank's own batch."""
+    c = CASES[case]
+    x, y = zhelpers.batch(((step * c["accum"] + micro) * world + rank) % 997, n=c["micro"])
+    return x, y
+
+
+def build(case, which, rank, job, socket):
+    import deepspeed
+    import zoffload.deepspeed as zds
+
+    m = zhelpers.model(seed=11)
+    cfg = config(case, job, socket)
+    if which == "ours":
+        engine, *_ = zds.initialize(model=m, model_parameters=m.parameters(), config=cfg,
+                                    job=job, socket=socket)
+    else:
+        from deepspeed.ops.adam import DeepSpeedCPUAdam
+        p = cfg.pop("optimizer")["params"]
+        opt = DeepSpeedCPUAdam(m.parameters(), lr=p["lr"], betas=tuple(p["betas"]),
+                               eps=p["eps"], weight_decay=p["weight_decay"], adamw_mode=True)
+        engine, *_ = deepspeed.initialize(model=m, optimizer=opt, config=cfg)
+    return m, engine
+
+
+def run(case, which, rank, world, job, socket, first=1, save_to=None, load_from=None):
+    import deepspeed
+
+    m, engine = build(case, which, rank, job, socket)
+    if load_from is not None:
+        path, _ = engine.load_checkpoint(load_from)
+        assert path is not None, f"nothing loaded from {load_from}"
+    losses = []
+    for step in range(first, STEPS + 1):
+        total = 0.0
+        for micro in range(CASES[case]["accum"]):
+            x, y = micro_batch(case, step, micro, rank, world)
+            logits = engine(x)
+            loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]),
+                                                     y.reshape(-1))
+            engine.backward(loss)
+            engine.step()
+            total += loss.item()
+        losses.append(total / CASES[case]["accum"])
+        if save_to is not None and step == CKPT_AT:
+            engine.save_checkpoint(save_to, tag=f"step{step}")
+    with deepspeed.zero.GatheredParameters(list(m.parameters())):
+        params = [p.detach().clone() for p in m.parameters()]
+    engine.destroy()
+    if which == "ours":
+        engine.optimizer.optimizer.close()
+    return {"losses": losses, "params": params}
+
+
+def main(rank, world, port, socket, out, mode, ckpt=None):
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
+                      LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+    import deepspeed
+
+    # DeepSpeed's shared-memory allreduce for the CPU would be compiled at first use (minutes);
+    # gloo alone does what these tests need.  (sys.modules: deepspeed.comm.torch as an
+    # attribute is the torch package.)
+    sys.modules["deepspeed.comm.torch"].build_shm_op = lambda: None
+    deepspeed.init_distributed(dist_backend="gloo")
+    got = {}
+    for case in CASES:
+        if mode == "all":
+            for which in ("ours", "ref"):
+                save = (os.path.join(ckpt, case) if CASES[case]["ckpt"] and which == "ours"
+                        else None)
+                got[f"{case}/{which}"] = run(case, which, rank, world, f"{case}-{world}",
+                                             socket, save_to=save)
+        elif CASES[case]["ckpt"]:
+            got[f"{case}/resumed"] = run(case, "ours", rank, world, f"{case}-{world}-resumed",
+                                         socket, first=CKPT_AT + 1,
+                                         load_from=os.path.join(ckpt, case))
+    if rank == 0:
+        torch.save(got, out)
+    deepspeed.comm.barrier()
+
+
+if __name__ == "__main__":
+    a = sys.argv[1:]
+    main(int(a[0]), int(a[1]), int(a[2]), a[3], a[4], a[5], *a[6:])
