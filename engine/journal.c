@@ -440,7 +440,8 @@ ze_journal_finish(struct ze_engine *e, struct ze_tensor *t)
 		q.m = (float *)t->m + off;
 		q.v = (float *)t->v + off;
 		q.grad = (const char *)whole.grad + off * zk_dtype_size(t->grad_dtype);
-		q.param = (char *)whole.param + off * zk_dtype_size(t->param_dtype);
+		if (whole.param != NULL)
+			q.param = (char *)whole.param + off * zk_dtype_size(t->param_dtype);
 		q.n = ze_unit_len(t, u);
 	}
 	view = (struct zk_tensor){ .master = q.master, .m = q.m, .v = q.v, .grad = q.grad,
