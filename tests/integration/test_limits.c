@@ -31,7 +31,8 @@
  * tensor must be refused: a check that allowed any slack fails there.
  */
 #define PAGE 4096ull
-#define N0 (100ull * 1024)	/* a multiple of 1024: every array ends on a page */
+/* A multiple of 1024 (every array ends on a page) whose m and v pass the pinned tier's 1 MiB floor. */
+#define N0 (160ull * 1024)
 
 static struct itd daemon_;
 static struct zc_conn *conn;
