@@ -465,7 +465,13 @@ ze_journal_finish(struct ze_engine *e, struct ze_tensor *t)
 		if (last > q.n || zk_undo_at(rec) > last)
 			return -EBADMSG;
 		r = put_back(&sr, w, rec);
-		if (r == 0)
+		/*
+		 * A worker that finished its range has nothing left: its record is
+		 * (last, 0), and a range that ends on the tensor's short last q8
+		 * block cannot even be named empty from there (a q8 range starts
+		 * on a block), so it is not stepped again.
+		 */
+		if (r == 0 && zk_undo_at(rec) < last)
 			r = step_worker(&sr, w, zk_undo_at(rec), last, zk_undo_slot(rec) ^ 1);
 		if (r < 0)
 			return r;
