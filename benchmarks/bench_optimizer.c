@@ -26,6 +26,11 @@ static const struct mix mixes[] = {
 	{ ZK_OPTIM_ADAMW, ZK_DTYPE_F16, ZK_DTYPE_F16, true, 1 },
 	{ ZK_OPTIM_ADAMW, ZK_DTYPE_F32, ZK_DTYPE_BF16, true, 1 },
 	{ ZK_OPTIM_ADAMW, ZK_DTYPE_F32, ZK_DTYPE_F32, true, 1 },
+	/*
+	 * p=none: no param copy, the daemon's step of fp32 params whose slot is the master
+	 * (docs/tiers.md): 28 bytes an element, as torch's fused AdamW moves.
+	 */
+	{ ZK_OPTIM_ADAMW, ZK_DTYPE_F32, ZK_DTYPE_COUNT, true, 1 },
 	{ ZK_OPTIM_ADAM, ZK_DTYPE_BF16, ZK_DTYPE_BF16, false, 1 },
 	{ ZK_OPTIM_ADAGRAD, ZK_DTYPE_BF16, ZK_DTYPE_BF16, false, 1 },
 	{ ZK_OPTIM_LION, ZK_DTYPE_BF16, ZK_DTYPE_BF16, false, 1 },
@@ -301,7 +306,9 @@ static int bench_size(const struct opts *o, size_t n)
 
 			fill_grad(&a, mx->grad);
 			for (int isa = ZK_ISA_COUNT - 1; isa >= 0; isa--) {
-				struct zk_tensor t = { a.master, a.m, a.v, a.grad, mx->grad, a.param, mx->param, n };
+				bool none = mx->param == ZK_DTYPE_COUNT;
+				struct zk_tensor t = { a.master, a.m, a.v, a.grad, mx->grad,
+					none ? NULL : a.param, none ? ZK_DTYPE_F32 : mx->param, n };
 				struct zk_hparams h = {
 					.optim = mx->optim, .lr = 1e-4, .beta1 = 0.9, .beta2 = 0.999,
 					.eps = 1e-8, .weight_decay = 0.01, .step = mx->step0,
@@ -342,7 +349,8 @@ static int bench_size(const struct opts *o, size_t n)
 				}
 				snprintf(name, sizeof(name), "%s/%s/g=%s/p=%s/t=%u/n=%zuM%s",
 				    zk_optim_name(mx->optim), zk_isa_name((enum zk_isa)isa),
-				    zk_dtype_name(mx->grad), zk_dtype_name(mx->param), threads, n >> 20,
+				    zk_dtype_name(mx->grad), none ? "none" : zk_dtype_name(mx->param),
+				    threads, n >> 20,
 				    mx->step0 > 1 ? "/late" : "");
 				report(o, name, (double)n / bs, "params/s", (double)n / bm);
 			}

@@ -41,6 +41,13 @@ struct opts {
 	const char *formats;
 	bool pinned_tier;		/* --pinned-tier: --formats with every tensor pinned instead */
 	bool no_journal;		/* --no-journal: recovery.journal false (the default is on) */
+	/*
+	 * --fp32: fp32 grads and params, not bf16.  An fp32 master's param slot is then
+	 * the master (docs/tiers.md): the daemon's step and its compute bound write no
+	 * param copy, and with --pinned-tier fp32/step_vs_kernel_with_copy compares the
+	 * step with the kernel writing one (what the step cost when the slot was a copy).
+	 */
+	bool fp32;
 };
 
 /* What the daemon run measured. */
@@ -97,7 +104,7 @@ usage(void)
 	    "                  [--tensors N] [--steps N] [--threads N] [--staging N]\n"
 	    "                  [--chunk-elements N] [--queue-depth N] [--block-size SIZE] [--json]\n"
 	    "                  [--formats fp32,bf16-moments,q8-moments,bf16-master+q8 [--pinned-tier]]\n"
-	    "                  [--no-journal]\n");
+	    "                  [--no-journal] [--fp32]\n");
 }
 
 static int
@@ -119,6 +126,7 @@ parse(int argc, char **argv, struct opts *o)
 		{ "formats", required_argument, NULL, 'f' },
 		{ "pinned-tier", no_argument, NULL, 'P' },
 		{ "no-journal", no_argument, NULL, 'J' },
+		{ "fp32", no_argument, NULL, 'F' },
 		{ NULL, 0, NULL, 0 },
 	};
 	int ch;
@@ -140,6 +148,7 @@ parse(int argc, char **argv, struct opts *o)
 		case 'f': o->formats = optarg; break;
 		case 'P': o->pinned_tier = true; break;
 		case 'J': o->no_journal = true; break;
+		case 'F': o->fp32 = true; break;
 		default: return -1;
 		}
 	}
@@ -217,16 +226,22 @@ daemon_stop(struct bench_daemon *dp)
 
 /* Small gradients of both signs, the same every step: timing does not depend on the values. */
 static void
-fill_grads(struct zc_tensor *t, uint64_t n, unsigned k)
+fill_grads(struct zc_tensor *t, uint64_t n, unsigned k, bool fp32)
 {
-	uint16_t *g = zc_tensor_grad_slot(t, NULL);
+	void *g = zc_tensor_grad_slot(t, NULL);
 	uint64_t x = 0x9e3779b97f4a7c15ull * (k + 1);
 
 	for (uint64_t i = 0; i < n; i++) {
+		float f;
+
 		x ^= x >> 12;
 		x ^= x << 25;
 		x ^= x >> 27;
-		g[i] = zc_f32_to_bf16((float)((double)(x >> 40) / (double)(1 << 24) - 0.5) * 1e-2f);
+		f = (float)((double)(x >> 40) / (double)(1 << 24) - 0.5) * 1e-2f;
+		if (fp32)
+			((float *)g)[i] = f;
+		else
+			((uint16_t *)g)[i] = zc_f32_to_bf16(f);
 	}
 }
 
@@ -254,14 +269,15 @@ run_daemon(const struct opts *o, enum zk_state_format format, struct step_run *r
 	for (unsigned k = 0; k < o->tensors; k++) {
 		char name[32];
 		struct zc_tensor_desc desc = { .name = name, .numel = tensor_numel(o, k),
-			.grad_dtype = ZC_BF16, .param_dtype = ZC_BF16 };
+			.grad_dtype = o->fp32 ? ZC_F32 : ZC_BF16,
+			.param_dtype = o->fp32 ? ZC_F32 : ZC_BF16 };
 
 		for (uint64_t i = 0; i < desc.numel; i++)
 			init[i] = (float)((int)(i % 2001) - 1000) * 1e-3f;
 		snprintf(name, sizeof(name), "layer%u.weight", k);
 		if (zc_tensor_register(c, &desc, init, &t[k]) < 0)
 			die("register %s: %s", name, zc_errmsg(c));
-		fill_grads(t[k], desc.numel, k);
+		fill_grads(t[k], desc.numel, k, o->fp32);
 		/* Its placement: did the job's NVMe bytes grow? */
 		if (stat_number(c, "jobs.0.nvme_bytes") > res->nvme_placed_bytes) {
 			res->nvme_placed_bytes = stat_number(c, "jobs.0.nvme_bytes");
@@ -387,12 +403,17 @@ engine_bandwidth(const struct opts *o, uint64_t bytes, double *ret_read, double 
 
 /*
  * zk_pool_step over the same tensors in memory: same element counts, bf16
- * grads and params, AdamW, the daemon's thread count and ISA.  Seconds,
- * best of the timed passes after one warm-up.
+ * grads and params (--fp32: fp32 grads, and no param copy, as the daemon
+ * steps a slot that is the master; copy: an fp32 param copy written
+ * beside it all the same), AdamW, the daemon's thread count and ISA.
+ * Seconds, best of the timed passes after one warm-up.
  */
 static double
-compute_bound(const struct opts *o, enum zk_isa isa)
+compute_bound(const struct opts *o, enum zk_isa isa, bool copy)
 {
+	enum zk_dtype dt_io = o->fp32 ? ZK_DTYPE_F32 : ZK_DTYPE_BF16;
+	size_t io_size = o->fp32 ? 4 : 2;
+	bool param_out = !o->fp32 || copy;
 	struct zk_hparams hp = { .optim = ZK_OPTIM_ADAMW, .lr = 1e-4, .beta1 = 0.9, .beta2 = 0.999,
 		.eps = 1e-8, .weight_decay = 0.01, .bias_correction = true, .grad_scale = 1.0,
 		.clip_coef = 1.0 };
@@ -412,21 +433,28 @@ compute_bound(const struct opts *o, enum zk_isa isa)
 		size_t stride = ((size_t)n * sizeof(float) + 4095) / 4096 * 4096 + 4160;
 		/* aligned_alloc takes whole multiples of the alignment (C11; ASan holds us to it). */
 		char *state = aligned_alloc(4096, (3 * stride + 4095) / 4096 * 4096);
-		uint16_t *grad = aligned_alloc(4096, ((size_t)n * 2 + 4095) / 4096 * 4096);
-		uint16_t *param = aligned_alloc(4096, ((size_t)n * 2 + 4095) / 4096 * 4096);
+		void *grad = aligned_alloc(4096, ((size_t)n * io_size + 4095) / 4096 * 4096);
+		void *param = param_out ? aligned_alloc(4096, ((size_t)n * io_size + 4095) / 4096 *
+		    4096) : NULL;
 
-		if (state == NULL || grad == NULL || param == NULL)
+		if (state == NULL || grad == NULL || (param_out && param == NULL))
 			die("out of memory for the compute bound");
 		ts[k] = (struct zk_tensor){ .master = (float *)state, .m = (float *)(state + stride),
-			.v = (float *)(state + 2 * stride), .grad = grad, .grad_dtype = ZK_DTYPE_BF16,
-			.param = param, .param_dtype = ZK_DTYPE_BF16, .n = n };
+			.v = (float *)(state + 2 * stride), .grad = grad, .grad_dtype = dt_io,
+			.param = param, .param_dtype = dt_io, .n = n };
 		for (uint64_t i = 0; i < n; i++) {
+			float g = (float)((int)(i % 977) - 488) * 1e-5f;
+
 			ts[k].master[i] = (float)((int)(i % 2001) - 1000) * 1e-3f;
 			ts[k].m[i] = 0;
 			ts[k].v[i] = 0;
-			grad[i] = zk_f32_to_bf16((float)((int)(i % 977) - 488) * 1e-5f);
+			if (o->fp32)
+				((float *)grad)[i] = g;
+			else
+				((uint16_t *)grad)[i] = zk_f32_to_bf16(g);
 		}
-		memset(param, 0, (size_t)n * 2);
+		if (param != NULL)
+			memset(param, 0, (size_t)n * io_size);
 	}
 	for (unsigned i = 0; i <= o->steps; i++) {
 		double t0 = bench_now(), dt;
@@ -451,11 +479,14 @@ compute_bound(const struct opts *o, enum zk_isa isa)
 
 /*
  * zk_pool_qstep over the same tensors in memory in a compressed format (compute_bound's
- * counterpart): seconds, best of the timed passes after one warm-up.
+ * counterpart; --fp32: fp32 grads and no param copy where the master is fp32, an fp32 copy
+ * of bf16-master+q8's bf16 master): seconds, best of the timed passes after one warm-up.
  */
 static double
 qcompute_bound(const struct opts *o, enum zk_isa isa, enum zk_state_format f)
 {
+	enum zk_dtype dt_io = o->fp32 ? ZK_DTYPE_F32 : ZK_DTYPE_BF16;
+	bool param_out = !o->fp32 || f == ZK_STATE_BF16_Q8;
 	struct zk_hparams hp = { .optim = ZK_OPTIM_ADAMW, .lr = 1e-4, .beta1 = 0.9, .beta2 = 0.999,
 		.eps = 1e-8, .weight_decay = 0.01, .bias_correction = true, .grad_scale = 1.0,
 		.clip_coef = 1.0 };
@@ -478,15 +509,15 @@ qcompute_bound(const struct opts *o, enum zk_isa isa, enum zk_state_format f)
 		bool blocked = zk_state_blocks(f, 1) > 0;
 		float *sc = blocked ? calloc(2 * nb, sizeof(float)) : NULL;
 		void *m = calloc(mb + 64, 1), *v = calloc(mb + 64, 1);
-		uint16_t *grad = calloc(n, 2), *param = calloc(n, 2);
+		void *grad = calloc(n, zk_dtype_size(dt_io));
+		void *param = param_out ? calloc(n, zk_dtype_size(dt_io)) : NULL;
 
 		if (master == NULL || (blocked && sc == NULL) || m == NULL || v == NULL ||
-		    grad == NULL || param == NULL)
+		    grad == NULL || (param_out && param == NULL))
 			die("out of memory for the compute bound");
 		ts[k] = (struct zk_qtensor){ .format = f, .master = master, .m = m, .v = v,
 			.m_scale = sc, .v_scale = sc != NULL ? sc + nb : NULL, .grad = grad,
-			.grad_dtype = ZK_DTYPE_BF16, .param = param, .param_dtype = ZK_DTYPE_BF16,
-			.n = n };
+			.grad_dtype = dt_io, .param = param, .param_dtype = dt_io, .n = n };
 		for (uint64_t i = 0; i < n; i++) {
 			float w = (float)((int)(i % 2001) - 1000) * 1e-3f;
 
@@ -494,7 +525,10 @@ qcompute_bound(const struct opts *o, enum zk_isa isa, enum zk_state_format f)
 				ts[k].master_bf16[i] = zk_f32_to_bf16(w);
 			else
 				ts[k].master[i] = w;
-			grad[i] = zk_f32_to_bf16((float)((int)(i % 977) - 488) * 1e-5f);
+			if (o->fp32)
+				((float *)grad)[i] = (float)((int)(i % 977) - 488) * 1e-5f;
+			else
+				((uint16_t *)grad)[i] = zk_f32_to_bf16((float)((int)(i % 977) - 488) * 1e-5f);
 		}
 	}
 	for (unsigned i = 0; i <= o->steps; i++) {
@@ -532,7 +566,8 @@ run_formats(const struct opts *o, enum zk_isa isa)
 {
 	enum zk_state_format fs[ZK_STATE_COUNT] = { ZK_STATE_FP32 };
 	struct step_run runs[ZK_STATE_COUNT];
-	double compute_s[ZK_STATE_COUNT];
+	double compute_s[ZK_STATE_COUNT], copy_s = 0;
+	const char *io = o->fp32 ? "fp32" : "bf16";
 	double bw_read, bw_write, params = (double)(o->state_bytes / 12), fp32_tput;
 	char *list = strdup(o->formats), *save = NULL;
 	unsigned n = 1, fig = 0;
@@ -564,18 +599,21 @@ run_formats(const struct opts *o, enum zk_isa isa)
 	else
 		engine_bandwidth(o, (uint64_t)runs[0].nvme_state_bytes, &bw_read, &bw_write);
 	for (unsigned i = 0; i < n; i++)
-		compute_s[i] = fs[i] == ZK_STATE_FP32 ? compute_bound(o, isa) :
+		compute_s[i] = fs[i] == ZK_STATE_FP32 ? compute_bound(o, isa, false) :
 		    qcompute_bound(o, isa, fs[i]);
+	/* The pinned fp32 step's slot is its master: the kernel that still wrote a copy, beside. */
+	if (o->fp32 && o->pinned_tier && fs[0] == ZK_STATE_FP32)
+		copy_s = compute_bound(o, isa, true);
 	fp32_tput = params / runs[0].best_s;
 	if (o->json)
 		printf("[");
 	else if (o->pinned_tier)
-		printf("AdamW step, every tensor pinned, bf16 grads and params: %u tensors, %.1fM "
-		    "params, %u threads, %s\n", o->tensors, params / 1e6, o->threads, runs[0].isa);
+		printf("AdamW step, every tensor pinned, %s grads and params: %u tensors, %.1fM "
+		    "params, %u threads, %s\n", io, o->tensors, params / 1e6, o->threads, runs[0].isa);
 	else
-		printf("AdamW step, every tensor on NVMe, bf16 grads and params: %u tensors, %.1fM "
+		printf("AdamW step, every tensor on NVMe, %s grads and params: %u tensors, %.1fM "
 		    "params, chunks of %" PRIu64 " elements, %u staging buffers, %u threads, %s; "
-		    "engine alone: read %.0f MiB/s, write %.0f MiB/s\n", o->tensors, params / 1e6,
+		    "engine alone: read %.0f MiB/s, write %.0f MiB/s\n", io, o->tensors, params / 1e6,
 		    o->chunk_elements, o->staging, o->threads, runs[0].isa, bw_read / MiB,
 		    bw_write / MiB);
 	for (unsigned i = 0; i < n; i++) {
@@ -592,6 +630,10 @@ run_formats(const struct opts *o, enum zk_isa isa)
 				bench_json_figure(fig++, fname, runs[i].best_s, "s", io_s, 4);
 			snprintf(fname, sizeof(fname), "%s/step_vs_compute_bound", name);
 			bench_json_figure(fig++, fname, runs[i].best_s, "s", compute_s[i], 4);
+			/* What the slot as the master saves: the step against the kernel writing a copy. */
+			if (copy_s > 0 && fs[i] == ZK_STATE_FP32)
+				bench_json_figure(fig++, "fp32/step_vs_kernel_with_copy", runs[i].best_s,
+				    "s", copy_s, 4);
 			continue;
 		}
 		if (o->pinned_tier) {
@@ -599,6 +641,9 @@ run_formats(const struct opts *o, enum zk_isa isa)
 			    "  speedup %.2fx  compute bound %.3f s (step/bound %.2f)\n", name,
 			    zk_state_bytes(fs[i], 1000000) / 1e6, runs[i].best_s, runs[i].mean_s,
 			    tput / 1e6, tput / fp32_tput, compute_s[i], runs[i].best_s / compute_s[i]);
+			if (copy_s > 0 && i == 0)
+				printf("  %-14s the kernel writing an fp32 param copy beside: %.3f s "
+				    "(step/that %.2f)\n", "", copy_s, runs[i].best_s / copy_s);
 			continue;
 		}
 		printf("  %-14s %5.2f B/param on NVMe  step %6.3f s (mean %.3f)  %6.1f Mparams/s  "
@@ -655,7 +700,7 @@ main(int argc, char **argv)
 	if (run.nvme_state_bytes <= 0)
 		die("no state went to NVMe: raise --state or lower --pinned-budget");
 	engine_bandwidth(&o, (uint64_t)run.nvme_state_bytes, &bw_read, &bw_write);
-	compute_s = compute_bound(&o, isa);
+	compute_s = compute_bound(&o, isa, false);
 	/* The state itself, read once and written once: padding the daemon moves counts against it. */
 	io_s = run.nvme_state_bytes / bw_read + run.nvme_state_bytes / bw_write;
 	limit = io_s > compute_s ? io_s : compute_s;
@@ -668,9 +713,10 @@ main(int argc, char **argv)
 		printf("\n]\n");
 		return 0;
 	}
-	printf("offloaded AdamW step, bf16 grads and params: %u tensors, %.0f MiB of state "
-	    "(%.1fM params), pinned budget %.0f MiB\n", o.tensors, (double)o.state_bytes / MiB,
-	    (double)(o.state_bytes / 12) / 1e6, (double)o.pinned_budget / MiB);
+	printf("offloaded AdamW step, %s grads and params: %u tensors, %.0f MiB of state "
+	    "(%.1fM params), pinned budget %.0f MiB\n", o.fp32 ? "fp32" : "bf16", o.tensors,
+	    (double)o.state_bytes / MiB, (double)(o.state_bytes / 12) / 1e6,
+	    (double)o.pinned_budget / MiB);
 	printf("  placed: %.0f MiB pinned, %.0f MiB on NVMe (%s, engine %s); chunks of %" PRIu64
 	    " elements (%.0f MiB), %u staging buffers, queue depth %u, %u threads, %s\n",
 	    run.pinned_state_bytes / MiB, run.nvme_placed_bytes / MiB, o.dir, run.engine,

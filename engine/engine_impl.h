@@ -68,6 +68,23 @@ struct ze_tensor {
 	 * uint16_t[] bf16 master is master_bf16 (never use master as floats then).
 	 */
 	enum zk_state_format format;
+	/*
+	 * The param slot is the master (master_in_slot): where the slot's dtype
+	 * is the master's (fp32 params of fp32, bf16-moments and q8-moments
+	 * state; bf16 params of bf16-master+q8), the tensor is pinned and the
+	 * client only reads the slot (no param_offload), master points at the
+	 * slot's mapping and the pinned allocation holds m, v and the scales
+	 * only.  Ownership: the engine alone writes the slot then (the client's
+	 * descriptor is read-only, shm.c), through master: the step updates it
+	 * in place (one array read and written, no second stream of stores),
+	 * and the writers of master (restores, initialization) are the
+	 * writers of the params.  The slot's memfd is kept with the others, so
+	 * the step journal's guarantee holds as for a master in the state's
+	 * memfd (journal.c: it names elements, not files).  Fixed at placement,
+	 * kept in the record (recover.c).  Elsewhere the slot is a mirror the
+	 * step writes beside master.
+	 */
+	bool master_in_slot;
 	void *state;
 	size_t state_bytes;		/* pinned allocation, or the extent's bytes on NVMe */
 	bool state_pinned;
@@ -226,6 +243,12 @@ void ze_tensor_charge(struct ze_tensor *t, struct ze_account *job, struct ze_acc
 struct ze_tensor *ze_tensor_alloc(struct ze_engine *e, void *user);
 /* master, m, v and the param store from t->state, as placement lays them out. */
 void ze_tensor_point_state(struct ze_tensor *t);
+/* master_in_slot: master is the param slot's mapping (again, once the slot is made or adopted). */
+void ze_tensor_point_master(struct ze_tensor *t);
+/* The slot can be the master: its dtype is the format's master's and the client only reads it. */
+bool ze_slot_can_be_master(enum zk_state_format f, enum zk_dtype param_dtype, bool param_offload);
+/* t's pinned layout: ze_layout_of's, less the master where master_in_slot. */
+void ze_tensor_layout(const struct ze_tensor *t, struct ze_layout *ret);
 uint64_t ze_tensor_pinned_bytes(const struct ze_tensor *t);
 /* The param slot mirrors master: elements [offset, offset + count) from src. */
 void ze_tensor_write_param(struct ze_tensor *t, uint64_t offset, uint64_t count,

@@ -440,7 +440,8 @@ ze_journal_finish(struct ze_engine *e, struct ze_tensor *t)
 		q.m = (float *)t->m + off;
 		q.v = (float *)t->v + off;
 		q.grad = (const char *)whole.grad + off * zk_dtype_size(t->grad_dtype);
-		q.param = (char *)whole.param + off * zk_dtype_size(t->param_dtype);
+		if (whole.param != NULL)
+			q.param = (char *)whole.param + off * zk_dtype_size(t->param_dtype);
 		q.n = ze_unit_len(t, u);
 	}
 	view = (struct zk_tensor){ .master = q.master, .m = q.m, .v = q.v, .grad = q.grad,
@@ -464,7 +465,13 @@ ze_journal_finish(struct ze_engine *e, struct ze_tensor *t)
 		if (last > q.n || zk_undo_at(rec) > last)
 			return -EBADMSG;
 		r = put_back(&sr, w, rec);
-		if (r == 0)
+		/*
+		 * A worker that finished its range has nothing left: its record is
+		 * (last, 0), and a range that ends on the tensor's short last q8
+		 * block cannot even be named empty from there (a q8 range starts
+		 * on a block), so it is not stepped again.
+		 */
+		if (r == 0 && zk_undo_at(rec) < last)
 			r = step_worker(&sr, w, zk_undo_at(rec), last, zk_undo_slot(rec) ^ 1);
 		if (r < 0)
 			return r;

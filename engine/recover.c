@@ -38,7 +38,7 @@ struct ze_record {
 	uint32_t param_offload;
 	uint32_t on_nvme;
 	uint32_t format;		/* enum zk_state_format: the arrays' and chunks' layout */
-	uint32_t reserved;
+	uint32_t master_in_slot;	/* version 2: the param slot is the master (0 in version 1) */
 	uint64_t chunk_elements;
 	uint64_t unit_elements;
 	uint64_t nunits;
@@ -84,6 +84,7 @@ tensor_record(struct ze_tensor *t, struct ze_record *r, bool save)
 	F(param_offload, t->param_offload);
 	F(on_nvme, t->on_nvme);
 	F(format, t->format);
+	F(master_in_slot, t->master_in_slot);
 	F(chunk_elements, t->chunk_elements);
 	F(unit_elements, t->unit_elements);
 	F(nunits, t->nunits);
@@ -267,7 +268,8 @@ ze_record_peek(int fd, struct ze_record_info *ret, char *err, size_t errlen)
 		    (unsigned long long)r.magic);
 		return -EPROTO;
 	}
-	if (r.version != ZE_RECORD_VERSION) {
+	/* Version 1 is version 2 with master_in_slot 0 (the field was reserved, zero). */
+	if (r.version != ZE_RECORD_VERSION && r.version != 1) {
 		snprintf(err, errlen, "record version %u, this zoffloadd knows version %u",
 		    r.version, ZE_RECORD_VERSION);
 		return -EPROTONOSUPPORT;
@@ -320,7 +322,8 @@ adopt_record(struct ze_tensor *t, int fd, char *err, size_t errlen)
 	}
 	if (t->numel == 0 || t->unit_elements == 0 || t->nunits != (t->numel +
 	    t->unit_elements - 1) / t->unit_elements || bytes != t->rec_bytes ||
-	    layout.off_init != t->rec->off_init) {
+	    layout.off_init != t->rec->off_init || (t->master_in_slot && (t->on_nvme ||
+	    !ze_slot_can_be_master(t->format, t->param_dtype, t->param_offload)))) {
 		snprintf(err, errlen, "record of tensor '%s' has an impossible layout", t->name);
 		return -EBADMSG;
 	}
@@ -470,6 +473,8 @@ ze_tensor_adopt(struct ze_engine *e, const struct ze_tensor_fds *fds, struct ze_
 	}
 	if (r < 0)
 		goto fail_fds;
+	/* The kept slot, or its copy: the master the journal's slice is finished in. */
+	ze_tensor_point_master(t);
 	ze_tensor_charge(t, job, uid, !t->on_nvme, t->state_bytes);
 	t->init_missing = count_init_missing(t);
 	if (t->on_nvme) {

@@ -16,7 +16,8 @@
  */
 #define ZE_RECORD_MAGIC 0x31636572666f7a7aull	/* "zzofrec1" */
 #define ZE_JOURNAL_MAGIC 0x316c726a666f7a7aull	/* "zzofjrl1" */
-#define ZE_RECORD_VERSION 1u
+/* 2: master_in_slot (1 is still read: a version 1 record keeps its master in the state). */
+#define ZE_RECORD_VERSION 2u
 /* 1: an undo copy of the whole slice; 2: roll forward (journal.c). */
 #define ZE_JOURNAL_VERSION 2u
 #define ZE_OWNER_WORDS 4

@@ -44,6 +44,36 @@ ze_layout_of(enum zk_state_format f, size_t elements, bool pad, struct ze_layout
 		ret->bytes = round_up(ret->bytes, 4096);
 }
 
+bool
+ze_slot_can_be_master(enum zk_state_format f, enum zk_dtype param_dtype, bool param_offload)
+{
+	/*
+	 * param_offload: the client writes the slot and a release drops its
+	 * pages; the master must outlive both, so it stays the engine's own.
+	 */
+	if (param_offload)
+		return false;
+	return f == ZK_STATE_BF16_Q8 ? param_dtype == ZK_DTYPE_BF16 : param_dtype == ZK_DTYPE_F32;
+}
+
+void
+ze_tensor_layout(const struct ze_tensor *t, struct ze_layout *ret)
+{
+	size_t shift;
+
+	ze_layout_of(t->format, t->numel, true, ret);
+	if (!t->master_in_slot)
+		return;
+	/* The same arrays, padded the same, from m on: the master's span is the slot's. */
+	shift = ret->m;
+	ret->master = 0;
+	ret->m -= shift;
+	ret->v -= shift;
+	ret->m_scale -= shift;
+	ret->v_scale -= shift;
+	ret->bytes -= shift;
+}
+
 void
 ze_state_view(enum zk_state_format f, void *base, const struct ze_layout *l, size_t n,
     struct zk_qtensor *ret)
@@ -75,7 +105,8 @@ ze_tensor_state_view(const struct ze_tensor *t, struct zk_qtensor *ret)
 		.v_scale = t->v_scale,
 		.grad = t->grad_slot.map,
 		.grad_dtype = t->grad_dtype,
-		.param = t->param_slot.map,
+		/* The slot is the master: the step updates it as master, no param copy. */
+		.param = t->master_in_slot ? NULL : t->param_slot.map,
 		.param_dtype = t->param_dtype,
 		.n = t->numel,
 	};

@@ -131,7 +131,8 @@ batch_take(struct ze_batch *b, uint64_t step, enum zk_optim hp_optim,
 			.v = t->format == ZK_STATE_FP32 ? t->v : NULL,
 			.grad = t->grad_slot.map,
 			.grad_dtype = t->grad_dtype,
-			.param = t->param_slot.map,
+			/* The slot that is the master gets no copy: the step writes it as master. */
+			.param = t->master_in_slot ? NULL : t->param_slot.map,
 			.param_dtype = t->param_dtype,
 			.n = t->numel,
 		};
@@ -432,7 +433,9 @@ batch_run(struct ze_engine *e, struct ze_batch *b)
 				task->view.v += off;
 				task->view.grad = (const char *)v->grad +
 				    off * zk_dtype_size(v->grad_dtype);
-				task->view.param = (char *)v->param + off * zk_dtype_size(v->param_dtype);
+				if (v->param != NULL)
+					task->view.param = (char *)v->param +
+					    off * zk_dtype_size(v->param_dtype);
 				task->view.n = ze_unit_len(t, k);
 			}
 			ze_step_post(e, task);

@@ -3,6 +3,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
 #include <unistd.h>
 
 #include "convert.h"
@@ -96,6 +97,8 @@ place_nvme(struct ze_engine *e, struct ze_tensor *t, struct ze_account *job,
 	const struct ze_account *full;
 	int r;
 
+	/* An NVMe chunk keeps its master (tiers.md: what the slot as master would take there). */
+	t->master_in_slot = false;
 	if (e->swap == NULL) {
 		snprintf(err, errlen, "tensor '%s': the job keeps state on NVMe but no swap.paths "
 		    "are configured", t->name);
@@ -130,7 +133,7 @@ ze_tensor_point_state(struct ze_tensor *t)
 	struct zk_qtensor q;
 	struct ze_layout l;
 
-	ze_layout_of(t->format, t->numel, true, &l);
+	ze_tensor_layout(t, &l);
 	if (t->param_offload) {
 		t->param_store = (char *)t->state + l.bytes;
 		t->param_store_bytes = param_store_bytes(t);
@@ -141,6 +144,24 @@ ze_tensor_point_state(struct ze_tensor *t)
 	t->v = q.v;
 	t->m_scale = q.m_scale;
 	t->v_scale = q.v_scale;
+	ze_tensor_point_master(t);
+}
+
+void
+ze_tensor_point_master(struct ze_tensor *t)
+{
+	if (!t->master_in_slot)
+		return;
+	/* NULL until the slot exists: nothing reads master before it does. */
+	t->master = t->param_slot.map;
+	/*
+	 * Locked like the state it replaces, where it can be (best effort: the
+	 * slot is charged to shm.budget, not the pinned budget, and a refused
+	 * lock leaves it as every slot is).  On fault: a kept slot's pages are
+	 * there already, a new one's come as the master is written.
+	 */
+	if (t->master != NULL && t->state_pinned)
+		(void)mlock2(t->param_slot.map, t->param_slot.bytes, MLOCK_ONFAULT);
 }
 
 uint64_t
@@ -148,7 +169,7 @@ ze_tensor_pinned_bytes(const struct ze_tensor *t)
 {
 	struct ze_layout l;
 
-	ze_layout_of(t->format, t->numel, true, &l);
+	ze_tensor_layout(t, &l);
 	return l.bytes + (t->param_offload ? param_store_bytes(t) : 0);
 }
 
@@ -280,6 +301,8 @@ ze_tensor_new(struct ze_engine *e, const struct ze_tensor_desc *desc,
 		goto fail;
 	}
 	t->format = desc->state_format;
+	/* Pinned placement keeps it; NVMe clears it (place_nvme). */
+	t->master_in_slot = ze_slot_can_be_master(t->format, t->param_dtype, t->param_offload);
 	r = place(e, t, desc->policy, job, uid, err, errlen);
 	if (r < 0)
 		goto fail;
@@ -299,6 +322,7 @@ ze_tensor_new(struct ze_engine *e, const struct ze_tensor_desc *desc,
 			    ze_strerror(r));
 		goto fail;
 	}
+	ze_tensor_point_master(t);
 	/* Units: NVMe chunks as placed, else pinned slices. */
 	t->unit_elements = t->on_nvme ? t->chunk_elements : ZE_QUANTUM_ELEMENTS;
 	t->nunits = (t->numel + t->unit_elements - 1) / t->unit_elements;
@@ -384,7 +408,10 @@ ze_tensor_param_refresh(struct ze_tensor *t, uint64_t offset, uint64_t count)
 {
 	if (offset > t->numel || count > t->numel - offset)
 		return -ERANGE;
-	ze_param_convert(t->param_slot.map, t->param_dtype, offset, count, t->master + offset);
+	/* The restore wrote the slot itself. */
+	if (!t->master_in_slot)
+		ze_param_convert(t->param_slot.map, t->param_dtype, offset, count,
+		    t->master + offset);
 	return 0;
 }
 
@@ -471,6 +498,9 @@ void
 ze_tensor_write_param(struct ze_tensor *t, uint64_t offset, uint64_t count, const float *src)
 {
 	ze_param_flags(t, t->param_resident, true);
+	/* From master that is the slot: written already (a copy onto itself is no copy). */
+	if (t->master_in_slot && src == (const float *)t->param_slot.map + offset)
+		return;
 	ze_param_convert(t->param_slot.map, t->param_dtype, offset, count, src);
 }
 
@@ -512,6 +542,8 @@ ze_tensor_param_from_master(struct ze_tensor *t, uint64_t offset, uint64_t count
 	/* The step writes param as the bf16 master's value: the same here, exactly. */
 	ze_param_flags(t, t->param_resident, true);
 	src = q->master_bf16 + at;
+	if (t->master_in_slot && src == (const uint16_t *)t->param_slot.map + offset)
+		return;
 	switch (t->param_dtype) {
 	case ZK_DTYPE_F32:
 		for (uint64_t i = 0; i < count; i++)

@@ -12,9 +12,11 @@
  * The accounting units, from daemon/tier.c, job.c, shm.c and tiers/:
  *
  * - Pinned state (job and uid budgets): master, m and v are each rounded up
- *   to whole 4 KiB pages and padded by 4160 bytes (against cache aliasing),
- *   so a tensor of n elements, n a multiple of 1024, is charged
- *   3 * (4n + 4160) bytes, and one element more adds one page to each array.
+ *   to whole 4 KiB pages and padded by 4160 bytes (against cache aliasing).
+ *   The tensors here have fp32 params, so their param slot is their master
+ *   (docs/tiers.md) and the pinned state is m and v: a tensor of n elements,
+ *   n a multiple of 1024, is charged 2 * (4n + 4160) bytes, and one element
+ *   more adds one page to each array.
  * - The pinned tier itself (memory.pinned_budget) rounds that up to a page.
  * - Swap (limits.uid_swap_budget, swap.paths capacity): 12 bytes per element,
  *   the element count rounded up to 1024 (a tensor below chunk_elements is
@@ -24,12 +26,13 @@
  * - Connections (limits.max_clients, max_clients_per_uid) are checked at
  *   the boundary in tests/service/test_hostile.c.
  *
- * The smallest step one tensor can add is several pages (three arrays, two
+ * The smallest step one tensor can add is several pages (two arrays, two
  * slots), so every budget is also run one byte short, where the exact
  * tensor must be refused: a check that allowed any slack fails there.
  */
 #define PAGE 4096ull
-#define N0 (100ull * 1024)	/* a multiple of 1024: every array ends on a page */
+/* A multiple of 1024 (every array ends on a page) whose m and v pass the pinned tier's 1 MiB floor. */
+#define N0 (160ull * 1024)
 
 static struct itd daemon_;
 static struct zc_conn *conn;
@@ -55,11 +58,11 @@ round_up(uint64_t x, uint64_t to)
 	return (x + to - 1) / to * to;
 }
 
-/* What a pinned tensor of n elements counts against the job's and the uid's budget. */
+/* What a pinned tensor of n elements (fp32 params: no master apart) counts against the budgets. */
 static uint64_t
 pinned_charge(uint64_t n)
 {
-	return 3 * (round_up(4 * n, PAGE) + 4160);
+	return 2 * (round_up(4 * n, PAGE) + 4160);
 }
 
 static void

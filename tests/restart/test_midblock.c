@@ -20,6 +20,8 @@
 
 static struct zrt ref_, run_;
 static char dir_[64], fifo_[96];
+/* 'w' with fp32 params: the run where its slot is its master (engine_impl.h, master_in_slot). */
+static bool w_fp32_;
 
 static void
 teardown(void)
@@ -33,6 +35,7 @@ teardown(void)
 	if (dir_[0] != '\0')
 		rmdir(dir_);
 	fifo_[0] = dir_[0] = '\0';
+	w_fp32_ = false;
 }
 
 TestSuite(midblock, .fini = teardown, .timeout = 300);
@@ -47,6 +50,7 @@ reference(const char *format, enum zc_optim optim, unsigned steps, size_t *bytes
 	unsetenv("ZOFFLOADD_TEST_STEP_GATE");
 	cr_assert_eq(zrt_setup(&ref_, false, err, sizeof(err)), 0, "%s", err);
 	ref_.steps = steps;
+	ref_.w_fp32_params = w_fp32_;
 	ref_.state_format = format;
 	ref_.optim = optim;
 	cr_assert_eq(zrt_attach(&ref_, false, err, sizeof(err)), 0, "%s", err);
@@ -74,6 +78,7 @@ gated_setup(const char *format, enum zc_optim optim, bool journal)
 	setenv("ZOFFLOADD_TEST_STEP_GATE_AT", GATE_AT, 1);
 	cr_assert_eq(zrt_setup_with(&run_, false, &o, err, sizeof(err)), 0, "%s", err);
 	run_.steps = STEPS;
+	run_.w_fp32_params = w_fp32_;
 	run_.state_format = format;
 	run_.optim = optim;
 	/* Reconnects by hand: the trainer sees the death and submits again. */
@@ -119,6 +124,28 @@ Test(midblock, q8_moments_adamw) { finished_by_journal("q8-moments", ZC_ADAMW); 
 Test(midblock, q8_moments_adam) { finished_by_journal("q8-moments", ZC_ADAM); }
 Test(midblock, bf16_master_q8_adamw) { finished_by_journal("bf16-master+q8", ZC_ADAMW); }
 Test(midblock, bf16_master_q8_adam) { finished_by_journal("bf16-master+q8", ZC_ADAM); }
+
+/*
+ * The same with 'w''s params fp32: its slot is its master for the formats
+ * with an fp32 master (the step writes one array, the slot, in place), so
+ * the half-stepped block is in the client's slot itself and the journal
+ * must finish it there, bit for bit.  bf16-master+q8 (bf16 master, fp32
+ * slot) keeps its mirror, and is covered above by 'w''s bf16 params, where
+ * its slot is its bf16 master.
+ */
+static void
+finished_in_slot(const char *format, enum zc_optim optim)
+{
+	w_fp32_ = true;
+	finished_by_journal(format, optim);
+}
+
+Test(midblock, slot_master_fp32_adamw) { finished_in_slot("fp32", ZC_ADAMW); }
+Test(midblock, slot_master_fp32_adam) { finished_in_slot("fp32", ZC_ADAM); }
+Test(midblock, slot_master_fp32_adagrad) { finished_in_slot("fp32", ZC_ADAGRAD); }
+Test(midblock, slot_master_fp32_lion) { finished_in_slot("fp32", ZC_LION); }
+Test(midblock, slot_master_bf16_moments_adamw) { finished_in_slot("bf16-moments", ZC_ADAMW); }
+Test(midblock, slot_master_q8_moments_adamw) { finished_in_slot("q8-moments", ZC_ADAMW); }
 
 /*
  * recovery.journal false: the half-stepped slice leaves 'w' torn (and any

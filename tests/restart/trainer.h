@@ -51,6 +51,11 @@ struct zrt {
 	bool auto_reconnect;
 	const char *state_format;	/* both jobs' (NULL: the daemon's default) */
 	enum zc_optim optim;		/* every step's (zero: AdamW) */
+	/*
+	 * The pinned job's 'w' (the gated tensor) with fp32 params, not bf16:
+	 * where its format keeps an fp32 master, its param slot is the master.
+	 */
+	bool w_fp32_params;
 	struct zrt_options opts;
 	/* zrt_train returns once the trainer reattached after its first restart. */
 	bool stop_after_restart;
