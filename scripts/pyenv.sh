@@ -32,4 +32,8 @@ pyenv_ensure() {
 	fi
 	ZOFFLOAD_VENV=$venv
 	export ZOFFLOAD_VENV
+	# DeepSpeed compiles its CPU ops (DeepSpeedCPUAdam) on first use, for minutes: kept
+	# beside the venv, so that a clean clone builds them once per machine too.
+	TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-$(dirname "$venv")/torch-extensions}
+	export TORCH_EXTENSIONS_DIR
 }

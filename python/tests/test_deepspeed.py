@@ -50,9 +50,11 @@ def launch(world, sock, out, mode, ckpt):
     env = dict(os.environ)
     # meson's MALLOC_PERTURB_ fills every allocation: DeepSpeed's up-front buffers with it.
     env.pop("MALLOC_PERTURB_", None)
-    # Where the project's machines keep DeepSpeed's built CPU Adam op (it compiles for
-    # minutes otherwise); a TORCH_EXTENSIONS_DIR of the environment wins.
-    env.setdefault("TORCH_EXTENSIONS_DIR", "/root/.cache/zoffload/torch-extensions")
+    # Where scripts/pyenv.sh keeps DeepSpeed's built CPU Adam op (it compiles for minutes
+    # otherwise); a TORCH_EXTENSIONS_DIR of the environment wins.
+    env.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(
+        os.environ.get("ZOFFLOAD_VENV_ROOT", os.path.expanduser("~/.cache/zoffload")),
+        "torch-extensions"))
     procs = [subprocess.Popen([sys.executable, WORKER, str(rank), str(world), str(port), sock,
                                str(out), mode, str(ckpt)], env=env, stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True)
