@@ -52,5 +52,11 @@ int zd_uid_charge(struct zd_daemon *d, struct zd_uid *u, unsigned fds, uint64_t 
     unsigned tensors, char *err, size_t errlen);
 void zd_uid_refund(struct zd_daemon *d, struct zd_uid *u, unsigned fds, uint64_t shm,
     unsigned tensors);
+/*
+ * Counts what already exists whatever the limits are now (state a restart took back):
+ * zd_uid_charge without its checks, undone by zd_uid_refund.
+ */
+void zd_uid_count(struct zd_daemon *d, struct zd_uid *u, unsigned fds, uint64_t shm,
+    unsigned tensors);
 
 #endif
