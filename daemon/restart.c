@@ -165,6 +165,16 @@ check_swap(struct zd_daemon *d, const struct zd_table *tb, char *err, size_t err
 			    i, w->path, d->cfg.swap_paths[i].path);
 			return -EINVAL;
 		}
+		/*
+		 * The file was made that large (a file already larger is left so, hence not
+		 * "equal"); more space than it holds would be handed out past its end.
+		 */
+		if (d->cfg.swap_paths[i].capacity > w->size) {
+			snprintf(err, errlen, "swap path %s: swap.paths capacity is %" PRIu64 " bytes, "
+			    "the state was kept in a file of %" PRIu64, w->path,
+			    d->cfg.swap_paths[i].capacity, w->size);
+			return -EINVAL;
+		}
 		snprintf(name, sizeof(name), "swap%u", i);
 		d->kept_swap[i] = zd_fdstore_take(&d->store, name);
 		snprintf(name, sizeof(name), "swaplock%u", i);
