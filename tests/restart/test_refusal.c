@@ -286,16 +286,23 @@ Test(refusal, replaced_swap_file)
  * JSON list's inside) and the chunk size.  What zrt_setup writes, otherwise.
  */
 static void
-reconfigure(const char *paths, unsigned chunk_elements)
+reconfigure_with(const char *paths, unsigned chunk_elements, const char *block_size)
 {
 	FILE *f = fopen(run_.config, "w");
 
 	cr_assert_not_null(f, "%s", strerror(errno));
 	fprintf(f, "{ \"compute\": { \"worker_threads\": 2 }, \"log\": { \"level\": \"info\" },\n"
 	    "  \"recovery\": { \"journal\": true },\n"
-	    "  \"swap\": { \"paths\": [ %s ],\n"
-	    "    \"chunk_elements\": %u, \"staging_buffers\": 2 } }\n", paths, chunk_elements);
+	    "  \"swap\": { \"paths\": [ %s ], \"block_size\": \"%s\",\n"
+	    "    \"chunk_elements\": %u, \"staging_buffers\": 2 } }\n", paths, block_size,
+	    chunk_elements);
 	cr_assert_eq(fclose(f), 0);
+}
+
+static void
+reconfigure(const char *paths, unsigned chunk_elements)
+{
+	reconfigure_with(paths, chunk_elements, "1M");
 }
 
 /* The path the state was kept on, as a swap.paths entry of the given capacity. */
@@ -396,6 +403,75 @@ Test(refusal, shrunk_swap_capacity_holding_the_state)
 	kept_state();
 	kept_path(paths, sizeof(paths), "32M");
 	reconfigure(paths, 65536);
+	cr_assert_eq(zst_start(&run_.st, run_.argv), 0);
+	cr_assert_eq(zst_wait_ready(&run_.st, run_.st.readies + 1, 30), 0, "%s",
+	    zst_log(&run_.st));
+	cr_assert_eq(zrt_attach(&run_, true, err, sizeof(err)), 0, "%s", err);
+	for (int j = 0; j < ZRT_JOBS; j++)
+		for (int k = 0; k < ZRT_TENSORS; k++)
+			cr_assert_eq(zc_tensor_last_step(run_.j[j].t[k]), 3, "%s", zst_log(&run_.st));
+}
+
+/*
+ * Striped over two paths, the stripe unit (swap.block_size) says where each part of an
+ * extent lies: another is refused.  (Over one path an extent is whole in its file.)
+ */
+Test(refusal, changed_block_size_over_two_paths)
+{
+	char paths[800], one[400], other[200], err[20000] = "";
+	const char *argv[8];
+	int status;
+
+	kept_state();
+	kept_path(one, sizeof(one), "64M");
+	snprintf(other, sizeof(other), "%s/other.img", run_.st.dir);
+	snprintf(paths, sizeof(paths), "%s, { \"path\": \"%s\", \"capacity\": \"64M\" }", one,
+	    other);
+	/* A state kept on the two paths: started empty on them, trained, killed. */
+	reconfigure(paths, 65536);
+	memcpy(argv, run_.argv, sizeof(argv));
+	argv[5] = "--start-empty";
+	argv[6] = NULL;
+	cr_assert_eq(zst_start(&run_.st, argv), 0);
+	cr_assert_eq(zst_wait_ready(&run_.st, run_.st.readies + 1, 30), 0, "%s",
+	    zst_log(&run_.st));
+	cr_assert_eq(zrt_attach(&run_, false, err, sizeof(err)), 0, "%s", err);
+	cr_assert_eq(zrt_train(&run_, ZRT_NONE, 0, 0, err, sizeof(err)), 0, "%s", err);
+	zrt_detach(&run_);
+	kill(run_.st.pid, SIGKILL);
+	status = zst_wait_exit(&run_.st, 30);
+	cr_assert(WIFSIGNALED(status), "status 0x%x", status);
+	reconfigure_with(paths, 65536, "64K");
+	expect_refusal("swap.block_size is 65536; the state was striped over 2 swap paths with "
+	    "1048576");
+}
+
+/*
+ * After --start-empty the state made since is kept like any other: the next death and
+ * restart take it back (the first table and swap file handed back were left in the store,
+ * and the new table never sent, so that restart was refused).
+ */
+Test(refusal, state_after_start_empty_is_taken_back)
+{
+	const char *argv[8];
+	uint32_t x = 0xdeadbeef;
+	char err[20000] = "";
+	int status;
+
+	kept_state();
+	poke("table", 200, &x, sizeof(x));
+	memcpy(argv, run_.argv, sizeof(argv));
+	argv[5] = "--start-empty";
+	argv[6] = NULL;
+	cr_assert_eq(zst_start(&run_.st, argv), 0);
+	cr_assert_eq(zst_wait_ready(&run_.st, run_.st.readies + 1, 30), 0, "%s",
+	    zst_log(&run_.st));
+	cr_assert_eq(zrt_attach(&run_, false, err, sizeof(err)), 0, "%s", err);
+	cr_assert_eq(zrt_train(&run_, ZRT_NONE, 0, 0, err, sizeof(err)), 0, "%s", err);
+	zrt_detach(&run_);
+	kill(run_.st.pid, SIGKILL);
+	status = zst_wait_exit(&run_.st, 30);
+	cr_assert(WIFSIGNALED(status), "status 0x%x", status);
 	cr_assert_eq(zst_start(&run_.st, run_.argv), 0);
 	cr_assert_eq(zst_wait_ready(&run_.st, run_.st.readies + 1, 30), 0, "%s",
 	    zst_log(&run_.st));
