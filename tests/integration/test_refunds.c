@@ -45,6 +45,7 @@ struct refusal {
 	uint64_t job_budget;
 	bool nobody;			/* registers as NOBODY, not as root */
 	bool no_job;			/* registers with no job open */
+	bool reattach;			/* registers as the rank again, after its death */
 	const char *name;		/* of the refused tensor ("kept": the one there) */
 	uint64_t numel;
 	int code;
@@ -143,6 +144,22 @@ reg(int fd, uint64_t id, const char *name, uint64_t numel, struct zp_msg *m)
  * text; the holdings before and after are the same, and the refused tensor is not there.
  */
 static void
+job_open(int fd, const struct refusal *c)
+{
+	struct zp_msg m;
+
+	memset(&m, 0, sizeof(m));
+	strcpy(m.u.job_open.job_name, "refunds");
+	m.u.job_open.world_size = 1;
+	m.u.job_open.policy = c->policy;
+	m.u.job_open.pinned_budget = c->job_budget;
+	itd_raw_send(fd, ZP_JOB_OPEN, 2, &m);
+	cr_assert(itd_raw_recv(fd, &m, 10));
+	cr_assert_eq(m.hdr.type, ZP_JOB_OK, "JOB_OPEN: %s %s", zp_type_name(m.hdr.type),
+	    m.hdr.type == ZP_ERROR ? m.u.error.message : "");
+}
+
+static void
 refused(const struct refusal *c)
 {
 	struct zp_msg m;
@@ -154,18 +171,27 @@ refused(const struct refusal *c)
 	fd = itd_raw_connect(&daemon_);
 	itd_raw_hello(fd);
 	if (!c->no_job) {
-		memset(&m, 0, sizeof(m));
-		strcpy(m.u.job_open.job_name, "refunds");
-		m.u.job_open.world_size = 1;
-		m.u.job_open.policy = c->policy;
-		m.u.job_open.pinned_budget = c->job_budget;
-		itd_raw_send(fd, ZP_JOB_OPEN, 2, &m);
-		cr_assert(itd_raw_recv(fd, &m, 10));
-		cr_assert_eq(m.hdr.type, ZP_JOB_OK, "JOB_OPEN: %s %s", zp_type_name(m.hdr.type),
-		    m.hdr.type == ZP_ERROR ? m.u.error.message : "");
+		job_open(fd, c);
 		reg(fd, 3, "kept", N, &m);
 		cr_assert_eq(m.hdr.type, ZP_TENSOR_OK, "'kept': %s %s", zp_type_name(m.hdr.type),
 		    m.hdr.type == ZP_ERROR ? m.u.error.message : "");
+	}
+	if (c->reattach) {
+		/* The rank dies; its tensor waits for it, detached; it comes back. */
+		close(fd);
+		for (int i = 0; i < 500; i++) {
+			char *h = holdings();
+			bool detached = strstr(h, "\"tensors_detached\":1") != NULL;
+
+			free(h);
+			if (detached)
+				break;
+			usleep(10000);
+		}
+		as(c);
+		fd = itd_raw_connect(&daemon_);
+		itd_raw_hello(fd);
+		job_open(fd, c);
 	}
 	before = holdings();
 	as(c);
@@ -199,6 +225,13 @@ Test(refunds, same_name_again)
 {
 	refused(&(struct refusal){ .name = "kept", .numel = N, .code = -EEXIST,
 	    .text = "already registered" });
+}
+
+/* The rank's kept tensor asked for with another size: not taken back, nothing charged. */
+Test(refunds, kept_tensor_of_another_size)
+{
+	refused(&(struct refusal){ .reattach = true, .name = "kept", .numel = N + 1024,
+	    .code = -EINVAL, .text = "is kept with" });
 }
 
 Test(refunds, pinned_budget)
