@@ -128,11 +128,16 @@ Test(refusal, intact_state_is_taken_back)
 {
 	unsigned long now[ZRT_JOBS][ZRT_TENSORS][2];
 	char err[20000] = "";
+	unsigned removes;
 
 	kept_state();
+	removes = run_.st.removes;
 	cr_assert_eq(zst_start(&run_.st, run_.argv), 0);
 	cr_assert_eq(zst_wait_ready(&run_.st, run_.st.readies + 1, 30), 0, "%s",
 	    zst_log(&run_.st));
+	/* Everything handed back is taken: nothing is dropped from the store. */
+	cr_assert_eq(run_.st.removes, removes, "%u FDSTOREREMOVE sent taking an intact state back",
+	    run_.st.removes - removes);
 	cr_assert_eq(zrt_attach(&run_, true, err, sizeof(err)), 0, "%s", err);
 	for (int j = 0; j < ZRT_JOBS; j++)
 		for (int k = 0; k < ZRT_TENSORS; k++)
