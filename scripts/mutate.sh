@@ -167,6 +167,7 @@ put_back() {
 	fi
 }
 trap 'put_back' EXIT
+trap 'put_back; exit 130' INT TERM
 
 for f in "${files[@]}"; do
 	id=$(echo "$f" | tr '/.' '__')
@@ -226,14 +227,15 @@ for f in "${files[@]}"; do
 		verdict=survived
 		rc=0
 		# shellcheck disable=SC2086
-		timeout "$timeout_s" nice meson test -C "$build" --no-rebuild -q $args \
+		# --maxfail 1: the first failing test decides, the rest need not run.
+		timeout "$timeout_s" nice meson test -C "$build" --no-rebuild -q --maxfail 1 $args \
 		    >"$mdir/$name.test.log" 2>&1 || rc=$?
 		if [ $rc -eq 124 ]; then
 			verdict="killed (a hang: past --timeout)"
 		elif [ $rc -ne 0 ]; then
 			verdict=killed
 		elif [ -n "$args" ] && [ $full -eq 1 ] && ! timeout "$timeout_s" nice meson test \
-		    -C "$build" --no-rebuild -q >"$mdir/$name.full.log" 2>&1; then
+		    -C "$build" --no-rebuild -q --maxfail 1 >"$mdir/$name.full.log" 2>&1; then
 			verdict="killed by the whole suite"
 		fi
 		took=$(( $(date +%s) - start ))
