@@ -485,3 +485,31 @@ Test(refusal, state_after_start_empty_is_taken_back)
 		for (int k = 0; k < ZRT_TENSORS; k++)
 			cr_assert_eq(zc_tensor_last_step(run_.j[j].t[k]), 3, "%s", zst_log(&run_.st));
 }
+
+/* A descriptor the state was kept in taken out of the store, as a crash of systemd could. */
+static void
+drop_kept(const char *name)
+{
+	for (size_t i = 0; i < run_.st.nfds; i++) {
+		if (strcmp(run_.st.fds[i].name, name) != 0)
+			continue;
+		close(run_.st.fds[i].fd);
+		run_.st.fds[i] = run_.st.fds[--run_.st.nfds];
+		return;
+	}
+	cr_assert_fail("no %s kept", name);
+}
+
+Test(refusal, missing_grad_slot)
+{
+	kept_state();
+	drop_kept("zt1.grad");
+	expect_refusal("tensor zt1: its grad or param slot was not handed back");
+}
+
+Test(refusal, missing_param_slot)
+{
+	kept_state();
+	drop_kept("zt1.param");
+	expect_refusal("tensor zt1: its grad or param slot was not handed back");
+}
