@@ -79,6 +79,12 @@ src=$work/src
 build=$work/build
 mkdir -p "$src" "$work/mutants"
 git ls-files -co --exclude-standard -z | tar -C "$top" --null -T - -cf - | tar -C "$src" -xf -
+# A run cut short with a mutant built: the copy has the original's older time again, so
+# ninja must be told that file changed.
+if [ -f "$work/dirty" ]; then
+	touch "$src/$(cat "$work/dirty")"
+	rm -f "$work/dirty"
+fi
 . scripts/pyenv.sh
 if [ -z "${ZOFFLOAD_VENV:-}" ]; then
 	ZOFFLOAD_VENV=$(pyenv_path 2>/dev/null || true)
@@ -165,6 +171,7 @@ put_back() {
 		cp "$work/original" "$src/$restore_file"
 		restore_file=""
 	fi
+	# The original is back, but what was built may be the mutant's: the next build redoes it.
 }
 trap 'put_back' EXIT
 trap 'put_back; exit 130' INT TERM
@@ -200,6 +207,7 @@ for f in "${files[@]}"; do
 		[ "$max" -gt 0 ] && [ $tested -ge "$max" ] && break
 		name=$(basename "$m")
 		restore_file=$f
+		echo "$f" >"$work/dirty"
 		cp "$m" "$src/$f"
 		if [ $lang = c ]; then
 			if ! (eval "$cmd") >/dev/null 2>&1; then
