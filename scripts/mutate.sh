@@ -26,7 +26,7 @@
 #   invalid     does not compile (or, with -Werror, warns), or for Python does not parse;
 #   equivalent  compiles to the same object as the original (trivial compiler equivalence:
 #               the file's own compile command at -O2 without debug information), or for
-#               Python parses to the same syntax tree;
+#               Python parses to the same syntax tree, docstrings left out;
 #   duplicate   compiles to the same object as a mutant already tested.
 # The kill rate is killed / (killed + survived).  Each survivor is printed with its diff,
 # and the report is kept in DIR/report.txt.
