@@ -13,6 +13,10 @@
 #include "build_config.h"
 #include "metrics.h"
 #include "quant.h"
+#include "swap.h"
+
+_Static_assert(ZS_MAX_PATHS <= ZD_MAX_SWAP_PATHS, "the recovery table has a slot for "
+    "every swap path the configuration takes");
 
 struct parse_ctx {
 	const char *source;
@@ -530,8 +534,10 @@ parse_swap(struct parse_ctx *ctx, const cJSON *s, struct zd_config *cfg)
 	cJSON_ArrayForEach(p, paths) {
 		struct zd_swap_path *sp;
 
-		if (cfg->nswap_paths == ZD_MAX_SWAP_PATHS) {
-			perr(ctx, "swap.paths: more than %d paths", ZD_MAX_SWAP_PATHS);
+		/* The engine's limit, refused here by name rather than when the daemon starts. */
+		if (cfg->nswap_paths == ZS_MAX_PATHS) {
+			perr(ctx, "swap.paths: more than %d paths (the most the swap engine stripes "
+			    "over)", ZS_MAX_PATHS);
 			return;
 		}
 		if (!cJSON_IsObject(p)) {

@@ -9,6 +9,10 @@
 
 #include "log.h"
 
+/*
+ * Slots for swap paths in the recovery table (its layout, so fixed by its version) and the
+ * arrays beside it; the configuration takes at most the engine's ZS_MAX_PATHS of them.
+ */
 #define ZD_MAX_SWAP_PATHS 16
 #define ZD_MAX_CPUS 1024
 

@@ -127,6 +127,16 @@ zd_fdstore_drop_kept(struct zd_fdstore *st, bool forget)
 	}
 }
 
+void
+zd_fdstore_forget_kept(struct zd_fdstore *st)
+{
+	for (size_t i = 0; i < st->nkept; i++)
+		if (st->kept[i].fd < 0)
+			send_remove(st, st->kept[i].name);
+	zd_fdstore_drop_kept(st, true);
+	st->nkept = 0;
+}
+
 int
 zd_fdstore_send(struct zd_fdstore *st, const char *name, int fd)
 {

@@ -39,6 +39,12 @@ void zd_fdstore_fini(struct zd_fdstore *st);
 int zd_fdstore_take(struct zd_fdstore *st, const char *name);
 /* Kept descriptors not taken: closed, and dropped from the store when forget. */
 void zd_fdstore_drop_kept(struct zd_fdstore *st, bool forget);
+/*
+ * Everything handed back given up (a start from empty): every name dropped from the store,
+ * taken ones too (their successors are stored under the same names), the rest closed, and
+ * none listed as kept any more.
+ */
+void zd_fdstore_forget_kept(struct zd_fdstore *st);
 /* fd (still the caller's) is kept under name; send: tell systemd (a taken one it holds). */
 int zd_fdstore_add(struct zd_fdstore *st, const char *name, int fd, bool send);
 void zd_fdstore_remove(struct zd_fdstore *st, const char *name);

@@ -654,19 +654,18 @@ zd_job_adopt_tensor(struct zd_daemon *d, struct zd_job *job, uint32_t rank, uid_
 		return r;
 	u = zd_uid_get(d, owner_uid);
 	t = calloc(1, sizeof(*t));
-	g = rank_group_get(job, rank);
-	if (u == NULL || t == NULL || g == NULL) {
+	/* Last: a rank group it made is the one thing not undone below. */
+	g = u != NULL && t != NULL ? rank_group_get(job, rank) : NULL;
+	if (g == NULL) {
 		free(t);
+		zd_uid_put(d, u);	/* forgotten again if made for this tensor */
 		snprintf(err, errlen, "out of memory");
 		return -ENOMEM;
 	}
 	t->shm_bytes = slot_bytes(&(struct zp_tensor_register){ .numel = info.numel,
 		.grad_dtype = (uint8_t)info.grad_dtype, .param_dtype = (uint8_t)info.param_dtype });
 	/* Whatever the limits are now: the state exists, it is only being counted again. */
-	u->fds += ZD_TENSOR_FDS;
-	d->client_fds += ZD_TENSOR_FDS;
-	u->shm_bytes += t->shm_bytes;
-	u->tensors++;
+	zd_uid_count(d, u, ZD_TENSOR_FDS, t->shm_bytes, 1);
 	t->owner = u;
 	snprintf(t->name, sizeof(t->name), "%s", info.name);
 	t->job = job;

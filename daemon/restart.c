@@ -61,7 +61,7 @@ struct zd_table {
 	uint32_t version;
 	uint32_t crc;
 	uint32_t nswap;
-	uint32_t pad;
+	uint32_t block_size;		/* swap.block_size the stripes were laid with (0: not kept) */
 	uint64_t chunk_elements;
 	struct zd_table_swap swap[ZD_MAX_SWAP_PATHS];
 	struct zd_table_job jobs[ZD_TABLE_JOBS];
@@ -105,6 +105,7 @@ table_create(struct zd_daemon *d)
 	d->table->magic = ZD_TABLE_MAGIC;
 	d->table->version = ZD_TABLE_VERSION;
 	d->table->chunk_elements = d->cfg.chunk_elements;
+	d->table->block_size = (uint32_t)d->cfg.swap_block_size;
 	table_seal(d);
 	d->table_fd = fd;
 	return 0;
@@ -169,6 +170,16 @@ check_swap(struct zd_daemon *d, const struct zd_table *tb, char *err, size_t err
 		if (strcmp(w->path, d->cfg.swap_paths[i].path) != 0) {
 			snprintf(err, errlen, "swap path %u was %s when the state was kept, it is %s now",
 			    i, w->path, d->cfg.swap_paths[i].path);
+			return -EINVAL;
+		}
+		/*
+		 * The file was made that large (a file already larger is left so, hence not
+		 * "equal"); more space than it holds would be handed out past its end.
+		 */
+		if (d->cfg.swap_paths[i].capacity > w->size) {
+			snprintf(err, errlen, "swap path %s: swap.paths capacity is %" PRIu64 " bytes, "
+			    "the state was kept in a file of %" PRIu64, w->path,
+			    d->cfg.swap_paths[i].capacity, w->size);
 			return -EINVAL;
 		}
 		snprintf(name, sizeof(name), "swap%u", i);
@@ -287,6 +298,12 @@ check_table(struct zd_daemon *d, int fd, char *err, size_t errlen)
 		snprintf(err, errlen, "swap.chunk_elements is %" PRIu64 "; the state was kept with "
 		    "%" PRIu64, d->cfg.chunk_elements, tb->chunk_elements);
 		r = -EINVAL;
+	} else if (tb->nswap > 1 && tb->block_size != 0 &&
+	    tb->block_size != d->cfg.swap_block_size) {
+		/* One path holds each extent whole; over several the unit says where it lies. */
+		snprintf(err, errlen, "swap.block_size is %" PRIu64 "; the state was striped over %u "
+		    "swap paths with %u", d->cfg.swap_block_size, tb->nswap, tb->block_size);
+		r = -EINVAL;
 	} else {
 		r = check_swap(d, tb, err, errlen);
 		if (r == 0)
@@ -322,7 +339,8 @@ set_aside(struct zd_daemon *d)
 			    d->cfg.swap_paths[i].path);
 	}
 	kept_reset(d);
-	zd_fdstore_drop_kept(&d->store, true);
+	/* Nothing kept: the table, the swap files and the rest start afresh, stored anew. */
+	zd_fdstore_forget_kept(&d->store);
 }
 
 int
@@ -377,10 +395,8 @@ zd_recover_begin(struct zd_daemon *d)
 		return r;
 	}
 	log_warnx("recovery: %s; starting empty (recovery.start_empty)", err);
-	if (fd >= 0) {
+	if (fd >= 0)
 		close(fd);
-		zd_fdstore_remove(&d->store, "table");
-	}
 	set_aside(d);
 	return table_create(d);
 }

@@ -158,11 +158,18 @@ zd_uid_charge(struct zd_daemon *d, struct zd_uid *u, unsigned fds, uint64_t shm,
 		    "%s", (unsigned)u->uid, used, limit);
 		return -EDQUOT;
 	}
+	zd_uid_count(d, u, fds, shm, tensors);
+	return 0;
+}
+
+void
+zd_uid_count(struct zd_daemon *d, struct zd_uid *u, unsigned fds, uint64_t shm,
+    unsigned tensors)
+{
 	u->fds += fds;
 	u->shm_bytes += shm;
 	u->tensors += tensors;
 	d->client_fds += fds;
-	return 0;
 }
 
 void

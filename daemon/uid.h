@@ -56,5 +56,11 @@ int zd_uid_charge(struct zd_daemon *d, struct zd_uid *u, unsigned fds, uint64_t 
 void zd_uid_hold_fd(struct zd_daemon *d, struct zd_uid *u);
 void zd_uid_refund(struct zd_daemon *d, struct zd_uid *u, unsigned fds, uint64_t shm,
     unsigned tensors);
+/*
+ * Counts what already exists whatever the limits are now (state a restart took back):
+ * zd_uid_charge without its checks, undone by zd_uid_refund.
+ */
+void zd_uid_count(struct zd_daemon *d, struct zd_uid *u, unsigned fds, uint64_t shm,
+    unsigned tensors);
 
 #endif

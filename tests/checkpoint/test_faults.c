@@ -441,3 +441,37 @@ Test(faults, daemon_killed_mid_save)
 	start();
 	restores_whole();
 }
+
+/*
+ * A restore without a checkpoint, with one opened on another connection, or with an
+ * unknown optimizer is refused with -EINVAL before anything is asked of the daemon.
+ */
+Test(faults, restore_arguments)
+{
+	struct zc_tensor_desc desc = { ck_param_name[1], ck_param_numel[1], ZC_F32, ZC_F32,
+		false };
+	struct zc_conn *c, *other;
+	struct zc_checkpoint *ck;
+	struct zc_tensor *t = NULL;
+
+	saved_job();
+	c = itd_connect(&d);
+	other = itd_connect(&d);
+	cr_assert_eq(zc_job_open(c, "resume", 0, 1), 0, "%s", zc_errmsg(c));
+	cr_assert_eq(zc_checkpoint_open(other, ckdir, &ck), 0, "%s", zc_errmsg(other));
+	cr_assert_eq(zc_tensor_register_checkpoint(c, &desc, NULL, NULL, ZC_ADAMW, &t), -EINVAL);
+	cr_assert(strstr(zc_errmsg(c), "a checkpoint opened on this connection") != NULL, "%s",
+	    zc_errmsg(c));
+	cr_assert_eq(zc_tensor_register_checkpoint(c, &desc, ck, NULL, ZC_ADAMW, &t), -EINVAL);
+	zc_checkpoint_close(ck);
+	cr_assert_eq(zc_checkpoint_open(c, ckdir, &ck), 0, "%s", zc_errmsg(c));
+	cr_assert_eq(zc_tensor_register_checkpoint(c, &desc, ck, NULL, (enum zc_optim)99, &t),
+	    -EINVAL);
+	cr_assert_null(t);
+	/* Nothing was registered: the same name restores now. */
+	cr_assert_eq(zc_tensor_register_checkpoint(c, &desc, ck, NULL, ZC_ADAMW, &t), 0, "%s",
+	    zc_errmsg(c));
+	zc_checkpoint_close(ck);
+	zc_disconnect(other);
+	zc_disconnect(c);
+}

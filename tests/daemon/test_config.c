@@ -9,6 +9,7 @@
 
 #include "build_config.h"
 #include "config.h"
+#include "swap.h"
 
 static struct zd_config cfg;
 static char err[512];
@@ -369,4 +370,32 @@ Test(config, allow_memory_fs)
 	    err, sizeof(err)), 0, "%s", err);
 	cr_assert_eq(cfg.swap_allow_memory_fs, true);
 	expect_error("{\"swap\": {\"allow_memory_fs\": 1}}", "swap.allow_memory_fs", NULL);
+}
+
+/* swap.paths of n paths /nvmeI/swap. */
+static void
+swap_paths_text(char *buf, size_t len, unsigned n)
+{
+	size_t at = (size_t)snprintf(buf, len, "{\"swap\": {\"paths\": [");
+
+	for (unsigned i = 0; i < n; i++)
+		at += (size_t)snprintf(buf + at, len - at, "%s{\"path\": \"/nvme%u/swap\", "
+		    "\"capacity\": \"1G\"}", i > 0 ? ", " : "", i);
+	snprintf(buf + at, len - at, "]}}");
+}
+
+/*
+ * As many swap paths as the swap engine stripes over parse; one more is refused here, by
+ * name, rather than accepted and then failing the daemon's start.
+ */
+Test(config, swap_paths_up_to_the_engines_limit)
+{
+	char text[4096], want[64];
+
+	swap_paths_text(text, sizeof(text), ZS_MAX_PATHS);
+	cr_assert_eq(zd_config_parse(text, "t.conf", &cfg, err, sizeof(err)), 0, "%s", err);
+	cr_assert_eq(cfg.nswap_paths, ZS_MAX_PATHS);
+	swap_paths_text(text, sizeof(text), ZS_MAX_PATHS + 1);
+	snprintf(want, sizeof(want), "more than %d paths", ZS_MAX_PATHS);
+	expect_error(text, "swap.paths", want, NULL);
 }

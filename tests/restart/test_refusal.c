@@ -128,11 +128,16 @@ Test(refusal, intact_state_is_taken_back)
 {
 	unsigned long now[ZRT_JOBS][ZRT_TENSORS][2];
 	char err[20000] = "";
+	unsigned removes;
 
 	kept_state();
+	removes = run_.st.removes;
 	cr_assert_eq(zst_start(&run_.st, run_.argv), 0);
 	cr_assert_eq(zst_wait_ready(&run_.st, run_.st.readies + 1, 30), 0, "%s",
 	    zst_log(&run_.st));
+	/* Everything handed back is taken: nothing is dropped from the store. */
+	cr_assert_eq(run_.st.removes, removes, "%u FDSTOREREMOVE sent taking an intact state back",
+	    run_.st.removes - removes);
 	cr_assert_eq(zrt_attach(&run_, true, err, sizeof(err)), 0, "%s", err);
 	for (int j = 0; j < ZRT_JOBS; j++)
 		for (int k = 0; k < ZRT_TENSORS; k++)
@@ -281,6 +286,78 @@ Test(refusal, replaced_swap_file)
 	expect_refusal(want);
 }
 
+/*
+ * The configuration the state was kept under, with one thing changed: the swap paths (a
+ * JSON list's inside) and the chunk size.  What zrt_setup writes, otherwise.
+ */
+static void
+reconfigure_with(const char *paths, unsigned chunk_elements, const char *block_size)
+{
+	FILE *f = fopen(run_.config, "w");
+
+	cr_assert_not_null(f, "%s", strerror(errno));
+	fprintf(f, "{ \"compute\": { \"worker_threads\": 2 }, \"log\": { \"level\": \"info\" },\n"
+	    "  \"recovery\": { \"journal\": true },\n"
+	    "  \"swap\": { \"paths\": [ %s ], \"block_size\": \"%s\",\n"
+	    "    \"chunk_elements\": %u, \"staging_buffers\": 2 } }\n", paths, block_size,
+	    chunk_elements);
+	cr_assert_eq(fclose(f), 0);
+}
+
+static void
+reconfigure(const char *paths, unsigned chunk_elements)
+{
+	reconfigure_with(paths, chunk_elements, "1M");
+}
+
+/* The path the state was kept on, as a swap.paths entry of the given capacity. */
+static void
+kept_path(char *buf, size_t len, const char *capacity)
+{
+	snprintf(buf, len, "{ \"path\": \"%s\", \"capacity\": \"%s\" }", run_.swap, capacity);
+}
+
+/* The NVMe state is laid out in chunks of the size it was kept with: another is refused. */
+Test(refusal, changed_chunk_elements)
+{
+	char paths[400];
+
+	kept_state();
+	kept_path(paths, sizeof(paths), "64M");
+	reconfigure(paths, 131072);
+	expect_refusal("swap.chunk_elements is 131072; the state was kept with 65536");
+}
+
+/* A swap path more: the stripes would land elsewhere. */
+Test(refusal, added_swap_path)
+{
+	char paths[800], one[400], other[200];
+
+	kept_state();
+	kept_path(one, sizeof(one), "64M");
+	snprintf(other, sizeof(other), "%s/other.img", run_.st.dir);
+	snprintf(paths, sizeof(paths), "%s, { \"path\": \"%s\", \"capacity\": \"64M\" }", one,
+	    other);
+	reconfigure(paths, 65536);
+	expect_refusal("the state was kept on 1 swap path(s), swap.paths names 2");
+	cr_assert_eq(access(other, F_OK), -1, "the refusing daemon made %s", other);
+}
+
+/* The same count of paths, another one: the kept state is not there. */
+Test(refusal, renamed_swap_path)
+{
+	char paths[400], other[200], want[600];
+
+	kept_state();
+	snprintf(other, sizeof(other), "%s/other.img", run_.st.dir);
+	snprintf(paths, sizeof(paths), "{ \"path\": \"%s\", \"capacity\": \"64M\" }", other);
+	reconfigure(paths, 65536);
+	snprintf(want, sizeof(want), "swap path 0 was %s when the state was kept, it is %s now",
+	    run_.swap, other);
+	expect_refusal(want);
+	cr_assert_eq(access(other, F_OK), -1, "the refusing daemon made %s", other);
+}
+
 Test(refusal, start_empty_sets_it_aside)
 {
 	const char *argv[8];
@@ -304,4 +381,135 @@ Test(refusal, start_empty_sets_it_aside)
 	/* Fresh: the tensors are new, at step 0. */
 	cr_assert_eq(zrt_attach(&run_, false, err, sizeof(err)), 0, "%s", err);
 	cr_assert_eq(zc_tensor_last_step(run_.j[0].t[0]), 0);
+}
+
+/* A larger capacity than the kept file holds: the engine would hand out space past its end. */
+Test(refusal, grown_swap_capacity)
+{
+	char paths[400], want[600];
+
+	kept_state();
+	kept_path(paths, sizeof(paths), "128M");
+	reconfigure(paths, 65536);
+	snprintf(want, sizeof(want), "swap path %s: swap.paths capacity is %u bytes, the state "
+	    "was kept in a file of %u", run_.swap, 128u << 20, 64u << 20);
+	expect_refusal(want);
+}
+
+/*
+ * A smaller one is taken: the table does not keep the capacity (a file may have been larger
+ * than asked for), and the tensors' extents must still lie inside it, which the engine
+ * checks as it takes each back.
+ */
+Test(refusal, shrunk_swap_capacity_holding_the_state)
+{
+	char paths[400], err[20000] = "";
+
+	kept_state();
+	kept_path(paths, sizeof(paths), "32M");
+	reconfigure(paths, 65536);
+	cr_assert_eq(zst_start(&run_.st, run_.argv), 0);
+	cr_assert_eq(zst_wait_ready(&run_.st, run_.st.readies + 1, 30), 0, "%s",
+	    zst_log(&run_.st));
+	cr_assert_eq(zrt_attach(&run_, true, err, sizeof(err)), 0, "%s", err);
+	for (int j = 0; j < ZRT_JOBS; j++)
+		for (int k = 0; k < ZRT_TENSORS; k++)
+			cr_assert_eq(zc_tensor_last_step(run_.j[j].t[k]), 3, "%s", zst_log(&run_.st));
+}
+
+/*
+ * Striped over two paths, the stripe unit (swap.block_size) says where each part of an
+ * extent lies: another is refused.  (Over one path an extent is whole in its file.)
+ */
+Test(refusal, changed_block_size_over_two_paths)
+{
+	char paths[800], one[400], other[200], err[20000] = "";
+	const char *argv[8];
+	int status;
+
+	kept_state();
+	kept_path(one, sizeof(one), "64M");
+	snprintf(other, sizeof(other), "%s/other.img", run_.st.dir);
+	snprintf(paths, sizeof(paths), "%s, { \"path\": \"%s\", \"capacity\": \"64M\" }", one,
+	    other);
+	/* A state kept on the two paths: started empty on them, trained, killed. */
+	reconfigure(paths, 65536);
+	memcpy(argv, run_.argv, sizeof(argv));
+	argv[5] = "--start-empty";
+	argv[6] = NULL;
+	cr_assert_eq(zst_start(&run_.st, argv), 0);
+	cr_assert_eq(zst_wait_ready(&run_.st, run_.st.readies + 1, 30), 0, "%s",
+	    zst_log(&run_.st));
+	cr_assert_eq(zrt_attach(&run_, false, err, sizeof(err)), 0, "%s", err);
+	cr_assert_eq(zrt_train(&run_, ZRT_NONE, 0, 0, err, sizeof(err)), 0, "%s", err);
+	zrt_detach(&run_);
+	kill(run_.st.pid, SIGKILL);
+	status = zst_wait_exit(&run_.st, 30);
+	cr_assert(WIFSIGNALED(status), "status 0x%x", status);
+	reconfigure_with(paths, 65536, "64K");
+	expect_refusal("swap.block_size is 65536; the state was striped over 2 swap paths with "
+	    "1048576");
+}
+
+/*
+ * After --start-empty the state made since is kept like any other: the next death and
+ * restart take it back (the first table and swap file handed back were left in the store,
+ * and the new table never sent, so that restart was refused).
+ */
+Test(refusal, state_after_start_empty_is_taken_back)
+{
+	const char *argv[8];
+	uint32_t x = 0xdeadbeef;
+	char err[20000] = "";
+	int status;
+
+	kept_state();
+	poke("table", 200, &x, sizeof(x));
+	memcpy(argv, run_.argv, sizeof(argv));
+	argv[5] = "--start-empty";
+	argv[6] = NULL;
+	cr_assert_eq(zst_start(&run_.st, argv), 0);
+	cr_assert_eq(zst_wait_ready(&run_.st, run_.st.readies + 1, 30), 0, "%s",
+	    zst_log(&run_.st));
+	cr_assert_eq(zrt_attach(&run_, false, err, sizeof(err)), 0, "%s", err);
+	cr_assert_eq(zrt_train(&run_, ZRT_NONE, 0, 0, err, sizeof(err)), 0, "%s", err);
+	zrt_detach(&run_);
+	kill(run_.st.pid, SIGKILL);
+	status = zst_wait_exit(&run_.st, 30);
+	cr_assert(WIFSIGNALED(status), "status 0x%x", status);
+	cr_assert_eq(zst_start(&run_.st, run_.argv), 0);
+	cr_assert_eq(zst_wait_ready(&run_.st, run_.st.readies + 1, 30), 0, "%s",
+	    zst_log(&run_.st));
+	cr_assert_eq(zrt_attach(&run_, true, err, sizeof(err)), 0, "%s", err);
+	for (int j = 0; j < ZRT_JOBS; j++)
+		for (int k = 0; k < ZRT_TENSORS; k++)
+			cr_assert_eq(zc_tensor_last_step(run_.j[j].t[k]), 3, "%s", zst_log(&run_.st));
+}
+
+/* A descriptor the state was kept in taken out of the store, as a crash of systemd could. */
+static void
+drop_kept(const char *name)
+{
+	for (size_t i = 0; i < run_.st.nfds; i++) {
+		if (strcmp(run_.st.fds[i].name, name) != 0)
+			continue;
+		close(run_.st.fds[i].fd);
+		run_.st.fds[i] = run_.st.fds[--run_.st.nfds];
+		return;
+	}
+	cr_assert_fail("no %s kept", name);
+}
+
+Test(refusal, missing_grad_slot)
+{
+	kept_state();
+	drop_kept("zt1.grad");
+	expect_refusal("tensor zt1: its grad or param slot was not handed back");
+}
+
+Test(refusal, missing_param_slot)
+{
+	kept_state();
+	drop_kept("zt1.param");
+	expect_refusal("tensor zt1: its grad or param slot was not handed back");
 }
