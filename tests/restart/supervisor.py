@@ -21,6 +21,9 @@ import sys
 import tempfile
 import time
 
+if os.environ.get("ZOFFLOAD_PY_SKIP"):
+    print("skipped:", os.environ["ZOFFLOAD_PY_SKIP"])
+    sys.exit(77)
 daemon, libpath = sys.argv[1], sys.argv[2]
 tmp = tempfile.mkdtemp(prefix="zoff-pysup-")
 sock_path = os.path.join(tmp, "sock")
