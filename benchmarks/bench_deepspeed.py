@@ -32,7 +32,7 @@ import sys
 import tempfile
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from _bench import ROOT, free_port, start_daemon
 WIDTH = 1024
 
 
@@ -114,29 +114,6 @@ def child(which, size, steps, sock, daemon_pid, threads, port):
         opt.optimizer.close()
 
 
-def start_daemon(path, threads, tmp):
-    sock = os.path.join(tmp, "sock")
-    conf = os.path.join(tmp, "zoffload.conf")
-    with open(conf, "w") as f:
-        json.dump({"compute": {"worker_threads": threads}, "memory": {"policy": "cpu"}}, f)
-    log = open(os.path.join(tmp, "daemon.log"), "w")
-    proc = subprocess.Popen([path, "--config", conf, "--socket", sock], stdout=log, stderr=log)
-    deadline = time.monotonic() + 10
-    while not os.path.exists(sock):
-        if proc.poll() is not None or time.monotonic() > deadline:
-            sys.exit("bench_deepspeed: zoffloadd did not start; see " + log.name)
-        time.sleep(0.01)
-    time.sleep(0.2)
-    return proc, sock
-
-
-def free_port():
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--json", action="store_true")
@@ -161,7 +138,7 @@ def main():
     daemon = os.environ.get("ZOFFLOADD", os.path.join(ROOT, "build-test/daemon/zoffloadd"))
     best = {}
     with tempfile.TemporaryDirectory(prefix="bench-ds-") as tmp:
-        proc, sock = start_daemon(daemon, args.threads, tmp)
+        proc, sock = start_daemon(daemon, args.threads, tmp, "bench_deepspeed")
         try:
             for _ in range(args.rounds):
                 for which in ("ours", "ref"):

@@ -22,35 +22,12 @@ import argparse
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def start_daemon(path, threads, tmp):
-    sock = os.path.join(tmp, "sock")
-    conf = os.path.join(tmp, "zoffload.conf")
-    with open(conf, "w") as f:
-        json.dump({"compute": {"worker_threads": threads}, "memory": {"policy": "cpu"}}, f)
-    log = open(os.path.join(tmp, "daemon.log"), "w")
-    proc = subprocess.Popen([path, "--config", conf, "--socket", sock], stdout=log, stderr=log)
-    deadline = time.monotonic() + 10
-    while not os.path.exists(sock):
-        if proc.poll() is not None or time.monotonic() > deadline:
-            sys.exit("bench_fsdp2: zoffloadd did not start; see " + log.name)
-        time.sleep(0.01)
-    time.sleep(0.2)
-    return proc, sock
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from _bench import ROOT, free_port, start_daemon
 
 
 def worker(args):
@@ -148,7 +125,7 @@ def main():
         sys.exit(77)
     daemon = os.environ.get("ZOFFLOADD", os.path.join(ROOT, "build-test/daemon/zoffloadd"))
     with tempfile.TemporaryDirectory(prefix="bench-fsdp2-") as tmp:
-        proc, sock = start_daemon(daemon, args.threads * args.world, tmp)
+        proc, sock = start_daemon(daemon, args.threads * args.world, tmp, "bench_fsdp2")
         try:
             port = str(free_port())
             base = [sys.executable, os.path.abspath(__file__), "--size", str(args.size),

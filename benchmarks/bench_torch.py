@@ -39,22 +39,7 @@ import torch
 
 import zoffload.torch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def start_daemon(path, threads, tmp):
-    sock = os.path.join(tmp, "sock")
-    conf = os.path.join(tmp, "zoffload.conf")
-    with open(conf, "w") as f:
-        json.dump({"compute": {"worker_threads": threads}, "memory": {"policy": "cpu"}}, f)
-    log = open(os.path.join(tmp, "daemon.log"), "w")
-    proc = subprocess.Popen([path, "--config", conf, "--socket", sock], stdout=log, stderr=log)
-    deadline = time.monotonic() + 10
-    while not os.path.exists(sock):
-        if proc.poll() is not None or time.monotonic() > deadline:
-            sys.exit("bench_torch: zoffloadd did not start; see " + log.name)
-        time.sleep(0.01)
-    return proc, sock
+from _bench import ROOT, start_daemon
 
 
 def model(tensors, numel):
@@ -145,7 +130,7 @@ def main():
         gc.collect()
 
     with tempfile.TemporaryDirectory(prefix="bench-torch-") as tmp:
-        proc, sock = start_daemon(daemon, args.threads, tmp)
+        proc, sock = start_daemon(daemon, args.threads, tmp, "bench_torch")
         try:
             for rnd in range(args.rounds):
                 ours(sock, rnd, "zoffload")
