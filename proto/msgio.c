@@ -62,53 +62,19 @@ ssize_t
 zp_recv_raw(int sock, void *buf, size_t cap, int *fds, unsigned max_fds, unsigned *ret_nfds,
     int flags)
 {
-	/* Room for more than we accept, so that extra descriptors arrive and get closed. */
-	union {
-		struct cmsghdr align;
-		char buf[CMSG_SPACE(sizeof(int) * 16)];
-	} control;
-	struct iovec iov = { .iov_base = buf, .iov_len = cap };
-	struct msghdr mh = {
-		.msg_iov = &iov,
-		.msg_iovlen = 1,
-		.msg_control = control.buf,
-		.msg_controllen = sizeof(control.buf),
-	};
-	unsigned nfds = 0;
-	bool too_many = false;
-	ssize_t n;
+	/* Every descriptor arrives (the kernel's limit), so that the extra ones get closed. */
+	int all[ZP_RECV_ALL_FDS];
+	unsigned nfds;
+	ssize_t n = zp_recv_all(sock, buf, cap, all, &nfds, flags);
+	bool too_many = nfds > max_fds || n == -ETOOMANYREFS;
 
-	do
-		n = recvmsg(sock, &mh, flags | MSG_CMSG_CLOEXEC);
-	while (n < 0 && errno == EINTR);
-	if (n < 0)
-		return errno == EWOULDBLOCK ? -EAGAIN : -errno;
-
-	for (struct cmsghdr *c = CMSG_FIRSTHDR(&mh); c != NULL; c = CMSG_NXTHDR(&mh, c)) {
-		size_t count;
-		int fd;
-
-		if (c->cmsg_level != SOL_SOCKET || c->cmsg_type != SCM_RIGHTS)
-			continue;
-		count = (c->cmsg_len - CMSG_LEN(0)) / sizeof(int);
-		for (size_t i = 0; i < count; i++) {
-			memcpy(&fd, CMSG_DATA(c) + i * sizeof(int), sizeof(int));
-			if (nfds < max_fds)
-				fds[nfds++] = fd;
-			else {
-				close(fd);
-				too_many = true;
-			}
-		}
-	}
-	if ((mh.msg_flags & MSG_CTRUNC) != 0)
-		too_many = true;
-	if (too_many || (mh.msg_flags & MSG_TRUNC) != 0) {
+	*ret_nfds = 0;
+	if (too_many || n < 0) {
 		for (unsigned i = 0; i < nfds; i++)
-			close(fds[i]);
-		*ret_nfds = 0;
-		return too_many ? -ETOOMANYREFS : -EMSGSIZE;
+			close(all[i]);
+		return too_many ? -ETOOMANYREFS : n;
 	}
+	memcpy(fds, all, sizeof(int) * nfds);
 	*ret_nfds = nfds;
 	return n;
 }
