@@ -494,6 +494,7 @@ zc_connect_timeout(const char *socket_path, int timeout_ms, struct zc_conn **ret
 	if (c == NULL)
 		return zcl_connect_fail(-ENOMEM, "no memory for a connection");
 	c->timeout_ms = timeout_ms < 0 ? -1 : timeout_ms;
+	c->pagemap_fd = -1;
 	/* No reconnect during HELLO: a connect that fails says so. */
 	c->reconnect_ms = 0;
 	memcpy(c->path, path, strlen(path) + 1);
@@ -543,6 +544,7 @@ zc_disconnect(struct zc_conn *c)
 	if (c == NULL)
 		return;
 	close(c->fd);
+	zci_view_close_pagemap(c);
 	for (uint32_t i = 0; i < c->tensor_cap; i++)
 		if (c->tensors[i] != NULL)
 			zci_tensor_unmap(c->tensors[i]);

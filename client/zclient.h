@@ -235,6 +235,27 @@ ZC_API uint64_t zc_tensor_last_step(const struct zc_tensor *tensor);
 ZC_API void *zc_tensor_grad_slot(struct zc_tensor *tensor, size_t *ret_bytes);
 ZC_API const void *zc_tensor_param_slot(struct zc_tensor *tensor, size_t *ret_bytes);
 /*
+ * Param views, for a framework whose parameters should live in the param slot
+ * with no copy out after each step.  With views on, each tensor the connection
+ * registers also gets a private writable mapping of its param slot:
+ * - it reads the daemon's values (each step's new params show through) on
+ *   every page the process has not written;
+ * - a page the process writes becomes its own copy, which the daemon never
+ *   sees and which no longer follows the steps.
+ *   zc_tensor_param_view_written counts such pages (from /proc/self/pagemap);
+ *   the caller hands their values to the daemon (zc_tensor_write of the
+ *   master) and then zc_tensor_param_view_reset drops the copies, so that the
+ *   view follows the slot again.
+ * - a reconnect that brings the slot back in another file moves the view onto
+ *   it at the same address, carrying the pages the process wrote.
+ * zc_tensor_param_view is NULL (and *ret_bytes 0) for a tensor without one;
+ * the other two then return -ENOENT.
+ */
+ZC_API int zc_conn_set_param_views(struct zc_conn *conn, bool on);
+ZC_API void *zc_tensor_param_view(struct zc_tensor *tensor, size_t *ret_bytes);
+ZC_API int zc_tensor_param_view_written(struct zc_tensor *tensor, uint64_t *ret_pages);
+ZC_API int zc_tensor_param_view_reset(struct zc_tensor *tensor);
+/*
  * A layer that registered the slots with a driver (libzclient_cuda:
  * cudaHostRegister) must let go of their pages before they change; the slots
  * hook says when, and why:

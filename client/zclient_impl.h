@@ -34,6 +34,12 @@ struct zc_tensor {
 	size_t grad_bytes;
 	void *param;
 	size_t param_bytes;
+	/*
+	 * A second, private and writable mapping of the param slot (zclient_view.c),
+	 * or NULL: asked for by zc_conn_set_param_views before the registration.
+	 * The caller's tensors may point into it; it is unmapped with the slots.
+	 */
+	void *param_view;
 	bool pending;
 	uint64_t pending_set;		/* request id of the set it waits on, while pending */
 	uint64_t last_step;
@@ -111,6 +117,8 @@ struct zc_conn {
 	struct pending_set *sets;	/* submitted steps not done yet (zclient_step.c) */
 	struct zc_step_result last;
 	struct zc_param_stats param_stats;
+	bool param_views;		/* tensors registered now get a param view */
+	int pagemap_fd;			/* /proc/self/pagemap once a view was checked, else -1 */
 };
 
 /* zclient.c: the connection. */
@@ -206,6 +214,15 @@ void zci_advise_huge(void *map, size_t bytes);
 void zci_file_id(int fd, uint64_t *dev, uint64_t *ino);
 /* $ZOFFLOAD_RECONNECT_MS or the default; -EINVAL (connect message set) when malformed. */
 int zci_reconnect_default(int *ret_ms);
+
+/* zclient_view.c: param views. */
+
+/* Maps t's param view from the param slot's file. */
+int zci_view_map(struct zc_tensor *t, int fd);
+void zci_view_unmap(struct zc_tensor *t);
+/* A reattach brought the param slot back in another file: the view moves onto it in place. */
+int zci_view_remap(struct zc_tensor *t, int fd);
+void zci_view_close_pagemap(struct zc_conn *c);
 
 /* zclient_tensor.c: tensors. */
 

@@ -357,6 +357,13 @@ reattach_tensor(struct zc_conn *c, struct zc_tensor *t, bool may_be_new, uint64_
 		goto out;
 	r = remap_slot(c, t->grad, t->grad_bytes, PROT_READ | PROT_WRITE, fds[0], &t->grad_dev,
 	    &t->grad_ino, true);
+	if (r == 0) {
+		uint64_t dev, ino;
+
+		zci_file_id(fds[1], &dev, &ino);
+		if (dev != t->param_dev || ino != t->param_ino)
+			r = zci_view_remap(t, fds[1]);
+	}
 	if (r == 0)
 		r = remap_slot(c, t->param, t->param_bytes, PROT_READ, fds[1], &t->param_dev,
 		    &t->param_ino, false);

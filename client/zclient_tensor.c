@@ -162,6 +162,7 @@ zci_tensor_unmap(struct zc_tensor *t)
 	zci_tensor_slots_event(t, ZC_SLOTS_UNMAP);
 	munmap(t->grad, t->grad_bytes);
 	munmap(t->param, t->param_bytes);
+	zci_view_unmap(t);
 	free(t);
 }
 
@@ -246,6 +247,12 @@ zci_tensor_register(struct zc_conn *c, const struct zc_tensor_desc *desc, const 
 	}
 	zci_advise_huge(t->grad, t->grad_bytes);
 	zci_advise_huge(t->param, t->param_bytes);
+	if (c->param_views && (r = zci_view_map(t, fds[1])) < 0) {
+		zci_seterr(c, r, "map the param view of '%s': %s", desc->name, strerror(-r));
+		munmap(t->grad, t->grad_bytes);
+		munmap(t->param, t->param_bytes);
+		goto fail_tensor;
+	}
 	zci_file_id(fds[0], &t->grad_dev, &t->grad_ino);
 	zci_file_id(fds[1], &t->param_dev, &t->param_ino);
 	close(fds[0]);

@@ -277,16 +277,16 @@ static PyObject *
 conn_register(struct zpy_conn *self, PyObject *args, PyObject *kw)
 {
 	static char *kwlist[] = { "name", "init", "grad_dtype", "param_dtype", "param_offload",
-		NULL };
+		"param_view", NULL };
 	PyObject *name, *gd = NULL, *pd = NULL;
 	struct zc_tensor_desc desc = { 0 };
 	struct zc_tensor *ct = NULL;
 	char err[ZPY_ERRLEN];
-	int offload = 0, g, p, r;
+	int offload = 0, view = 0, g, p, r;
 	Py_buffer init;
 
-	if (!PyArg_ParseTupleAndKeywords(args, kw, "Uy*|$OOp:register", kwlist, &name, &init,
-	    &gd, &pd, &offload))
+	if (!PyArg_ParseTupleAndKeywords(args, kw, "Uy*|$OOpp:register", kwlist, &name, &init,
+	    &gd, &pd, &offload, &view))
 		return NULL;
 	g = zpy_dtype(gd, "grad_dtype");
 	p = g < 0 ? -1 : zpy_dtype(pd, "param_dtype");
@@ -305,7 +305,8 @@ conn_register(struct zpy_conn *self, PyObject *args, PyObject *kw)
 	desc.param_dtype = (enum zc_dtype)p;
 	desc.param_offload = offload != 0;
 	/* The daemon copies init in before the call returns: the buffer is held until then. */
-	ZPY_CALL(self, r, err, zc_tensor_register(self->c, &desc, init.buf, &ct));
+	ZPY_CALL(self, r, err, (zc_conn_set_param_views(self->c, view != 0),
+	    zc_tensor_register(self->c, &desc, init.buf, &ct)));
 	PyBuffer_Release(&init);
 	if (r < 0)
 		return zpy_raise_conn(self, r, err);
@@ -509,7 +510,8 @@ static PyMethodDef conn_methods[] = {
 	  "job_close(): free the job's state, detached ranks included." },
 	{ "job_drop", (PyCFunction)conn_job_drop, METH_O, "job_drop(name): free another job." },
 	{ "register", (PyCFunction)(void (*)(void))conn_register, METH_VARARGS | METH_KEYWORDS,
-	  "register(name, init, *, grad_dtype='fp32', param_dtype='fp32', param_offload=False)"
+	  "register(name, init, *, grad_dtype='fp32', param_dtype='fp32', param_offload=False, "
+	  "param_view=False)"
 	  " -> Tensor\ninit: a buffer of fp32 initial master values (its length gives numel); "
 	  "unused when the tensor is taken back from a rank that died (see Tensor.last_step)." },
 	{ "submit", (PyCFunction)(void (*)(void))conn_submit, METH_VARARGS | METH_KEYWORDS,

@@ -9,10 +9,16 @@
  * memoryview, numpy): no copy.  It holds its Tensor, and the Tensor counts it,
  * so that nothing unmaps the slot while it is alive.
  */
+enum zpy_slot_kind {
+	ZPY_SLOT_GRAD,			/* writable */
+	ZPY_SLOT_PARAM,			/* read-only: the daemon writes it */
+	ZPY_SLOT_VIEW,			/* the param view: writable, private (zc_tensor_param_view) */
+};
+
 struct zpy_slot {
 	PyObject_HEAD
 	struct zpy_tensor *owner;	/* strong */
-	bool grad;			/* grad slot (writable) or param slot (read-only) */
+	enum zpy_slot_kind kind;
 	Py_ssize_t shape, stride;	/* what a typed buffer view points at */
 };
 
@@ -43,7 +49,7 @@ tensor_repr(struct zpy_tensor *self)
 }
 
 static PyObject *
-tensor_slot(struct zpy_tensor *self, bool grad)
+tensor_slot(struct zpy_tensor *self, enum zpy_slot_kind kind)
 {
 	struct zpy_state *st = zpy_state_of(Py_TYPE(self));
 	struct zpy_slot *s;
@@ -54,7 +60,7 @@ tensor_slot(struct zpy_tensor *self, bool grad)
 	if (s == NULL)
 		return NULL;
 	s->owner = (struct zpy_tensor *)Py_NewRef(self);
-	s->grad = grad;
+	s->kind = kind;
 	self->live_slots++;
 	return (PyObject *)s;
 }
@@ -62,13 +68,52 @@ tensor_slot(struct zpy_tensor *self, bool grad)
 static PyObject *
 tensor_grad(struct zpy_tensor *self, void *closure)
 {
-	return tensor_slot(self, true);
+	return tensor_slot(self, ZPY_SLOT_GRAD);
 }
 
 static PyObject *
 tensor_param(struct zpy_tensor *self, void *closure)
 {
-	return tensor_slot(self, false);
+	return tensor_slot(self, ZPY_SLOT_PARAM);
+}
+
+static PyObject *
+tensor_param_view(struct zpy_tensor *self, void *closure)
+{
+	if (!zpy_tensor_ready(self))
+		return NULL;
+	if (zc_tensor_param_view(self->t, NULL) == NULL)
+		Py_RETURN_NONE;
+	return tensor_slot(self, ZPY_SLOT_VIEW);
+}
+
+static PyObject *
+tensor_view_written(struct zpy_tensor *self, PyObject *unused)
+{
+	char err[ZPY_ERRLEN];
+	uint64_t pages = 0;
+	int r;
+
+	if (!zpy_tensor_ready(self))
+		return NULL;
+	ZPY_CALL(self->conn, r, err, zc_tensor_param_view_written(self->t, &pages));
+	if (r < 0)
+		return zpy_raise(Py_TYPE(self), r, err);
+	return PyLong_FromUnsignedLongLong(pages);
+}
+
+static PyObject *
+tensor_view_reset(struct zpy_tensor *self, PyObject *unused)
+{
+	char err[ZPY_ERRLEN];
+	int r;
+
+	if (!zpy_tensor_ready(self))
+		return NULL;
+	ZPY_CALL(self->conn, r, err, zc_tensor_param_view_reset(self->t));
+	if (r < 0)
+		return zpy_raise(Py_TYPE(self), r, err);
+	Py_RETURN_NONE;
 }
 
 static PyObject *
@@ -394,6 +439,11 @@ static PyMethodDef tensor_methods[] = {
 	  "set_step(step): the step the state is at; the next one submitted must be above it." },
 	{ "param_wait", (PyCFunction)tensor_param_wait, METH_NOARGS,
 	  "param_wait(): return once the param slot holds the params again." },
+	{ "view_written", (PyCFunction)tensor_view_written, METH_NOARGS,
+	  "view_written() -> int: pages of the param view this process wrote (its own copies, "
+	  "which the daemon does not see and steps do not update)." },
+	{ "view_reset", (PyCFunction)tensor_view_reset, METH_NOARGS,
+	  "view_reset(): drop the param view's written pages: it reads the param slot again." },
 	{ "unregister", (PyCFunction)tensor_unregister, METH_NOARGS,
 	  "unregister(): free the tensor in the daemon (no slot view may be alive)." },
 	{ NULL, NULL, 0, NULL },
@@ -402,6 +452,9 @@ static PyMethodDef tensor_methods[] = {
 static PyGetSetDef tensor_getset[] = {
 	{ "grad", (getter)tensor_grad, NULL, "the grad slot, a writable buffer", NULL },
 	{ "param", (getter)tensor_param, NULL, "the param slot, a read-only buffer", NULL },
+	{ "param_view", (getter)tensor_param_view, NULL, "the param view (register(..., "
+	  "param_view=True)), a writable buffer that reads the param slot where this process "
+	  "has not written; None without one", NULL },
 	{ "name", (getter)tensor_name, NULL, NULL, NULL },
 	{ "numel", (getter)tensor_numel, NULL, NULL, NULL },
 	{ "grad_dtype", (getter)tensor_grad_dtype, NULL, NULL, NULL },
@@ -447,11 +500,25 @@ slot_dealloc(struct zpy_slot *self)
 	Py_DECREF(tp);
 }
 
+static void *
+slot_address_of(struct zpy_slot *self, size_t *ret_bytes)
+{
+	switch (self->kind) {
+	case ZPY_SLOT_GRAD:
+		return zc_tensor_grad_slot(self->owner->t, ret_bytes);
+	case ZPY_SLOT_PARAM:
+		return (void *)zc_tensor_param_slot(self->owner->t, ret_bytes);
+	case ZPY_SLOT_VIEW:
+		break;
+	}
+	return zc_tensor_param_view(self->owner->t, ret_bytes);
+}
+
 static int
 slot_getbuffer(struct zpy_slot *self, Py_buffer *view, int flags)
 {
 	struct zpy_tensor *t = self->owner;
-	enum zc_dtype dt = self->grad ? t->grad_dtype : t->param_dtype;
+	enum zc_dtype dt = self->kind == ZPY_SLOT_GRAD ? t->grad_dtype : t->param_dtype;
 	size_t bytes;
 	void *p;
 
@@ -461,17 +528,16 @@ slot_getbuffer(struct zpy_slot *self, Py_buffer *view, int flags)
 		PyErr_Format(PyExc_BufferError, "tensor %R is no longer registered", t->name);
 		return -1;
 	}
-	if ((flags & PyBUF_WRITABLE) && !self->grad) {
+	if ((flags & PyBUF_WRITABLE) && self->kind == ZPY_SLOT_PARAM) {
 		PyErr_Format(PyExc_BufferError, "the param slot of tensor %R is read-only (the "
 		    "daemon writes it)", t->name);
 		return -1;
 	}
-	p = self->grad ? zc_tensor_grad_slot(t->t, &bytes) :
-	    (void *)zc_tensor_param_slot(t->t, &bytes);
+	p = slot_address_of(self, &bytes);
 	view->buf = p;
 	view->obj = Py_NewRef(self);
 	view->len = (Py_ssize_t)bytes;
-	view->readonly = !self->grad;
+	view->readonly = self->kind == ZPY_SLOT_PARAM;
 	view->itemsize = dt == ZC_F32 ? 4 : 2;
 	/* struct has no bfloat16: 'H' keeps the size right; torch.frombuffer takes the dtype. */
 	view->format = (flags & PyBUF_FORMAT) ? (dt == ZC_F32 ? "f" : dt == ZC_F16 ? "e" : "H") :
@@ -493,10 +559,7 @@ slot_nbytes(struct zpy_slot *self, void *closure)
 
 	if (self->owner->t == NULL)
 		return PyLong_FromLong(0);
-	if (self->grad)
-		(void)zc_tensor_grad_slot(self->owner->t, &bytes);
-	else
-		(void)zc_tensor_param_slot(self->owner->t, &bytes);
+	(void)slot_address_of(self, &bytes);
 	return PyLong_FromSize_t(bytes);
 }
 
@@ -505,8 +568,7 @@ slot_address(struct zpy_slot *self, void *closure)
 {
 	if (!zpy_tensor_ready(self->owner))
 		return NULL;
-	return PyLong_FromVoidPtr(self->grad ? zc_tensor_grad_slot(self->owner->t, NULL) :
-	    (void *)zc_tensor_param_slot(self->owner->t, NULL));
+	return PyLong_FromVoidPtr(slot_address_of(self, NULL));
 }
 
 static PyGetSetDef slot_getset[] = {

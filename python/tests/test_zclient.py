@@ -92,3 +92,38 @@ def test_types_are_not_made_by_hand():
     with pytest.raises(TypeError, match="Connection.register"):
         zoffload.Tensor()
     assert issubclass(zoffload.ZoffloadError, OSError)
+
+
+def test_param_view_follows_the_slot_and_finds_writes(daemon):
+    """The param view reads the daemon's values where this process has not written, and
+    tells the pages it wrote (its own copies, which no step updates) from the rest."""
+    import mmap
+    page = mmap.PAGESIZE // 4          # fp32 elements in a page
+    n = 3 * page
+    c = conn(daemon)
+    t = c.register("w", array.array("f", [1.0] * n), param_view=True)
+    plain = c.register("u", array.array("f", [1.0] * 4))
+    assert plain.param_view is None
+    with pytest.raises(zoffload.ZoffloadError, match="no param view"):
+        plain.view_written()
+    view = torch.frombuffer(t.param_view, dtype=torch.float32)
+    slot = torch.frombuffer(t.param, dtype=torch.float32)
+    assert view.data_ptr() != slot.data_ptr() and torch.equal(view, slot)
+    assert t.view_written() == 0
+    torch.frombuffer(t.grad, dtype=torch.float32).fill_(1.0)
+    c.submit([t], optim="adamw", step=1, lr=0.25, weight_decay=0.0)
+    t.wait()
+    # AdamW's first step moves every element by lr (bias-corrected m/sqrt(v) = 1).
+    assert torch.equal(view, slot) and view[0].item() == pytest.approx(0.75)
+    view[page + 1] = 42.0                           # the second page becomes the process's
+    assert t.view_written() == 1
+    c.submit([t], optim="adamw", step=2, lr=0.25, weight_decay=0.0)
+    t.wait()
+    assert view[page + 1].item() == 42.0
+    assert view[page].item() != slot[page].item()   # the written page no longer follows
+    assert torch.equal(view[:page], slot[:page]) and torch.equal(view[2 * page:], slot[2 * page:])
+    t.view_reset()
+    assert t.view_written() == 0 and torch.equal(view, slot)
+    del view
+    with pytest.raises(BufferError, match="still view"):
+        t.unregister()

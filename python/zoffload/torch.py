@@ -36,10 +36,19 @@ only):
   One backward per step (a second before ``step()`` raises).
 - ``rank`` / ``world_size``: default ``torch.distributed``'s when initialized, else 0 / 1.
 
-The fp32 master weights and the moments stay in the daemon; ``step()`` copies gradients into
-the tensor's shared-memory grad slot and the new parameters back from its param slot.
-Parameters are the daemon's to update: a change made to them outside ``step()`` reaches the
-daemon only through ``load_state_dict()``.
+The fp32 master weights and the moments stay in the daemon; the gradients go through each
+tensor's shared-memory grad slot and the new parameters come back through its param slot:
+- ``param_views`` (default True): a CPU param that owns its whole storage is made a view of
+  its param slot (a private writable mapping of it), so a step's new params are in it with
+  no copy out.  A write into it outside ``step()`` (``model.load_state_dict()``,
+  ``p.data.normal_()``, numpy) is found at the next ``step()`` (the pages the process wrote
+  become its own) and becomes the daemon's master, as torch's optimizers would take it;
+  ``p.data = ...`` makes p a copy again.  Other params (CUDA, DTensor shards, views into a
+  bigger buffer, ``overlap``) are copied into after each step.
+- After the first step ``p.grad`` is the grad slot (CPU, same dtype, no ``overlap``):
+  ``zero_grad()`` zeroes it in place and backward accumulates into it.  A fresh ``p.grad``
+  (``set_to_none``) is copied in.
+``copy_stats()`` counts the copies and says why a param is no view.
 
 A process that dies keeps its state in the daemon for ``limits.detach_grace_s``.  A new
 process of the same job and rank takes it back only when that is surely the same run:
@@ -143,7 +152,7 @@ def _raw(t):
 
 class _Entry:
     """One parameter's tensor in the daemon and no-copy views of its slots."""
-    __slots__ = ("zt", "grad", "param", "in_flight", "pins", "grad_view_ok", "gd")
+    __slots__ = ("zt", "grad", "param", "view", "in_flight", "pins", "grad_view_ok", "gd")
 
     def __init__(self, zt, grad_dtype, param_dtype):
         self.zt = zt
@@ -153,6 +162,8 @@ class _Entry:
             # The param slot is read-only shared memory: the daemon writes it.
             warnings.simplefilter("ignore", UserWarning)
             self.param = torch.frombuffer(zt.param, dtype=_TORCH_DTYPES[param_dtype])
+        # The param view (see _view_refusal), once it is p's storage; else None.
+        self.view = None
         self.in_flight = 0          # step submitted and not yet waited for
         self.pins = None            # _CudaPins: the slots registered with CUDA
 
@@ -208,7 +219,7 @@ class _ZoffloadOptimizer(torch.optim.Optimizer):
 
     def __init__(self, params, defaults, *, job=None, socket=None, policy=None,
                  pinned_budget=0, state_format=None, grad_dtype=None, overlap=False, rank=None,
-                 world_size=None, reconnect_ms=None, resume=None):
+                 world_size=None, reconnect_ms=None, resume=None, param_views=True):
         if resume not in (None, True, False):
             raise ValueError(f"zoffload: resume must be True, False or None, not {resume!r}")
         if rank is None or world_size is None:
@@ -220,6 +231,10 @@ class _ZoffloadOptimizer(torch.optim.Optimizer):
         self.job = _default_job(job)
         self.rank, self.world_size = rank, world_size
         self.overlap = overlap
+        self.param_views = bool(param_views)
+        # What each param costs a step beyond the kernel (copy_stats()).
+        self._copies = collections.Counter()
+        self._fallbacks = collections.Counter()
         self.resumed_step = 0
         self._resume = resume
         self._given = {}            # taken back: the params as given, until the first step
@@ -322,10 +337,14 @@ class _ZoffloadOptimizer(torch.optim.Optimizer):
         name = f"p{index}/{t.numel()}"
         gd, pd = _grad_dtype_name(self._grad_dtype, p), _DTYPES[p.dtype]
         init = t.detach().reshape(-1).to(device="cpu", dtype=torch.float32).contiguous()
-        zt = self._register_tensor(name, init, gd, pd)
+        refusal = self._view_refusal(p)
+        if refusal:
+            self._fallbacks[refusal] += 1
+        view = not refusal
+        zt = self._register_tensor(name, init, gd, pd, view)
         if zt.last_step and not self._take_back(zt):
             zt.unregister()         # resume=False: the dead process's state goes
-            zt = self._register_tensor(name, init, gd, pd)
+            zt = self._register_tensor(name, init, gd, pd, view)
         elif zt.last_step:
             # Kept for load_state_dict before the first step: what the user loaded, not
             # the daemon's leftovers, is then what they asked for.
@@ -338,10 +357,33 @@ class _ZoffloadOptimizer(torch.optim.Optimizer):
         if self.overlap:
             self._hooks.append(p.register_hook(self._make_hook(p)))
 
-    def _register_tensor(self, name, init, gd, pd):
+    def _view_refusal(self, p):
+        """Why p's storage cannot be its param view: a private, writable mapping of the
+        param slot that reads each step's new params with no copy (the daemon's writes
+        show through on every page the process has not written; see _take_writes for
+        the pages it has).  None when it can."""
+        if not self.param_views:
+            return "param_views=False"
+        if self.overlap:
+            return "overlap"        # the daemon would write p while backward still runs
+        if p.device.type != "cpu":
+            return "not a CPU tensor"
+        if _dtensor.is_dtensor(p):
+            return "DTensor"        # FSDP2 owns the shard's storage
+        if p.layout != torch.strided or not p.is_contiguous():
+            return "not contiguous"
+        # torch 1.13 has _storage() (typed, sized in elements); 2.x untyped_storage().
+        storage = p.untyped_storage() if hasattr(p, "untyped_storage") else p._storage()
+        if p.storage_offset() != 0 or storage.nbytes() != p.numel() * p.element_size():
+            # Part of a bigger buffer (a flat parameter): the others would lose it.
+            return "shares its storage"
+        return None
+
+    def _register_tensor(self, name, init, gd, pd, view=False):
         for attempt in range(200):
             try:
-                return self._conn.register(name, init.numpy(), grad_dtype=gd, param_dtype=pd)
+                return self._conn.register(name, init.numpy(), grad_dtype=gd, param_dtype=pd,
+                                           param_view=view)
             except ZoffloadError as ex:
                 # Taken back while a step the dead process submitted still runs on it.
                 if ex.errno != errno.EAGAIN or attempt == 199:
@@ -376,12 +418,20 @@ class _ZoffloadOptimizer(torch.optim.Optimizer):
                           and not _dtensor.is_dtensor(p))
         self._entries[p] = e
         last = zt.last_step
-        if last:
+        view = zt.param_view
+        if view is not None:
+            # p's storage becomes the view: it holds what the daemon's param slot holds
+            # (these params, or a taken-back state's), and p's own storage goes.
+            e.view = torch.frombuffer(view, dtype=p.dtype).view(p.shape)
+            with torch.no_grad():
+                p.data = e.view
+        elif last:
             t = _dtensor.local(p)
             master = torch.empty(t.numel(), dtype=torch.float32)
             zt.read("master", master.numpy())
             with torch.no_grad():
                 t.copy_(master.view(t.shape))
+        if last:
             self.state[p]["step"] = torch.tensor(float(last))
         if p.is_cuda:
             self._cuda_register(e)
@@ -418,6 +468,7 @@ class _ZoffloadOptimizer(torch.optim.Optimizer):
             if group.get("maximize", False):
                 g.neg_()
             return
+        self._copies["grad_copies"] += 1
         if group.get("maximize", False):
             torch.neg(grad, out=g) if grad.dtype == g.dtype else g.copy_(grad).neg_()
         elif _plain(grad, g.dtype):
@@ -484,6 +535,7 @@ class _ZoffloadOptimizer(torch.optim.Optimizer):
                 e = self._entries[p]
                 if p.grad is None or e.in_flight:
                     continue        # no gradient (as torch), or submitted by its hook
+                self._take_writes(p, e)
                 self._put_grad(p, e, p.grad, group)
                 items.append((p, e))
             if items:
@@ -491,6 +543,31 @@ class _ZoffloadOptimizer(torch.optim.Optimizer):
         self._finish()
         self._sync_replicas()
         return loss
+
+    def _take_writes(self, p, e):
+        """What the user did to a viewed param since the last step reaches the daemon
+        before this one: writes into it (a model's load_state_dict, p.data.normal_(),
+        numpy), found as the view's pages the process made its own; or a new storage
+        (p.data = ...), which p then keeps, copied into after each step."""
+        if e.view is None:
+            return
+        if p.data_ptr() != e.view.data_ptr() or p.dtype != e.view.dtype:
+            e.view = None
+            self._fallbacks["p.data replaced"] += 1
+            self._write_master(p, e)
+            return
+        if e.zt.view_written():
+            self._copies["param_writes_taken"] += 1
+            self._write_master(p, e)
+
+    def _write_master(self, p, e):
+        """p's values as the new master (the moments stay); a view follows the slot again."""
+        t = _dtensor.local(p)
+        # A copy first: the view's pages are what is being written.
+        master = t.detach().reshape(-1).to(device="cpu", dtype=torch.float32, copy=True)
+        e.zt.write("master", master.numpy())
+        if e.view is not None:
+            e.zt.view_reset()
 
     def _sync_replicas(self):
         """The stepping replica's params to the others, in the same order on every rank."""
@@ -525,9 +602,13 @@ class _ZoffloadOptimizer(torch.optim.Optimizer):
                 continue
             self.state[p]["step"] = torch.tensor(float(res["step"]))
             t = _dtensor.local(p)   # a DTensor's shard is written in place
-            if _plain(t, e.param.dtype):
+            if e.view is not None:
+                pass                # p is the view: the new params are in it
+            elif _plain(t, e.param.dtype):
+                self._copies["param_copies"] += 1
                 e.zt.param_into(_raw(t.detach()))
             else:
+                self._copies["param_copies"] += 1
                 with torch.no_grad():
                     t.copy_(e.param.view(t.shape), non_blocking=p.is_cuda)
             if (e.grad_view_ok and p.grad is not None and p.grad.layout == torch.strided
@@ -555,8 +636,10 @@ class _ZoffloadOptimizer(torch.optim.Optimizer):
             if e.in_flight:
                 raise RuntimeError("zoffload: state loaded while a step is in flight")
             t = _dtensor.local(p)
-            master = t.detach().reshape(-1).to(device="cpu", dtype=torch.float32).contiguous()
-            e.zt.write("master", master.numpy())
+            if e.view is not None:
+                self._take_writes(p, e)     # else the master is already what p shows
+            else:
+                self._write_master(p, e)
             for key, which in self._state_keys.items():
                 if key in st:
                     # A DTensor's moments (load_state_dict, DCP): this rank's shard of them.
@@ -690,6 +773,19 @@ class _ZoffloadOptimizer(torch.optim.Optimizer):
         steps_resubmitted, steps_completed_away, slots_remapped)."""
         return self._conn.conn_stats()
 
+    def copy_stats(self):
+        """What the step costs beyond the daemon's kernel, per param, as counts since the
+        constructor: ``params_viewed`` params are their param views now (no copy out);
+        ``param_copies`` copies of new params out of the param slot (params that are no
+        view); ``param_writes_taken`` times a viewed param written outside step() was
+        handed to the daemon as its new master; ``grad_copies`` gradients copied into a
+        grad slot (``p.grad`` was not the slot: a fresh one each step, say zero_grad's
+        set_to_none); ``fallbacks``: why params are no view, with counts."""
+        viewed = sum(1 for e in self._entries.values() if e.view is not None)
+        return {"params_viewed": viewed, "param_copies": self._copies["param_copies"],
+                "param_writes_taken": self._copies["param_writes_taken"],
+                "grad_copies": self._copies["grad_copies"], "fallbacks": dict(self._fallbacks)}
+
     def close(self):
         """Frees the state in the daemon (a process that just exits keeps it for a restart)."""
         if self._conn.closed:
@@ -722,6 +818,10 @@ def _drop_views(entries):
     for p, e in entries.items():
         if p.grad is not None and _dtensor.local(p.grad).data_ptr() == e.grad.data_ptr():
             p.grad = p.grad.clone()     # the slot goes away with the tensor
+        if e.view is not None and p.data_ptr() == e.view.data_ptr():
+            with torch.no_grad():
+                p.data = p.data.clone()     # and so does the param view
+        e.view = None
         if e.pins is not None:
             e.pins.unpin()          # before unregister() unmaps (its hook would as well)
         e.grad = e.param = None

@@ -1,0 +1,193 @@
+"""Param views: a CPU param's storage is a private writable mapping of its param slot, so a
+step's new params are in it with no copy out (see zoffload/torch.py, client/zclient_view.c).
+
+Checked here:
+- a step through views gives the very bits of the copying path (param_views=False) and no
+  copies (copy_stats);
+- what the user writes into a viewed param outside step() (a model's load_state_dict,
+  p.data.mul_(), numpy) is what the next step starts from, as with torch.optim, and
+  p.data = ... falls back to copying, counted;
+- params that cannot be views are refused by name and still train;
+- close() leaves the params their values in storage of their own;
+- a reconnect that maps another slot file over the view keeps what was written into it.
+Against torch.optim.AdamW with test_numerics' tolerance (RTOL, justified there): the same
+gradients are copied into the reference each step, so nothing feeds back.
+"""
+import array
+import mmap
+import os
+
+import numpy
+import pytest
+import torch
+
+import zoffload
+import zoffload.torch as zt
+import zhelpers
+from test_cuda_pins import SlotSwappingRelay, backing
+from test_numerics import RTOL, max_rel_err
+
+KW = dict(lr=2e-3, weight_decay=0.05)
+
+
+def train_both(ours, ref, opt, ref_opt, steps, first=1):
+    for step in range(first, first + steps):
+        opt.zero_grad()
+        ref_opt.zero_grad()
+        zhelpers.loss_of(ours, step).backward()
+        for p, q in zip(ours.parameters(), ref.parameters()):
+            q.grad = p.grad.detach().clone()
+        opt.step()
+        ref_opt.step()
+
+
+def viewed(opt, p):
+    e = opt._entries[p]
+    return e.view is not None and p.data_ptr() == e.view.data_ptr()
+
+
+def test_views_give_the_copying_path_bits_with_no_copies(daemon):
+    runs = []
+    for views in (True, False):
+        m = zhelpers.model(seed=3)
+        opt = zt.AdamW(m.parameters(), job=f"views-{views}", socket=daemon.socket,
+                       param_views=views, **KW)
+        zhelpers.train(m, opt, 12)
+        stats = opt.copy_stats()
+        n = len(list(m.parameters()))
+        if views:
+            assert all(viewed(opt, p) for p in m.parameters())
+            assert stats["params_viewed"] == n and stats["param_copies"] == 0
+            assert stats["fallbacks"] == {}
+            # zero_grad() of torch 2.x sets grads to None: a copy each step (1.13 zeroes
+            # the slot in place: the first step's only).
+            assert stats["grad_copies"] in (n, 12 * n)
+        else:
+            assert stats["params_viewed"] == 0 and stats["param_copies"] == 12 * n
+            assert stats["fallbacks"] == {"param_views=False": n}
+        runs.append([p.detach().clone() for p in m.parameters()])
+        opt.close()
+    for a, b in zip(*runs):
+        assert torch.equal(a, b)
+
+
+def test_grads_in_the_slot_copy_nothing(daemon):
+    m = zhelpers.model(seed=4)
+    opt = zt.AdamW(m.parameters(), job="views-grads", socket=daemon.socket, **KW)
+    for step in range(1, 6):
+        opt.zero_grad(set_to_none=False)
+        zhelpers.loss_of(m, step).backward()
+        opt.step()
+    stats = opt.copy_stats()
+    n = len(list(m.parameters()))
+    assert stats["grad_copies"] == n and stats["param_copies"] == 0   # the first step's only
+    opt.close()
+
+
+def test_writes_outside_step_are_what_the_next_step_starts_from(daemon):
+    ours, ref = zhelpers.model(seed=5), zhelpers.model(seed=5)
+    opt = zt.AdamW(ours.parameters(), job="views-writes", socket=daemon.socket, **KW)
+    ref_opt = torch.optim.AdamW(ref.parameters(), **KW)
+    train_both(ours, ref, opt, ref_opt, 3)
+    other = zhelpers.model(seed=99).state_dict()
+    for m in (ours, ref):
+        m.load_state_dict(other)            # param.copy_() into every param
+    train_both(ours, ref, opt, ref_opt, 3, first=4)
+    assert opt.copy_stats()["param_writes_taken"] == len(other)
+    with torch.no_grad():
+        for m in (ours, ref):
+            m.head.weight.data.mul_(0.5)    # through .data: no version bump to see
+            m.pos.detach().numpy()[0, 0] = 3.0
+    train_both(ours, ref, opt, ref_opt, 3, first=7)
+    stats = opt.copy_stats()
+    assert stats["param_writes_taken"] == len(other) + 2
+    assert stats["param_copies"] == 0 and stats["params_viewed"] == len(other)
+    assert max_rel_err(list(ours.parameters()), list(ref.parameters())) <= RTOL
+    opt.close()
+
+
+def test_replaced_storage_falls_back_to_copying(daemon):
+    ours, ref = zhelpers.model(seed=6), zhelpers.model(seed=6)
+    opt = zt.AdamW(ours.parameters(), job="views-replaced", socket=daemon.socket, **KW)
+    ref_opt = torch.optim.AdamW(ref.parameters(), **KW)
+    train_both(ours, ref, opt, ref_opt, 2)
+    for m in (ours, ref):
+        m.norm.weight.data = torch.full_like(m.norm.weight, 0.75)
+    train_both(ours, ref, opt, ref_opt, 4, first=3)
+    stats = opt.copy_stats()
+    assert stats["fallbacks"] == {"p.data replaced": 1}
+    assert stats["param_copies"] == 4 and not viewed(opt, ours.norm.weight)
+    assert max_rel_err(list(ours.parameters()), list(ref.parameters())) <= RTOL
+    opt.close()
+
+
+def test_params_that_cannot_be_views_say_why_and_train(daemon):
+    flat = torch.zeros(40)
+    torch.manual_seed(0)
+    flat.normal_()
+    inside = torch.nn.Parameter(flat[8:24])     # a slice of a flat buffer
+    strided = torch.nn.Parameter(torch.randn(6, 4).t())
+    own = torch.nn.Parameter(torch.randn(16))
+    refs = [torch.nn.Parameter(t.detach().clone()) for t in (inside, strided, own)]
+    opt = zt.AdamW([inside, strided, own], job="views-refused", socket=daemon.socket, **KW)
+    ref_opt = torch.optim.AdamW(refs, **KW)
+    assert opt.copy_stats()["fallbacks"] == {"shares its storage": 1, "not contiguous": 1}
+    for step in range(4):
+        g = torch.Generator().manual_seed(step)
+        for p, q in zip([inside, strided, own], refs):
+            p.grad = torch.randn(p.shape, generator=g)
+            q.grad = p.grad.clone()
+        opt.step()
+        ref_opt.step()
+    assert inside.data_ptr() == flat[8:].data_ptr()   # still the buffer's
+    assert max_rel_err([inside, strided, own], refs) <= RTOL
+    opt.close()
+    for views, overlap, why in ((False, False, "param_views=False"), (True, True, "overlap")):
+        p = torch.nn.Parameter(torch.randn(8))
+        o = zt.AdamW([p], job=f"views-{why}", socket=daemon.socket, param_views=views,
+                     overlap=overlap)
+        assert o.copy_stats()["fallbacks"] == {why: 1}
+        o.close()
+
+
+def test_close_gives_params_storage_of_their_own(daemon):
+    m = zhelpers.model(seed=7)
+    opt = zt.AdamW(m.parameters(), job="views-close", socket=daemon.socket, **KW)
+    zhelpers.train(m, opt, 2)
+    before = [p.detach().clone() for p in m.parameters()]
+    slots = [backing(p.data_ptr()) for p in m.parameters()]
+    opt.close()
+    for p, b, slot in zip(m.parameters(), before, slots):
+        assert torch.equal(p.detach(), b) and backing(p.data_ptr()) != slot
+    p.data.add_(1.0)                        # writable, and nobody else's
+
+
+@pytest.fixture
+def relay(daemon):
+    r = SlotSwappingRelay(daemon.socket, os.path.join(daemon.dir, "relay.sock"))
+    yield r
+    r.stop()
+
+
+def test_a_remap_carries_what_was_written_into_the_view(daemon, relay):
+    page = mmap.PAGESIZE // 4
+    c = zoffload.Connection(relay.path)
+    c.job_open("views-remap")
+    t = c.register("w", array.array("f", [1.0] * 3 * page), param_view=True)
+    view = torch.frombuffer(t.param_view, dtype=torch.float32)
+    addr, old = view.data_ptr(), backing(view.data_ptr())
+    view[page + 1] = 42.0                   # written, and no step has taken it yet
+    relay.swap = True
+    relay.cut()
+    assert c.ping() > 0                     # reconnects: the slots come back in other files
+    assert c.conn_stats()["slots_remapped"] == 2
+    assert view.data_ptr() == addr and backing(addr) != old
+    assert t.view_written() == 1 and view[page + 1].item() == 42.0
+    assert torch.equal(view[:page], torch.ones(page)) and view[page].item() == 1.0
+    t.view_reset()
+    assert t.view_written() == 0 and torch.equal(view, torch.ones(3 * page))
+    numpy.asarray(view)[0] = 5.0            # the new mapping is as writable as the old
+    assert t.view_written() == 1
+    del view
+    t.unregister()
+    c.close()
