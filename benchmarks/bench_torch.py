@@ -5,7 +5,8 @@ torch.optim.AdamW fused (where this torch has a fused CPU AdamW), foreach and fo
 DeepSpeed's DeepSpeedCPUAdam (where deepspeed is importable and its op builds: about two
 minutes the first time, cached in $TORCH_EXTENSIONS_DIR); and bench_torch_c, a C program doing
 our work straight through libzclient (the gradients already in the grad slots, as p.grad is its
-slot after a step; one step; wait; copy the params out of the param slots).  Ours runs three
+slot after a step; the params' views checked for writes; one step; wait: p is its param view,
+nothing is copied out).  Ours runs three
 ways: fp32 state with the gradients in the slots, fp32 with a fresh p.grad each step (as when
 backward makes new gradients: the step copies them in), and q8-moments state.  Each figure is
 the best of --rounds rounds of all of them, so no side gets the quieter moment by its place.

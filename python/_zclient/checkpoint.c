@@ -180,8 +180,8 @@ step_params_dict(const struct zc_step_params *sp)
  */
 static int
 restore_all(struct zc_conn *c, const char *dir, struct restore_item *items, size_t n,
-    enum zc_optim optim, bool convert, struct zc_tensor **ts, struct zc_step_params *sp,
-    char *err)
+    enum zc_optim optim, bool convert, bool views, struct zc_tensor **ts,
+    struct zc_step_params *sp, char *err)
 {
 	struct zc_tensor_desc *descs = calloc(n > 0 ? n : 1, sizeof(*descs));
 	struct zc_checkpoint_place *places = calloc(n > 0 ? n : 1, sizeof(*places));
@@ -198,6 +198,7 @@ restore_all(struct zc_conn *c, const char *dir, struct restore_item *items, size
 		descs[i] = items[i].desc;
 		places[i] = items[i].place;
 	}
+	zc_conn_set_param_views(c, views);
 	r = zc_checkpoint_open(c, dir, &ck);
 	if (r >= 0) {
 		zc_checkpoint_allow_convert(ck, convert);
@@ -216,8 +217,8 @@ restore_all(struct zc_conn *c, const char *dir, struct restore_item *items, size
 PyObject *
 zpy_register_checkpoint(struct zpy_conn *self, PyObject *args, PyObject *kw)
 {
-	static char *kwlist[] = { "dir", "tensors", "optim", "convert", NULL };
-	int convert = 0;
+	static char *kwlist[] = { "dir", "tensors", "optim", "convert", "param_views", NULL };
+	int convert = 0, views = 0;
 	struct zc_step_params sp = { 0 };
 	struct restore_item *items = NULL;
 	struct zc_tensor **ts = NULL;
@@ -228,8 +229,8 @@ zpy_register_checkpoint(struct zpy_conn *self, PyObject *args, PyObject *kw)
 	Py_ssize_t n;
 	int r;
 
-	if (!PyArg_ParseTupleAndKeywords(args, kw, "O&Os|$p:register_checkpoint", kwlist,
-	    PyUnicode_FSConverter, &dir, &seq, &oname, &convert))
+	if (!PyArg_ParseTupleAndKeywords(args, kw, "O&Os|$pp:register_checkpoint", kwlist,
+	    PyUnicode_FSConverter, &dir, &seq, &oname, &convert, &views))
 		return NULL;
 	if (zpy_optim(oname, &optim) < 0 || !zpy_conn_ready(self))
 		goto out;
@@ -249,7 +250,7 @@ zpy_register_checkpoint(struct zpy_conn *self, PyObject *args, PyObject *kw)
 		if (parse_restore_item(PySequence_Fast_GET_ITEM(fast, i), i, &items[i]) < 0)
 			goto out;
 	ZPY_CALL(self, r, err, restore_all(self->c, PyBytes_AS_STRING(dir), items, (size_t)n,
-	    optim, convert != 0, ts, &sp, rerr));
+	    optim, convert != 0, views != 0, ts, &sp, rerr));
 	if (r < 0) {
 		/* rerr: the first error, before the clean-up's calls could replace it. */
 		zpy_raise_conn(self, r, rerr);

@@ -543,7 +543,8 @@ static PyMethodDef conn_methods[] = {
 	  "keywords are the last step's hyperparameters, saved with the file." },
 	{ "register_checkpoint", (PyCFunction)(void (*)(void))zpy_register_checkpoint,
 	  METH_VARARGS | METH_KEYWORDS,
-	  "register_checkpoint(dir, tensors, optim) -> (list of Tensor, dict)\n"
+	  "register_checkpoint(dir, tensors, optim, *, convert=False, param_views=False) -> "
+	  "(list of Tensor, dict)\n"
 	  "tensors: (name, numel, grad_dtype, param_dtype, global_name or None, global_offset, "
 	  "global_numel) tuples, each registered with its state (master, moments, step) from "
 	  "the checkpoint in dir; all or none.  The dict: the hyperparameters saved with rank "

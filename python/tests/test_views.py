@@ -191,3 +191,24 @@ def test_a_remap_carries_what_was_written_into_the_view(daemon, relay):
     del view
     t.unregister()
     c.close()
+
+
+def test_load_checkpoint_restores_into_views(daemon, tmp_path):
+    """A restore's tensors are views too, holding the restored params: the run goes on bit
+    for bit as the uninterrupted one."""
+    m = zhelpers.model(seed=8)
+    opt = zt.AdamW(m.parameters(), job="views-ckpt", socket=daemon.socket, **KW)
+    zhelpers.train(m, opt, 3)
+    opt.save_checkpoint(tmp_path)
+    zhelpers.train(m, opt, 3, first=4)
+    want = [p.detach().clone() for p in m.parameters()]
+    opt.close()
+    m2 = zhelpers.model(seed=123)          # other values: the restore must set them all
+    opt2 = zt.AdamW(m2.parameters(), job="views-ckpt-2", socket=daemon.socket, **KW)
+    assert opt2.load_checkpoint(tmp_path) == 3
+    assert all(viewed(opt2, p) for p in m2.parameters())
+    zhelpers.train(m2, opt2, 3, first=4)
+    assert opt2.copy_stats()["param_writes_taken"] == 0
+    for a, b in zip(m2.parameters(), want):
+        assert torch.equal(a.detach(), b)
+    opt2.close()

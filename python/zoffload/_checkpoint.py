@@ -229,7 +229,8 @@ def load(opt, dir, names, places, convert=False):
         tensors = []
         if request:
             tensors, _ = opt._conn.register_checkpoint(os.fspath(dir), request,
-                                                       optim=opt._optim, convert=convert)
+                                                       optim=opt._optim, convert=convert,
+                                                       param_views=opt.param_views)
     except BaseException:
         for (n, k, gd, pd, *_), (p, *_) in zip(request, items):
             init = _dtensor.local(p).detach().reshape(-1).to(device="cpu",

@@ -418,7 +418,7 @@ class _ZoffloadOptimizer(torch.optim.Optimizer):
                           and not _dtensor.is_dtensor(p))
         self._entries[p] = e
         last = zt.last_step
-        view = zt.param_view
+        view = zt.param_view if self._view_refusal(p) is None else None
         if view is not None:
             # p's storage becomes the view: it holds what the daemon's param slot holds
             # (these params, or a taken-back state's), and p's own storage goes.
