@@ -90,6 +90,10 @@ log = logging.getLogger("zoffload")
 _DTYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 _TORCH_DTYPES = {v: k for k, v in _DTYPES.items()}
 _MAX_SET = 4096         # tensors in one submit (ZP_MAX_STEP_TENSORS)
+# Gradients copied into their slots before the tensors so far are submitted: the daemon's
+# step of those overlaps the copies of the next (a copy per gradient-holding tensor above
+# this size; small tensors are batched, each submit is a round trip).
+_PIPELINE_BYTES = 8 << 20
 
 # The step talks to the daemon through the C extension, which torch.compile cannot trace: it
 # would break the graph at every call (several per param).  Disabled, a compiled training
@@ -467,7 +471,7 @@ class _ZoffloadOptimizer(torch.optim.Optimizer):
             # p.grad is the slot itself (see _finish): backward wrote it there.
             if group.get("maximize", False):
                 g.neg_()
-            return
+            return 0
         self._copies["grad_copies"] += 1
         if group.get("maximize", False):
             torch.neg(grad, out=g) if grad.dtype == g.dtype else g.copy_(grad).neg_()
@@ -475,6 +479,7 @@ class _ZoffloadOptimizer(torch.optim.Optimizer):
             e.zt.grad_from(_raw(grad))
         else:
             g.copy_(grad, non_blocking=p.is_cuda)
+        return g.numel() * g.element_size()
 
     def _submit(self, group, items):
         """Queue the steps of (p, entry) pairs of one group, one set per step number."""
@@ -527,7 +532,7 @@ class _ZoffloadOptimizer(torch.optim.Optimizer):
         self._flush_loaded_state()
         self._given = {}            # the taken-back state is what this run goes on from
         for group in self.param_groups:
-            items = []
+            items, copied = [], 0
             for p in group["params"]:
                 if p in self._empty:
                     self._step_empty(p)
@@ -536,8 +541,12 @@ class _ZoffloadOptimizer(torch.optim.Optimizer):
                 if p.grad is None or e.in_flight:
                     continue        # no gradient (as torch), or submitted by its hook
                 self._take_writes(p, e)
-                self._put_grad(p, e, p.grad, group)
+                copied += self._put_grad(p, e, p.grad, group)
                 items.append((p, e))
+                if copied >= _PIPELINE_BYTES:
+                    # The daemon steps these while the next gradients are copied in.
+                    self._submit(group, items)
+                    items, copied = [], 0
             if items:
                 self._submit(group, items)
         self._finish()
