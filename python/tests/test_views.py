@@ -71,6 +71,28 @@ def test_views_give_the_copying_path_bits_with_no_copies(daemon):
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("cls, fmt, dtype", [
+    (zt.Adam, None, torch.float32), (zt.Adagrad, None, torch.float32),
+    (zt.Lion, None, torch.float32), (zt.AdamW, "q8-moments", torch.float32),
+    (zt.AdamW, "bf16-moments", torch.float32), (zt.AdamW, "bf16-master+q8", torch.bfloat16),
+    (zt.AdamW, None, torch.bfloat16)])
+def test_every_update_and_format_through_views(daemon, cls, fmt, dtype):
+    """The daemon writes each update's and format's params into the slot the view reads:
+    the same bits as copying them out."""
+    runs = []
+    for views in (True, False):
+        m = zhelpers.model(seed=9, dtype=dtype)
+        kw = {} if fmt is None else {"state_format": fmt}
+        opt = cls(m.parameters(), lr=1e-3, job=f"views-{cls.__name__}-{fmt}-{dtype}-{views}",
+                  socket=daemon.socket, param_views=views, **kw)
+        zhelpers.train(m, opt, 6)
+        assert opt.copy_stats()["params_viewed"] == (len(list(m.parameters())) if views else 0)
+        runs.append([p.detach().clone() for p in m.parameters()])
+        opt.close()
+    for a, b in zip(*runs):
+        assert torch.equal(a, b)
+
+
 def test_grads_in_the_slot_copy_nothing(daemon):
     m = zhelpers.model(seed=4)
     opt = zt.AdamW(m.parameters(), job="views-grads", socket=daemon.socket, **KW)
