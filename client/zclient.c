@@ -495,6 +495,7 @@ zc_connect_timeout(const char *socket_path, int timeout_ms, struct zc_conn **ret
 		return zcl_connect_fail(-ENOMEM, "no memory for a connection");
 	c->timeout_ms = timeout_ms < 0 ? -1 : timeout_ms;
 	c->pagemap_fd = -1;
+	c->uffd = -1;
 	/* No reconnect during HELLO: a connect that fails says so. */
 	c->reconnect_ms = 0;
 	memcpy(c->path, path, strlen(path) + 1);
@@ -544,10 +545,10 @@ zc_disconnect(struct zc_conn *c)
 	if (c == NULL)
 		return;
 	close(c->fd);
-	zci_view_close_pagemap(c);
 	for (uint32_t i = 0; i < c->tensor_cap; i++)
 		if (c->tensors[i] != NULL)
 			zci_tensor_unmap(c->tensors[i]);
+	zci_view_close(c);
 	zci_sets_free(c);
 	if (c->xfer != NULL)
 		munmap(c->xfer, c->xfer_bytes);

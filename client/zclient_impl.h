@@ -40,6 +40,14 @@ struct zc_tensor {
 	 * The caller's tensors may point into it; it is unmapped with the slots.
 	 */
 	void *param_view;
+	/*
+	 * view_wp: its writes are tracked by userfaultfd's asynchronous write
+	 * protection (a written page's marker clears; see zclient_view.c), not
+	 * found by reading pagemap.  view_carried: pages a remap carried over,
+	 * written but no longer marked.
+	 */
+	bool view_wp;
+	uint64_t view_carried;
 	bool pending;
 	uint64_t pending_set;		/* request id of the set it waits on, while pending */
 	uint64_t last_step;
@@ -119,6 +127,8 @@ struct zc_conn {
 	struct zc_param_stats param_stats;
 	bool param_views;		/* tensors registered now get a param view */
 	int pagemap_fd;			/* /proc/self/pagemap once a view was checked, else -1 */
+	/* userfaultfd for the views' write tracking: -1 untried, -2 unavailable here. */
+	int uffd;
 };
 
 /* zclient.c: the connection. */
@@ -222,7 +232,8 @@ int zci_view_map(struct zc_tensor *t, int fd);
 void zci_view_unmap(struct zc_tensor *t);
 /* A reattach brought the param slot back in another file: the view moves onto it in place. */
 int zci_view_remap(struct zc_tensor *t, int fd);
-void zci_view_close_pagemap(struct zc_conn *c);
+/* Closes the connection's pagemap and userfaultfd descriptors (after its tensors went). */
+void zci_view_close(struct zc_conn *c);
 
 /* zclient_tensor.c: tensors. */
 

@@ -88,6 +88,14 @@ tensor_param_view(struct zpy_tensor *self, void *closure)
 }
 
 static PyObject *
+tensor_view_tracking(struct zpy_tensor *self, void *closure)
+{
+	if (!zpy_tensor_ready(self))
+		return NULL;
+	return PyUnicode_FromString(zc_tensor_param_view_tracking(self->t));
+}
+
+static PyObject *
 tensor_view_written(struct zpy_tensor *self, PyObject *unused)
 {
 	char err[ZPY_ERRLEN];
@@ -455,6 +463,8 @@ static PyGetSetDef tensor_getset[] = {
 	{ "param_view", (getter)tensor_param_view, NULL, "the param view (register(..., "
 	  "param_view=True)), a writable buffer that reads the param slot where this process "
 	  "has not written; None without one", NULL },
+	{ "view_tracking", (getter)tensor_view_tracking, NULL, "how the param view's writes are "
+	  "found: 'userfaultfd', 'pagemap' (slower) or 'none' (no view)", NULL },
 	{ "name", (getter)tensor_name, NULL, NULL, NULL },
 	{ "numel", (getter)tensor_numel, NULL, NULL, NULL },
 	{ "grad_dtype", (getter)tensor_grad_dtype, NULL, NULL, NULL },

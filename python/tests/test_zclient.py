@@ -94,14 +94,22 @@ def test_types_are_not_made_by_hand():
     assert issubclass(zoffload.ZoffloadError, OSError)
 
 
-def test_param_view_follows_the_slot_and_finds_writes(daemon):
+@pytest.mark.parametrize("tracking", ["userfaultfd", "pagemap"])
+def test_param_view_follows_the_slot_and_finds_writes(daemon, monkeypatch, tracking):
     """The param view reads the daemon's values where this process has not written, and
-    tells the pages it wrote (its own copies, which no step updates) from the rest."""
+    tells the pages it wrote (its own copies, which no step updates) from the rest, both
+    ways of finding them: a write from the kernel (read() into the view) counts too."""
     import mmap
+    import os
     page = mmap.PAGESIZE // 4          # fp32 elements in a page
     n = 3 * page
+    if tracking == "pagemap":
+        monkeypatch.setenv("ZOFFLOAD_PARAM_VIEW_TRACKING", "pagemap")
     c = conn(daemon)
     t = c.register("w", array.array("f", [1.0] * n), param_view=True)
+    if t.view_tracking != tracking:
+        pytest.skip(f"this kernel tracks views by {t.view_tracking} (userfaultfd's "
+                    "asynchronous write protection needs Linux 6.7 and no seccomp filter)")
     plain = c.register("u", array.array("f", [1.0] * 4))
     assert plain.param_view is None
     with pytest.raises(zoffload.ZoffloadError, match="no param view"):
@@ -124,6 +132,14 @@ def test_param_view_follows_the_slot_and_finds_writes(daemon):
     assert torch.equal(view[:page], slot[:page]) and torch.equal(view[2 * page:], slot[2 * page:])
     t.view_reset()
     assert t.view_written() == 0 and torch.equal(view, slot)
+    r, w = os.pipe()
+    os.write(w, b"\0\0\0\0")
+    into = memoryview(t.param_view).cast("B")[2 * mmap.PAGESIZE:][:4]
+    assert os.readv(r, [into]) == 4
+    assert t.view_written() == 1 and view[2 * page].item() == 0.0
+    os.close(r)
+    os.close(w)
+    t.view_reset()
     del view
     with pytest.raises(BufferError, match="still view"):
         t.unregister()
