@@ -400,6 +400,60 @@ count_init_missing(const struct ze_tensor *t)
 	return t->numel - set;
 }
 
+/* A kept slot or state memfd of `bytes` (as made: whole pages), or -errno. */
+static int
+kept_bytes(int fd, uint64_t bytes)
+{
+	struct stat st;
+
+	if (fd < 0)
+		return -ENOENT;
+	if (fstat(fd, &st) != 0)
+		return -errno;
+	return (uint64_t)st.st_size == bytes ? 0 : -EBADFD;
+}
+
+int
+ze_tensor_adopt_check(struct ze_engine *e, const struct ze_tensor_fds *fds, char *err,
+    size_t errlen)
+{
+	struct ze_tensor *t = ze_tensor_alloc(e, NULL);
+	const char *what = NULL;
+	int r;
+
+	if (t == NULL) {
+		snprintf(err, errlen, "out of memory");
+		return -ENOMEM;
+	}
+	/* Mapped and read: nothing in it is written until ze_tensor_adopt. */
+	r = adopt_record(t, fds->record, err, errlen);
+	if (r < 0)
+		goto out;
+	if (t->on_nvme && e->swap == NULL) {
+		r = -ENODEV;
+		what = "its extent on the swap paths";
+	} else if (!t->on_nvme && (fds->state < 0 ||
+	    t->state_bytes != ze_tensor_pinned_bytes(t) || (r = kept_bytes(fds->state,
+	    zt_arena_fd_bytes(e->arena, t->state_bytes))) < 0)) {
+		r = r < 0 ? r : -ENOENT;
+		what = "its state";
+	} else if ((r = kept_bytes(fds->grad, (t->numel * zk_dtype_size(t->grad_dtype) +
+	    4095) / 4096 * 4096)) < 0) {
+		what = "its grad slot";
+	} else if ((r = kept_bytes(fds->param, (t->numel * zk_dtype_size(t->param_dtype) +
+	    4095) / 4096 * 4096)) < 0) {
+		what = "its param slot";
+	}
+	if (what != NULL)
+		snprintf(err, errlen, "tensor '%s': cannot take back %s: %s", t->name, what,
+		    ze_strerror(r));
+out:
+	if (t->rec != NULL)
+		munmap(t->rec, t->rec_bytes);
+	free(t);
+	return r;
+}
+
 int
 ze_tensor_adopt(struct ze_engine *e, const struct ze_tensor_fds *fds, struct ze_account *job,
     struct ze_account *uid, void *user, struct ze_tensor **ret, struct ze_adopt_report *rep,
