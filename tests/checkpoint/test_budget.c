@@ -290,3 +290,43 @@ Test(budget, a_save_past_the_budget_is_refused_by_name)
 	close(sock);
 	cr_assert_eq(itd_stop(&d, 30), 0, "%s", itd_log_text(&d));
 }
+
+/*
+ * Saves waiting their turn when their client goes away end as their turn comes: nothing
+ * of them is left (transfers, buffers, the descriptors they were sent; its tensors stay
+ * kept for a new process of the rank, their descriptors too).
+ */
+Test(budget, waiting_saves_of_a_client_gone_end)
+{
+	static struct zp_msg m;
+	struct zc_conn *c;
+	double fds0;
+	int sock, file, i;
+	char b[32];
+
+	snprintf(b, sizeof(b), "%lluM", BUDGET >> 20);
+	start(b);
+	c = itd_connect(&d);
+	sock = job_with(SAVES);
+	/* Less the connection that goes: what its kept tensors hold. */
+	fds0 = itd_stat(c, "limits.client_fds") - 1;
+	file = scratch_file();
+	for (unsigned k = 0; k < SAVES; k++)
+		send_save(sock, k + 1, k, 10 + k, file);
+	itd_raw_send(sock, ZP_PING, 2, NULL);
+	recv_type(sock, ZP_PONG, &m);
+	cr_assert_eq(stat_or_zero(c, "checkpoint", "transfers_waiting"), SAVES - BUDGET / BUF_BYTES);
+	close(sock);
+	close(file);
+	g.fd = open(g.gate, O_RDWR);
+	cr_assert_geq(g.fd, 0);
+	for (i = 0; i < 3000 && (itd_stat(c, "checkpoint.transfers_in_flight") > 0 ||
+	    itd_stat(c, "limits.client_fds") > fds0); i++)
+		usleep(10000);
+	cr_assert_eq(itd_stat(c, "checkpoint.transfers_in_flight"), 0, "%s", itd_log_text(&d));
+	cr_assert_eq(stat_or_zero(c, "checkpoint", "buffer_bytes"), 0);
+	cr_assert_eq(stat_or_zero(c, "checkpoint", "transfers_waiting"), 0);
+	cr_assert_eq(itd_stat(c, "limits.client_fds"), fds0, "descriptors left behind");
+	zc_disconnect(c);
+	cr_assert_eq(itd_stop(&d, 30), 0, "%s", itd_log_text(&d));
+}
