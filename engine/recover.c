@@ -413,12 +413,50 @@ kept_bytes(int fd, uint64_t bytes)
 	return (uint64_t)st.st_size == bytes ? 0 : -EBADFD;
 }
 
+static uint64_t
+page_round(uint64_t bytes)
+{
+	return (bytes + 4095) / 4096 * 4096;
+}
+
+/* What of t's kept parts ze_tensor_adopt would refuse: 0, or -errno with *what. */
+static int
+check_parts(struct ze_engine *e, struct ze_tensor *t, const struct ze_tensor_fds *fds,
+    const char **what)
+{
+	int r;
+
+	if (t->on_nvme) {
+		*what = "its extent on the swap paths";
+		if (e->swap == NULL)
+			return -ENODEV;
+		/* Taken and given back: the swap files' free space, in memory only. */
+		r = zs_extent_reserve(e->swap, &t->rec->extent);
+		if (r < 0)
+			return r;
+		zs_extent_free(e->swap, &t->rec->extent);
+	} else {
+		*what = "its state";
+		if (fds->state < 0 || t->state_bytes != ze_tensor_pinned_bytes(t))
+			return -ENOENT;
+		r = kept_bytes(fds->state, zt_arena_fd_bytes(e->arena, t->state_bytes));
+		if (r < 0)
+			return r;
+	}
+	*what = "its grad slot";
+	r = kept_bytes(fds->grad, page_round(t->numel * zk_dtype_size(t->grad_dtype)));
+	if (r < 0)
+		return r;
+	*what = "its param slot";
+	return kept_bytes(fds->param, page_round(t->numel * zk_dtype_size(t->param_dtype)));
+}
+
 int
 ze_tensor_adopt_check(struct ze_engine *e, const struct ze_tensor_fds *fds, char *err,
     size_t errlen)
 {
 	struct ze_tensor *t = ze_tensor_alloc(e, NULL);
-	const char *what = NULL;
+	const char *what = "";
 	int r;
 
 	if (t == NULL) {
@@ -427,27 +465,12 @@ ze_tensor_adopt_check(struct ze_engine *e, const struct ze_tensor_fds *fds, char
 	}
 	/* Mapped and read: nothing in it is written until ze_tensor_adopt. */
 	r = adopt_record(t, fds->record, err, errlen);
-	if (r < 0)
-		goto out;
-	if (t->on_nvme && e->swap == NULL) {
-		r = -ENODEV;
-		what = "its extent on the swap paths";
-	} else if (!t->on_nvme && (fds->state < 0 ||
-	    t->state_bytes != ze_tensor_pinned_bytes(t) || (r = kept_bytes(fds->state,
-	    zt_arena_fd_bytes(e->arena, t->state_bytes))) < 0)) {
-		r = r < 0 ? r : -ENOENT;
-		what = "its state";
-	} else if ((r = kept_bytes(fds->grad, (t->numel * zk_dtype_size(t->grad_dtype) +
-	    4095) / 4096 * 4096)) < 0) {
-		what = "its grad slot";
-	} else if ((r = kept_bytes(fds->param, (t->numel * zk_dtype_size(t->param_dtype) +
-	    4095) / 4096 * 4096)) < 0) {
-		what = "its param slot";
+	if (r == 0) {
+		r = check_parts(e, t, fds, &what);
+		if (r < 0)
+			snprintf(err, errlen, "tensor '%s': cannot take back %s: %s", t->name, what,
+			    ze_strerror(r));
 	}
-	if (what != NULL)
-		snprintf(err, errlen, "tensor '%s': cannot take back %s: %s", t->name, what,
-		    ze_strerror(r));
-out:
 	if (t->rec != NULL)
 		munmap(t->rec, t->rec_bytes);
 	free(t);
