@@ -2,8 +2,9 @@
  * Checkpoint buffers are charged to the uid that asks (limits.uid_ckpt_buffer_budget).
  * An fp32 save of a q8-moments tensor on NVMe decodes a whole chunk at a time into a
  * buffer of its own: many such saves at once from one uid took one buffer each, charged
- * to nobody, and the daemon's memory grew with their number.  Now a save without room
- * waits its turn, and one that alone needs more than the budget is refused by name.
+ * to nobody, and the daemon's memory grew with their number.  Now a save (or restore)
+ * without room waits its turn, and one that alone needs more than the budget is refused
+ * by name.
  *
  * The saves are held with the checkpoint I/O threads' gate (ZOFFLOADD_TEST_CKPT_GATE):
  * each, its first piece read from the tiers into its buffer, waits there to be written,
@@ -120,14 +121,14 @@ job_with(unsigned n)
 	return sock;
 }
 
-/* An fp32 save of tensor `handle` into file, its arrays at slot's place there. */
+/* An fp32 save (or restore) of tensor `handle` into (from) file, its arrays at slot's place. */
 static void
-send_save(int sock, uint32_t handle, unsigned slot, uint64_t id, int file)
+send_xfer(int sock, bool restore, uint32_t handle, unsigned slot, uint64_t id, int file)
 {
 	static struct zp_msg m;
 
 	memset(&m, 0, sizeof(m));
-	m.hdr.type = ZP_CKPT_WRITE;
+	m.hdr.type = restore ? ZP_CKPT_READ : ZP_CKPT_WRITE;
 	m.hdr.request_id = id;
 	m.u.ckpt_write.handle = handle;
 	m.u.ckpt_write.count = CHUNK;
@@ -135,6 +136,12 @@ send_save(int sock, uint32_t handle, unsigned slot, uint64_t id, int file)
 	for (unsigned i = 0; i < 3; i++)
 		m.u.ckpt_write.file_offset[i] = ((uint64_t)slot * 3 + i) * CHUNK * sizeof(float);
 	cr_assert_eq(zp_send(sock, &m, &file, 1), 0);
+}
+
+static void
+send_save(int sock, uint32_t handle, unsigned slot, uint64_t id, int file)
+{
+	send_xfer(sock, false, handle, slot, id, file);
 }
 
 /* The daemon's VmRSS or VmHWM, bytes. */
@@ -191,6 +198,7 @@ scratch_file(void)
 Test(budget, many_saves_of_one_uid_stay_within_its_budget)
 {
 	static struct zp_msg m;
+	static uint32_t crc[SAVES][ZP_CKPT_ARRAYS];
 	struct zc_conn *c;
 	uint64_t rss0, rss1, hwm, read0, read1, per_save, want;
 	unsigned started, done = 0;
@@ -250,6 +258,7 @@ Test(budget, many_saves_of_one_uid_stay_within_its_budget)
 	while (done < SAVES) {
 		recv_type(sock, ZP_CKPT_DONE, &m);
 		cr_assert(m.hdr.request_id >= 10 && m.hdr.request_id < 10 + SAVES);
+		memcpy(crc[m.hdr.request_id - 10], m.u.ckpt_done.crc, sizeof(crc[0]));
 		done++;
 	}
 	hwm = daemon_mem("VmHWM");
@@ -261,6 +270,25 @@ Test(budget, many_saves_of_one_uid_stay_within_its_budget)
 	cr_assert_eq(stat_or_zero(c, "checkpoint", "buffer_bytes"), 0);
 	cr_assert_eq(stat_or_zero(c, "checkpoint", "transfers_waiting"), 0);
 	cr_assert_eq(itd_stat(c, "checkpoint.transfers_in_flight"), 0);
+
+	/* Restores take the same buffers and turns: each reads back what its save wrote. */
+	close(g.fd);
+	g.fd = -1;
+	for (unsigned i = 0; i < SAVES; i++)
+		send_xfer(sock, true, i + 1, i, 100 + i, file);
+	itd_raw_send(sock, ZP_PING, 3, NULL);
+	recv_type(sock, ZP_PONG, &m);
+	cr_assert_eq(stat_or_zero(c, "checkpoint", "transfers_waiting"), SAVES - started);
+	g.fd = open(g.gate, O_RDWR);
+	cr_assert_geq(g.fd, 0);
+	for (done = 0; done < SAVES; done++) {
+		recv_type(sock, ZP_CKPT_DONE, &m);
+		cr_assert(m.hdr.request_id >= 100 && m.hdr.request_id < 100 + SAVES);
+		cr_assert_arr_eq(m.u.ckpt_done.crc, crc[m.hdr.request_id - 100], sizeof(crc[0]),
+		    "restore %llu read other bytes than its save wrote",
+		    (unsigned long long)m.hdr.request_id);
+	}
+	cr_assert_eq(stat_or_zero(c, "checkpoint", "buffer_bytes"), 0);
 	zc_disconnect(c);
 	close(file);
 	close(sock);
