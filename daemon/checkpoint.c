@@ -46,25 +46,33 @@ zd_ckpt_release_closed(struct zd_daemon *d, struct zd_uid *uid)
 static void
 ckpt_free(struct zd_daemon *d, struct zd_ckpt_write *w)
 {
+	if (w->waiting)
+		w->uid->ckpt_waiting--;
+	zd_ckpt_bufs_put(w);
 	zd_closer_close(d, w->uid, w->fd, ZD_CLOSE_CHARGED);
 	zd_uid_put(d, w->uid);
-	zd_ckpt_buf_put(w->buf[0], w->buf_elements);
-	zd_ckpt_buf_put(w->buf[1], w->buf_elements);
 	if (w->held != NULL)
 		ze_tensor_release(w->held);
 	free(w);
 }
+
+static void start_waiting(struct zd_daemon *d, struct zd_uid *u);
 
 /* Off the list and freed: w is idle (nothing in the engine or on a thread). */
 static void
 ckpt_end(struct zd_daemon *d, struct zd_ckpt_write *w)
 {
 	struct zd_ckpt_write **pp;
+	struct zd_uid *u = w->uid;
+	/* Transfers waiting keep u (zd_uid_put): it outlives w then. */
+	bool others = u->ckpt_waiting > (w->waiting ? 1u : 0u);
 
 	for (pp = &d->ckpt_writes; *pp != w; pp = &(*pp)->next)
 		;
 	*pp = w->next;
 	ckpt_free(d, w);
+	if (others)
+		start_waiting(d, u);
 	if (d->ckpt_io != NULL)
 		zd_maybe_finish(d);
 }
@@ -325,6 +333,70 @@ progress(struct zd_daemon *d, struct zd_ckpt_write *w)
 		save_advance(d, s, w);
 }
 
+/* w's first piece asked for: from the file (a restore) or from the tiers (a save). */
+static void
+begin(struct zd_daemon *d, struct zd_session *s, struct zd_ckpt_write *w)
+{
+	int r;
+
+	if (w->restore) {
+		/* The first piece into buf[0] (or the tensor): the advance takes it on when in. */
+		submit_read(d, w, w->buf[0]);
+		return;
+	}
+	r = issue(w);
+	if (r < 0)
+		fail(d, s, w, ze_errno(r), "tensor '%s': %s", w->name, ze_strerror(r));
+	else
+		progress(d, w);
+}
+
+/* A waiting transfer's turn: its buffers, and its first piece; or its end, if it is of no use. */
+static void
+begin_waiting(struct zd_daemon *d, struct zd_ckpt_write *w)
+{
+	struct zd_session *s = zd_session_by_id(d, w->lane);
+
+	w->waiting = false;
+	w->uid->ckpt_waiting--;
+	if (s == NULL || w->et == NULL || w->dead) {
+		progress(d, w);		/* ends it, answered if its client is there */
+		return;
+	}
+	if (zd_ckpt_bufs_take(w) < 0) {
+		fail(d, s, w, -ENOMEM, "tensor '%s': out of memory for a checkpoint transfer of "
+		    "%llu elements", w->name, (unsigned long long)w->buf_elements);
+		return;
+	}
+	begin(d, s, w);
+}
+
+/*
+ * u's waiting transfers begun, oldest first, while the next one's buffers fit: as one of
+ * u's transfers ends.  Not entered again from within: a transfer begun here that ends at
+ * once (refused) leaves the rest to this loop.  The process has one daemon.
+ */
+static void
+start_waiting(struct zd_daemon *d, struct zd_uid *u)
+{
+	static bool running;
+
+	if (running)
+		return;
+	running = true;
+	while (u->ckpt_waiting > 0 && d->ckpt_io != NULL) {
+		struct zd_ckpt_write *w, *first = NULL;
+
+		for (w = d->ckpt_writes; w != NULL; w = w->next)
+			if (w->waiting && w->uid == u && (first == NULL || w->seq < first->seq))
+				first = w;
+		if (first == NULL || !zd_ckpt_bufs_fit(d, first))
+			break;
+		begin_waiting(d, first);
+	}
+	running = false;
+}
+
 bool
 zd_ckpt_io_done(struct zd_daemon *d, uint32_t lane, uint64_t id, void *user, int result)
 {
@@ -407,6 +479,12 @@ zd_ckpt_stop(struct zd_daemon *d)
 	zd_ckpt_io_stop(d->ckpt_io);
 	while ((job = zd_ckpt_io_take(d->ckpt_io)) != NULL)
 		((struct zd_ckpt_write *)job)->in_io = false;
+	/* Those waiting for buffers are not begun now: they end with the rest. */
+	for (w = d->ckpt_writes; w != NULL; w = w->next) {
+		if (w->waiting)
+			w->uid->ckpt_waiting--;
+		w->waiting = false;
+	}
 	/* Those with a piece in the engine end when it comes back (no session is left). */
 	for (w = d->ckpt_writes; w != NULL; w = next) {
 		next = w->next;
@@ -476,6 +554,9 @@ short_file(int fd, const struct zp_ckpt_write *req, char *err, size_t errlen)
 	}
 	return 0;
 }
+
+/* Transfers in the order they were asked for: waiting ones begin in it. */
+static uint64_t ckpt_seq;
 
 /* Validates the request; a new w, or NULL after answering why not. */
 static struct zd_ckpt_write *
@@ -560,17 +641,21 @@ ckpt_new(struct zd_session *s, const struct zp_msg *msg, int fd)
 		return NULL;
 	}
 	w = calloc(1, sizeof(*w));
-	if (w != NULL && piece > 0) {
-		w->buf_elements = piece;
-		w->buf[0] = zd_ckpt_buf_get(piece);
-		w->buf[1] = two ? zd_ckpt_buf_get(piece) : NULL;
+	if (w == NULL) {
+		zd_session_error(s, id, -ENOMEM, "out of memory for a checkpoint transfer");
+		return NULL;
 	}
-	if (w == NULL || (piece > 0 && (w->buf[0] == NULL ||
-	    (two && w->buf[1] == NULL)))) {
-		if (w != NULL) {
-			zd_ckpt_buf_put(w->buf[0], piece);
-			zd_ckpt_buf_put(w->buf[1], piece);
-		}
+	w->uid = s->uid_usage;
+	w->buf_elements = piece;
+	w->nbufs = piece == 0 ? 0 : two ? 2 : 1;
+	r = zd_ckpt_bufs_room(s->daemon, w, err, sizeof(err));
+	if (r < 0) {
+		free(w);
+		zd_session_error(s, id, r, "tensor '%s': %s", t->name, err);
+		return NULL;
+	}
+	w->waiting = r > 0;
+	if (!w->waiting && zd_ckpt_bufs_take(w) < 0) {
 		free(w);
 		zd_session_error(s, id, -ENOMEM, "out of memory for a checkpoint transfer of %llu "
 		    "elements", (unsigned long long)piece);
@@ -600,8 +685,9 @@ ckpt_new(struct zd_session *s, const struct zp_msg *msg, int fd)
 	memcpy(w->crc, req->crc, sizeof(w->crc));
 	snprintf(w->name, sizeof(w->name), "%s", t->name);
 	/* Its descriptor is the uid's until the closer has closed it: the charge keeps uid. */
-	w->uid = s->uid_usage;
 	zd_uid_hold_fd(s->daemon, w->uid);
+	w->uid->ckpt_waiting += w->waiting;
+	w->seq = ++ckpt_seq;
 	return w;
 }
 
@@ -652,7 +738,6 @@ zd_handle_request_fd(struct zd_session *s, const struct zp_msg *msg, int fd)
 {
 	struct zd_daemon *d = s->daemon;
 	struct zd_ckpt_write *w;
-	int r;
 
 	if ((msg->hdr.type != ZP_CKPT_WRITE && msg->hdr.type != ZP_CKPT_READ &&
 	    msg->hdr.type != ZP_CKPT_RELEASE) || !s->hello_done) {
@@ -671,16 +756,9 @@ zd_handle_request_fd(struct zd_session *s, const struct zp_msg *msg, int fd)
 	}
 	w->next = d->ckpt_writes;
 	d->ckpt_writes = w;
-	if (w->restore) {
-		/* The first piece into buf[0] (or the tensor): the advance takes it on when in. */
-		submit_read(d, w, w->buf[0]);
-		return;
-	}
-	r = issue(w);
-	if (r < 0)
-		fail(d, s, w, ze_errno(r), "tensor '%s': %s", w->name, ze_strerror(r));
-	else
-		progress(d, w);
+	/* Waiting: begun once its uid's earlier transfers leave room (start_waiting). */
+	if (!w->waiting)
+		begin(d, s, w);
 }
 
 bool
@@ -697,15 +775,23 @@ zd_ckpt_stats_json(struct cJSON *root, const struct zd_daemon *d)
 {
 	cJSON *c = cJSON_AddObjectToObject(root, "checkpoint");
 	const struct zd_ckpt_write *w;
-	unsigned n = 0;
+	unsigned n = 0, waiting = 0;
+	uint64_t bufs = 0;
 
 	if (c == NULL)
 		return;
-	for (w = d->ckpt_writes; w != NULL; w = w->next)
+	for (w = d->ckpt_writes; w != NULL; w = w->next) {
 		n++;
+		waiting += w->waiting;
+		bufs += w->buf_charge;
+	}
 	cJSON_AddNumberToObject(c, "bytes_written", (double)d->ckpt_bytes);
 	cJSON_AddNumberToObject(c, "bytes_read", (double)d->ckpt_bytes_read);
+	/* Waiting ones included: accepted, their tensors refuse steps meanwhile. */
 	cJSON_AddNumberToObject(c, "transfers_in_flight", n);
+	cJSON_AddNumberToObject(c, "transfers_waiting", waiting);
+	/* Piece buffers the transfers hold (each uid's within limits.uid_ckpt_buffer_budget). */
+	cJSON_AddNumberToObject(c, "buffer_bytes", (double)bufs);
 	cJSON_AddNumberToObject(c, "replaced_files_closing", d->ckpt_releasing);
 	cJSON_AddNumberToObject(c, "replaced_files_closed", (double)d->ckpt_released);
 }

@@ -1,7 +1,7 @@
 /*
  * Checkpoint pieces on the I/O threads: a piece of a transfer's file written (CRC'd on
  * the way) or read (CRC'd, and for state in memory its params refreshed), and the
- * piece buffers they move through.
+ * piece buffers they move through, charged to the uid whose transfer has them.
  */
 #include <errno.h>
 #include <fcntl.h>
@@ -12,7 +12,10 @@
 
 #include "checkpoint_xfer.h"
 #include "crc32c.h"
+#include "daemon.h"
 #include "fileio.h"
+#include "log.h"
+#include "uid.h"
 
 /*
  * Whole-piece buffers (12 MiB for fp32's PIECE, a whole chunk's for compressed state on
@@ -20,7 +23,8 @@
  * fault and a page of zeros per 4 KiB, which was a quarter of a restore's time.  Two
  * transfers' worth are kept (a client saves or restores three tensors at once: the
  * third's are fresh, to bound what an idle daemon keeps), of the size last given back;
- * the process has one daemon, and they live as long.
+ * the process has one daemon, and they live as long.  Kept ones are charged to nobody:
+ * SPARE_BUFS of them at most, whatever the uids do.
  */
 #define SPARE_BUFS 4
 static struct {
@@ -32,8 +36,8 @@ static struct {
  * Room for any format's arrays of `elements` (a multiple of 1024 where fp32's are
  * stride() apart: fp32's are the largest, but for q8's scales).
  */
-static uint64_t
-piece_bytes(uint64_t elements)
+uint64_t
+zd_ckpt_buf_bytes(uint64_t elements)
 {
 	return 3 * elements * sizeof(float) + 2 * sizeof(float) * ((elements + 255) / 256);
 }
@@ -51,7 +55,7 @@ zd_ckpt_buf_get(uint64_t elements)
 			return b;
 		}
 	}
-	return posix_memalign(&b, 4096, piece_bytes(elements)) == 0 ? b : NULL;
+	return posix_memalign(&b, 4096, zd_ckpt_buf_bytes(elements)) == 0 ? b : NULL;
 }
 
 void
@@ -79,6 +83,77 @@ zd_ckpt_buf_put(char *b, uint64_t elements)
 	free(spare[keep].buf);
 	spare[keep].buf = b;
 	spare[keep].elements = elements;
+}
+
+/* The bytes w's buffers take: what its uid is charged while it has them. */
+uint64_t
+zd_ckpt_bufs_need(const struct zd_ckpt_write *w)
+{
+	return w->nbufs * zd_ckpt_buf_bytes(w->buf_elements);
+}
+
+/* w's buffers back, and its uid's charge for them. */
+void
+zd_ckpt_bufs_put(struct zd_ckpt_write *w)
+{
+	zd_ckpt_buf_put(w->buf[0], w->buf_elements);
+	zd_ckpt_buf_put(w->buf[1], w->buf_elements);
+	w->buf[0] = w->buf[1] = NULL;
+	w->uid->ckpt_buffer_bytes -= w->buf_charge;
+	w->buf_charge = 0;
+}
+
+/* w's buffers, charged to its uid (room for them was found); 0 or -ENOMEM. */
+int
+zd_ckpt_bufs_take(struct zd_ckpt_write *w)
+{
+	if (w->nbufs == 0)
+		return 0;
+	w->buf[0] = zd_ckpt_buf_get(w->buf_elements);
+	w->buf[1] = w->nbufs > 1 ? zd_ckpt_buf_get(w->buf_elements) : NULL;
+	w->buf_charge = zd_ckpt_bufs_need(w);
+	w->uid->ckpt_buffer_bytes += w->buf_charge;
+	if (w->buf[0] == NULL || (w->nbufs > 1 && w->buf[1] == NULL)) {
+		zd_ckpt_bufs_put(w);
+		return -ENOMEM;
+	}
+	return 0;
+}
+
+/*
+ * Whether w's buffers fit in its uid's limits.uid_ckpt_buffer_budget now.  A transfer
+ * alone always does: a reload may have lowered the budget under what one needs.
+ */
+bool
+zd_ckpt_bufs_fit(const struct zd_daemon *d, const struct zd_ckpt_write *w)
+{
+	uint64_t budget = d->cfg.uid_ckpt_buffer_budget, used = w->uid->ckpt_buffer_bytes;
+
+	return budget == 0 || used == 0 || used + zd_ckpt_bufs_need(w) <= budget;
+}
+
+/*
+ * Room in w's uid's limits.uid_ckpt_buffer_budget for w's buffers: 0 now, 1 once its
+ * uid's transfers before it have given theirs back (it waits its turn), -EDQUOT with err
+ * when it needs more than the budget on its own.
+ */
+int
+zd_ckpt_bufs_room(const struct zd_daemon *d, const struct zd_ckpt_write *w, char *err,
+    size_t errlen)
+{
+	uint64_t budget = d->cfg.uid_ckpt_buffer_budget, need = zd_ckpt_bufs_need(w);
+	char a[32], b[32];
+
+	if (need == 0 || budget == 0)
+		return 0;
+	if (need > budget) {
+		zd_fmt_bytes(need, a, sizeof(a));
+		zd_fmt_bytes(budget, b, sizeof(b));
+		snprintf(err, errlen, "a checkpoint transfer of it needs %s of buffers, more than "
+		    "limits.uid_ckpt_buffer_budget (%s)", a, b);
+		return -EDQUOT;
+	}
+	return w->uid->ckpt_waiting == 0 && zd_ckpt_bufs_fit(d, w) ? 0 : 1;
 }
 
 /*

@@ -6,6 +6,7 @@
 #define ZD_CHECKPOINT_XFER_H
 
 #include <stdbool.h>
+#include <stddef.h>
 #include <stdint.h>
 
 #include "checkpoint_io.h"
@@ -78,6 +79,12 @@ struct zd_ckpt_write {
 	bool restore;
 	bool dead;			/* answered (an error) or its client gone: ends when idle */
 	bool in_engine, in_io;
+	/*
+	 * Accepted, waiting for room in its uid's limits.uid_ckpt_buffer_budget: no buffers
+	 * yet, nothing in flight; started in turn (seq) as the uid's other transfers end.
+	 */
+	bool waiting;
+	uint64_t seq;
 	uint64_t offset;		/* in the tensor */
 	uint64_t count;
 	enum zk_state_format format;	/* of the file's arrays: fp32, or the tensor's (raw) */
@@ -85,6 +92,8 @@ struct zd_ckpt_write {
 	uint32_t crc[ZP_CKPT_ARRAYS];
 	char *buf[2];			/* the arrays of one piece each (piece_layout) */
 	uint64_t buf_elements;		/* per array in each */
+	unsigned nbufs;			/* buffers it needs: 1, or 2 (a range of several pieces) */
+	uint64_t buf_charge;		/* bytes of them charged to uid (ckpt_buffer_bytes) */
 	uint64_t chunk;			/* the tensor's NVMe chunk (0: in memory): pieces end there */
 	uint64_t piece_most;		/* elements in a piece at most (PIECE, or the chunk) */
 	unsigned cur;			/* save: buf[cur] is the engine's; restore: the I/O's */
@@ -102,9 +111,26 @@ struct zd_ckpt_write {
 	char name[ZP_NAME_MAX + 1];
 };
 
+/* The bytes of a buffer for a piece of `elements` (zd_ckpt_buf_get's). */
+uint64_t zd_ckpt_buf_bytes(uint64_t elements);
 /* A 4 KiB-aligned buffer for a piece of `elements` (a kept one when it is a whole PIECE). */
 char *zd_ckpt_buf_get(uint64_t elements);
 void zd_ckpt_buf_put(char *b, uint64_t elements);
+/*
+ * Checkpoint buffers are charged to the uid that asked (zd_uid's ckpt_buffer_bytes), at
+ * most limits.uid_ckpt_buffer_budget: a transfer without room waits its turn.
+ * zd_ckpt_bufs_need: the bytes w's buffers take.  zd_ckpt_bufs_room: 0 room now, 1 wait,
+ * -EDQUOT (err says why) when w alone needs more than the budget.  zd_ckpt_bufs_fit: room
+ * now, for a waiting one (alone, it always fits).  zd_ckpt_bufs_take: the buffers, charged
+ * (0 or -ENOMEM); zd_ckpt_bufs_put: given back, and the charge.
+ */
+struct zd_daemon;
+uint64_t zd_ckpt_bufs_need(const struct zd_ckpt_write *w);
+int zd_ckpt_bufs_room(const struct zd_daemon *d, const struct zd_ckpt_write *w, char *err,
+    size_t errlen);
+bool zd_ckpt_bufs_fit(const struct zd_daemon *d, const struct zd_ckpt_write *w);
+int zd_ckpt_bufs_take(struct zd_ckpt_write *w);
+void zd_ckpt_bufs_put(struct zd_ckpt_write *w);
 /* The piece w names (io_*) read from or written to its file: run on an I/O thread. */
 void zd_ckpt_piece_run(struct zd_ckpt_job *job);
 

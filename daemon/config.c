@@ -145,6 +145,12 @@ zd_config_defaults(struct zd_config *cfg)
 	cfg->max_queued_bytes = 16ull << 20;
 	cfg->uid_queued_bytes = 64ull << 20;
 	cfg->uid_max_tensors = 16384;
+	/*
+	 * Three transfers at once (as a client saves) of state on NVMe in compressed form,
+	 * two buffers each of a default chunk (48 MiB): no client that saves as libzclient
+	 * does waits, and one uid's saves cannot take the node's memory.
+	 */
+	cfg->uid_ckpt_buffer_budget = 384ull << 20;
 	cfg->detach_grace_s = 300;
 	cfg->recovery_journal = true;
 	cfg->log_level = ZD_LOG_INFO;
@@ -573,7 +579,7 @@ parse_limits(struct parse_ctx *ctx, const cJSON *s, struct zd_config *cfg)
 	static const char *const keys[] = { "max_clients", "max_clients_per_uid",
 		"max_queued_messages", "uid_pinned_budget", "uid_swap_budget", "detach_grace_s",
 		"max_queued_bytes", "uid_queued_bytes", "uid_max_tensors", "uid_max_fds",
-		"uid_shm_budget", NULL };
+		"uid_shm_budget", "uid_ckpt_buffer_budget", NULL };
 
 	check_keys(ctx, s, "limits", keys);
 	get_unsigned(ctx, s, "limits", "max_clients", 1, 1000000, &cfg->max_clients);
@@ -590,6 +596,7 @@ parse_limits(struct parse_ctx *ctx, const cJSON *s, struct zd_config *cfg)
 	get_unsigned(ctx, s, "limits", "uid_max_tensors", 0, 1u << 24, &cfg->uid_max_tensors);
 	get_unsigned(ctx, s, "limits", "uid_max_fds", 0, 1u << 24, &cfg->uid_max_fds);
 	get_size(ctx, s, "limits", "uid_shm_budget", 0, &cfg->uid_shm_budget);
+	get_size(ctx, s, "limits", "uid_ckpt_buffer_budget", 0, &cfg->uid_ckpt_buffer_budget);
 }
 
 static void

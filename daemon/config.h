@@ -64,6 +64,7 @@ struct zd_config {
 	unsigned uid_max_tensors;	/* tensors a uid holds, detached ones included; 0: none */
 	unsigned uid_max_fds;		/* descriptors held for a uid; 0: a quarter of what the daemon may open */
 	uint64_t uid_shm_budget;	/* slots and transfer windows per uid; 0: no per-uid cap */
+	uint64_t uid_ckpt_buffer_budget;	/* checkpoint transfer buffers per uid; 0: no cap */
 
 	enum zd_log_level log_level;
 

@@ -594,15 +594,62 @@ fail:
 	return r;
 }
 
-int
-zd_recover_finish(struct zd_daemon *d)
+/* A kept descriptor by name, left in the store (-1: none). */
+static int
+kept_fd(const struct zd_daemon *d, const char *name)
 {
-	uint64_t t0 = zu_now_ns(), pinned = 0, nvme = 0;
-	bool recovering = d->store.nkept > 0 || d->kept_journal > 2;
-	char a[32], b[32];
+	for (size_t i = 0; i < d->store.nkept; i++)
+		if (d->store.kept[i].fd >= 0 && strcmp(d->store.kept[i].name, name) == 0)
+			return d->store.kept[i].fd;
+	return -1;
+}
+
+/*
+ * The kept tensor zt<id> could be adopted: what adopt_one would refuse, found with
+ * nothing taken from the store and nothing written.  Adopting a tensor finishes the
+ * journal's slice in it and settles its record: a refusal found at a later tensor
+ * would leave those written, and a refused state is left as it was.
+ */
+static int
+check_one(struct zd_daemon *d, const char *id)
+{
+	struct ze_tensor_fds fds;
+	struct ze_record_info info;
+	char name[48], err[400];
+	int r;
+
+	snprintf(name, sizeof(name), "zt%s.rec", id);
+	fds.record = kept_fd(d, name);
+	snprintf(name, sizeof(name), "zt%s.state", id);
+	fds.state = kept_fd(d, name);
+	snprintf(name, sizeof(name), "zt%s.grad", id);
+	fds.grad = kept_fd(d, name);
+	snprintf(name, sizeof(name), "zt%s.param", id);
+	fds.param = kept_fd(d, name);
+	if (fds.param < 0) {
+		snprintf(name, sizeof(name), "zt%s.param2", id);
+		fds.param = kept_fd(d, name);
+	}
+	r = fds.grad < 0 || fds.param < 0 ? -ENOENT : ze_record_peek(fds.record, &info, err,
+	    sizeof(err));
+	if (r < 0) {
+		log_errorx("refusing to start: tensor zt%s: %s", id, r == -ENOENT ?
+		    "its grad or param slot was not handed back" : err);
+		return r;
+	}
+	r = ze_tensor_adopt_check(d->engine, &fds, err, sizeof(err));
+	if (r < 0)
+		log_errorx("refusing to start: tensor zt%s: %s", id, err);
+	return r;
+}
+
+/* Calls fn for every kept tensor record, by its id, until one fails. */
+static int
+each_kept_tensor(struct zd_daemon *d, int (*fn)(struct zd_daemon *, const char *, void *),
+    void *arg)
+{
 	int r = 0;
 
-	d->adopting = true;
 	for (size_t i = 0; i < d->store.nkept && r == 0; i++) {
 		const struct zd_fdstore_entry *k = &d->store.kept[i];
 		char id[24];
@@ -613,9 +660,48 @@ zd_recover_finish(struct zd_daemon *d)
 			continue;
 		memcpy(id, k->name + 2, n - 6);
 		id[n - 6] = '\0';
-		r = adopt_one(d, id, &pinned, &nvme);
+		r = fn(d, id, arg);
 	}
+	return r;
+}
+
+static int
+check_cb(struct zd_daemon *d, const char *id, void *arg)
+{
+	(void)arg;
+	return check_one(d, id);
+}
+
+struct adopt_totals {
+	uint64_t pinned, nvme;
+};
+
+static int
+adopt_cb(struct zd_daemon *d, const char *id, void *arg)
+{
+	struct adopt_totals *tot = arg;
+
+	return adopt_one(d, id, &tot->pinned, &tot->nvme);
+}
+
+int
+zd_recover_finish(struct zd_daemon *d)
+{
+	uint64_t t0 = zu_now_ns(), pinned, nvme;
+	bool recovering = d->store.nkept > 0 || d->kept_journal > 2;
+	struct adopt_totals tot = { 0 };
+	char a[32], b[32];
+	int r;
+
+	/* Two phases: every tensor checked with nothing written, then each adopted. */
+	r = each_kept_tensor(d, check_cb, NULL);
+	if (r < 0)
+		return r;
+	d->adopting = true;
+	r = each_kept_tensor(d, adopt_cb, &tot);
 	d->adopting = false;
+	pinned = tot.pinned;
+	nvme = tot.nvme;
 	if (r < 0)
 		return r;
 	ze_engine_recovered(d->engine);

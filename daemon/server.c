@@ -367,6 +367,7 @@ reload(struct zd_daemon *d)
 	LIVE("limits.uid_max_tensors", uid_max_tensors);
 	LIVE("limits.uid_max_fds", uid_max_fds);
 	LIVE("limits.uid_shm_budget", uid_shm_budget);
+	LIVE("limits.uid_ckpt_buffer_budget", uid_ckpt_buffer_budget);
 	LIVE("limits.detach_grace_s", detach_grace_s);
 	LIVE("log.level", log_level);
 	RESTART("metrics.listen", str_differ(fresh.metrics_listen, c->metrics_listen));

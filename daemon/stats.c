@@ -297,6 +297,8 @@ add_uid(cJSON *uids, const struct zd_uid *u)
 	cJSON_AddNumberToObject(o, "fds", u->fds);
 	cJSON_AddNumberToObject(o, "shm_bytes", (double)u->shm_bytes);
 	cJSON_AddNumberToObject(o, "queued_bytes", (double)u->queued_bytes);
+	cJSON_AddNumberToObject(o, "ckpt_buffer_bytes", (double)u->ckpt_buffer_bytes);
+	cJSON_AddNumberToObject(o, "ckpt_waiting", u->ckpt_waiting);
 	cJSON_AddItemToArray(uids, o);
 }
 
@@ -334,6 +336,7 @@ add_limits(cJSON *root, const struct zd_daemon *d)
 	cJSON_AddNumberToObject(l, "uid_max_tensors", d->cfg.uid_max_tensors);
 	cJSON_AddNumberToObject(l, "uid_max_fds", zd_uid_fd_cap(d));
 	cJSON_AddNumberToObject(l, "uid_shm_budget", (double)d->cfg.uid_shm_budget);
+	cJSON_AddNumberToObject(l, "uid_ckpt_buffer_budget", (double)d->cfg.uid_ckpt_buffer_budget);
 	cJSON_AddNumberToObject(l, "fd_limit", d->fd_limit);
 	cJSON_AddNumberToObject(l, "client_fds", d->client_fds);
 	/* Client descriptors closed by the closer's threads, not on the loop (closer.c). */

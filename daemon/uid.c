@@ -59,7 +59,8 @@ zd_uid_put(struct zd_daemon *d, struct zd_uid *u)
 	uint64_t pinned, swap;
 
 	if (u == NULL || u->sessions > 0 || u->jobs > 0 || u->tensors > 0 || u->fds > 0 ||
-	    u->shm_bytes > 0 || u->queued_bytes > 0)
+	    u->shm_bytes > 0 || u->queued_bytes > 0 || u->ckpt_buffer_bytes > 0 ||
+	    u->ckpt_waiting > 0)
 		return;
 	ze_account_usage(u->account, &pinned, &swap);
 	if (pinned > 0 || swap > 0)

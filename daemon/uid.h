@@ -31,6 +31,13 @@ struct zd_uid {
 	uint64_t queued_bytes;		/* replies its sessions have not read */
 	unsigned closing;		/* of its fds, those waiting for a closer thread (closer.c) */
 	unsigned metrics_conns;		/* its connections to the metrics endpoint (one fd each) */
+	/*
+	 * Its checkpoint transfers' piece buffers (limits.uid_ckpt_buffer_budget), and its
+	 * transfers waiting for room there; each such transfer holds a descriptor, so the uid
+	 * is not forgotten meanwhile.
+	 */
+	uint64_t ckpt_buffer_bytes;
+	unsigned ckpt_waiting;
 	struct ze_account *account;	/* the uid's budgets; tensors registered by it are charged here */
 };
 

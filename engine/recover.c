@@ -400,6 +400,83 @@ count_init_missing(const struct ze_tensor *t)
 	return t->numel - set;
 }
 
+/* A kept slot or state memfd of `bytes` (as made: whole pages), or -errno. */
+static int
+kept_bytes(int fd, uint64_t bytes)
+{
+	struct stat st;
+
+	if (fd < 0)
+		return -ENOENT;
+	if (fstat(fd, &st) != 0)
+		return -errno;
+	return (uint64_t)st.st_size == bytes ? 0 : -EBADFD;
+}
+
+static uint64_t
+page_round(uint64_t bytes)
+{
+	return (bytes + 4095) / 4096 * 4096;
+}
+
+/* What of t's kept parts ze_tensor_adopt would refuse: 0, or -errno with *what. */
+static int
+check_parts(struct ze_engine *e, struct ze_tensor *t, const struct ze_tensor_fds *fds,
+    const char **what)
+{
+	int r;
+
+	if (t->on_nvme) {
+		*what = "its extent on the swap paths";
+		if (e->swap == NULL)
+			return -ENODEV;
+		/* Taken and given back: the swap files' free space, in memory only. */
+		r = zs_extent_reserve(e->swap, &t->rec->extent);
+		if (r < 0)
+			return r;
+		zs_extent_free(e->swap, &t->rec->extent);
+	} else {
+		*what = "its state";
+		if (fds->state < 0 || t->state_bytes != ze_tensor_pinned_bytes(t))
+			return -ENOENT;
+		r = kept_bytes(fds->state, zt_arena_fd_bytes(e->arena, t->state_bytes));
+		if (r < 0)
+			return r;
+	}
+	*what = "its grad slot";
+	r = kept_bytes(fds->grad, page_round(t->numel * zk_dtype_size(t->grad_dtype)));
+	if (r < 0)
+		return r;
+	*what = "its param slot";
+	return kept_bytes(fds->param, page_round(t->numel * zk_dtype_size(t->param_dtype)));
+}
+
+int
+ze_tensor_adopt_check(struct ze_engine *e, const struct ze_tensor_fds *fds, char *err,
+    size_t errlen)
+{
+	struct ze_tensor *t = ze_tensor_alloc(e, NULL);
+	const char *what = "";
+	int r;
+
+	if (t == NULL) {
+		snprintf(err, errlen, "out of memory");
+		return -ENOMEM;
+	}
+	/* Mapped and read: nothing in it is written until ze_tensor_adopt. */
+	r = adopt_record(t, fds->record, err, errlen);
+	if (r == 0) {
+		r = check_parts(e, t, fds, &what);
+		if (r < 0)
+			snprintf(err, errlen, "tensor '%s': cannot take back %s: %s", t->name, what,
+			    ze_strerror(r));
+	}
+	if (t->rec != NULL)
+		munmap(t->rec, t->rec_bytes);
+	free(t);
+	return r;
+}
+
 int
 ze_tensor_adopt(struct ze_engine *e, const struct ze_tensor_fds *fds, struct ze_account *job,
     struct ze_account *uid, void *user, struct ze_tensor **ret, struct ze_adopt_report *rep,

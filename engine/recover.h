@@ -86,6 +86,15 @@ struct ze_adopt_report {
 int ze_tensor_adopt(struct ze_engine *e, const struct ze_tensor_fds *fds,
     struct ze_account *job, struct ze_account *uid, void *user, struct ze_tensor **ret,
     struct ze_adopt_report *rep, char *err, size_t errlen);
+/*
+ * What ze_tensor_adopt would refuse in fds (a record that does not add up, a slot or the
+ * state missing or of another size), found without writing anything: 0, or -errno with
+ * err saying what.  A restart checks every kept tensor so before it adopts any, since
+ * adopting one finishes the journal's slice and settles its record's stamps, and a
+ * refused state must be left as it was.  The descriptors stay the caller's.
+ */
+int ze_tensor_adopt_check(struct ze_engine *e, const struct ze_tensor_fds *fds, char *err,
+    size_t errlen);
 /* Every kept tensor is back: the journal's entries for tensors that were not are void. */
 void ze_engine_recovered(struct ze_engine *e);
 

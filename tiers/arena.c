@@ -225,6 +225,12 @@ zt_arena_set_budget(struct zt_arena *arena, uint64_t budget_bytes)
 	arena->config.budget_bytes = budget_bytes;
 }
 
+size_t
+zt_arena_fd_bytes(const struct zt_arena *arena, size_t size)
+{
+	return round_up(size, arena->page_size);
+}
+
 void
 zt_arena_get_stats(const struct zt_arena *arena, struct zt_arena_stats *ret)
 {

@@ -43,6 +43,8 @@ int zt_arena_alloc(struct zt_arena *arena, size_t size, void **ret, bool *ret_pi
  */
 int zt_arena_alloc_fd(struct zt_arena *arena, size_t size, const char *name, int fd,
     void **ret, bool *ret_pinned, int *ret_fd);
+/* The bytes a memfd zt_arena_alloc_fd takes for size must have (size page-rounded). */
+size_t zt_arena_fd_bytes(const struct zt_arena *arena, size_t size);
 /* size and pinned as the allocation returned them. */
 void zt_arena_release(struct zt_arena *arena, void *ptr, size_t size, bool pinned);
 /* Budget may shrink below use: new allocations fail until enough is released. */

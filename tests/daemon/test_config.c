@@ -99,6 +99,7 @@ Test(config, defaults)
 	cr_assert_eq(cfg.uid_max_tensors, 16384);
 	cr_assert_eq(cfg.uid_max_fds, 0);
 	cr_assert_eq(cfg.uid_shm_budget, 0);
+	cr_assert_eq(cfg.uid_ckpt_buffer_budget, 384u << 20);
 	cr_assert_eq(cfg.log_level, ZD_LOG_INFO);
 }
 
@@ -107,12 +108,14 @@ Test(config, per_uid_limits)
 {
 	cr_assert_eq(zd_config_parse("{\"limits\": {\"max_queued_bytes\": \"1M\", "
 	    "\"uid_queued_bytes\": \"8M\", \"uid_max_tensors\": 7, \"uid_max_fds\": 300, "
-	    "\"uid_shm_budget\": \"2G\"}}", "x.conf", &cfg, err, sizeof(err)), 0, "%s", err);
+	    "\"uid_shm_budget\": \"2G\", \"uid_ckpt_buffer_budget\": 0}}", "x.conf", &cfg, err,
+	    sizeof(err)), 0, "%s", err);
 	cr_assert_eq(cfg.max_queued_bytes, 1u << 20);
 	cr_assert_eq(cfg.uid_queued_bytes, 8u << 20);
 	cr_assert_eq(cfg.uid_max_tensors, 7);
 	cr_assert_eq(cfg.uid_max_fds, 300);
 	cr_assert_eq(cfg.uid_shm_budget, 2ull << 30);
+	cr_assert_eq(cfg.uid_ckpt_buffer_budget, 0);
 	expect_error("{\"limits\": {\"max_queued_bytes\": 1000}}", "limits.max_queued_bytes",
 	    "1000", NULL);
 	expect_error("{\"limits\": {\"uid_queued_bytes\": \"1K\"}}", "limits.uid_queued_bytes",
@@ -122,6 +125,8 @@ Test(config, per_uid_limits)
 	    NULL);
 	expect_error("{\"limits\": {\"uid_shm_budget\": \"12Q\"}}", "limits.uid_shm_budget", "12Q",
 	    NULL);
+	expect_error("{\"limits\": {\"uid_ckpt_buffer_budget\": \"lots\"}}",
+	    "limits.uid_ckpt_buffer_budget", "lots", NULL);
 }
 
 Test(config, full_file)

@@ -98,6 +98,8 @@ Test(reload, each_reloadable_key)
 		{ "\"limits\": { \"uid_pinned_budget\": \"3M\" }", "limits.uid_pinned_budget", NULL, 3 << 20 },
 		{ "\"limits\": { \"uid_swap_budget\": \"5M\" }", "limits.uid_swap_budget", NULL, 5 << 20 },
 		{ "\"limits\": { \"detach_grace_s\": 17 }", "limits.detach_grace_s", NULL, 17 },
+		{ "\"limits\": { \"uid_ckpt_buffer_budget\": \"7M\" }",
+		    "limits.uid_ckpt_buffer_budget", NULL, 7 << 20 },
 	};
 	char config[512];
 

@@ -1,10 +1,20 @@
-/* A SIGKILL half way through a block of a pinned slice: the journal finishes the step bit for bit; without it the tensor is torn until set. */
+/*
+ * A SIGKILL half way through a block of a pinned slice: the journal finishes the step bit
+ * for bit; without it the tensor is torn until set.  A start that refuses the kept state
+ * writes none of it.
+ */
 #include <criterion/criterion.h>
 #include <errno.h>
+#include <fcntl.h>
+#include <poll.h>
+#include <pthread.h>
+#include <signal.h>
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include "trainer.h"
@@ -188,4 +198,140 @@ Test(midblock, journal_off_torn_until_set)
 	free(want);
 	free(got);
 	free(at2);
+}
+
+/* Steps 1..STEPS on a thread of their own, until one fails (the daemon killed at its gate). */
+struct stepper {
+	bool submitted[ZRT_JOBS];
+	unsigned failed;		/* the step that failed, 0: none */
+};
+
+static void *
+step_thread(void *arg)
+{
+	struct stepper *sp = arg;
+
+	for (unsigned step = 1; step <= STEPS; step++) {
+		if (zrt_step(&run_, step, sp->submitted) < 0) {
+			sp->failed = step;
+			break;
+		}
+		memset(sp->submitted, 0, sizeof(sp->submitted));
+	}
+	return NULL;
+}
+
+/*
+ * FNV-1a over fd's 8-byte words (the journal and the swap file are large and mostly
+ * holes), its length mixed in: any byte changed changes it.
+ */
+static uint64_t
+digest(int fd)
+{
+	static uint64_t buf[1 << 13];
+	uint64_t h = 1469598103934665603ull;
+	off_t off = 0;
+	ssize_t n;
+
+	while ((n = pread(fd, buf, sizeof(buf), off)) > 0) {
+		if (n % 8 != 0)
+			memset((char *)buf + n, 0, (size_t)(8 - n % 8));
+		for (ssize_t i = 0; i < (n + 7) / 8; i++)
+			h = (h ^ buf[i]) * 1099511628211ull;
+		off += n;
+	}
+	return (h ^ (uint64_t)off) * 1099511628211ull;
+}
+
+/*
+ * A refusal found during adoption writes nothing.  The daemon dies half way through
+ * step 3 of 'w', with the journal holding its slice; the grad slot of the tensor kept last
+ * (adopted after 'w') is kept back from the store.  The start refuses, naming it, and
+ * every descriptor kept (the journal, each record, state and slot, the table, the swap
+ * file) reads as before it.  Handed back, the next start adopts: the journal finishes
+ * 'w''s slice and the steps go on to the uninterrupted run's bytes.
+ */
+Test(midblock, refusal_writes_nothing)
+{
+	static uint64_t before[ZST_MAX_FDS];
+	struct stepper sp = { .failed = 0 };
+	char err[20000] = "", grad[64] = "", why[128];
+	struct pollfd p = { .events = POLLIN };
+	size_t bytes, nfds;
+	void *want = reference("fp32", ZC_ADAMW, STEPS, &bytes), *got = malloc(bytes);
+	unsigned stores, removes;
+	pthread_t th;
+	int status, held = -1;
+	char c;
+
+	cr_assert(got != NULL);
+	gated_setup("fp32", ZC_ADAMW, true);
+	p.fd = open(fifo_, O_RDONLY | O_NONBLOCK | O_CLOEXEC);
+	cr_assert_geq(p.fd, 0, "%s", strerror(errno));
+	cr_assert_eq(pthread_create(&th, NULL, step_thread, &sp), 0);
+	cr_assert(poll(&p, 1, 60000) == 1 && read(p.fd, &c, 1) == 1,
+	    "the daemon never reached its step gate\n%s", zst_log(&run_.st));
+	kill(run_.st.pid, SIGKILL);
+	status = zst_wait_exit(&run_.st, 60);
+	cr_assert(status >= 0 && WIFSIGNALED(status), "status 0x%x", status);
+	pthread_join(th, NULL);
+	close(p.fd);
+	cr_assert_eq(sp.failed, 3, "step %u failed, not the gated one", sp.failed);
+
+	/* The last record kept names the tensor adopted last: its grad slot is held back. */
+	for (size_t i = 0; i < run_.st.nfds; i++) {
+		const char *n = run_.st.fds[i].name;
+		size_t len = strlen(n);
+
+		if (strncmp(n, "zt", 2) == 0 && len > 4 && strcmp(n + len - 4, ".rec") == 0)
+			snprintf(grad, sizeof(grad), "%.*s.grad", (int)(len - 4), n);
+	}
+	for (size_t i = 0; i < run_.st.nfds && held < 0; i++) {
+		if (strcmp(run_.st.fds[i].name, grad) != 0)
+			continue;
+		held = run_.st.fds[i].fd;
+		memmove(&run_.st.fds[i], &run_.st.fds[i + 1],
+		    (run_.st.nfds - i - 1) * sizeof(run_.st.fds[0]));
+		run_.st.nfds--;
+	}
+	cr_assert_geq(held, 0, "no %s kept", grad);
+	for (size_t i = 0; i < run_.st.nfds; i++)
+		before[i] = digest(run_.st.fds[i].fd);
+	nfds = run_.st.nfds;
+	stores = run_.st.stores;
+	removes = run_.st.removes;
+
+	cr_assert_eq(zst_start(&run_.st, run_.argv), 0);
+	cr_assert_eq(zst_wait_ready(&run_.st, run_.st.readies + 1, 30), -ECHILD,
+	    "zoffloadd started with %s missing:\n%s", grad, zst_log(&run_.st));
+	zst_drain(&run_.st);
+	snprintf(why, sizeof(why), "refusing to start: tensor %.*s: its grad or param slot was "
+	    "not handed back", (int)(strlen(grad) - 5), grad);
+	cr_assert(strstr(zst_log(&run_.st), why) != NULL, "wanted '%s' in:\n%s", why,
+	    zst_log(&run_.st));
+	cr_assert_eq(run_.st.nfds, nfds);
+	cr_assert_eq(run_.st.stores, stores, "the refusing daemon stored descriptors");
+	cr_assert_eq(run_.st.removes, removes, "the refusing daemon dropped kept descriptors");
+	for (size_t i = 0; i < run_.st.nfds; i++)
+		cr_assert_eq(digest(run_.st.fds[i].fd), before[i], "the refusing daemon wrote %s",
+		    run_.st.fds[i].name);
+
+	/* Handed back: adopted, the slice finished, the steps on to the same bytes. */
+	snprintf(run_.st.fds[run_.st.nfds].name, sizeof(run_.st.fds[0].name), "%s", grad);
+	run_.st.fds[run_.st.nfds++].fd = held;
+	cr_assert_eq(zst_start(&run_.st, run_.argv), 0);
+	cr_assert_eq(zst_wait_ready(&run_.st, run_.st.readies + 1, 30), 0, "%s",
+	    zst_log(&run_.st));
+	cr_assert(strstr(zst_log(&run_.st), "tensor 'w': a step cut short by the restart was made "
+	    "whole (1 slice(s) finished from the journal") != NULL, "%s", zst_log(&run_.st));
+	cr_assert_eq(zrt_attach(&run_, true, err, sizeof(err)), 0, "%s", err);
+	for (unsigned step = 3; step <= STEPS; step++) {
+		cr_assert_eq(zrt_step(&run_, step, sp.submitted), 0, "step %u: %s / %s\n%s", step,
+		    zc_errmsg(run_.j[0].c), zc_errmsg(run_.j[1].c), zst_log(&run_.st));
+		memset(sp.submitted, 0, sizeof(sp.submitted));
+	}
+	zrt_snapshot(&run_, got);
+	same_bytes(got, want, bytes);
+	free(want);
+	free(got);
 }
