@@ -207,3 +207,44 @@ def test_resharded_resume(saved, world):
     moved = max_rel_err([r["ours"][k] for k in r["ours"]],
                         [want["params"][k] for k in r["ours"]])
     assert moved > 1000 * RTOL, "the resumed run did not step"
+
+
+CLIP_STEPS, SKIP_AT = 50, 23
+
+
+def test_own_global_clip_and_skip_across_ranks(daemon, tmp_path):
+    """opt.clip_grad_norm_ (the daemon's gradient pass, the ranks' shares all-reduced) under
+    FSDP2 over 2 ranks, uneven shards: every step's norm is torch.nn.utils.clip_grad_norm_'s
+    over the DTensor grads, the same on both ranks (the global one, not a rank's share), and
+    the run stays in lockstep with torch.optim.AdamW clipped by torch.  An inf in one element
+    of the last rank's shard at SKIP_AT: both ranks skip that step (params, torch's step
+    counts and the daemon's unchanged), as the reference does.
+
+    Tolerances: the norm is summed in double from the slots here and in fp32 per tensor by
+    torch (1e-6 relative covers fp32's sums of 10^4 squares); the coefficients then differ
+    by as much, which Adam's update all but divides out (m / sqrt(v) is scale-free but for
+    eps), so the params and moments keep test_numerics's RTOL, as the unclipped lockstep."""
+    out = tmp_path / "r.pt"
+    launch(2, daemon.socket, "clip", "fsdp2-clip", out, CLIP_STEPS, SKIP_AT)
+    r = torch.load(out, weights_only=False)
+    norms, ref = r["norms"], r["ref_norms"]
+    # Both ranks got the same norm each step: the global one.
+    assert r["each_rank"][0] == r["each_rank"][1] == norms
+    for step, (got, want) in enumerate(zip(norms, ref), 1):
+        if step == SKIP_AT:
+            assert got == float("inf")
+            continue
+        assert want > MAX_NORM, f"step {step}: no clip"
+        assert abs(got - want) <= 1e-6 * want, f"step {step}: norm {got}, torch's {want}"
+    a = r["around"]
+    for k in a["before"]:
+        assert torch.equal(a["before"][k], a["after"][k]), f"{k} changed at the skipped step"
+    assert a["steps"] == [SKIP_AT - 1.0] and a["daemon_step"] == SKIP_AT - 1
+    err = max_rel_err([r["ours"][k] for k in r["ours"]], [r["ref"][k] for k in r["ours"]])
+    assert err <= RTOL, f"params: max relative difference {err:.3g} > {RTOL:.3g}"
+    so, sr = r["ours_state"]["state"], r["ref_state"]["state"]
+    for name in so:
+        assert float(so[name]["step"]) == float(sr[name]["step"]) == CLIP_STEPS - 1, name
+        for key in ("exp_avg", "exp_avg_sq"):
+            err = max_rel_err([so[name][key]], [sr[name][key]])
+            assert err <= RTOL, f"{name}.{key}: max relative difference {err:.3g}"

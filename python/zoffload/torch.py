@@ -71,7 +71,7 @@ from itertools import chain
 
 import torch
 
-from . import _checkpoint, _dtensor, _zclient
+from . import _checkpoint, _clip, _dtensor, _zclient
 from ._zclient import ZoffloadError
 
 __all__ = ["AdamW", "Adam", "Adagrad", "Lion", "ZoffloadError"]
@@ -232,6 +232,7 @@ class _ZoffloadOptimizer(torch.optim.Optimizer):
         self._group_index = {}
         self._hooks = []
         self._next_index = 0
+        self._clip = None           # _clip.Clip: what clip_grad_norm_ left for step()
         self._conn = _zclient.Connection(socket, reconnect_ms=reconnect_ms)
         self._conn.job_open(self.job, rank, world_size, policy=policy,
                             pinned_budget=pinned_budget, state_format=state_format)
@@ -425,7 +426,7 @@ class _ZoffloadOptimizer(torch.optim.Optimizer):
         else:
             g.copy_(grad, non_blocking=p.is_cuda)
 
-    def _submit(self, group, items):
+    def _submit(self, group, items, clip_coef=0.0):
         """Queue the steps of (p, entry) pairs of one group, one set per step number."""
         by_step = {}
         for p, e in items:
@@ -438,7 +439,7 @@ class _ZoffloadOptimizer(torch.optim.Optimizer):
             for i in range(0, len(pes), _MAX_SET):
                 chunk = pes[i:i + _MAX_SET]
                 self._conn.submit([e.zt for _, e in chunk], optim=self._update_of(group),
-                                  step=step, **args)
+                                  step=step, clip_coef=clip_coef, **args)
                 for _, e in chunk:
                     e.in_flight = step
 
@@ -475,6 +476,9 @@ class _ZoffloadOptimizer(torch.optim.Optimizer):
         self._follow()
         self._flush_loaded_state()
         self._given = {}            # the taken-back state is what this run goes on from
+        clip, self._clip = self._clip, None
+        if clip is not None and clip.skip:
+            return loss             # an inf/NaN gradient on some rank: every rank skips
         for group in self.param_groups:
             items = []
             for p in group["params"]:
@@ -487,10 +491,19 @@ class _ZoffloadOptimizer(torch.optim.Optimizer):
                 self._put_grad(p, e, p.grad, group)
                 items.append((p, e))
             if items:
-                self._submit(group, items)
+                self._submit(group, items, clip.coef if clip is not None else 0.0)
         self._finish()
         self._sync_replicas()
         return loss
+
+    def clip_grad_norm_(self, max_norm, norm_type=2.0, error_if_nonfinite=False, group=None):
+        """torch.nn.utils.clip_grad_norm_ over this optimizer's params on every rank, applied
+        by the daemon in the next step(), which is skipped on every rank when any gradient is
+        inf or NaN; returns the global L2 norm (inf then).  p.grad is left as it was, and
+        step() takes the gradients as they are then.  ``group``: the process group whose
+        shares make the norm (default: all ranks for DTensor params, else this rank's own;
+        see _clip.py)."""
+        return _clip.clip_grad_norm_(self, max_norm, norm_type, error_if_nonfinite, group)
 
     def _sync_replicas(self):
         """The stepping replica's params to the others, in the same order on every rank."""
