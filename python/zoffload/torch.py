@@ -50,6 +50,10 @@ restores the parameters as they were given and the state loaded.  ``resume=False
 dead process's state.  Otherwise the constructor raises and leaves that state as it was.
 ``close()`` frees the state.
 
+``clip_grad_norm_(max_norm)`` before ``step()`` clips by the norm over every rank's shard
+(DTensor params) or this rank's params, computed by the daemon, and skips the next step on
+every rank when a gradient is inf or NaN (see _clip.py).
+
 ``save_checkpoint(dir)`` / ``load_checkpoint(dir)`` save and restore through the daemon's
 streaming checkpoint, for models too big for ``state_dict()`` (see _checkpoint.py).
 
