@@ -73,7 +73,10 @@ def clip_grad_norm_(opt, max_norm, norm_type=2.0, error_if_nonfinite=False, grou
     if group is None:
         group = _default_group(opt)
     if group is not None:
-        shares = torch.tensor([sumsq, float(nonfinite)], dtype=torch.float64)
+        # Where the group's backend takes it: NCCL only reduces CUDA tensors (gloo, and a
+        # "cpu:gloo,cuda:nccl" group, take CPU ones).
+        dev = ("cuda" if str(torch.distributed.get_backend(group)) == "nccl" else "cpu")
+        shares = torch.tensor([sumsq, float(nonfinite)], dtype=torch.float64, device=dev)
         torch.distributed.all_reduce(shares, group=group)
         sumsq, nonfinite = shares[0].item(), int(shares[1].item())
     if nonfinite:
