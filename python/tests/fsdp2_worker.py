@@ -149,6 +149,13 @@ def train(rank, world, sock, job, out, offload, policy, steps):
               "ref_state": full_state(ref, ref_opt)["optim"],
               "local_numels": [p.to_local().numel() for p in ours.parameters()],
               "jobs": opt.jobs()}
+    # Which ranks hold (and step) a daemon tensor of their shard: (rank, replicate coord).
+    # And every rank's shards, with its mesh coordinate: HSDP's replicas must have the same.
+    held = [None] * world
+    coord = tuple(ours.pos.device_mesh.get_coordinate())
+    dist.all_gather_object(held, (len(opt._entries), coord,
+                                  [p.to_local().detach().clone() for p in ours.parameters()]))
+    result["held"] = held
     if offload == "hsdp":
         result["restored"] = restored_hsdp(world, sock, job, out, ours, opt)
     if rank == 0:

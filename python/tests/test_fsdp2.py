@@ -143,6 +143,14 @@ def test_hsdp_four_ranks(daemon, tmp_path):
     # Once per shard group: two ranks' tensors, each param's elements once.
     assert job["params"] == sum(v.numel() for v in r["ours"].values())
     assert job["tensors"] == 2 * len(r["ours"]) and job["ranks_attached"] == 4
+    # The ones at replicate coordinate 0 hold every param's shard, the other replicas none:
+    # they have theirs by the broadcast (the lockstep above is over every rank's params).
+    held = sorted(r["held"], key=lambda h: h[1])       # by (replicate, shard) coordinate
+    assert [(n, c) for n, c, _ in held] == [(len(r["ours"]), (0, 0)), (len(r["ours"]), (0, 1)),
+                                            (0, (1, 0)), (0, (1, 1))]
+    for (_, _, stepped), (_, _, given) in ((held[0], held[2]), (held[1], held[3])):
+        assert all(torch.equal(a, b) for a, b in zip(stepped, given)), \
+            "a replica's shard is not its stepping replica's"
     # Saved (DCP; the streaming checkpoint) and restored into a fresh HSDP run, bit for bit.
     assert r["restored"] == {"dcp": True, "own": True}, r["restored"]
 
