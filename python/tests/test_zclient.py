@@ -116,7 +116,8 @@ def test_submit_keywords_each_reach_the_step(daemon):
     assert c.grad_pass([t]) == {"sumsq": 25.0, "nonfinite": 0, "elements": 4}
     g[2] = float("inf")
     assert c.grad_pass([t])["nonfinite"] == 1
-    del g           # the slots go with the job    # torch.nn.utils.clip_grad_norm_'s coefficient, capped at 1.
+    del g           # the slots go with the job
+    # torch.nn.utils.clip_grad_norm_'s coefficient, capped at 1.
     assert c.clip_coef(1.0, 25.0) == pytest.approx(1.0 / (5.0 + 1e-6), rel=1e-15)
     assert c.clip_coef(10.0, 25.0) == 1.0
     c.job_close()

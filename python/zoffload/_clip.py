@@ -13,9 +13,9 @@ skipped: no param, moment or step count changes (what GradScaler does for fp16).
 Whose shares are summed: ``group`` (a process group) when given.  Otherwise, when the
 optimizer holds DTensor params (FSDP2, HSDP) and torch.distributed is initialized, the
 default group: each rank holds a disjoint shard (an HSDP replica that does not step a shard
-holds none of it, see _dtensor.py), so the sum over all ranks is the whole model's (under HSDP the stepping replica's gradients
-are counted, the replicas' being equal after HSDP's all-reduce).  Plain
-params (each rank a whole replica, as under DDP) are this rank's alone.
+holds none of it, see _dtensor.py), so the sum over all ranks is the whole model's (under
+HSDP the stepping replica's gradients are counted, the replicas' being equal after HSDP's
+all-reduce).  Plain params (each rank a whole replica, as under DDP) are this rank's alone.
 """
 import math
 
