@@ -13,11 +13,12 @@ save STEPS: first what is refused, by name (REFUSED lines): a Partial() placemen
     streaming checkpoint (OUT/own), with the full state at that point (OUT/state.pt); trains
     STEPS more (OUT/after.pt), then a fresh model and optimizer load OUT/dcp and train the
     same STEPS (OUT/resumed.pt).
-clip STEPS SKIP_AT: ours clips with its own global clip (opt.clip_grad_norm_, the daemon's
+clip LAYOUT STEPS SKIP_AT (LAYOUT: flat, a 1-D mesh; hsdp, as train's): ours clips with its own global clip (opt.clip_grad_norm_, the daemon's
     gradient pass, the ranks' shares all-reduced), torch.optim.AdamW on a copy takes the same
     unclipped grads and torch.nn.utils.clip_grad_norm_ over its DTensor grads: both step, in
-    lockstep, STEPS steps.  At step SKIP_AT the last rank alone makes one gradient element inf:
-    ours must skip that step on every rank (the reference skips it too, as GradScaler would).
+    lockstep, STEPS steps.  At step SKIP_AT the ranks of the last shard coordinate (the last
+    rank; under HSDP both replicas of that shard, as its all-reduced grad would be) make one
+    gradient element inf: ours must skip that step on every rank (the reference skips it too, as GradScaler would).
     Rank 0 saves both runs' full params and state, every step's two norms, each rank's
     norms, and the params and step counts around the skip (OUT).
 load KINDS STEPS: for each of KINDS (dcp,own), a fresh model and ours load OUT/dcp (dcp) or
@@ -164,8 +165,8 @@ def train(rank, world, sock, job, out, offload, policy, steps):
     opt.close()
 
 
-def clip(rank, world, sock, job, out, steps, skip_at):
-    base, kw = build(world, True)
+def clip(rank, world, sock, job, out, layout, steps, skip_at):
+    base, kw = build(world, True, hsdp=layout == "hsdp")
     ref = shard(copy.deepcopy(base), kw)
     ours = shard(base, kw)
     opt = zt.AdamW(ours.parameters(), lr=LR, weight_decay=WD, job=job, socket=sock)
@@ -175,7 +176,8 @@ def clip(rank, world, sock, job, out, steps, skip_at):
         opt.zero_grad()
         ref_opt.zero_grad()
         loss_of(ours, step, rank).backward()
-        if step == skip_at and rank == world - 1:
+        last = kw["mesh"].get_coordinate()[-1] == kw["mesh"].size(-1) - 1
+        if step == skip_at and last:
             # One element of one rank's shard: the other ranks learn of it only through the
             # all-reduce of the shares.
             next(p for p in ours.parameters() if p.to_local().numel()).grad.to_local()[0] = \
@@ -332,7 +334,7 @@ def main():
         if mode == "train":
             train(rank, world, sock, job, out, args[0], args[1], int(args[2]))
         elif mode == "clip":
-            clip(rank, world, sock, job, out, int(args[0]), int(args[1]))
+            clip(rank, world, sock, job, out, args[0], int(args[1]), int(args[2]))
         elif mode == "save":
             save(rank, world, sock, job, out, int(args[0]))
         elif mode == "load":

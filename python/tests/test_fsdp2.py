@@ -221,12 +221,14 @@ def test_resharded_resume(saved, world):
 CLIP_STEPS, SKIP_AT = 50, 23
 
 
-def test_own_global_clip_and_skip_across_ranks(daemon, tmp_path):
+@pytest.mark.parametrize("world, layout", [(2, "flat"), (4, "hsdp")])
+def test_own_global_clip_and_skip_across_ranks(daemon, tmp_path, world, layout):
     """opt.clip_grad_norm_ (the daemon's gradient pass, the ranks' shares all-reduced) under
-    FSDP2 over 2 ranks, uneven shards: every step's norm is torch.nn.utils.clip_grad_norm_'s
+    FSDP2 over 2 ranks, uneven shards, and under HSDP over 4 (2 replicas of a 2-way shard:
+    only the stepping replicas' shares count, each shard's once): every step's norm is torch.nn.utils.clip_grad_norm_'s
     over the DTensor grads, the same on both ranks (the global one, not a rank's share), and
     the run stays in lockstep with torch.optim.AdamW clipped by torch.  An inf in one element
-    of the last rank's shard at SKIP_AT: both ranks skip that step (params, torch's step
+    of the last shard at SKIP_AT: every rank skips that step (params, torch's step
     counts and the daemon's unchanged), as the reference does.
 
     Tolerances: the norm is summed in double from the slots here and in fp32 per tensor by
@@ -234,11 +236,12 @@ def test_own_global_clip_and_skip_across_ranks(daemon, tmp_path):
     by as much, which Adam's update all but divides out (m / sqrt(v) is scale-free but for
     eps), so the params and moments keep test_numerics's RTOL, as the unclipped lockstep."""
     out = tmp_path / "r.pt"
-    launch(2, daemon.socket, "clip", "fsdp2-clip", out, CLIP_STEPS, SKIP_AT)
+    launch(world, daemon.socket, "clip", f"fsdp2-clip-{layout}", out, layout, CLIP_STEPS,
+           SKIP_AT)
     r = torch.load(out, weights_only=False)
     norms, ref = r["norms"], r["ref_norms"]
-    # Both ranks got the same norm each step: the global one.
-    assert r["each_rank"][0] == r["each_rank"][1] == norms
+    # Every rank got the same norm each step: the global one.
+    assert all(each == norms for each in r["each_rank"])
     for step, (got, want) in enumerate(zip(norms, ref), 1):
         if step == SKIP_AT:
             assert got == float("inf")
