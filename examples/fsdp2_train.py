@@ -44,6 +44,10 @@ def main():
     ap.add_argument("--pinned-budget", type=int, default=64 << 10,
                     help="pinned bytes for each rank's state before auto spills to NVMe")
     ap.add_argument("--policy", default="auto", choices=["auto", "cpu", "nvme"])
+    ap.add_argument("--clip", default="torch", choices=["torch", "zoffload"],
+                    help="clip the grads to norm 1.0 with torch.nn.utils.clip_grad_norm_ over "
+                    "the DTensor grads, or with the optimizer's own opt.clip_grad_norm_ (the "
+                    "daemon's norm of each shard, all-reduced: two numbers)")
     ap.add_argument("--dcp", default=None, help="save a distributed checkpoint there at the end")
     ap.add_argument("--text", default=os.path.join(HERE, "data", "shakespeare.txt"))
     args = ap.parse_args()
@@ -82,14 +86,18 @@ def main():
         loss = F.cross_entropy(model(x).reshape(-1, len(chars)), y.reshape(-1))
         opt.zero_grad(set_to_none=True)
         loss.backward()
-        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)   # over all ranks
+        if args.clip == "torch":
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)   # over all ranks
+            norm = norm.full_tensor()
+        else:
+            norm = opt.clip_grad_norm_(1.0)     # over all ranks too; applied in the step
         opt.step()
         if step == 1 or step % 50 == 0 or step == args.steps:
             mean = loss.detach().clone()
             dist.all_reduce(mean)
             if rank == 0:
                 print(f"step {step:4d}  train loss {mean.item() / world:.3f}  grad norm "
-                      f"{norm.full_tensor().item():.3f}  ({time.monotonic() - t0:.1f} s)",
+                      f"{norm.item():.3f}  ({time.monotonic() - t0:.1f} s)",
                       flush=True)
     if args.dcp:
         import torch.distributed.checkpoint as dcp

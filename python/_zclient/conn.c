@@ -340,7 +340,7 @@ conn_submit(struct zpy_conn *self, PyObject *args, PyObject *kw)
 {
 	static char *kwlist[] = { "tensors", "optim", "step", "lr", "beta1", "beta2", "eps",
 		"weight_decay", "lr_decay", "grad_scale", "max_grad_norm", "no_bias_correction",
-		"check_finite", NULL };
+		"check_finite", "clip_coef", NULL };
 	struct zc_step_params sp = { .beta1 = 0.9, .beta2 = 0.999, .eps = 1e-8 };
 	unsigned long long step;
 	int nobc = 0, finite = 0, r;
@@ -350,9 +350,9 @@ conn_submit(struct zpy_conn *self, PyObject *args, PyObject *kw)
 	char err[ZPY_ERRLEN];
 	size_t n;
 
-	if (!PyArg_ParseTupleAndKeywords(args, kw, "OsKd|ddddddddpp:submit", kwlist, &seq,
+	if (!PyArg_ParseTupleAndKeywords(args, kw, "OsKd|dddddddppd:submit", kwlist, &seq,
 	    &optim, &step, &sp.lr, &sp.beta1, &sp.beta2, &sp.eps, &sp.weight_decay,
-	    &sp.lr_decay, &sp.grad_scale, &sp.max_grad_norm, &nobc, &finite))
+	    &sp.lr_decay, &sp.grad_scale, &sp.max_grad_norm, &nobc, &finite, &sp.clip_coef))
 		return NULL;
 	if (zpy_optim(optim, &sp.optim) < 0 || !zpy_conn_ready(self))
 		return NULL;
@@ -366,6 +366,42 @@ conn_submit(struct zpy_conn *self, PyObject *args, PyObject *kw)
 	if (r < 0)
 		return zpy_raise_conn(self, r, err);
 	Py_RETURN_NONE;
+}
+
+/* The first phase of a step clipped by the norm over many sets (ranks): zc_grad_pass. */
+static PyObject *
+conn_grad_pass(struct zpy_conn *self, PyObject *args, PyObject *kw)
+{
+	static char *kwlist[] = { "tensors", "grad_scale", NULL };
+	struct zc_grad_partial part = { 0 };
+	double grad_scale = 0;
+	struct zc_tensor **ts;
+	char err[ZPY_ERRLEN];
+	PyObject *seq;
+	size_t n;
+	int r;
+
+	if (!PyArg_ParseTupleAndKeywords(args, kw, "O|d:grad_pass", kwlist, &seq, &grad_scale))
+		return NULL;
+	if (!zpy_conn_ready(self) || zpy_tensor_list(self, seq, &ts, &n) < 0)
+		return NULL;
+	ZPY_CALL(self, r, err, zc_grad_pass(self->c, ts, n, grad_scale, &part));
+	PyMem_Free(ts);
+	if (r < 0)
+		return zpy_raise_conn(self, r, err);
+	return Py_BuildValue("{s:d,s:K,s:K}", "sumsq", part.sumsq, "nonfinite",
+	    (unsigned long long)part.nonfinite, "elements", (unsigned long long)part.elements);
+}
+
+/* zc_clip_coef: torch's clip_grad_norm_ coefficient for a total squared norm (1: none). */
+static PyObject *
+conn_clip_coef(PyObject *unused, PyObject *args)
+{
+	double max_norm, sumsq;
+
+	if (!PyArg_ParseTuple(args, "dd:clip_coef", &max_norm, &sumsq))
+		return NULL;
+	return PyFloat_FromDouble(zc_clip_coef(max_norm, sumsq));
 }
 
 static PyObject *
@@ -517,7 +553,16 @@ static PyMethodDef conn_methods[] = {
 	{ "submit", (PyCFunction)(void (*)(void))conn_submit, METH_VARARGS | METH_KEYWORDS,
 	  "submit(tensors, *, optim, step, lr, beta1=0.9, beta2=0.999, eps=1e-8, "
 	  "weight_decay=0, lr_decay=0, grad_scale=0, max_grad_norm=0, no_bias_correction=False,"
-	  " check_finite=False): queue one step over tensors; returns at once." },
+	  " check_finite=False, clip_coef=0): queue one step over tensors; returns at once.\n"
+	  "clip_coef > 0: multiply the gradients by it, in (0, 1] (clip_coef() of the norm over "
+	  "every rank's grad_pass); max_grad_norm is then unused." },
+	{ "grad_pass", (PyCFunction)(void (*)(void))conn_grad_pass, METH_VARARGS | METH_KEYWORDS,
+	  "grad_pass(tensors, grad_scale=0) -> dict(sumsq, nonfinite, elements): the squared "
+	  "L2 norm (in double) and inf/NaN count of the tensors' unscaled gradients, in their "
+	  "grad slots (zc_grad_pass): this set's share of a norm over many ranks." },
+	{ "clip_coef", (PyCFunction)conn_clip_coef, METH_VARARGS | METH_STATIC,
+	  "clip_coef(max_norm, total_sumsq) -> float: torch.nn.utils.clip_grad_norm_'s "
+	  "max_norm / (norm + 1e-6), capped at 1; 1 when not clipping (zc_clip_coef)." },
 	{ "wait_all", (PyCFunction)conn_wait_all, METH_NOARGS,
 	  "wait_all() -> dict: wait for every submitted step; the last set's result." },
 	{ "param_prefetch", (PyCFunction)conn_param_prefetch, METH_O,

@@ -6,7 +6,9 @@ DeepSpeed's DeepSpeedCPUAdam ("ref"): the small transformer of zhelpers under Ze
 or 3 with offload_optimizer on the CPU, STEPS optimizer steps.  MODE "all": every case both
 ways; rank 0 saves {case/which: {"losses", "params"}} into OUT.  For "ckpt" cases ours also
 saves engine.save_checkpoint after step CKPT_AT into CKPT/case.  MODE "resume": only the
-ckpt cases, ours, from load_checkpoint of CKPT/case, steps CKPT_AT+1 to STEPS.
+ckpt cases, ours, from load_checkpoint of CKPT/case, steps CKPT_AT+1 to STEPS.  MODE "amp":
+test_deepspeed's mixed-precision runs (amp_run) for each of AMP_CASES, ours, DeepSpeedCPUAdam
+and torch's AdamW; rank 0 saves {dtype-stage/which: record} into OUT.
 """
 import faulthandler
 import os
@@ -28,6 +30,8 @@ LR = 3e-3
 # holds the whole model (about 12 k params), so the bucketing is the default's.
 SMALL_BUCKETS = {"reduce_bucket_size": 1 << 16, "allgather_bucket_size": 1 << 16}
 # (stage, micro batch, gradient accumulation, clipping, checkpointed)
+# (dtype, ZeRO stage) of MODE "amp"
+AMP_CASES = [("fp16", 2), ("bf16", 3)]
 CASES = {
     "zero1": dict(stage=1, micro=8, accum=1, clip=0.0, ckpt=False),
     "zero2-accum4-clip": dict(stage=2, micro=2, accum=4, clip=1.0, ckpt=True),
@@ -116,7 +120,18 @@ def main(rank, world, port, socket, out, mode, ckpt=None):
     sys.modules["deepspeed.comm.torch"].build_shm_op = lambda: None
     deepspeed.init_distributed(dist_backend="gloo")
     got = {}
-    for case in CASES:
+    if mode == "amp":
+        from deepspeed.accelerator import get_accelerator
+        import test_deepspeed
+
+        # As test_deepspeed's one-process test: DeepSpeed's CPU accelerator let through to fp16.
+        type(get_accelerator()).is_fp16_supported = lambda self: True
+        for dtype, stage in AMP_CASES:
+            for which in ("ours", "ref", "torch"):
+                job = f"amp-{dtype}-{stage}-{world}" if which == "ours" else None
+                got[f"{dtype}-{stage}/{which}"] = test_deepspeed.amp_run(
+                    which, dtype, stage, socket, job, rank, world)
+    for case in (CASES if mode != "amp" else ()):
         if mode == "all":
             for which in ("ours", "ref"):
                 save = (os.path.join(ckpt, case) if CASES[case]["ckpt"] and which == "ours"

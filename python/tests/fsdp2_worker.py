@@ -13,12 +13,21 @@ save STEPS: first what is refused, by name (REFUSED lines): a Partial() placemen
     streaming checkpoint (OUT/own), with the full state at that point (OUT/state.pt); trains
     STEPS more (OUT/after.pt), then a fresh model and optimizer load OUT/dcp and train the
     same STEPS (OUT/resumed.pt).
+clip LAYOUT STEPS SKIP_AT (LAYOUT: flat, a 1-D mesh; hsdp, as train's): ours clips with its own global clip (opt.clip_grad_norm_, the daemon's
+    gradient pass, the ranks' shares all-reduced), torch.optim.AdamW on a copy takes the same
+    unclipped grads and torch.nn.utils.clip_grad_norm_ over its DTensor grads: both step, in
+    lockstep, STEPS steps.  At step SKIP_AT the ranks of the last shard coordinate (the last
+    rank; under HSDP both replicas of that shard, as its all-reduced grad would be) make one
+    gradient element inf: ours must skip that step on every rank (the reference skips it too, as GradScaler would).
+    Rank 0 saves both runs' full params and state, every step's two norms, each rank's
+    norms, and the params and step counts around the skip (OUT).
 load KINDS STEPS: for each of KINDS (dcp,own), a fresh model and ours load OUT/dcp (dcp) or
     OUT/own (own) in this world size; rank 0 saves the full state just loaded
     (OUT/loaded-KIND-WORLD.pt).  For dcp, torch.optim.AdamW loads the same checkpoint and
     both step STEPS in lockstep (OUT/lockstep-WORLD.pt).
 """
 import copy
+import json
 import os
 import sys
 
@@ -141,8 +150,62 @@ def train(rank, world, sock, job, out, offload, policy, steps):
               "ref_state": full_state(ref, ref_opt)["optim"],
               "local_numels": [p.to_local().numel() for p in ours.parameters()],
               "jobs": opt.jobs()}
+    # Which ranks hold (and step) a daemon tensor of their shard: (rank, replicate coord).
+    # And every rank's shards, with its mesh coordinate: HSDP's replicas must have the same.
+    held = [None] * world
+    coord = tuple(ours.pos.device_mesh.get_coordinate())
+    dist.all_gather_object(held, (len(opt._entries), coord,
+                                  [p.to_local().detach().clone() for p in ours.parameters()]))
+    result["held"] = held
     if offload == "hsdp":
         result["restored"] = restored_hsdp(world, sock, job, out, ours, opt)
+    if rank == 0:
+        torch.save(result, out)
+    dist.barrier()
+    opt.close()
+
+
+def clip(rank, world, sock, job, out, layout, steps, skip_at):
+    base, kw = build(world, True, hsdp=layout == "hsdp")
+    ref = shard(copy.deepcopy(base), kw)
+    ours = shard(base, kw)
+    opt = zt.AdamW(ours.parameters(), lr=LR, weight_decay=WD, job=job, socket=sock)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR, weight_decay=WD)
+    norms, ref_norms, around = [], [], {}
+    for step in range(1, steps + 1):
+        opt.zero_grad()
+        ref_opt.zero_grad()
+        loss_of(ours, step, rank).backward()
+        last = kw["mesh"].get_coordinate()[-1] == kw["mesh"].size(-1) - 1
+        if step == skip_at and last:
+            # One element of one rank's shard: the other ranks learn of it only through the
+            # all-reduce of the shares.
+            next(p for p in ours.parameters() if p.to_local().numel()).grad.to_local()[0] = \
+                float("inf")
+        for p, q in zip(ours.parameters(), ref.parameters()):
+            q.grad = p.grad.detach().clone()
+        norms.append(float(opt.clip_grad_norm_(MAX_NORM)))
+        if step == skip_at:
+            around["before"] = full_params(ours)
+            opt.step()
+            around["after"] = full_params(ours)
+            around["steps"] = sorted({float(s["step"]) for s in opt.state.values()})
+            (j,) = [j for j in json.loads(opt.jobs())["jobs"] if j["name"] == job]
+            around["daemon_step"] = j["last_step"]
+            ref_norms.append(float("inf"))
+            continue        # the reference skips it too
+        got = torch.nn.utils.clip_grad_norm_(ref.parameters(), MAX_NORM)
+        ref_norms.append(float(got.full_tensor() if hasattr(got, "full_tensor") else got))
+        opt.step()
+        ref_opt.step()
+    mine = torch.tensor(norms, dtype=torch.float64)
+    each = [torch.zeros_like(mine) for _ in range(world)]
+    dist.all_gather(each, mine)
+    result = {"ours": full_params(ours), "ref": full_params(ref), "norms": norms,
+              "ref_norms": ref_norms, "each_rank": [t.tolist() for t in each],
+              "around": around, "ours_state": full_state(ours, opt)["optim"],
+              "ref_state": full_state(ref, ref_opt)["optim"],
+              "local_numels": [p.to_local().numel() for p in ours.parameters()]}
     if rank == 0:
         torch.save(result, out)
     dist.barrier()
@@ -270,6 +333,8 @@ def main():
     try:
         if mode == "train":
             train(rank, world, sock, job, out, args[0], args[1], int(args[2]))
+        elif mode == "clip":
+            clip(rank, world, sock, job, out, args[0], int(args[1]), int(args[2]))
         elif mode == "save":
             save(rank, world, sock, job, out, int(args[0]))
         elif mode == "load":

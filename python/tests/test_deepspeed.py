@@ -264,3 +264,204 @@ def test_job_named_from_the_launch(daemon, process_group, monkeypatch):
         opt.optimizer.close()
     assert names[0].startswith("deepspeed-") and len(names[0]) == len("deepspeed-") + 16
     assert names[1] == "from-env"
+
+
+# Mixed precision, loss scaling, overflow skips and a scheduler from the config, in this
+# process (world size 1 over gloo), and over 2 processes (ds_worker.py's "amp" mode).
+AMP_STEPS = 50
+OVERFLOW_AT = 17        # the optimizer step whose loss is made inf (fp16 only)
+LR_MAX, LR_MIN, WARMUP = 3e-3, 1e-4, 10
+# Tolerances.  In fp16 and bf16 the forward and backward run in half precision: two correct
+# AdamWs' fp32 masters, a few ulps apart after a step (see the module doc), round to half
+# params that differ by one half ulp (2**-11 or 2**-8 relative) in some elements, and that
+# goes through the loss and grows over the steps.  So ours is checked against a second
+# independent AdamW in the same DeepSpeed run, torch.optim.AdamW: measured over 50 steps
+# (stages 1, 2, 3; 1 and 2 processes), at most 2.3e-5 (fp16) and 1.3e-4 (bf16) relative on a
+# loss and 5.6e-3 / 7e-3 of a tensor's largest value on the final params (the key bias left
+# out, as above; bf16 ZeRO-3 over 2 processes: the same bits, no master rounded otherwise).  The
+# bounds leave about 3x; an lr off by the scheduler's one step, a skipped step taken or an
+# unscaled gradient (256x) moves a loss by more than 1e-2 within these steps.
+# DeepSpeedCPUAdam is further from both, alike: 3e-2 on the params, 2e-4 on a loss (in fp32
+# 3e-6: whatever it does otherwise in half precision, torch's AdamW and ours do not); ours
+# must be no further from it than torch's AdamW is (1.5x, with a floor).
+AMP_TOL = {"fp16": (7e-5, 1.5e-2), "bf16": (3e-4, 2e-2)}
+
+
+def amp_config(dtype, stage):
+    cfg = {"train_micro_batch_size_per_gpu": 8,
+           "optimizer": {"type": "AdamW", "params": {"lr": LR_MAX, "betas": [0.9, 0.95],
+                                                     "eps": 1e-8, "weight_decay": 0.01}},
+           "scheduler": {"type": "WarmupDecayLR", "params": {
+               "warmup_min_lr": LR_MIN, "warmup_max_lr": LR_MAX, "warmup_num_steps": WARMUP,
+               "total_num_steps": AMP_STEPS, "warmup_type": "linear"}},
+           "zero_optimization": {"stage": stage, **ds_worker.SMALL_BUCKETS,
+                                 "offload_optimizer": {"device": "cpu", "pin_memory": False}},
+           "gradient_clipping": 1.0,
+           "steps_per_print": 1 << 30}
+    if dtype == "fp16":
+        # A scale of 2**8 that never grows within the run (loss_scale_window), and halves at
+        # the first overflow (hysteresis 1): the forced overflow is the only one.
+        cfg["fp16"] = {"enabled": True, "loss_scale": 0, "initial_scale_power": 8,
+                       "loss_scale_window": 1000, "hysteresis": 1, "min_loss_scale": 1}
+    else:
+        cfg["bf16"] = {"enabled": True}
+    return cfg
+
+
+def expected_lr(applied):
+    """WarmupDecayLR's lr for the optimizer step that is the `applied`-th to be applied
+    (1-based), written out from DeepSpeed's documented schedule: the scheduler starts at
+    warmup_min_lr (iteration -1) and steps after each applied optimizer step, never after a
+    skipped one."""
+    it = applied - 2
+    if it < 0:
+        return LR_MIN
+    gamma = it / WARMUP if it < WARMUP else max(0.0, (AMP_STEPS - it) / (AMP_STEPS - WARMUP))
+    return LR_MIN + (LR_MAX - LR_MIN) * gamma
+
+
+def fp32_partitions(engine):
+    """The fp32 masters DeepSpeed hands the optimizer (ZeRO-1/2's flat partitions, ZeRO-3's
+    sub-groups), copied."""
+    opt = engine.optimizer
+    groups = getattr(opt, "single_partition_of_fp32_groups", None)
+    if groups is None:
+        groups = opt.fp32_partitioned_groups_flat
+    return [g.detach().clone() for g in groups]
+
+
+def amp_run(which, dtype, stage, sock, job, rank=0, world=1):
+    """One run (ours, "ref": DeepSpeedCPUAdam, "torch": torch's AdamW) on this rank of a
+    process group of `world`; fp16's overflow is forced on the last rank only (DeepSpeed's
+    check reduces it over the ranks)."""
+    import deepspeed
+    import zoffload.deepspeed as zds
+
+    m = zhelpers.model(seed=11)
+    cfg = amp_config(dtype, stage)
+    if which == "ours":
+        engine, opt, _, sched = zds.initialize(model=m, model_parameters=m.parameters(),
+                                               config=cfg, job=job, socket=sock)
+        zopt = opt.optimizer
+        told = []           # the lr each submit gives the daemon
+        group_args = zopt._group_args
+        zopt._group_args = lambda g: told.append(group_args(g)["lr"]) or group_args(g)
+    else:
+        from deepspeed.ops.adam import DeepSpeedCPUAdam
+        p = cfg.pop("optimizer")["params"]
+        kw = dict(lr=p["lr"], betas=tuple(p["betas"]), eps=p["eps"],
+                  weight_decay=p["weight_decay"])
+        if which == "ref":
+            ref = DeepSpeedCPUAdam(m.parameters(), adamw_mode=True, **kw)
+        else:       # "torch": a second independent AdamW, for the noise floor
+            ref = torch.optim.AdamW(m.parameters(), **kw)
+            cfg.update(zero_allow_untested_optimizer=True, zero_force_ds_cpu_optimizer=False)
+        engine, opt, _, sched = deepspeed.initialize(model=m, optimizer=ref, config=cfg)
+    assert type(sched).__name__ == "WarmupDecayLR"
+    out = {"losses": [], "lrs": [], "scales": [], "skipped": []}
+    for step in range(1, AMP_STEPS + 1):
+        x, y = zhelpers.batch(step + 1000 * rank)
+        logits = engine(x)
+        loss = torch.nn.functional.cross_entropy(logits.float().reshape(-1, logits.shape[-1]),
+                                                 y.reshape(-1))
+        out["losses"].append(loss.item())
+        out["lrs"].append(engine.get_lr()[0])
+        forced = dtype == "fp16" and step == OVERFLOW_AT
+        if forced:
+            if rank == world - 1:
+                loss = loss * float("inf")      # every gradient of this rank inf or NaN
+            before = fp32_partitions(engine)
+            if which == "ours":
+                counts = [int(s["step"].item()) for s in zopt.state.values()]
+                last = job_of(zopt)["last_step"]
+        engine.backward(loss)
+        engine.step()
+        out["skipped"].append(engine.skipped_steps)
+        if dtype == "fp16":
+            out["scales"].append(float(engine.optimizer.loss_scale))
+        if forced:
+            # Skipped by DeepSpeed, before the optimizer: the masters as they were, and (ours)
+            # no step count advanced here or in the daemon.
+            after = fp32_partitions(engine)
+            assert all(torch.equal(a, b) for a, b in zip(before, after)), \
+                f"{which}: the overflowed step changed the fp32 masters"
+            if which == "ours":
+                assert [int(s["step"].item()) for s in zopt.state.values()] == counts
+                assert job_of(zopt)["last_step"] == last == step - 1
+    if which == "ours":
+        out["told"] = told
+        out["daemon_steps"] = job_of(zopt)["last_step"]
+    with deepspeed.zero.GatheredParameters(list(m.parameters())):
+        out["params"] = [p.detach().float().clone() for p in m.parameters()]
+    out["masters"] = fp32_partitions(engine)
+    engine.destroy()
+    if which == "ours":
+        zopt.close()
+    return out
+
+
+@pytest.mark.parametrize("dtype, stage", [("fp16", 2), ("bf16", 2), ("fp16", 3), ("bf16", 1)])
+def test_mixed_precision_loss_scale_overflow_and_scheduler(daemon, process_group, monkeypatch,
+                                                           dtype, stage):
+    """bf16 and fp16 (dynamic loss scale) under ZeRO with offload_optimizer on the CPU, the
+    config's WarmupDecayLR and clipping 1.0: ours against DeepSpeedCPUAdam and torch's AdamW
+    in the same config, step by step (tolerances at AMP_TOL).  fp16
+    gets an overflow at OVERFLOW_AT: both skip it (masters unchanged, ours counts no step
+    there, in torch's state or in the daemon), halve the scale alike, and hold the schedule
+    back a step; the lr the daemon is told at each step is the schedule's."""
+    from deepspeed.accelerator import get_accelerator
+
+    if dtype == "fp16":
+        # DeepSpeed's CPU accelerator says fp16 only where oneDNN computes it natively
+        # (AVX512-FP16/AMX-FP16); torch's CPU kernels compute half on any x86 (slowly),
+        # and the loss scaler and overflow skip are DeepSpeed's Python, the same on any device.
+        monkeypatch.setattr(type(get_accelerator()), "is_fp16_supported", lambda self: True)
+    ours = amp_run("ours", dtype, stage, daemon.socket, f"amp-{dtype}-{stage}")
+    ref = amp_run("ref", dtype, stage, daemon.socket, None)
+    other = amp_run("torch", dtype, stage, daemon.socket, None)
+    check_amp(ours, ref, other, dtype, stage)
+
+
+def test_mixed_precision_two_processes(daemon, tmp_path):
+    """The same over 2 processes (fp16 ZeRO-2, bf16 ZeRO-3): the overflow is forced on one
+    rank's gradients only, and both ranks skip the step (DeepSpeed reduces the overflow
+    flag before calling the optimizer; each rank asserts its masters and step counts
+    unchanged), the scale halving on both."""
+    got = launch(2, daemon.socket, tmp_path / "amp.pt", "amp", tmp_path / "none")
+    for dtype, stage in ds_worker.AMP_CASES:
+        k = f"{dtype}-{stage}"
+        check_amp(got[k + "/ours"], got[k + "/ref"], got[k + "/torch"], dtype, stage)
+
+
+def check_amp(ours, ref, other, dtype, stage):
+    """The amp runs' checks, from rank 0's records (module comment at AMP_TOL)."""
+    skips = 1 if dtype == "fp16" else 0
+    assert ours["skipped"] == ref["skipped"] and ours["skipped"][-1] == skips
+    assert ours["daemon_steps"] == AMP_STEPS - skips
+    applied = [s for s in range(1, AMP_STEPS + 1) if not (skips and s == OVERFLOW_AT)]
+    want = [expected_lr(applied.index(s) + 1) if s in applied else None
+            for s in range(1, AMP_STEPS + 1)]
+    for s in range(AMP_STEPS):
+        # engine.get_lr() before each step is the schedule's (a skipped step's included).
+        w = want[s] if want[s] is not None else want[s + 1]
+        assert ours["lrs"][s] == pytest.approx(w, rel=1e-12) and ref["lrs"][s] == ours["lrs"][s]
+    assert ours["told"] == pytest.approx([w for w in want if w is not None], rel=1e-12)
+    if dtype == "fp16":
+        assert ours["scales"] == ref["scales"]
+        assert ours["scales"][OVERFLOW_AT - 2] == 256.0 and ours["scales"][OVERFLOW_AT - 1] == 128.0
+
+    def apart(a, b):
+        return (max(abs(x - y) / abs(y) for x, y in zip(a["losses"], b["losses"])),
+                max(rel_err(x, y) for x, y in zip(without_key_bias(a["params"]),
+                                                   without_key_bias(b["params"]))))
+    lw, pw = apart(ours, ref)
+    ln, pn = apart(other, ref)
+    lt, pt = apart(ours, other)
+    print(f"{dtype} stage {stage}: ours vs DeepSpeedCPUAdam: loss {lw:.2e}, param {pw:.2e}; "
+          f"torch AdamW vs DeepSpeedCPUAdam: loss {ln:.2e}, param {pn:.2e}; "
+          f"ours vs torch AdamW: loss {lt:.2e}, param {pt:.2e}")
+    loss_tol, param_tol = AMP_TOL[dtype]
+    assert lt <= loss_tol and pt <= param_tol, ("against torch's AdamW", lt, pt)
+    assert lw <= 1.5 * ln + 1e-5 and pw <= 1.5 * pn + 1e-3, \
+        ("against DeepSpeedCPUAdam, further than torch's AdamW is", lw, pw, ln, pn)
+    assert ours["losses"][-1] < ours["losses"][0] - 0.05

@@ -143,6 +143,14 @@ def test_hsdp_four_ranks(daemon, tmp_path):
     # Once per shard group: two ranks' tensors, each param's elements once.
     assert job["params"] == sum(v.numel() for v in r["ours"].values())
     assert job["tensors"] == 2 * len(r["ours"]) and job["ranks_attached"] == 4
+    # The ones at replicate coordinate 0 hold every param's shard, the other replicas none:
+    # they have theirs by the broadcast (the lockstep above is over every rank's params).
+    held = sorted(r["held"], key=lambda h: h[1])       # by (replicate, shard) coordinate
+    assert [(n, c) for n, c, _ in held] == [(len(r["ours"]), (0, 0)), (len(r["ours"]), (0, 1)),
+                                            (0, (1, 0)), (0, (1, 1))]
+    for (_, _, stepped), (_, _, given) in ((held[0], held[2]), (held[1], held[3])):
+        assert all(torch.equal(a, b) for a, b in zip(stepped, given)), \
+            "a replica's shard is not its stepping replica's"
     # Saved (DCP; the streaming checkpoint) and restored into a fresh HSDP run, bit for bit.
     assert r["restored"] == {"dcp": True, "own": True}, r["restored"]
 
@@ -190,9 +198,10 @@ def same_state(got, want):
     assert gs.keys() == ws.keys()
 
 
-@pytest.mark.parametrize("world", [1, 3])
+@pytest.mark.parametrize("world", [1, 3, 4])
 def test_resharded_resume(saved, world):
-    """The 2-rank save into 1 and 3 ranks (over 3, the last rank has no rows of the gate):
+    """The 2-rank save into 1, 3 and 4 ranks (over 3 the last rank has no rows of the gate,
+    over 4 the last two; the head's 37 rows go 10/9/9/9 where the save had 19/18):
     DCP and our streaming checkpoint restore the state bit for bit (fp32 state);
     torch.optim.AdamW loaded from the same DCP checkpoint then steps in lockstep with ours."""
     d, out, _ = saved
@@ -207,3 +216,47 @@ def test_resharded_resume(saved, world):
     moved = max_rel_err([r["ours"][k] for k in r["ours"]],
                         [want["params"][k] for k in r["ours"]])
     assert moved > 1000 * RTOL, "the resumed run did not step"
+
+
+CLIP_STEPS, SKIP_AT = 50, 23
+
+
+@pytest.mark.parametrize("world, layout", [(2, "flat"), (4, "hsdp")])
+def test_own_global_clip_and_skip_across_ranks(daemon, tmp_path, world, layout):
+    """opt.clip_grad_norm_ (the daemon's gradient pass, the ranks' shares all-reduced) under
+    FSDP2 over 2 ranks, uneven shards, and under HSDP over 4 (2 replicas of a 2-way shard:
+    only the stepping replicas' shares count, each shard's once): every step's norm is torch.nn.utils.clip_grad_norm_'s
+    over the DTensor grads, the same on both ranks (the global one, not a rank's share), and
+    the run stays in lockstep with torch.optim.AdamW clipped by torch.  An inf in one element
+    of the last shard at SKIP_AT: every rank skips that step (params, torch's step
+    counts and the daemon's unchanged), as the reference does.
+
+    Tolerances: the norm is summed in double from the slots here and in fp32 per tensor by
+    torch (1e-6 relative covers fp32's sums of 10^4 squares); the coefficients then differ
+    by as much, which Adam's update all but divides out (m / sqrt(v) is scale-free but for
+    eps), so the params and moments keep test_numerics's RTOL, as the unclipped lockstep."""
+    out = tmp_path / "r.pt"
+    launch(world, daemon.socket, "clip", f"fsdp2-clip-{layout}", out, layout, CLIP_STEPS,
+           SKIP_AT)
+    r = torch.load(out, weights_only=False)
+    norms, ref = r["norms"], r["ref_norms"]
+    # Every rank got the same norm each step: the global one.
+    assert all(each == norms for each in r["each_rank"])
+    for step, (got, want) in enumerate(zip(norms, ref), 1):
+        if step == SKIP_AT:
+            assert got == float("inf")
+            continue
+        assert want > MAX_NORM, f"step {step}: no clip"
+        assert abs(got - want) <= 1e-6 * want, f"step {step}: norm {got}, torch's {want}"
+    a = r["around"]
+    for k in a["before"]:
+        assert torch.equal(a["before"][k], a["after"][k]), f"{k} changed at the skipped step"
+    assert a["steps"] == [SKIP_AT - 1.0] and a["daemon_step"] == SKIP_AT - 1
+    err = max_rel_err([r["ours"][k] for k in r["ours"]], [r["ref"][k] for k in r["ours"]])
+    assert err <= RTOL, f"params: max relative difference {err:.3g} > {RTOL:.3g}"
+    so, sr = r["ours_state"]["state"], r["ref_state"]["state"]
+    for name in so:
+        assert float(so[name]["step"]) == float(sr[name]["step"]) == CLIP_STEPS - 1, name
+        for key in ("exp_avg", "exp_avg_sq"):
+            err = max_rel_err([so[name][key]], [sr[name][key]])
+            assert err <= RTOL, f"{name}.{key}: max relative difference {err:.3g}"

@@ -358,3 +358,49 @@ def test_non_contiguous_params(daemon):
         ref_opt.step()
     assert max_rel_err(ours, ref) <= RTOL
     opt.close()
+
+
+def test_own_clip_grad_norm_vs_torch(daemon):
+    """opt.clip_grad_norm_ on one process's plain params (its own norm: no process group):
+    the norm is torch.nn.utils.clip_grad_norm_'s, and the run stays within RTOL of torch's
+    AdamW clipped by torch (the coefficients differ by the norms' rounding, double sums here
+    and fp32 there, which Adam's m / sqrt(v) all but divides out).  An inf gradient skips the
+    next step (params and step counts unchanged) or, with error_if_nonfinite, raises; what
+    the daemon cannot clip is refused by name."""
+    ours = zhelpers.model(seed=5)
+    ref = copy.deepcopy(ours)
+    opt = zt.AdamW(ours.parameters(), lr=1e-2, job="own-clip", socket=daemon.socket)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    max_norm = 0.3
+    for step in range(1, 31):
+        opt.zero_grad()
+        ref_opt.zero_grad()
+        zhelpers.loss_of(ours, step).backward()
+        for p, q in zip(ours.parameters(), ref.parameters()):
+            q.grad = p.grad.detach().clone()
+        got = float(opt.clip_grad_norm_(max_norm))
+        want = float(torch.nn.utils.clip_grad_norm_(ref.parameters(), max_norm))
+        assert want > max_norm and abs(got - want) <= 1e-6 * want, (step, got, want)
+        opt.step()
+        ref_opt.step()
+    err = max_rel_err(list(ours.parameters()), list(ref.parameters()))
+    assert err <= RTOL, f"max relative difference {err:.3g} > {RTOL:.3g}"
+    before = [p.detach().clone() for p in ours.parameters()]
+    opt.zero_grad()
+    zhelpers.loss_of(ours, 99).backward()
+    next(ours.parameters()).grad.view(-1)[3] = float("nan")
+    assert float(opt.clip_grad_norm_(max_norm)) == float("inf")
+    opt.step()
+    assert all(torch.equal(a, b) for a, b in zip(before, ours.parameters()))
+    assert all(int(s["step"]) == 30 for s in opt.state_dict()["state"].values())
+    with pytest.raises(RuntimeError, match="non-finite .*error_if_nonfinite=True"):
+        opt.clip_grad_norm_(max_norm, error_if_nonfinite=True)
+    with pytest.raises(ValueError, match="norm_type=1.0: the daemon computes the L2 norm"):
+        opt.clip_grad_norm_(max_norm, norm_type=1.0)
+    with pytest.raises(ValueError, match="max_norm must be a positive number"):
+        opt.clip_grad_norm_(0.0)
+    # The refused calls left no skip or coefficient behind: this step is taken, unclipped.
+    next(ours.parameters()).grad.view(-1)[3] = 0.0
+    opt.step()
+    assert all(int(s["step"]) == 31 for s in opt.state_dict()["state"].values())
+    opt.close()

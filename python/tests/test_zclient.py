@@ -143,3 +143,33 @@ def test_param_view_follows_the_slot_and_finds_writes(daemon, monkeypatch, track
     del view
     with pytest.raises(BufferError, match="still view"):
         t.unregister()
+
+
+def test_submit_keywords_each_reach_the_step(daemon):
+    """Every keyword of submit() lands in its own field: no_bias_correction was parsed as a
+    double into an int (its value lost, bias correction applied anyway), and a keyword after
+    it failed with SystemError.  Adam's first step from zero moments, gradient g: with bias
+    correction the update is lr * sign(g) (m_hat = g, v_hat = g^2); without, it is
+    lr * 0.1 g / (sqrt(0.001) g) = lr * 3.162..., so the two are told apart at once."""
+    c = conn(daemon, "kw")
+    t = c.register("w", array.array("f", [0.0] * 4))
+    torch.frombuffer(t.grad, dtype=torch.float32).fill_(2.0)
+    c.submit([t], optim="adam", step=1, lr=0.01, eps=0.0, no_bias_correction=True,
+             check_finite=True, clip_coef=0.5)
+    assert t.wait()["status"] == "applied"
+    out = array.array("f", [0.0] * 4)
+    t.read("master", out)
+    # Clipped to g = 1: m = 0.1, v = 0.001, no correction: -lr * 0.1 / sqrt(0.001).
+    assert out[0] == pytest.approx(-0.01 * 0.1 / 0.001 ** 0.5, rel=1e-6)
+    # The gradient pass: the squared norm of what the slot holds, in double, and inf/NaNs.
+    g = torch.frombuffer(t.grad, dtype=torch.float32)
+    g.copy_(torch.tensor([3.0, 4.0, 0.0, 0.0]))
+    assert c.grad_pass([t]) == {"sumsq": 25.0, "nonfinite": 0, "elements": 4}
+    g[2] = float("inf")
+    assert c.grad_pass([t])["nonfinite"] == 1
+    del g           # the slots go with the job
+    # torch.nn.utils.clip_grad_norm_'s coefficient, capped at 1.
+    assert c.clip_coef(1.0, 25.0) == pytest.approx(1.0 / (5.0 + 1e-6), rel=1e-15)
+    assert c.clip_coef(10.0, 25.0) == 1.0
+    c.job_close()
+    c.close()

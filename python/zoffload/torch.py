@@ -59,6 +59,10 @@ restores the parameters as they were given and the state loaded.  ``resume=False
 dead process's state.  Otherwise the constructor raises and leaves that state as it was.
 ``close()`` frees the state.
 
+``clip_grad_norm_(max_norm)`` before ``step()`` clips by the norm over every rank's shard
+(DTensor params) or this rank's params, computed by the daemon, and skips the next step on
+every rank when a gradient is inf or NaN (see _clip.py).
+
 ``save_checkpoint(dir)`` / ``load_checkpoint(dir)`` save and restore through the daemon's
 streaming checkpoint, for models too big for ``state_dict()`` (see _checkpoint.py).
 
@@ -80,7 +84,7 @@ from itertools import chain
 
 import torch
 
-from . import _checkpoint, _dtensor, _zclient
+from . import _checkpoint, _clip, _dtensor, _zclient
 from ._zclient import ZoffloadError
 
 __all__ = ["AdamW", "Adam", "Adagrad", "Lion", "ZoffloadError"]
@@ -251,6 +255,7 @@ class _ZoffloadOptimizer(torch.optim.Optimizer):
         self._group_index = {}
         self._hooks = []
         self._next_index = 0
+        self._clip = None           # _clip.Clip: what clip_grad_norm_ left for step()
         self._conn = _zclient.Connection(socket, reconnect_ms=reconnect_ms)
         self._conn.job_open(self.job, rank, world_size, policy=policy,
                             pinned_budget=pinned_budget, state_format=state_format)
@@ -481,7 +486,7 @@ class _ZoffloadOptimizer(torch.optim.Optimizer):
             g.copy_(grad, non_blocking=p.is_cuda)
         return g.numel() * g.element_size()
 
-    def _submit(self, group, items):
+    def _submit(self, group, items, clip_coef=0.0):
         """Queue the steps of (p, entry) pairs of one group, one set per step number."""
         by_step = {}
         for p, e in items:
@@ -494,7 +499,7 @@ class _ZoffloadOptimizer(torch.optim.Optimizer):
             for i in range(0, len(pes), _MAX_SET):
                 chunk = pes[i:i + _MAX_SET]
                 self._conn.submit([e.zt for _, e in chunk], optim=self._update_of(group),
-                                  step=step, **args)
+                                  step=step, clip_coef=clip_coef, **args)
                 for _, e in chunk:
                     e.in_flight = step
 
@@ -531,6 +536,9 @@ class _ZoffloadOptimizer(torch.optim.Optimizer):
         self._follow()
         self._flush_loaded_state()
         self._given = {}            # the taken-back state is what this run goes on from
+        clip, self._clip = self._clip, None
+        if clip is not None and clip.skip:
+            return loss             # an inf/NaN gradient on some rank: every rank skips
         for group in self.param_groups:
             items, copied = [], 0
             for p in group["params"]:
@@ -545,10 +553,10 @@ class _ZoffloadOptimizer(torch.optim.Optimizer):
                 items.append((p, e))
                 if copied >= _PIPELINE_BYTES:
                     # The daemon steps these while the next gradients are copied in.
-                    self._submit(group, items)
+                    self._submit(group, items, clip.coef if clip is not None else 0.0)
                     items, copied = [], 0
             if items:
-                self._submit(group, items)
+                self._submit(group, items, clip.coef if clip is not None else 0.0)
         self._finish()
         self._sync_replicas()
         return loss
@@ -577,6 +585,15 @@ class _ZoffloadOptimizer(torch.optim.Optimizer):
         e.zt.write("master", master.numpy())
         if e.view is not None:
             e.zt.view_reset()
+
+    def clip_grad_norm_(self, max_norm, norm_type=2.0, error_if_nonfinite=False, group=None):
+        """torch.nn.utils.clip_grad_norm_ over this optimizer's params on every rank, applied
+        by the daemon in the next step(), which is skipped on every rank when any gradient is
+        inf or NaN; returns the global L2 norm (inf then).  p.grad is left as it was, and
+        step() takes the gradients as they are then.  ``group``: the process group whose
+        shares make the norm (default: all ranks for DTensor params, else this rank's own;
+        see _clip.py)."""
+        return _clip.clip_grad_norm_(self, max_norm, norm_type, error_if_nonfinite, group)
 
     def _sync_replicas(self):
         """The stepping replica's params to the others, in the same order on every rank."""
