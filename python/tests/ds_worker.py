@@ -102,10 +102,13 @@ def run(case, which, rank, world, job, socket, first=1, save_to=None, load_from=
             engine.save_checkpoint(save_to, tag=f"step{step}")
     with deepspeed.zero.GatheredParameters(list(m.parameters())):
         params = [p.detach().clone() for p in m.parameters()]
+    copies = None
+    if which == "ours":
+        copies = engine.optimizer.optimizer.copy_stats()
     engine.destroy()
     if which == "ours":
         engine.optimizer.optimizer.close()
-    return {"losses": losses, "params": params}
+    return {"losses": losses, "params": params, "copies": copies}
 
 
 def main(rank, world, port, socket, out, mode, ckpt=None):
