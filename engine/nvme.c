@@ -34,6 +34,13 @@ ze_nvme_start(struct ze_engine *e)
 		.budget_bytes = (uint64_t)bytes * e->cfg.staging_buffers,
 		.numa_node = e->cfg.numa_node,
 		.hugepages = true,
+		/*
+		 * The buffers are memfds (a computed chunk outlives the process), which
+		 * get 4 KiB pages from MADV_HUGEPAGE alone where shmem_enabled is never:
+		 * the swap engine then moved 0.36x (reads) and 0.45x (writes) of what it
+		 * moves through 2 MiB pages, and bench_step's step took 2.2x.
+		 */
+		.collapse = true,
 	}, &e->staging_arena);
 	if (r < 0)
 		return r;
