@@ -439,7 +439,6 @@ void
 ze_nvme_step_computed(struct ze_engine *e, struct ze_task *task)
 {
 	struct chunk_io *io = (struct chunk_io *)((char *)task - offsetof(struct chunk_io, task));
-
 	if (task->result < 0) {
 		ze_nvme_chunk_finished(e, io, task->result);
 		return;
@@ -486,7 +485,8 @@ pump_once(struct ze_engine *e)
 		direct = ze_nvme_direct(w, w->next_chunk);
 		bytes = ze_nvme_io_bytes(w, w->next_chunk, direct);
 		/* The read window (engine_impl.h): a buffer is free, the next read waits its turn. */
-		if (e->read_bytes_in_flight > 0 && e->read_bytes_in_flight + bytes > sb->bytes)
+		if (e->read_bytes_in_flight > 0 &&
+		    e->read_bytes_in_flight + bytes > ZE_READ_WINDOW_CHUNKS * sb->bytes)
 			break;
 		io = calloc(1, sizeof(*io));
 		if (io == NULL)
