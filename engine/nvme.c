@@ -228,6 +228,8 @@ write_finished(struct chunk_io *io, int result)
 	uint64_t first = io->chunk * t->chunk_elements;
 	uint64_t last = first + chunk_len(t, io->chunk);
 
+	if (w->kind == WORK_STEP)
+		io->e->stats.staging_write_ns += zu_now_ns() - io->phase_ns;
 	if (result == 0) {
 		/* Landed: stamped before its journal entry goes (ze_step_unit_done agrees). */
 		if (w->kind == WORK_STEP)
@@ -399,6 +401,8 @@ read_done(int result, void *arg)
 		ze_nvme_xfer_chunk(e, io);
 		return;
 	}
+	io->phase_ns = zu_now_ns();
+	e->stats.staging_read_ns += io->phase_ns - io->start_ns;
 	buf = io->staging->buf;
 	off = io->chunk * t->chunk_elements;
 	n = chunk_len(t, io->chunk);
@@ -439,6 +443,10 @@ void
 ze_nvme_step_computed(struct ze_engine *e, struct ze_task *task)
 {
 	struct chunk_io *io = (struct chunk_io *)((char *)task - offsetof(struct chunk_io, task));
+	uint64_t now = zu_now_ns();
+
+	e->stats.staging_compute_ns += now - io->phase_ns;
+	io->phase_ns = now;
 	if (task->result < 0) {
 		ze_nvme_chunk_finished(e, io, task->result);
 		return;
