@@ -256,6 +256,9 @@ add_pipeline(cJSON *root, const struct zd_daemon *d)
 	cJSON_AddNumberToObject(p, "compute_waiting_on_io_ms", (double)t->compute_wait_ns / 1e6);
 	cJSON_AddNumberToObject(p, "io_waiting_on_compute", (double)t->io_waits);
 	cJSON_AddNumberToObject(p, "io_waiting_on_compute_ms", (double)t->io_wait_ns / 1e6);
+	cJSON_AddNumberToObject(p, "staging_reading_ms", (double)t->staging_read_ns / 1e6);
+	cJSON_AddNumberToObject(p, "staging_computing_ms", (double)t->staging_compute_ns / 1e6);
+	cJSON_AddNumberToObject(p, "staging_writing_ms", (double)t->staging_write_ns / 1e6);
 	params = cJSON_AddObjectToObject(p, "params");
 	if (params == NULL)
 		return;

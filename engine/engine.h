@@ -395,6 +395,16 @@ struct ze_stats {
 	uint64_t compute_wait_ns;
 	uint64_t io_waits;		/* chunks ready to read, every staging buffer busy */
 	uint64_t io_wait_ns;
+	/*
+	 * Where the staging buffers' time goes in a step's chunks, summed over
+	 * buffers: from the read's start until it landed, from then until the
+	 * step computed it (waiting on the stepper included), and from then
+	 * until its write landed (the buffer cannot be reused before: the write
+	 * is from it, and it is the chunk's copy if the process dies meanwhile).
+	 */
+	uint64_t staging_read_ns;
+	uint64_t staging_compute_ns;
+	uint64_t staging_write_ns;
 	uint64_t param_fetches;
 	uint64_t param_hits;
 	uint64_t param_misses;

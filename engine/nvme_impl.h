@@ -76,6 +76,7 @@ struct chunk_io {
 	unsigned parts;
 	int part_result;
 	uint64_t start_ns;
+	uint64_t phase_ns;		/* a step's chunk: when its read, or its compute, ended */
 	struct ze_task task;
 };
 

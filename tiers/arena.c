@@ -105,6 +105,28 @@ map_aligned(size_t size, bool huge, int fd)
 	return (void *)aligned;
 }
 
+#ifndef MADV_COLLAPSE
+#define MADV_COLLAPSE 25	/* Linux 6.1; older C libraries do not name it */
+#endif
+
+/*
+ * Puts a file's mapping into 2 MiB pages (zt_arena_config.collapse).  A new
+ * file gets one zero byte written per 2 MiB first: the collapse then fills
+ * each huge page with zeros instead of copying 512 faulted-in small pages
+ * (15 ms for 48 MiB against 200 ms), and on no pages at all it fails.  A
+ * kept file is collapsed as it is, its contents copied.  Failure (an older
+ * kernel, no huge page to be had) leaves small pages: slower I/O, still
+ * correct.
+ */
+static void
+collapse(char *p, size_t size, bool fresh)
+{
+	if (fresh)
+		for (size_t off = 0; off < size; off += HUGEPAGE_SIZE)
+			p[off] = 0;
+	(void)madvise(p, size, MADV_COLLAPSE);
+}
+
 /* fd: -1 anonymous; else the file to map (already size bytes long). */
 static int
 arena_map(struct zt_arena *arena, size_t size, int fd, bool budget, void **ret,
@@ -128,6 +150,8 @@ arena_map(struct zt_arena *arena, size_t size, int fd, bool budget, void **ret,
 			return err;
 		}
 	}
+	if (fd >= 0 && arena->config.collapse && arena->config.hugepages && size >= HUGEPAGE_MIN)
+		collapse(p, size, budget);
 	/*
 	 * mlock faults the pages in, on the bound node.  A kept file's pages are
 	 * in memory already (it was locked until its process died): they are

@@ -13,6 +13,14 @@ struct zt_arena_config {
 	int numa_node;			/* -1: no placement */
 	bool require_pinned;		/* fail allocations that cannot be mlocked */
 	bool hugepages;			/* madvise(MADV_HUGEPAGE) on large allocations */
+	/*
+	 * With hugepages: large memfd allocations are also put into 2 MiB pages
+	 * with MADV_COLLAPSE, which shared memory does not take from MADV_HUGEPAGE
+	 * where /sys/kernel/mm/transparent_hugepage/shmem_enabled is never (a
+	 * common default).  For I/O buffers: see map_aligned.  A kept file's pages
+	 * are copied into them, its size in bytes, once.
+	 */
+	bool collapse;
 };
 
 struct zt_arena_stats {
