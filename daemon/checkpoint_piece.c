@@ -89,7 +89,7 @@ zd_ckpt_buf_put(char *b, uint64_t elements)
 #define WRITE_BLOCK (256u << 10)
 
 static void
-io_write_piece(struct zd_ckpt_write *w)
+io_write_piece(struct zd_ckpt_xfer *w)
 {
 	for (unsigned i = 0; i < ZP_CKPT_ARRAYS; i++) {
 		const char *src = w->io_src[i];
@@ -102,7 +102,7 @@ io_write_piece(struct zd_ckpt_write *w)
 			size_t n = len - done < WRITE_BLOCK ? (size_t)(len - done) : WRITE_BLOCK;
 			int r;
 
-			w->crc[i] = zp_crc32c(w->crc[i], src + done, n);
+			w->crc[i] = zu_crc32c(w->crc[i], src + done, n);
 			r = zp_pwrite_full(w->fd, src + done, n, at + done);
 			if (r < 0) {
 				snprintf(w->io_err, sizeof(w->io_err), "tensor '%s': writing the "
@@ -130,7 +130,7 @@ io_write_piece(struct zd_ckpt_write *w)
  * where the copy out of the page cache left them, not in memory.
  */
 static void
-io_read_piece(struct zd_ckpt_write *w)
+io_read_piece(struct zd_ckpt_xfer *w)
 {
 	if (w->io_off == 0)
 		(void)posix_fadvise(w->fd, 0, 0, POSIX_FADV_SEQUENTIAL);
@@ -151,7 +151,7 @@ io_read_piece(struct zd_ckpt_write *w)
 				w->io_result = r == -ENODATA ? -EBADMSG : r;
 				return;
 			}
-			w->crc[i] = zp_crc32c(w->crc[i], (char *)a + done, n);
+			w->crc[i] = zu_crc32c(w->crc[i], (char *)a + done, n);
 			done += n;
 		}
 		/* The padding goes to the swap with the chunk: zeros, not a last use's bytes. */
@@ -164,9 +164,9 @@ io_read_piece(struct zd_ckpt_write *w)
 }
 
 void
-zd_ckpt_piece_run(struct zd_ckpt_job *job)
+zd_ckpt_piece_run(struct zd_ckpt_io_item *item)
 {
-	struct zd_ckpt_write *w = (struct zd_ckpt_write *)job;
+	struct zd_ckpt_xfer *w = (struct zd_ckpt_xfer *)item;
 
 	w->io_result = 0;
 	if (w->io_write)
