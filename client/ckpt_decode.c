@@ -10,8 +10,9 @@
 #include <unistd.h>
 
 #include "ckpt_decode.h"
+#include "convert.h"
 #include "fileio.h"
-#include "quant_impl.h"
+#include "q8.h"
 
 /* Elements decoded at a time: a multiple of the block, two buffers' worth of fp32. */
 #define STRIDE (1u << 20)
@@ -21,7 +22,7 @@ static int
 decode_moments(const struct zck_file *f, const struct zck_entry *e, uint64_t c0, uint64_t c1,
     void *raw, float *m, float *v, char *err, size_t errlen)
 {
-	uint64_t n = c1 - c0, nb = (n + ZCK_BLOCK - 1) / ZCK_BLOCK;
+	uint64_t n = c1 - c0, nb = (n + ZK_Q8_BLOCK - 1) / ZK_Q8_BLOCK;
 	unsigned esz = (unsigned)(zck_array_bytes(e->arrays, 1, 1));
 	/* The scales first: aligned for floats whatever n. */
 	float *ms = raw, *vs = ms + nb;
@@ -32,9 +33,9 @@ decode_moments(const struct zck_file *f, const struct zck_entry *e, uint64_t c0,
 	if (r == 0)
 		r = zck_pread_array(f, e, 2, vr, n * esz, c0 * esz, err, errlen);
 	if (r == 0 && e->arrays == ZCK_ARRAYS_Q8)
-		r = zck_pread_array(f, e, 3, ms, 4 * nb, 4 * (c0 / ZCK_BLOCK), err, errlen);
+		r = zck_pread_array(f, e, 3, ms, 4 * nb, 4 * (c0 / ZK_Q8_BLOCK), err, errlen);
 	if (r == 0 && e->arrays == ZCK_ARRAYS_Q8)
-		r = zck_pread_array(f, e, 4, vs, 4 * nb, 4 * (c0 / ZCK_BLOCK), err, errlen);
+		r = zck_pread_array(f, e, 4, vs, 4 * nb, 4 * (c0 / ZK_Q8_BLOCK), err, errlen);
 	if (r < 0)
 		return r;
 	for (uint64_t i = 0; i < n; i++) {
@@ -49,13 +50,8 @@ decode_moments(const struct zck_file *f, const struct zck_entry *e, uint64_t c0,
 			m[i] = zk__bf16_to_f32(a);
 			v[i] = zk__bf16_to_f32(b);
 		} else {
-			/* zk_qstate_decode's arithmetic (quant.h), element by element. */
-			float um = zk__q8_decode_mul(ZK_Q8_RCP_VMAX_M, ms[i / ZK_Q8_BLOCK]);
-			float ur = zk__q8_decode_mul(ZK_Q8_RCP_VMAX_V, vs[i / ZK_Q8_BLOCK]);
-			float rr = zk__q8_decode_r(vr[i], ur, ZK_Q8_OFFSET * ur);
-
-			m[i] = zk__q8_decode_m(mr[i], um, ZK_Q8_OFFSET * um);
-			v[i] = rr * rr;
+			zk_q8_decode(mr[i], vr[i], ms[i / ZK_Q8_BLOCK], vs[i / ZK_Q8_BLOCK], &m[i],
+			    &v[i]);
 		}
 	}
 	return 0;
@@ -65,9 +61,9 @@ int
 zck_decode_fd(const struct zck_file *f, const struct zck_entry *e, uint64_t x, uint64_t n,
     char *err, size_t errlen)
 {
-	uint64_t x0 = x / ZCK_BLOCK * ZCK_BLOCK, end = x + n;
+	uint64_t x0 = x / ZK_Q8_BLOCK * ZK_Q8_BLOCK, end = x + n;
 	float *buf = malloc(3 * (size_t)STRIDE * sizeof(float));
-	void *raw = malloc(2 * (size_t)STRIDE * 4 + 2 * 4 * (STRIDE / ZCK_BLOCK));
+	void *raw = malloc(2 * (size_t)STRIDE * 4 + 2 * 4 * (STRIDE / ZK_Q8_BLOCK));
 	int fd = -1, r = 0;
 
 	err[0] = '\0';
@@ -89,7 +85,7 @@ zck_decode_fd(const struct zck_file *f, const struct zck_entry *e, uint64_t x, u
 		uint64_t lo = c0 > x ? c0 : x, hi = c1 < end ? c1 : end;
 		float *m = buf + STRIDE, *v = buf + 2 * (size_t)STRIDE;
 
-		c1 = (c1 - c0 + ZCK_BLOCK - 1) / ZCK_BLOCK * ZCK_BLOCK + c0;
+		c1 = (c1 - c0 + ZK_Q8_BLOCK - 1) / ZK_Q8_BLOCK * ZK_Q8_BLOCK + c0;
 		if (c1 > e->numel)
 			c1 = e->numel;
 		r = zck_pread_array(f, e, 0, buf, 4 * (hi - lo), 4 * lo, err, errlen);

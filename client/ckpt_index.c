@@ -71,16 +71,21 @@ free_file(struct zck_file *f)
 		close(f->fd);
 }
 
+_Static_assert((int)ZCK_ARRAYS_F32 == (int)ZK_STATE_FP32 &&
+    (int)ZCK_ARRAYS_BF16 == (int)ZK_STATE_BF16 && (int)ZCK_ARRAYS_Q8 == (int)ZK_STATE_Q8,
+    "a file's arrays are the state formats' (the daemon's ze_raw_array_bytes)");
+
+/* As the daemon's ze_raw_array_bytes: the same sizes, from quant.h. */
 uint64_t
 zck_array_bytes(enum zck_arrays a, unsigned k, uint64_t count)
 {
-	static const unsigned moment[3] = { 4, 2, 1 };
+	enum zk_state_format f = (enum zk_state_format)a;
 
 	if (k == 0)
-		return 4 * count;
+		return zk_state_master_bytes(f, count);
 	if (k < 3)
-		return moment[a] * count;
-	return a == ZCK_ARRAYS_Q8 && k < ZCK_ARRAYS ? 4 * ((count + ZCK_BLOCK - 1) / ZCK_BLOCK) : 0;
+		return zk_state_moment_bytes(f, count);
+	return k < ZCK_ARRAYS ? zk_state_blocks(f, count) * sizeof(float) : 0;
 }
 
 const char *
@@ -430,7 +435,7 @@ crc_bytes(const struct zck_file *f, const struct zck_entry *e, unsigned k, uint6
 		r = zck_pread_array(f, e, k, buf, n, from, err, errlen);
 		if (r < 0)
 			break;
-		*crc = zp_crc32c(*crc, buf, n);
+		*crc = zu_crc32c(*crc, buf, n);
 		from += n;
 	}
 	free(buf);

@@ -24,13 +24,17 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "quant.h"	/* the arrays' sizes and ZK_Q8_BLOCK: one definition with the daemon's */
+
 #define ZCK_FORMAT "zoffload.checkpoint.1"
 #define ZCK_STATES 3			/* master, exp_avg, exp_avg_sq */
 #define ZCK_ARRAYS 5			/* and exp_avg_scale, exp_avg_sq_scale */
 #define ZCK_HEADER_MAX (256u << 20)
-#define ZCK_BLOCK 256			/* elements per q8-moments scale */
 
-/* What a tensor's arrays hold: the values of CKPT_WRITE's format (proto.h). */
+/*
+ * What a tensor's arrays hold: the values of CKPT_WRITE's format (proto.h), which are
+ * enum zk_state_format's FP32, BF16 and Q8.
+ */
 enum zck_arrays { ZCK_ARRAYS_F32 = 0, ZCK_ARRAYS_BF16 = 1, ZCK_ARRAYS_Q8 = 2 };
 
 /* "master", "exp_avg", "exp_avg_sq", "exp_avg_scale", "exp_avg_sq_scale" */

@@ -106,7 +106,7 @@ header_json(const struct save_tensor *ts, size_t n, const char *optim, const cha
 			cJSON *a;
 			double offs[2] = { (double)t->begin[st], (double)(t->begin[st] + bytes) };
 			double shape = (double)(st < ZCK_STATES ? t->numel :
-			    (t->numel + ZCK_BLOCK - 1) / ZCK_BLOCK);
+			    (t->numel + ZK_Q8_BLOCK - 1) / ZK_Q8_BLOCK);
 
 			if (bytes == 0 && st >= ZCK_STATES)
 				continue;

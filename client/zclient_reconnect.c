@@ -220,26 +220,6 @@ frees(const struct zp_msg *m, const struct zc_tensor *t, uint32_t old_handle)
 	    t != NULL;
 }
 
-void
-zci_advise_huge(void *map, size_t bytes)
-{
-	if (bytes >= (2u << 20))
-		(void)madvise(map, bytes, MADV_HUGEPAGE);
-}
-
-void
-zci_file_id(int fd, uint64_t *dev, uint64_t *ino)
-{
-	struct stat st;
-
-	if (fstat(fd, &st) == 0) {
-		*dev = (uint64_t)st.st_dev;
-		*ino = (uint64_t)st.st_ino;
-	} else {
-		*dev = *ino = 0;
-	}
-}
-
 /*
  * The slot at addr is now in fd: the same file keeps its mapping; another is
  * mapped over it in place (copy: what the caller wrote there is carried over).

@@ -163,8 +163,8 @@ piece_mode(struct zc_conn *c, const struct zc_checkpoint *ck, struct restore *r)
 	const struct piece *p = &r->ps[r->i];
 	const struct zck_entry *e = p->e;
 	uint64_t t0 = e->global_offset + r->x - r->lo, n = r->b - r->x, tn = r->hi - r->lo;
-	bool aligned = e->arrays != ZCK_ARRAYS_Q8 || (r->x % ZCK_BLOCK == 0 &&
-	    t0 % ZCK_BLOCK == 0 && (n % ZCK_BLOCK == 0 || (r->b == e->numel && t0 + n == tn)));
+	bool aligned = e->arrays != ZCK_ARRAYS_Q8 || (r->x % ZK_Q8_BLOCK == 0 &&
+	    t0 % ZK_Q8_BLOCK == 0 && (n % ZK_Q8_BLOCK == 0 || (r->b == e->numel && t0 + n == tn)));
 
 	if (e->arrays == ZCK_ARRAYS_F32)
 		r->mode = MODE_F32;

@@ -11,6 +11,27 @@
 #include "zclient.h"
 #include "zclient_impl.h"
 
+/* A slot's mapping and identity (zclient_impl.h): here, and again at a reconnect's remap. */
+void
+zci_advise_huge(void *map, size_t bytes)
+{
+	if (bytes >= (2u << 20))
+		(void)madvise(map, bytes, MADV_HUGEPAGE);
+}
+
+void
+zci_file_id(int fd, uint64_t *dev, uint64_t *ino)
+{
+	struct stat st;
+
+	if (fstat(fd, &st) == 0) {
+		*dev = (uint64_t)st.st_dev;
+		*ino = (uint64_t)st.st_ino;
+	} else {
+		*dev = *ino = 0;
+	}
+}
+
 /*
  * Bytes per element.  Local, with the header-only converters below, so that
  * libzclient links no part of the kernel library (tests/client checks it).

@@ -6,7 +6,6 @@
  */
 #include <cjson/cJSON.h>
 #include <errno.h>
-#include <event2/event.h>
 #include <fcntl.h>
 #include <stdarg.h>
 #include <stdio.h>
@@ -23,7 +22,6 @@
 #include "engine.h"
 #include "job.h"
 #include "log.h"
-#include "requests.h"
 #include "session.h"
 #include "uid.h"
 
@@ -35,6 +33,17 @@
  */
 #define CKPT_IO_THREADS 3
 
+/*
+ * checkpoint.c's state of a session (its opaque slot, session.h): a replaced checkpoint
+ * file (CKPT_RELEASE), held until the session's next message or its end, then closed off
+ * the loop: the client sends that message only after closing its own copy, so the
+ * daemon's close is the last and frees the file.  -1: none.  Charged to the session's
+ * uid's descriptors until closed.  Made at the first CKPT_RELEASE, freed with the session.
+ */
+struct zd_session_slot {
+	int released_fd;
+};
+
 void
 zd_ckpt_release_closed(struct zd_daemon *d, struct zd_uid *uid)
 {
@@ -44,7 +53,7 @@ zd_ckpt_release_closed(struct zd_daemon *d, struct zd_uid *uid)
 }
 
 static void
-ckpt_free(struct zd_daemon *d, struct zd_ckpt_write *w)
+ckpt_free(struct zd_daemon *d, struct zd_ckpt_xfer *w)
 {
 	if (w->waiting)
 		w->uid->ckpt_waiting--;
@@ -60,32 +69,30 @@ static void start_waiting(struct zd_daemon *d, struct zd_uid *u);
 
 /* Off the list and freed: w is idle (nothing in the engine or on a thread). */
 static void
-ckpt_end(struct zd_daemon *d, struct zd_ckpt_write *w)
+ckpt_end(struct zd_daemon *d, struct zd_ckpt_xfer *w)
 {
-	struct zd_ckpt_write **pp;
+	struct zd_ckpt_xfer **pp;
 	struct zd_uid *u = w->uid;
 	/* Transfers waiting keep u (zd_uid_put): it outlives w then. */
 	bool others = u->ckpt_waiting > (w->waiting ? 1u : 0u);
 
-	for (pp = &d->ckpt_writes; *pp != w; pp = &(*pp)->next)
+	for (pp = &d->ckpt_xfers; *pp != w; pp = &(*pp)->next)
 		;
 	*pp = w->next;
 	ckpt_free(d, w);
 	if (others)
 		start_waiting(d, u);
-	if (d->ckpt_io != NULL)
-		zd_maybe_finish(d);
 }
 
 /* The engine's id for w's transfers: not a request id (bit 63), unique while w lives. */
 static uint64_t
-engine_id(const struct zd_ckpt_write *w)
+engine_id(const struct zd_ckpt_xfer *w)
 {
 	return (uint64_t)(uintptr_t)w | (1ull << 63);
 }
 
 static void
-reply_done(struct zd_session *s, struct zd_ckpt_write *w)
+reply_done(struct zd_session *s, struct zd_ckpt_xfer *w)
 {
 	struct zp_msg m = { .hdr = { .type = ZP_CKPT_DONE, .request_id = w->id } };
 
@@ -96,11 +103,11 @@ reply_done(struct zd_session *s, struct zd_ckpt_write *w)
 
 /* An error answer; w ends once nothing of it is in flight. */
 static void
-fail(struct zd_daemon *d, struct zd_session *s, struct zd_ckpt_write *w, int code,
+fail(struct zd_daemon *d, struct zd_session *s, struct zd_ckpt_xfer *w, int code,
     const char *fmt, ...) __attribute__((format(printf, 5, 6)));
 
 static void
-fail(struct zd_daemon *d, struct zd_session *s, struct zd_ckpt_write *w, int code,
+fail(struct zd_daemon *d, struct zd_session *s, struct zd_ckpt_xfer *w, int code,
     const char *fmt, ...)
 {
 	char msg[ZP_ERRMSG_MAX + 1];
@@ -117,12 +124,12 @@ fail(struct zd_daemon *d, struct zd_session *s, struct zd_ckpt_write *w, int cod
 }
 
 static void
-submit(struct zd_daemon *d, struct zd_ckpt_write *w)
+submit(struct zd_daemon *d, struct zd_ckpt_xfer *w)
 {
-	w->job.run = zd_ckpt_piece_run;
-	w->job.key = w->uid;
+	w->item.run = zd_ckpt_piece_run;
+	w->item.key = w->uid;
 	w->in_io = true;
-	zd_ckpt_io_submit(d->ckpt_io, &w->job);
+	zd_ckpt_io_submit(d->ckpt_io, &w->item);
 }
 
 /*
@@ -145,7 +152,7 @@ piece_at(uint64_t offset, uint64_t count, uint64_t chunk, uint64_t most, uint64_
 }
 
 static uint64_t
-piece_len(const struct zd_ckpt_write *w, uint64_t at)
+piece_len(const struct zd_ckpt_xfer *w, uint64_t at)
 {
 	return piece_at(w->offset, w->count, w->chunk, w->piece_most, at);
 }
@@ -155,7 +162,7 @@ piece_len(const struct zd_ckpt_write *w, uint64_t at)
  * State in memory is written to the file from where it is: nothing to ask.
  */
 static int
-issue(struct zd_ckpt_write *w)
+issue(struct zd_ckpt_xfer *w)
 {
 	uint64_t n = piece_len(w, w->issued);
 	int r;
@@ -181,7 +188,7 @@ issue(struct zd_ckpt_write *w)
  * answer.
  */
 static void
-save_advance(struct zd_daemon *d, struct zd_session *s, struct zd_ckpt_write *w)
+save_advance(struct zd_daemon *d, struct zd_session *s, struct zd_ckpt_xfer *w)
 {
 	uint64_t off[ZE_RAW_ARRAYS];
 	const char *mem = NULL;
@@ -222,7 +229,7 @@ save_advance(struct zd_daemon *d, struct zd_session *s, struct zd_ckpt_write *w)
  * write.
  */
 static void
-submit_read(struct zd_daemon *d, struct zd_ckpt_write *w, char *buf)
+submit_read(struct zd_daemon *d, struct zd_ckpt_xfer *w, char *buf)
 {
 	uint64_t off[ZE_RAW_ARRAYS];
 
@@ -248,7 +255,7 @@ submit_read(struct zd_daemon *d, struct zd_ckpt_write *w, char *buf)
  * and refreshed its params; recorded here, and the next read, or the answer.
  */
 static void
-restore_held_advance(struct zd_daemon *d, struct zd_session *s, struct zd_ckpt_write *w)
+restore_held_advance(struct zd_daemon *d, struct zd_session *s, struct zd_ckpt_xfer *w)
 {
 	if (w->pending_n > 0)
 		(void)ze_tensor_restored(w->et, w->offset + w->pending_off, w->pending_n);
@@ -268,7 +275,7 @@ restore_held_advance(struct zd_daemon *d, struct zd_session *s, struct zd_ckpt_w
  * (cur then names that one); or, all stored, the answer.
  */
 static void
-restore_advance(struct zd_daemon *d, struct zd_session *s, struct zd_ckpt_write *w)
+restore_advance(struct zd_daemon *d, struct zd_session *s, struct zd_ckpt_xfer *w)
 {
 	int wr;
 
@@ -309,7 +316,7 @@ restore_advance(struct zd_daemon *d, struct zd_session *s, struct zd_ckpt_write 
 
 /* Something of w came back: on to the next piece once both are in, or its end. */
 static void
-progress(struct zd_daemon *d, struct zd_ckpt_write *w)
+progress(struct zd_daemon *d, struct zd_ckpt_xfer *w)
 {
 	struct zd_session *s;
 
@@ -335,7 +342,7 @@ progress(struct zd_daemon *d, struct zd_ckpt_write *w)
 
 /* w's first piece asked for: from the file (a restore) or from the tiers (a save). */
 static void
-begin(struct zd_daemon *d, struct zd_session *s, struct zd_ckpt_write *w)
+begin(struct zd_daemon *d, struct zd_session *s, struct zd_ckpt_xfer *w)
 {
 	int r;
 
@@ -353,7 +360,7 @@ begin(struct zd_daemon *d, struct zd_session *s, struct zd_ckpt_write *w)
 
 /* A waiting transfer's turn: its buffers, and its first piece; or its end, if it is of no use. */
 static void
-begin_waiting(struct zd_daemon *d, struct zd_ckpt_write *w)
+begin_waiting(struct zd_daemon *d, struct zd_ckpt_xfer *w)
 {
 	struct zd_session *s = zd_session_by_id(d, w->lane);
 
@@ -385,9 +392,9 @@ start_waiting(struct zd_daemon *d, struct zd_uid *u)
 		return;
 	running = true;
 	while (u->ckpt_waiting > 0 && d->ckpt_io != NULL) {
-		struct zd_ckpt_write *w, *first = NULL;
+		struct zd_ckpt_xfer *w, *first = NULL;
 
-		for (w = d->ckpt_writes; w != NULL; w = w->next)
+		for (w = d->ckpt_xfers; w != NULL; w = w->next)
 			if (w->waiting && w->uid == u && (first == NULL || w->seq < first->seq))
 				first = w;
 		if (first == NULL || !zd_ckpt_bufs_fit(d, first))
@@ -400,10 +407,10 @@ start_waiting(struct zd_daemon *d, struct zd_uid *u)
 bool
 zd_ckpt_io_done(struct zd_daemon *d, uint32_t lane, uint64_t id, void *user, int result)
 {
-	struct zd_ckpt_write *w;
+	struct zd_ckpt_xfer *w;
 	struct zd_session *s;
 
-	for (w = d->ckpt_writes; w != NULL; w = w->next)
+	for (w = d->ckpt_xfers; w != NULL; w = w->next)
 		if (w->in_engine && w->lane == lane && engine_id(w) == id)
 			break;
 	if (w == NULL)
@@ -418,15 +425,13 @@ zd_ckpt_io_done(struct zd_daemon *d, uint32_t lane, uint64_t id, void *user, int
 	return true;
 }
 
-/* The I/O threads' eventfd: the pieces they finished. */
-static void
-io_cb(evutil_socket_t fd, short what, void *arg)
+void
+zd_ckpt_process(struct zd_daemon *d)
 {
-	struct zd_daemon *d = arg;
-	struct zd_ckpt_job *job;
+	struct zd_ckpt_io_item *item;
 
-	while ((job = zd_ckpt_io_take(d->ckpt_io)) != NULL) {
-		struct zd_ckpt_write *w = (struct zd_ckpt_write *)job;
+	while ((item = zd_ckpt_io_take(d->ckpt_io)) != NULL) {
+		struct zd_ckpt_xfer *w = (struct zd_ckpt_xfer *)item;
 		struct zd_session *s;
 		uint64_t off[ZE_RAW_ARRAYS];
 		uint64_t bytes;
@@ -450,7 +455,7 @@ io_cb(evutil_socket_t fd, short what, void *arg)
 void
 zd_ckpt_tensor_gone(struct zd_daemon *d, struct ze_tensor *et)
 {
-	for (struct zd_ckpt_write *w = d->ckpt_writes; w != NULL; w = w->next)
+	for (struct zd_ckpt_xfer *w = d->ckpt_xfers; w != NULL; w = w->next)
 		if (w->et == et)
 			w->et = NULL;
 }
@@ -458,42 +463,44 @@ zd_ckpt_tensor_gone(struct zd_daemon *d, struct ze_tensor *et)
 int
 zd_ckpt_start(struct zd_daemon *d)
 {
-	int r = zd_ckpt_io_new(CKPT_IO_THREADS, getenv("ZOFFLOADD_TEST_CKPT_GATE"), &d->ckpt_io);
+	return zd_ckpt_io_new(CKPT_IO_THREADS, getenv("ZOFFLOADD_TEST_CKPT_GATE"), &d->ckpt_io);
+}
 
-	if (r < 0)
-		return r;
-	d->ev_ckpt = event_new(d->base, zd_ckpt_io_fd(d->ckpt_io), EV_READ | EV_PERSIST, io_cb, d);
-	if (d->ev_ckpt == NULL || event_add(d->ev_ckpt, NULL) != 0)
-		return -ENOMEM;
-	return 0;
+int
+zd_ckpt_fd(const struct zd_daemon *d)
+{
+	return zd_ckpt_io_fd(d->ckpt_io);
+}
+
+bool
+zd_ckpt_idle(const struct zd_daemon *d)
+{
+	return d->ckpt_xfers == NULL;
 }
 
 void
 zd_ckpt_stop(struct zd_daemon *d)
 {
-	struct zd_ckpt_write *w, *next;
-	struct zd_ckpt_job *job;
+	struct zd_ckpt_xfer *w, *next;
+	struct zd_ckpt_io_item *item;
 
 	if (d->ckpt_io == NULL)
 		return;
 	zd_ckpt_io_stop(d->ckpt_io);
-	while ((job = zd_ckpt_io_take(d->ckpt_io)) != NULL)
-		((struct zd_ckpt_write *)job)->in_io = false;
+	while ((item = zd_ckpt_io_take(d->ckpt_io)) != NULL)
+		((struct zd_ckpt_xfer *)item)->in_io = false;
 	/* Those waiting for buffers are not begun now: they end with the rest. */
-	for (w = d->ckpt_writes; w != NULL; w = w->next) {
+	for (w = d->ckpt_xfers; w != NULL; w = w->next) {
 		if (w->waiting)
 			w->uid->ckpt_waiting--;
 		w->waiting = false;
 	}
 	/* Those with a piece in the engine end when it comes back (no session is left). */
-	for (w = d->ckpt_writes; w != NULL; w = next) {
+	for (w = d->ckpt_xfers; w != NULL; w = next) {
 		next = w->next;
 		if (!w->in_engine)
 			ckpt_end(d, w);
 	}
-	if (d->ev_ckpt != NULL)
-		event_free(d->ev_ckpt);
-	d->ev_ckpt = NULL;
 	zd_ckpt_io_free(d->ckpt_io);
 	d->ckpt_io = NULL;
 }
@@ -559,7 +566,7 @@ short_file(int fd, const struct zp_ckpt_write *req, char *err, size_t errlen)
 static uint64_t ckpt_seq;
 
 /* Validates the request; a new w, or NULL after answering why not. */
-static struct zd_ckpt_write *
+static struct zd_ckpt_xfer *
 ckpt_new(struct zd_session *s, const struct zp_msg *msg, int fd)
 {
 	const struct zp_ckpt_write *req = &msg->u.ckpt_write;
@@ -567,7 +574,7 @@ ckpt_new(struct zd_session *s, const struct zp_msg *msg, int fd)
 	uint64_t id = msg->hdr.request_id, numel, piece, chunk, most;
 	bool two;
 	char err[ZP_ERRMSG_MAX + 1];
-	struct zd_ckpt_write *w;
+	struct zd_ckpt_xfer *w;
 	struct zd_tensor *t;
 	int r;
 
@@ -694,12 +701,20 @@ ckpt_new(struct zd_session *s, const struct zp_msg *msg, int fd)
 void
 zd_ckpt_release_held(struct zd_session *s)
 {
-	int fd = s->released_fd;
+	int fd = s->slot != NULL ? s->slot->released_fd : -1;
 
 	if (fd < 0)
 		return;
-	s->released_fd = -1;
+	s->slot->released_fd = -1;
 	zd_closer_close(s->daemon, s->uid_usage, fd, ZD_CLOSE_RELEASED);
+}
+
+void
+zd_ckpt_session_end(struct zd_session *s)
+{
+	zd_ckpt_release_held(s);
+	free(s->slot);
+	s->slot = NULL;
 }
 
 /*
@@ -707,8 +722,8 @@ zd_ckpt_release_held(struct zd_session *s)
  * OK.  A refusal hands it to the closer like any other: it may be the file's last
  * reference (the client need not wait for our answer to close its own).
  */
-static void
-release(struct zd_session *s, const struct zp_msg *msg, int fd)
+void
+zd_ckpt_handle_release(struct zd_session *s, const struct zp_msg *msg, int fd)
 {
 	struct zd_daemon *d = s->daemon;
 	struct zp_msg ok = { .hdr = { .type = ZP_OK, .request_id = msg->hdr.request_id } };
@@ -722,40 +737,40 @@ release(struct zd_session *s, const struct zp_msg *msg, int fd)
 		    "is not a regular file");
 		return;
 	}
+	if (s->slot == NULL) {
+		s->slot = malloc(sizeof(*s->slot));
+		if (s->slot == NULL) {
+			zd_closer_close(d, s->uid_usage, fd, ZD_CLOSE_UNCHARGED);
+			zd_session_error(s, msg->hdr.request_id, -ENOMEM, "CKPT_RELEASE: out of "
+			    "memory");
+			return;
+		}
+		s->slot->released_fd = -1;
+	}
 	r = zd_uid_charge(d, s->uid_usage, 1, 0, 0, err, sizeof(err));
 	if (r < 0) {
 		zd_closer_close(d, s->uid_usage, fd, ZD_CLOSE_UNCHARGED);
 		zd_session_error(s, msg->hdr.request_id, r, "CKPT_RELEASE: %s", err);
 		return;
 	}
-	s->released_fd = fd;
+	s->slot->released_fd = fd;
 	d->ckpt_releasing++;
 	(void)zd_session_send(s, &ok, NULL, 0);
 }
 
 void
-zd_handle_request_fd(struct zd_session *s, const struct zp_msg *msg, int fd)
+zd_ckpt_handle_transfer(struct zd_session *s, const struct zp_msg *msg, int fd)
 {
 	struct zd_daemon *d = s->daemon;
-	struct zd_ckpt_write *w;
+	struct zd_ckpt_xfer *w;
 
-	if ((msg->hdr.type != ZP_CKPT_WRITE && msg->hdr.type != ZP_CKPT_READ &&
-	    msg->hdr.type != ZP_CKPT_RELEASE) || !s->hello_done) {
-		zd_closer_close(d, s->uid_usage, fd, ZD_CLOSE_UNCHARGED);
-		zd_handle_request(s, msg);	/* says what is wrong (no HELLO yet) */
-		return;
-	}
-	if (msg->hdr.type == ZP_CKPT_RELEASE) {
-		release(s, msg, fd);
-		return;
-	}
 	w = ckpt_new(s, msg, fd);
 	if (w == NULL) {
 		zd_closer_close(d, s->uid_usage, fd, ZD_CLOSE_UNCHARGED);
 		return;
 	}
-	w->next = d->ckpt_writes;
-	d->ckpt_writes = w;
+	w->next = d->ckpt_xfers;
+	d->ckpt_xfers = w;
 	/* Waiting: begun once its uid's earlier transfers leave room (start_waiting). */
 	if (!w->waiting)
 		begin(d, s, w);
@@ -764,7 +779,7 @@ zd_handle_request_fd(struct zd_session *s, const struct zp_msg *msg, int fd)
 bool
 zd_ckpt_in_transfer(const struct zd_daemon *d, const struct ze_tensor *et)
 {
-	for (const struct zd_ckpt_write *w = d->ckpt_writes; w != NULL; w = w->next)
+	for (const struct zd_ckpt_xfer *w = d->ckpt_xfers; w != NULL; w = w->next)
 		if (w->et == et && !w->dead)
 			return true;
 	return false;
@@ -774,13 +789,13 @@ void
 zd_ckpt_stats_json(struct cJSON *root, const struct zd_daemon *d)
 {
 	cJSON *c = cJSON_AddObjectToObject(root, "checkpoint");
-	const struct zd_ckpt_write *w;
+	const struct zd_ckpt_xfer *w;
 	unsigned n = 0, waiting = 0;
 	uint64_t bufs = 0;
 
 	if (c == NULL)
 		return;
-	for (w = d->ckpt_writes; w != NULL; w = w->next) {
+	for (w = d->ckpt_xfers; w != NULL; w = w->next) {
 		n++;
 		waiting += w->waiting;
 		bufs += w->buf_charge;

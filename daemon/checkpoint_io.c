@@ -20,7 +20,7 @@
 /* Keys remembered for their last start; past it the oldest is forgotten (it counts as new). */
 #define RECENT_KEYS 64
 
-TAILQ_HEAD(job_list, zd_ckpt_job);
+TAILQ_HEAD(job_list, zd_ckpt_io_item);
 
 /*
  * The lock guards the two lists and stopping; a job on `queue` or running belongs to
@@ -78,10 +78,10 @@ started(struct zd_ckpt_io *io, const void *key)
 }
 
 /* The job to start: its key has the fewest running, then the oldest last start; FIFO within. */
-static struct zd_ckpt_job *
+static struct zd_ckpt_io_item *
 pick(struct zd_ckpt_io *io)
 {
-	struct zd_ckpt_job *job, *best = NULL;
+	struct zd_ckpt_io_item *job, *best = NULL;
 	unsigned best_running = 0;
 	uint64_t best_last = 0;
 
@@ -120,7 +120,7 @@ io_main(void *arg)
 {
 	struct zd_ckpt_io *io = ((struct io_thread *)arg)->io;
 	unsigned self = ((struct io_thread *)arg)->index;
-	struct zd_ckpt_job *job;
+	struct zd_ckpt_io_item *job;
 	uint64_t one = 1;
 
 	free(arg);
@@ -199,7 +199,7 @@ zd_ckpt_io_fd(const struct zd_ckpt_io *io)
 }
 
 void
-zd_ckpt_io_submit(struct zd_ckpt_io *io, struct zd_ckpt_job *job)
+zd_ckpt_io_submit(struct zd_ckpt_io *io, struct zd_ckpt_io_item *job)
 {
 	pthread_mutex_lock(&io->lock);
 	TAILQ_INSERT_TAIL(&io->queue, job, entry);
@@ -207,10 +207,10 @@ zd_ckpt_io_submit(struct zd_ckpt_io *io, struct zd_ckpt_job *job)
 	pthread_mutex_unlock(&io->lock);
 }
 
-struct zd_ckpt_job *
+struct zd_ckpt_io_item *
 zd_ckpt_io_take(struct zd_ckpt_io *io)
 {
-	struct zd_ckpt_job *job;
+	struct zd_ckpt_io_item *job;
 	uint64_t n;
 
 	pthread_mutex_lock(&io->lock);

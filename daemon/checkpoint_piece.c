@@ -87,14 +87,14 @@ zd_ckpt_buf_put(char *b, uint64_t elements)
 
 /* The bytes w's buffers take: what its uid is charged while it has them. */
 uint64_t
-zd_ckpt_bufs_need(const struct zd_ckpt_write *w)
+zd_ckpt_bufs_need(const struct zd_ckpt_xfer *w)
 {
 	return w->nbufs * zd_ckpt_buf_bytes(w->buf_elements);
 }
 
 /* w's buffers back, and its uid's charge for them. */
 void
-zd_ckpt_bufs_put(struct zd_ckpt_write *w)
+zd_ckpt_bufs_put(struct zd_ckpt_xfer *w)
 {
 	zd_ckpt_buf_put(w->buf[0], w->buf_elements);
 	zd_ckpt_buf_put(w->buf[1], w->buf_elements);
@@ -105,7 +105,7 @@ zd_ckpt_bufs_put(struct zd_ckpt_write *w)
 
 /* w's buffers, charged to its uid (room for them was found); 0 or -ENOMEM. */
 int
-zd_ckpt_bufs_take(struct zd_ckpt_write *w)
+zd_ckpt_bufs_take(struct zd_ckpt_xfer *w)
 {
 	if (w->nbufs == 0)
 		return 0;
@@ -125,7 +125,7 @@ zd_ckpt_bufs_take(struct zd_ckpt_write *w)
  * alone always does: a reload may have lowered the budget under what one needs.
  */
 bool
-zd_ckpt_bufs_fit(const struct zd_daemon *d, const struct zd_ckpt_write *w)
+zd_ckpt_bufs_fit(const struct zd_daemon *d, const struct zd_ckpt_xfer *w)
 {
 	uint64_t budget = d->cfg.uid_ckpt_buffer_budget, used = w->uid->ckpt_buffer_bytes;
 
@@ -138,7 +138,7 @@ zd_ckpt_bufs_fit(const struct zd_daemon *d, const struct zd_ckpt_write *w)
  * when it needs more than the budget on its own.
  */
 int
-zd_ckpt_bufs_room(const struct zd_daemon *d, const struct zd_ckpt_write *w, char *err,
+zd_ckpt_bufs_room(const struct zd_daemon *d, const struct zd_ckpt_xfer *w, char *err,
     size_t errlen)
 {
 	uint64_t budget = d->cfg.uid_ckpt_buffer_budget, need = zd_ckpt_bufs_need(w);
@@ -164,7 +164,7 @@ zd_ckpt_bufs_room(const struct zd_daemon *d, const struct zd_ckpt_write *w, char
 #define WRITE_BLOCK (256u << 10)
 
 static void
-io_write_piece(struct zd_ckpt_write *w)
+io_write_piece(struct zd_ckpt_xfer *w)
 {
 	for (unsigned i = 0; i < ZP_CKPT_ARRAYS; i++) {
 		const char *src = w->io_src[i];
@@ -177,7 +177,7 @@ io_write_piece(struct zd_ckpt_write *w)
 			size_t n = len - done < WRITE_BLOCK ? (size_t)(len - done) : WRITE_BLOCK;
 			int r;
 
-			w->crc[i] = zp_crc32c(w->crc[i], src + done, n);
+			w->crc[i] = zu_crc32c(w->crc[i], src + done, n);
 			r = zp_pwrite_full(w->fd, src + done, n, at + done);
 			if (r < 0) {
 				snprintf(w->io_err, sizeof(w->io_err), "tensor '%s': writing the "
@@ -205,7 +205,7 @@ io_write_piece(struct zd_ckpt_write *w)
  * where the copy out of the page cache left them, not in memory.
  */
 static void
-io_read_piece(struct zd_ckpt_write *w)
+io_read_piece(struct zd_ckpt_xfer *w)
 {
 	if (w->io_off == 0)
 		(void)posix_fadvise(w->fd, 0, 0, POSIX_FADV_SEQUENTIAL);
@@ -226,7 +226,7 @@ io_read_piece(struct zd_ckpt_write *w)
 				w->io_result = r == -ENODATA ? -EBADMSG : r;
 				return;
 			}
-			w->crc[i] = zp_crc32c(w->crc[i], (char *)a + done, n);
+			w->crc[i] = zu_crc32c(w->crc[i], (char *)a + done, n);
 			done += n;
 		}
 		/* The padding goes to the swap with the chunk: zeros, not a last use's bytes. */
@@ -239,9 +239,9 @@ io_read_piece(struct zd_ckpt_write *w)
 }
 
 void
-zd_ckpt_piece_run(struct zd_ckpt_job *job)
+zd_ckpt_piece_run(struct zd_ckpt_io_item *item)
 {
-	struct zd_ckpt_write *w = (struct zd_ckpt_write *)job;
+	struct zd_ckpt_xfer *w = (struct zd_ckpt_xfer *)item;
 
 	w->io_result = 0;
 	if (w->io_write)

@@ -35,7 +35,7 @@ struct zd_uid;
 static inline uint64_t
 stride(uint64_t n)
 {
-	return (n + 1023) / 1024 * 1024;
+	return ze_chunk_round(n);
 }
 
 /*
@@ -59,7 +59,7 @@ piece_layout(enum zk_state_format f, uint64_t n, uint64_t off[ZE_RAW_ARRAYS])
  * things may be in flight for it at once: a piece in the engine (in_engine) and a piece
  * in the file (in_io, on an I/O thread); it ends when both are back.
  *
- * Ownership while in_io: the I/O thread has job, fd, crc, the io_* fields and the
+ * Ownership while in_io: the I/O thread has item, fd, crc, the io_* fields and the
  * buffer they name (or, for a save or restore of state in memory, the tensor's arrays
  * and, for a restore, its param slot, which `held` keeps busy so that no step changes
  * them and no free takes them); the loop does not touch them, and has everything else.
@@ -67,9 +67,9 @@ piece_layout(enum zk_state_format f, uint64_t n, uint64_t off[ZE_RAW_ARRAYS])
  * and bufs are this struct's.  et is the tensor while it lives: zd_ckpt_tensor_gone
  * clears it.
  */
-struct zd_ckpt_write {
-	struct zd_ckpt_job job;
-	struct zd_ckpt_write *next;
+struct zd_ckpt_xfer {
+	struct zd_ckpt_io_item item;		/* first: the I/O threads see only it */
+	struct zd_ckpt_xfer *next;
 	uint32_t lane;
 	uint64_t id;			/* the request's */
 	int fd;				/* charged to uid's descriptors until closed */
@@ -125,13 +125,13 @@ void zd_ckpt_buf_put(char *b, uint64_t elements);
  * (0 or -ENOMEM); zd_ckpt_bufs_put: given back, and the charge.
  */
 struct zd_daemon;
-uint64_t zd_ckpt_bufs_need(const struct zd_ckpt_write *w);
-int zd_ckpt_bufs_room(const struct zd_daemon *d, const struct zd_ckpt_write *w, char *err,
+uint64_t zd_ckpt_bufs_need(const struct zd_ckpt_xfer *w);
+int zd_ckpt_bufs_room(const struct zd_daemon *d, const struct zd_ckpt_xfer *w, char *err,
     size_t errlen);
-bool zd_ckpt_bufs_fit(const struct zd_daemon *d, const struct zd_ckpt_write *w);
-int zd_ckpt_bufs_take(struct zd_ckpt_write *w);
-void zd_ckpt_bufs_put(struct zd_ckpt_write *w);
+bool zd_ckpt_bufs_fit(const struct zd_daemon *d, const struct zd_ckpt_xfer *w);
+int zd_ckpt_bufs_take(struct zd_ckpt_xfer *w);
+void zd_ckpt_bufs_put(struct zd_ckpt_xfer *w);
 /* The piece w names (io_*) read from or written to its file: run on an I/O thread. */
-void zd_ckpt_piece_run(struct zd_ckpt_job *job);
+void zd_ckpt_piece_run(struct zd_ckpt_io_item *item);
 
 #endif

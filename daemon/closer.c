@@ -16,11 +16,9 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
-#include "checkpoint.h"
 #include "closer.h"
 #include "daemon.h"
 #include "log.h"
-#include "session.h"
 #include "uid.h"
 
 #define CLOSER_THREADS 2
@@ -125,6 +123,16 @@ closer_main(void *arg)
 	return NULL;
 }
 
+/* A charged descriptor of u's is closed: its charge goes back, through the hook if released. */
+static void
+refund(struct zd_daemon *d, struct zd_uid *u, enum zd_close_kind kind)
+{
+	if (kind == ZD_CLOSE_RELEASED && d->closer_hooks != NULL)
+		d->closer_hooks->released(d, u);
+	else
+		zd_uid_refund(d, u, 1, 0, 0);
+}
+
 /*
  * A descriptor of u's is closed: its charge goes back; u's sessions read again once u is
  * not busy.  u stays: a caller on the loop puts it itself.
@@ -132,19 +140,12 @@ closer_main(void *arg)
 static void
 account(struct zd_daemon *d, struct zd_uid *u, enum zd_close_kind kind)
 {
-	struct zd_session *s;
-
 	if (u == NULL)
 		return;
 	u->closing--;
-	if (kind == ZD_CLOSE_RELEASED)
-		zd_ckpt_release_closed(d, u);
-	else
-		zd_uid_refund(d, u, 1, 0, 0);
-	if (u->closing == ZD_CLOSER_UID_MAX - 1)
-		TAILQ_FOREACH(s, &d->sessions, entry)
-			if (s->uid_usage == u)
-				zd_session_resume(s);
+	refund(d, u, kind);
+	if (u->closing == ZD_CLOSER_UID_MAX - 1 && d->closer_hooks != NULL)
+		d->closer_hooks->uid_ready(d, u);
 }
 
 /* From a thread: the charge was all that kept the uid, maybe. */
@@ -205,11 +206,12 @@ join(struct zd_closer *c)
 }
 
 int
-zd_closer_start(struct zd_daemon *d)
+zd_closer_start(struct zd_daemon *d, const struct zd_closer_hooks *hooks)
 {
 	struct zd_closer *c = calloc(1, sizeof(*c));
 	int r;
 
+	d->closer_hooks = hooks;
 	if (c == NULL)
 		return -ENOMEM;
 	TAILQ_INIT(&c->lanes);
@@ -332,10 +334,8 @@ zd_closer_close_socket(struct zd_daemon *d, struct zd_uid *u, int fd, enum zd_cl
 	    mem[SK_MEMINFO_RMEM_ALLOC] == 0) {
 		close(fd);
 		/* The charge back, and nothing else: the caller still holds u (and puts it). */
-		if (u != NULL && kind == ZD_CLOSE_RELEASED)
-			zd_ckpt_release_closed(d, u);
-		else if (u != NULL && kind == ZD_CLOSE_CHARGED)
-			zd_uid_refund(d, u, 1, 0, 0);
+		if (u != NULL && kind != ZD_CLOSE_UNCHARGED)
+			refund(d, u, kind);
 		return;
 	}
 	zd_closer_close(d, u, fd, kind);

@@ -27,10 +27,21 @@ enum zd_close_kind {
 };
 
 /*
- * Threads and their eventfd on d's loop; ZOFFLOADD_TEST_CLOSE_GATE names a FIFO that each
- * close waits to open (tests).
+ * What the loop does when closes are done (the closer knows neither checkpoints nor
+ * sessions): released, after a ZD_CLOSE_RELEASED close, gives its charge back and counts
+ * it; uid_ready, when u's closes waiting fall below ZD_CLOSER_UID_MAX, reads u's sessions
+ * again.
  */
-int zd_closer_start(struct zd_daemon *d);
+struct zd_closer_hooks {
+	void (*released)(struct zd_daemon *d, struct zd_uid *u);
+	void (*uid_ready)(struct zd_daemon *d, struct zd_uid *u);
+};
+
+/*
+ * Threads and their eventfd on d's loop; hooks outlive the daemon's closes.
+ * ZOFFLOADD_TEST_CLOSE_GATE names a FIFO that each close waits to open (tests).
+ */
+int zd_closer_start(struct zd_daemon *d, const struct zd_closer_hooks *hooks);
 /* Closes what is left (on the threads), joins them; later closes happen in place. */
 void zd_closer_stop(struct zd_daemon *d);
 /*

@@ -1,17 +1,20 @@
 /* zoffloadd's configuration: built-in defaults, /etc/zoffload.conf (JSON), validation. */
+#include <arpa/inet.h>
 #include <cjson/cJSON.h>
 #include <ctype.h>
 #include <stdbool.h>
 #include <errno.h>
+#include <netinet/in.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/socket.h>
 #include <unistd.h>
 
 #include "config.h"
 #include "build_config.h"
-#include "metrics.h"
+#include "engine.h"
 #include "quant.h"
 #include "swap.h"
 
@@ -402,20 +405,70 @@ parse_socket(struct parse_ctx *ctx, const cJSON *s, struct zd_config *cfg)
 	}
 }
 
-void
-zd_state_format_list(char *buf, size_t len)
+static bool
+is_loopback(int family, const char *host)
 {
-	size_t off = 0;
+	unsigned char a[16];
 
-	buf[0] = '\0';
-	for (unsigned i = 0; i < ZK_STATE_COUNT && off < len; i++) {
-		int n = snprintf(buf + off, len - off, "%s\"%s\"", i > 0 ? ", " : "",
-		    zk_state_format_name((enum zk_state_format)i));
+	if (family == AF_INET)
+		return inet_pton(AF_INET, host, a) == 1 && a[0] == 127;
+	return inet_pton(AF_INET6, host, a) == 1 && memcmp(a, &in6addr_loopback, 16) == 0;
+}
 
-		if (n < 0)
-			break;
-		off += (size_t)n;
+int
+zd_metrics_parse_listen(const char *spec, struct zd_metrics_addr *ret, char *err,
+    size_t errlen)
+{
+	const char *colon, *host = spec;
+	size_t hostlen;
+	char *end;
+	unsigned long port;
+
+	memset(ret, 0, sizeof(*ret));
+	if (strncmp(spec, "unix:", 5) == 0) {
+		if (spec[5] != '/' || strlen(spec + 5) >= sizeof(ret->path)) {
+			snprintf(err, errlen, "\"%s\": a Unix socket needs an absolute path under %zu "
+			    "bytes (\"unix:/run/zoffload/metrics.sock\")", spec, sizeof(ret->path));
+			return -EINVAL;
+		}
+		ret->family = AF_UNIX;
+		snprintf(ret->path, sizeof(ret->path), "%s", spec + 5);
+		return 0;
 	}
+	colon = strrchr(spec, ':');
+	if (colon == NULL || colon == spec || colon[1] == '\0')
+		goto bad;
+	if (spec[0] == '[') {
+		if (colon[-1] != ']')
+			goto bad;
+		host = spec + 1;
+		hostlen = (size_t)(colon - 1 - host);
+		ret->family = AF_INET6;
+	} else {
+		hostlen = (size_t)(colon - spec);
+		ret->family = AF_INET;
+	}
+	if (hostlen == 0 || hostlen >= sizeof(ret->host))
+		goto bad;
+	memcpy(ret->host, host, hostlen);
+	errno = 0;
+	port = strtoul(colon + 1, &end, 10);
+	if (*end != '\0' || errno != 0 || port > 65535 || colon[1] == '-' || colon[1] == '+')
+		goto bad;
+	ret->port = (unsigned)port;
+	if (ret->family == AF_INET && strcmp(ret->host, "localhost") == 0)
+		snprintf(ret->host, sizeof(ret->host), "127.0.0.1");
+	if (!is_loopback(ret->family, ret->host)) {
+		snprintf(err, errlen, "\"%s\": %s is not a loopback address; the endpoint has no "
+		    "authentication, so it listens on 127.0.0.0/8, [::1] or a Unix socket only",
+		    spec, ret->host);
+		return -EINVAL;
+	}
+	return 0;
+bad:
+	snprintf(err, errlen, "\"%s\" is not \"unix:/PATH\", \"127.0.0.1:PORT\" or \"[::1]:PORT\"",
+	    spec);
+	return -EINVAL;
 }
 
 static void
@@ -455,7 +508,7 @@ parse_memory(struct parse_ctx *ctx, const cJSON *s, struct zd_config *cfg)
 		if (cJSON_IsString(format) && zk_state_format_parse(format->valuestring, &f) == 0) {
 			cfg->state_format = (uint8_t)f;
 		} else {
-			zd_state_format_list(list, sizeof(list));
+			zk_state_format_list(list, sizeof(list));
 			snprintf(expected, sizeof(expected), "one of %s", list);
 			bad_value(ctx, "memory", format, expected);
 		}
@@ -522,7 +575,7 @@ parse_swap(struct parse_ctx *ctx, const cJSON *s, struct zd_config *cfg)
 	get_unsigned(ctx, s, "swap", "staging_buffers", 2, 256, &cfg->staging_buffers);
 	get_count(ctx, s, "swap", "chunk_elements", 1024, "elements", &cfg->chunk_elements);
 	/* Whole 4 KiB pages per array keep every chunk's I/O aligned for O_DIRECT. */
-	if (ctx->status == 0 && (cfg->chunk_elements % 1024 != 0 ||
+	if (ctx->status == 0 && (cfg->chunk_elements % ZE_CHUNK_ALIGN != 0 ||
 	    cfg->chunk_elements > (256u << 20)))
 		perr(ctx, "swap.chunk_elements: %llu elements is not a multiple of 1024 elements "
 		    "up to 268435456 (256M) elements", (unsigned long long)cfg->chunk_elements);

@@ -102,7 +102,19 @@ int zd_parse_size(const char *text, uint64_t *ret);
 /* The same for counts ("4M" elements): no B/iB spelling. */
 int zd_parse_count(const char *text, uint64_t *ret);
 
-/* "\"fp32\", \"bf16-moments\", \"q8-moments\"": the state formats, for messages. */
-void zd_state_format_list(char *buf, size_t len);
+/* metrics.listen parsed: "unix:/path", "127.0.0.1:PORT", "[::1]:PORT", "localhost:PORT". */
+struct zd_metrics_addr {
+	int family;		/* AF_UNIX, AF_INET or AF_INET6 */
+	char host[64];		/* numeric loopback address (AF_INET, AF_INET6) */
+	char path[108];		/* AF_UNIX */
+	unsigned port;		/* 0: any free port (logged) */
+};
+
+/*
+ * 0, or -EINVAL with why in err: not one of the forms above, or a TCP
+ * address that is not loopback (the endpoint has no authentication).
+ */
+int zd_metrics_parse_listen(const char *spec, struct zd_metrics_addr *ret, char *err,
+    size_t errlen);
 
 #endif

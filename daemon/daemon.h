@@ -30,8 +30,9 @@ struct zd_swap_sample {
 };
 
 struct zd_ckpt_io;
-struct zd_ckpt_write;
+struct zd_ckpt_xfer;
 struct zd_closer;
+struct zd_closer_hooks;
 
 /*
  * One per process.  Owns the engine (and through it every tensor's state),
@@ -70,7 +71,7 @@ struct zd_daemon {
 	bool draining;
 	uint64_t started_ns;
 	struct zd_step_stats steps;
-	struct zd_ckpt_write *ckpt_writes;	/* checkpoint.c: transfers in flight */
+	struct zd_ckpt_xfer *ckpt_xfers;	/* checkpoint.c: transfers (saves, restores) in flight */
 	struct zd_ckpt_io *ckpt_io;		/* their file I/O threads */
 	struct event *ev_ckpt;			/* those threads' eventfd */
 	uint64_t ckpt_bytes;			/* written into checkpoint files */
@@ -78,8 +79,9 @@ struct zd_daemon {
 	unsigned ckpt_releasing;		/* CKPT_RELEASE files held or queued to close */
 	uint64_t ckpt_released;			/* and closed */
 	struct zd_closer *closer;		/* closer.c: client descriptors, closed off the loop */
+	const struct zd_closer_hooks *closer_hooks;	/* what the loop does as they close */
 	uint64_t closed_off_loop;		/* by it */
-	/* recover.c: what outlives the process, and what a restart found of it */
+	/* restart.c, restart_table.c: what outlives the process, and what a restart found of it */
 	struct zd_fdstore store;
 	struct zd_table *table;
 	int table_fd;

@@ -10,7 +10,7 @@
 #include "job.h"
 #include "log.h"
 #include "recover.h"
-#include "restart.h"
+#include "restart_table.h"
 #include "session.h"
 
 /*
@@ -95,7 +95,7 @@ zd_job_new(struct zd_daemon *d, uid_t uid, const char *name, uint32_t world_size
 	TAILQ_INSERT_TAIL(&job->owner->job_list, job, uid_entry);
 	TAILQ_INSERT_TAIL(&d->jobs, job, entry);
 	d->njobs++;
-	zd_keep_job(d, job);
+	zd_restart_keep_job(d, job);
 	return job;
 }
 
@@ -154,13 +154,13 @@ zd_job_attach(struct zd_session *s, const struct zp_job_open *req, char *err, si
 		    zk_state_format_parse(req->state_format, &format) < 0) {
 			char list[128];
 
-			zd_state_format_list(list, sizeof(list));
+			zk_state_format_list(list, sizeof(list));
 			snprintf(err, errlen, "job '%s': unknown state format '%s' (one of %s)", name,
 			    req->state_format, list);
 			return -EINVAL;
 		}
 		/* Its slot in the recovery table first: a restart must find every job kept. */
-		r = zd_table_room(d, s->uid, err, errlen);
+		r = zd_restart_room(d, s->uid, err, errlen);
 		if (r < 0)
 			return r;
 		job = zd_job_new(d, s->uid, name, world_size,
@@ -189,7 +189,7 @@ zd_job_unref(struct zd_daemon *d, struct zd_job *job)
 		return false;
 	log_info("job '%s' (id %llu) closed after %llu steps", job->name,
 	    (unsigned long long)job->id, (unsigned long long)job->steps_applied);
-	zd_forget_job(d, job);
+	zd_restart_forget_job(d, job);
 	zd_job_discard(d, job);
 	return true;
 }
@@ -441,7 +441,7 @@ static void
 tensor_free(struct zd_daemon *d, struct zd_tensor *t)
 {
 	if (t->et != NULL) {
-		zd_forget_tensor(d, t->et);
+		zd_restart_forget_tensor(d, t->et);
 		t->job->tensors--;
 		t->job->params -= ze_tensor_numel(t->et);
 		t->job->state_bytes -= ze_tensor_state_bytes(t->et);
@@ -633,7 +633,7 @@ zd_tensor_create(struct zd_session *s, const struct zp_tensor_register *req,
 	t->session = s;
 	t->rank = s->rank;
 	/* Kept from here on: a restart of the daemon finds it as it left it. */
-	zd_keep_tensor(d, t);
+	zd_restart_keep_tensor(d, t);
 	*ret = t;
 	return 0;
 }
@@ -690,7 +690,7 @@ zd_job_adopt_tensor(struct zd_daemon *d, struct zd_job *job, uint32_t rank, uid_
 	if (rep->last_step > job->last_step)
 		job->last_step = rep->last_step;
 	keep_detached(job, g, t);
-	zd_keep_tensor(d, t);
+	zd_restart_keep_tensor(d, t);
 	*ret_et = t->et;
 	return 0;
 }

@@ -77,7 +77,7 @@ struct zd_job {
 	uint8_t policy;			/* enum zp_policy */
 	uint8_t state_format;		/* enum zk_state_format of its tensors */
 	uint64_t pinned_budget;		/* its account's, as opened (kept for a restart) */
-	unsigned table_slot;		/* recover.c: its record in the recovery table, +1 (0: none) */
+	unsigned table_slot;		/* restart_table.c: its record in the recovery table, +1 (0: none) */
 	struct ze_account *account;
 	TAILQ_HEAD(, zd_tensor) detached;	/* oldest first */
 	unsigned ndetached;

@@ -10,6 +10,8 @@
 
 #include <stddef.h>
 
+#include "config.h"	/* struct zd_metrics_addr */
+
 struct cJSON;
 struct event_base;
 struct zd_daemon;
@@ -17,21 +19,6 @@ struct zd_metrics;
 
 /* stats.c: the tree zd_stats_json prints; the caller frees it (cJSON_Delete). */
 struct cJSON *zd_stats_tree(struct zd_daemon *d);
-
-/* A parsed metrics.listen: "unix:/path", "127.0.0.1:PORT", "[::1]:PORT", "localhost:PORT". */
-struct zd_metrics_addr {
-	int family;		/* AF_UNIX, AF_INET or AF_INET6 */
-	char host[64];		/* numeric loopback address (AF_INET, AF_INET6) */
-	char path[108];		/* AF_UNIX */
-	unsigned port;		/* 0: any free port (logged) */
-};
-
-/*
- * 0, or -EINVAL with why in err: not one of the forms above, or a TCP
- * address that is not loopback (the endpoint has no authentication).
- */
-int zd_metrics_parse_listen(const char *spec, struct zd_metrics_addr *ret, char *err,
-    size_t errlen);
 
 /*
  * Renders stats (a zd_stats_tree) as Prometheus text format 0.0.4.  Per-job

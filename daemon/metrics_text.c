@@ -169,7 +169,7 @@ static const struct family path_families[] = {
 	    { "errors_other", "other" } } },
 };
 
-/* Per job (bounded, see fold_jobs), labels job and uid. */
+/* Per job (bounded, see bound and put_jobs), labels job and uid. */
 static const struct family job_families[] = {
 	{ "zoffload_job_world_size", "gauge", "Ranks of the job.", 0, NULL,
 	  { { "world_size", NULL } } },

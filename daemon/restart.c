@@ -1,4 +1,4 @@
-/* The recovery table and rebuilding jobs and tensors from the descriptors a restart hands back. */
+/* Start-up after a restart: what the store handed back checked whole, then jobs and tensors rebuilt. */
 #include <errno.h>
 #include <fcntl.h>
 #include <inttypes.h>
@@ -10,77 +10,14 @@
 #include <time.h>
 #include <unistd.h>
 
-#include "crc32c.h"
 #include "daemon.h"
 #include "engine.h"
 #include "job.h"
 #include "log.h"
 #include "recover.h"
 #include "restart.h"
+#include "restart_table.h"
 #include "swap.h"
-
-#define ZD_TABLE_MAGIC 0x316c6274666f7a7aull	/* "zzoftbl1" */
-#define ZD_TABLE_VERSION 1u
-#define ZD_TABLE_JOBS 1024
-/*
- * A uid's share of the table: the jobs one uid (but root) may hold at once, so that one
- * uid cannot take every slot.  A job is refused when its slot cannot be had, never made
- * without one: a tensor kept for a job the table does not list makes a restart refuse.
- */
-#define ZD_TABLE_UID_JOBS (ZD_TABLE_JOBS / 4)
-
-enum { SWAP_FILE = 1, SWAP_UNNAMED = 2, SWAP_BLOCKDEV = 3 };
-
-/* A swap path as the state was written to it: a restart must find this very file. */
-struct zd_table_swap {
-	char path[256];
-	uint64_t dev;
-	uint64_t ino;
-	uint64_t size;
-	uint32_t kind;
-	uint32_t pad;
-};
-
-struct zd_table_job {
-	uint64_t id;			/* 0: a free slot */
-	uint32_t uid;
-	uint32_t world_size;
-	uint64_t pinned_budget;
-	uint32_t policy;
-	uint32_t state_format;		/* enum zk_state_format */
-	char name[128];
-};
-
-/*
- * One memfd, kept as "table": what the engine's records do not say (the
- * swap files, the jobs).  Tensors are their own records (engine/recover.c);
- * their owner words name the job by id.  crc covers everything after it.
- */
-struct zd_table {
-	uint64_t magic;
-	uint32_t version;
-	uint32_t crc;
-	uint32_t nswap;
-	uint32_t block_size;		/* swap.block_size the stripes were laid with (0: not kept) */
-	uint64_t chunk_elements;
-	struct zd_table_swap swap[ZD_MAX_SWAP_PATHS];
-	struct zd_table_job jobs[ZD_TABLE_JOBS];
-};
-
-enum { OWNER_JOB, OWNER_RANK, OWNER_UID };
-
-static uint32_t
-table_crc(const struct zd_table *t)
-{
-	return zp_crc32c(0, &t->nswap, sizeof(*t) - offsetof(struct zd_table, nswap));
-}
-
-static void
-table_seal(struct zd_daemon *d)
-{
-	if (d->table != NULL)
-		d->table->crc = table_crc(d->table);
-}
 
 static int
 table_create(struct zd_daemon *d)
@@ -106,7 +43,7 @@ table_create(struct zd_daemon *d)
 	d->table->version = ZD_TABLE_VERSION;
 	d->table->chunk_elements = d->cfg.chunk_elements;
 	d->table->block_size = (uint32_t)d->cfg.swap_block_size;
-	table_seal(d);
+	zd_restart_table_seal(d);
 	d->table_fd = fd;
 	return 0;
 }
@@ -290,9 +227,9 @@ check_table(struct zd_daemon *d, int fd, char *err, size_t errlen)
 		snprintf(err, errlen, "the recovery table is %lld bytes, version %u has %zu",
 		    (long long)st.st_size, tb->version, sizeof(*tb));
 		r = -EBADMSG;
-	} else if (table_crc(tb) != tb->crc) {
+	} else if (zd_restart_table_crc(tb) != tb->crc) {
 		snprintf(err, errlen, "the recovery table's checksum fails (stored %08x, "
-		    "computed %08x)", tb->crc, table_crc(tb));
+		    "computed %08x)", tb->crc, zd_restart_table_crc(tb));
 		r = -EBADMSG;
 	} else if (tb->chunk_elements != d->cfg.chunk_elements) {
 		snprintf(err, errlen, "swap.chunk_elements is %" PRIu64 "; the state was kept with "
@@ -344,7 +281,7 @@ set_aside(struct zd_daemon *d)
 }
 
 int
-zd_recover_begin(struct zd_daemon *d)
+zd_restart_begin(struct zd_daemon *d)
 {
 	char err[512];
 	bool records = false;
@@ -401,33 +338,19 @@ zd_recover_begin(struct zd_daemon *d)
 	return table_create(d);
 }
 
-static int
-keep_fd(struct zd_daemon *d, const char *name, int fd, bool kept)
-{
-	int r;
-
-	if (fd < 0)
-		return 0;
-	/* Kept ones are in systemd's store still: listed for a successor, not sent again. */
-	r = zd_fdstore_add(&d->store, name, fd, !kept);
-	if (r < 0)
-		log_warn(r, "cannot keep %s in the file descriptor store", name);
-	return r;
-}
-
 /* The engine's and the swap files' descriptors, and the table's record of the swap files. */
 static void
 keep_engine(struct zd_daemon *d, bool recovering)
 {
-	struct zs_engine *swap = ze_engine_swap(d->engine);
+	struct zs_engine *swap = ze_engine_swap_engine(d->engine);
 	char name[32];
 
-	keep_fd(d, "table", d->table_fd, recovering);
-	keep_fd(d, "journal", ze_engine_journal_fd(d->engine), recovering &&
+	zd_restart_keep_fd(d, "table", d->table_fd, recovering);
+	zd_restart_keep_fd(d, "journal", ze_engine_journal_fd(d->engine), recovering &&
 	    d->kept_journal > 2);
 	for (unsigned i = 0; i < ze_engine_staging_count(d->engine); i++) {
 		snprintf(name, sizeof(name), "staging%u", i);
-		keep_fd(d, name, ze_engine_staging_fd(d->engine, i), recovering &&
+		zd_restart_keep_fd(d, name, ze_engine_staging_fd(d->engine, i), recovering &&
 		    i < d->nkept_staging);
 	}
 	d->table->nswap = swap != NULL ? d->cfg.nswap_paths : 0;
@@ -437,9 +360,9 @@ keep_engine(struct zd_daemon *d, bool recovering)
 
 		zs_engine_path_fds(swap, i, &fd, &lock_fd);
 		snprintf(name, sizeof(name), "swap%u", i);
-		keep_fd(d, name, fd, d->kept_swap[i] > 2);
+		zd_restart_keep_fd(d, name, fd, d->kept_swap[i] > 2);
 		snprintf(name, sizeof(name), "swaplock%u", i);
-		keep_fd(d, name, lock_fd, d->kept_swaplock[i] > 2);
+		zd_restart_keep_fd(d, name, lock_fd, d->kept_swaplock[i] > 2);
 		if (recovering)
 			continue;
 		(void)swap_identity(d->cfg.swap_paths[i].path, fd, &d->table->swap[i]);
@@ -448,7 +371,7 @@ keep_engine(struct zd_daemon *d, bool recovering)
 		if (stat(d->cfg.swap_paths[i].path, &st) == 0 && S_ISDIR(st.st_mode))
 			d->table->swap[i].kind = SWAP_UNNAMED;
 	}
-	table_seal(d);
+	zd_restart_table_seal(d);
 	/* Taken over by the engine and the swap engine now. */
 	for (unsigned i = 0; i < ZD_MAX_SWAP_PATHS; i++)
 		d->kept_swap[i] = d->kept_swaplock[i] = 0;
@@ -533,7 +456,7 @@ adopt_one(struct zd_daemon *d, const char *id, uint64_t *pinned, uint64_t *nvme)
 		char kept[48], final[48];
 
 		/*
-		 * zd_keep_tensor listed the param slot as "param"; it is under the name it was
+		 * zd_restart_keep_tensor listed the param slot as "param"; it is under the name it was
 		 * kept as, or, replaced, under the other one: kept there before the old one goes.
 		 */
 		ze_tensor_fds(et, &now);
@@ -685,7 +608,7 @@ adopt_cb(struct zd_daemon *d, const char *id, void *arg)
 }
 
 int
-zd_recover_finish(struct zd_daemon *d)
+zd_restart_finish(struct zd_daemon *d)
 {
 	uint64_t t0 = zu_now_ns(), pinned, nvme;
 	bool recovering = d->store.nkept > 0 || d->kept_journal > 2;
@@ -710,7 +633,7 @@ zd_recover_finish(struct zd_daemon *d)
 	for (unsigned j = 0; j < ZD_TABLE_JOBS; j++)
 		if (d->table->jobs[j].id != 0 && find_job(d, d->table->jobs[j].id) == NULL)
 			d->table->jobs[j].id = 0;
-	table_seal(d);
+	zd_restart_table_seal(d);
 	/* Names this binary does not know (a newer one's): gone with this run. */
 	zd_fdstore_drop_kept(&d->store, true);
 	if (recovering) {
@@ -725,7 +648,7 @@ zd_recover_finish(struct zd_daemon *d)
 }
 
 void
-zd_recover_end(struct zd_daemon *d)
+zd_restart_end(struct zd_daemon *d)
 {
 	kept_reset(d);
 	zd_fdstore_fini(&d->store);
@@ -735,101 +658,4 @@ zd_recover_end(struct zd_daemon *d)
 		close(d->table_fd);
 	d->table = NULL;
 	d->table_fd = -1;
-}
-
-int
-zd_table_room(struct zd_daemon *d, uid_t uid, char *err, size_t errlen)
-{
-	unsigned used = 0, mine = 0;
-
-	if (d->table == NULL)
-		return 0;
-	for (unsigned j = 0; j < ZD_TABLE_JOBS; j++) {
-		used += d->table->jobs[j].id != 0;
-		mine += d->table->jobs[j].id != 0 && d->table->jobs[j].uid == (uint32_t)uid;
-	}
-	if (used >= ZD_TABLE_JOBS) {
-		snprintf(err, errlen, "the recovery table is full (%d jobs, detached ones "
-		    "included): a job can be opened once another ends", ZD_TABLE_JOBS);
-		return -ENOSPC;
-	}
-	if (uid != 0 && mine >= ZD_TABLE_UID_JOBS) {
-		snprintf(err, errlen, "uid %u holds %u jobs (detached ones included), the most "
-		    "one uid may keep in the recovery table", (unsigned)uid, mine);
-		return -EDQUOT;
-	}
-	return 0;
-}
-
-void
-zd_keep_job(struct zd_daemon *d, struct zd_job *job)
-{
-	struct zd_table_job *free_slot = NULL;
-
-	if (d->table == NULL)
-		return;
-	for (unsigned j = 0; j < ZD_TABLE_JOBS; j++) {
-		if (d->table->jobs[j].id == job->id) {
-			job->table_slot = j + 1;
-			return;
-		}
-		if (free_slot == NULL && d->table->jobs[j].id == 0)
-			free_slot = &d->table->jobs[j];
-	}
-	if (free_slot == NULL) {
-		log_warnx("job '%s': the recovery table is full (%d jobs); a restart will not "
-		    "find its state", job->name, ZD_TABLE_JOBS);
-		return;
-	}
-	*free_slot = (struct zd_table_job){ .id = job->id, .uid = (uint32_t)job->uid,
-		.world_size = job->world_size, .pinned_budget = job->pinned_budget,
-		.policy = job->policy, .state_format = job->state_format };
-	snprintf(free_slot->name, sizeof(free_slot->name), "%s", job->name);
-	job->table_slot = (unsigned)(free_slot - d->table->jobs) + 1;
-	table_seal(d);
-}
-
-void
-zd_forget_job(struct zd_daemon *d, struct zd_job *job)
-{
-	/* Shutting down: the job is kept for the next start. */
-	if (d->table == NULL || job->table_slot == 0 || d->store.quiet)
-		return;
-	d->table->jobs[job->table_slot - 1].id = 0;
-	job->table_slot = 0;
-	table_seal(d);
-}
-
-void
-zd_keep_tensor(struct zd_daemon *d, struct zd_tensor *t)
-{
-	uint64_t owner[ZE_OWNER_WORDS] = { [OWNER_JOB] = t->job->id, [OWNER_RANK] = t->rank,
-		[OWNER_UID] = t->owner->uid };
-	struct ze_tensor_fds fds;
-	unsigned long long id = (unsigned long long)ze_tensor_id(t->et);
-	char name[48];
-
-	ze_tensor_set_owner(t->et, owner);
-	ze_tensor_fds(t->et, &fds);
-	snprintf(name, sizeof(name), "zt%llu.rec", id);
-	keep_fd(d, name, fds.record, d->adopting);
-	snprintf(name, sizeof(name), "zt%llu.state", id);
-	keep_fd(d, name, fds.state, d->adopting);
-	snprintf(name, sizeof(name), "zt%llu.grad", id);
-	keep_fd(d, name, fds.grad, d->adopting);
-	snprintf(name, sizeof(name), "zt%llu.param", id);
-	keep_fd(d, name, fds.param, d->adopting);
-}
-
-void
-zd_forget_tensor(struct zd_daemon *d, struct ze_tensor *et)
-{
-	static const char *const parts[] = { "rec", "state", "grad", "param", "param2" };
-	unsigned long long id = (unsigned long long)ze_tensor_id(et);
-	char name[48];
-
-	for (size_t i = 0; i < sizeof(parts) / sizeof(parts[0]); i++) {
-		snprintf(name, sizeof(name), "zt%llu.%s", id, parts[i]);
-		zd_fdstore_remove(&d->store, name);
-	}
 }

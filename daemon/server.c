@@ -181,6 +181,41 @@ fail:
 	return r;
 }
 
+/*
+ * The session hooks: requests.c's, and after each message a look at whether a drain is
+ * done (a request can end the last checkpoint transfer).
+ */
+static bool
+session_message(struct zd_session *s, const struct zp_msg *msg, const int *fds, unsigned nfds)
+{
+	struct zd_daemon *d = s->daemon;
+	bool end_burst = zd_request_message(s, msg, fds, nfds);
+
+	zd_maybe_finish(d);
+	return end_burst;
+}
+
+static const struct zd_session_hooks server_session_hooks = {
+	.on_message = session_message,
+	.on_close = zd_request_close,
+};
+
+/* The closer's hooks: a CKPT_RELEASE file is counted closed; a uid's sessions read again. */
+static void
+closer_uid_ready(struct zd_daemon *d, struct zd_uid *u)
+{
+	struct zd_session *s;
+
+	TAILQ_FOREACH(s, &d->sessions, entry)
+		if (s->uid_usage == u)
+			zd_session_resume(s);
+}
+
+static const struct zd_closer_hooks server_closer_hooks = {
+	.released = zd_ckpt_release_closed,
+	.uid_ready = closer_uid_ready,
+};
+
 static void
 accept_cb(evutil_socket_t lfd, short what, void *arg)
 {
@@ -228,15 +263,25 @@ accept_cb(evutil_socket_t lfd, short what, void *arg)
 			log_warnx("refused a client: %u clients connected", d->nsessions);
 			continue;
 		}
-		zd_session_accept(d, fd);
+		zd_session_accept(d, fd, &server_session_hooks);
 	}
 }
 
 void
 zd_maybe_finish(struct zd_daemon *d)
 {
-	if (d->draining && ze_engine_in_flight(d->engine) == 0 && d->ckpt_writes == NULL)
+	if (d->draining && ze_engine_in_flight(d->engine) == 0 && zd_ckpt_idle(d))
 		event_base_loopbreak(d->base);
+}
+
+/* The checkpoint I/O threads' eventfd: the pieces they finished. */
+static void
+ckpt_cb(evutil_socket_t fd, short what, void *arg)
+{
+	struct zd_daemon *d = arg;
+
+	zd_ckpt_process(d);
+	zd_maybe_finish(d);
 }
 
 /* The stepper's and the swap engine's fds both land here. */
@@ -529,7 +574,7 @@ start_engine(struct zd_daemon *d)
 	int r;
 
 	/* What a restart handed back is checked whole before anything is made. */
-	r = zd_recover_begin(d);
+	r = zd_restart_begin(d);
 	if (r < 0)
 		return r;
 	r = start_swap(d, &swap);
@@ -554,6 +599,9 @@ start_engine(struct zd_daemon *d)
 		.chunk_elements = d->cfg.chunk_elements,
 		.swap_path_names = names,
 		.nswap_paths = d->cfg.nswap_paths,
+		.swap_paths_what = "swap.paths",
+		.numa_node_what = "memory.numa_node",
+		.memlock_hint = "raise LimitMEMLOCK= or set memory.require_pinned to false",
 		.journal = d->cfg.recovery_journal,
 		.kept_journal_fd = d->kept_journal > 2 ? d->kept_journal : 0,
 		.kept_staging_fds = d->kept_staging,
@@ -564,7 +612,7 @@ start_engine(struct zd_daemon *d)
 		log_errorx("%s", err);
 		return r;
 	}
-	r = zd_recover_finish(d);
+	r = zd_restart_finish(d);
 	if (r < 0)
 		return r;
 	if (swap != NULL)
@@ -585,8 +633,12 @@ start_engine(struct zd_daemon *d)
 			return -ENOMEM;
 	}
 	r = zd_ckpt_start(d);
-	if (r == 0)
-		r = zd_closer_start(d);
+	if (r < 0)
+		return r;
+	d->ev_ckpt = event_new(d->base, zd_ckpt_fd(d), EV_READ | EV_PERSIST, ckpt_cb, d);
+	if (d->ev_ckpt == NULL || event_add(d->ev_ckpt, NULL) != 0)
+		return -ENOMEM;
+	r = zd_closer_start(d, &server_closer_hooks);
 	if (r < 0)
 		return r;
 	report_pinning(d);
@@ -602,7 +654,7 @@ tick_cb(evutil_socket_t fd, short what, void *arg)
 void
 zd_tick(struct zd_daemon *d)
 {
-	struct zs_engine *swap = ze_engine_swap(d->engine);
+	struct zs_engine *swap = ze_engine_swap_engine(d->engine);
 	uint64_t now = zu_now_ns();
 	double dt = (double)(now - d->last_tick_ns) / 1e9;
 	struct zd_uid *u, *next;
@@ -767,6 +819,9 @@ out:
 	zd_job_expire_detached(d, true);
 	zd_metrics_free(metrics);
 	/* Checkpoint file I/O first: a save from memory holds its tensor's arrays. */
+	if (d->ev_ckpt != NULL)
+		event_free(d->ev_ckpt);
+	d->ev_ckpt = NULL;
 	zd_ckpt_stop(d);
 	zd_closer_stop(d);
 	/* Work still queued finishes first (none is left after a drain); then the tiers go. */
@@ -800,6 +855,6 @@ out:
 		close(d->spare_fd);
 	if (d->base != NULL)
 		event_base_free(d->base);
-	zd_recover_end(d);
+	zd_restart_end(d);
 	return r;
 }

@@ -1,4 +1,7 @@
-/* One connected client: its socket, output queue and lifetime. */
+/*
+ * One connected client: its socket, output queue and lifetime.  A transport: what a
+ * message asks for is its hooks' business (requests.c), never this file's.
+ */
 #include <errno.h>
 #include <event2/event.h>
 #include <fcntl.h>
@@ -9,13 +12,11 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
-#include "checkpoint.h"
 #include "closer.h"
 #include "daemon.h"
-#include "job.h"
+#include "job.h"		/* struct zd_tensor: a reply's slots are looked up as it goes */
 #include "log.h"
 #include "msgio.h"
-#include "requests.h"
 #include "session.h"
 #include "uid.h"
 
@@ -76,7 +77,7 @@ out_free(struct zd_session *s, struct zd_out *o)
 }
 
 void
-zd_session_accept(struct zd_daemon *d, int fd)
+zd_session_accept(struct zd_daemon *d, int fd, const struct zd_session_hooks *hooks)
 {
 	struct zd_session *s;
 	struct ucred cred;
@@ -116,7 +117,7 @@ zd_session_accept(struct zd_daemon *d, int fd)
 	s->daemon = d;
 	s->id = ++d->next_session_id;
 	s->fd = fd;
-	s->released_fd = -1;
+	s->hooks = hooks;
 	s->uid = cred.uid;
 	s->gid = cred.gid;
 	s->pid = cred.pid;
@@ -157,9 +158,7 @@ zd_session_close(struct zd_session *s)
 	 * until then); transfers stop touching the window freed below.
 	 */
 	ze_engine_cancel_lane(d->engine, s->id);
-	zd_ckpt_release_held(s);
-	/* A connection that goes without JOB_CLOSE is a rank that died: keep its state a while. */
-	zd_job_detach(s, true);
+	s->hooks->on_close(s);
 	s->uid_usage->sessions--;
 	while ((o = TAILQ_FIRST(&s->outq)) != NULL)
 		out_free(s, o);
@@ -509,22 +508,8 @@ session_read_cb(evutil_socket_t fd, short what, void *arg)
 			break;
 		}
 		enum zp_status st = zp_decode(buf, (size_t)n, msg, why, sizeof(why));
+		bool end_burst;
 
-		if (st == ZP_S_OK && !zp_type_is_request(msg->hdr.type)) {
-			st = ZP_S_TYPE;
-			snprintf(why, sizeof(why), "%s is not a request", zp_type_name(msg->hdr.type));
-		}
-		/* Descriptors come only with the requests that carry one (CKPT_*), exactly. */
-		if (st == ZP_S_OK && nfds != zp_type_fds(msg->hdr.type)) {
-			zd_closer_close_fds(s->daemon, s->uid_usage, fds, nfds);
-			zd_session_error(s, msg->hdr.request_id, -EBADMSG, "%s carries %u file "
-			    "descriptors, not %u", zp_type_name(msg->hdr.type), nfds,
-			    zp_type_fds(msg->hdr.type));
-			log_info("session %u (pid %d): dropped: %s with %u descriptors", s->id,
-			    (int)s->pid, zp_type_name(msg->hdr.type), nfds);
-			session_fail(s);
-			break;
-		}
 		if (st != ZP_S_OK) {
 			zd_closer_close_fds(s->daemon, s->uid_usage, fds, nfds);
 			zd_session_error(s, st == ZP_S_SHORT ? 0 : msg->hdr.request_id,
@@ -533,27 +518,13 @@ session_read_cb(evutil_socket_t fd, short what, void *arg)
 			session_fail(s);
 			break;
 		}
-		/* The message after a CKPT_RELEASE: the client let go of its copy first. */
-		zd_ckpt_release_held(s);
-		if (nfds > 0) {
-			/* The handler owns the descriptor from here. */
-			zd_handle_request_fd(s, msg, fds[0]);
-			if (s->closing) {
-				session_fail(s);
-				break;
-			}
-			continue;
-		}
-		zd_handle_request(s, msg);
+		/* The hooks own the descriptors from here. */
+		end_burst = s->hooks->on_message(s, msg, fds, nfds);
 		if (s->closing) {
 			session_fail(s);
 			break;
 		}
-		/*
-		 * A reply built from the whole daemon (STATS, JOBS: 130 KB with 300 jobs) ends
-		 * the burst: pipelined, they cost the others one each per wakeup, not 32.
-		 */
-		if (msg->hdr.type == ZP_STATS || msg->hdr.type == ZP_JOBS)
+		if (end_burst)
 			break;
 	}
 	free(msg);

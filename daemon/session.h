@@ -1,4 +1,8 @@
-/* One connected client: its socket, output queue, tensors by handle and lifetime. */
+/*
+ * One connected client: its socket, output queue, tensors by handle and lifetime.  The
+ * transport knows no request: each decoded message goes to its hooks' on_message, and
+ * the end of the connection to on_close (requests.c supplies them).
+ */
 #ifndef ZD_SESSION_H
 #define ZD_SESSION_H
 
@@ -17,6 +21,20 @@ struct zd_job;
 struct zd_uid;
 struct zd_tensor;
 struct zd_out;
+struct zd_session;
+struct zd_session_slot;
+
+/*
+ * What the layer above does with a session's traffic.  on_message owns fds (nfds of them,
+ * any number up to ZP_RECV_ALL_FDS: checking them is its business) and returns true to end
+ * this wakeup's burst of reads; it asks for the connection's end by setting s->closing.
+ * on_close runs once, first thing in zd_session_close, while the session is whole.
+ */
+struct zd_session_hooks {
+	bool (*on_message)(struct zd_session *s, const struct zp_msg *msg, const int *fds,
+	    unsigned nfds);
+	void (*on_close)(struct zd_session *s);
+};
 
 /*
  * Owned by the daemon's list from accept to zd_session_close.  Holds a
@@ -51,16 +69,16 @@ struct zd_session {
 	unsigned steps_in_flight;	/* submitted, STEP_DONE not yet sent */
 	struct ze_shm xfer;
 	uint64_t connected_ns;
+	const struct zd_session_hooks *hooks;
 	/*
-	 * A replaced checkpoint file (CKPT_RELEASE), held until the session's next message or
-	 * its end, then closed on a checkpoint I/O thread: the client sends that message only
-	 * after closing its own copy, so the daemon's close is the last and frees the file.
-	 * -1: none.  Charged to uid_usage's descriptors until closed (checkpoint.c).
+	 * The layer above's own per-session state (checkpoint.c's), opaque here: NULL until
+	 * it sets it, and freed by it in on_close.
 	 */
-	int released_fd;
+	struct zd_session_slot *slot;
 };
 
-void zd_session_accept(struct zd_daemon *d, int fd);
+/* A client connected on fd: its messages go to hooks (which outlive every session). */
+void zd_session_accept(struct zd_daemon *d, int fd, const struct zd_session_hooks *hooks);
 void zd_session_close(struct zd_session *s);
 /* Reads again after a pause for its uid's closes. */
 void zd_session_resume(struct zd_session *s);

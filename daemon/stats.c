@@ -174,7 +174,7 @@ add_steps(cJSON *root, const struct zd_daemon *d)
 static void
 add_nvme(cJSON *tiers, const struct zd_daemon *d)
 {
-	struct zs_engine *swap = ze_engine_swap(d->engine);
+	struct zs_engine *swap = ze_engine_swap_engine(d->engine);
 	struct zs_engine_stats es;
 	cJSON *nvme, *paths;
 

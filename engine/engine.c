@@ -49,7 +49,8 @@ ze_engine_new(const struct ze_config *cfg, struct zs_engine *swap,
 		.hugepages = cfg->hugepages,
 	}, &e->arena);
 	if (r < 0) {
-		snprintf(err, errlen, "memory.numa_node %d: %s", cfg->numa_node, ze_strerror(r));
+		snprintf(err, errlen, "%s %d: %s", cfg->numa_node_what != NULL ?
+		    cfg->numa_node_what : "NUMA node", cfg->numa_node, ze_strerror(r));
 		goto fail;
 	}
 	r = zk_pool_new(cfg->worker_threads, cfg->ncpus > 0 ? cfg->cpus : NULL, cfg->ncpus,
@@ -147,7 +148,7 @@ ze_engine_swap_fd(const struct ze_engine *e)
 }
 
 struct zs_engine *
-ze_engine_swap(const struct ze_engine *e)
+ze_engine_swap_engine(const struct ze_engine *e)
 {
 	return e->swap;
 }

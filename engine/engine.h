@@ -58,6 +58,15 @@ struct ze_config {
 	const char *const *swap_path_names;	/* for messages about a full swap */
 	unsigned nswap_paths;
 	/*
+	 * The shell's names for what its user sets, in the engine's messages (as
+	 * ze_account_limits.pinned_what does for budgets): static text, NULL for a plain
+	 * wording.  The daemon's: "swap.paths", "memory.numa_node", and what to do when the
+	 * memlock limit runs out ("raise LimitMEMLOCK= or set memory.require_pinned to false").
+	 */
+	const char *swap_paths_what;
+	const char *numa_node_what;
+	const char *memlock_hint;
+	/*
 	 * Keep the step journal (journal.c): the slice being stepped in place,
 	 * its hyperparameters, a bit per block stepped and each worker's
 	 * before-image of its block, so that a crash mid-slice is finished at
@@ -140,7 +149,8 @@ unsigned ze_engine_in_flight(const struct ze_engine *e);
 unsigned ze_engine_steps_in_flight(const struct ze_engine *e);
 void ze_engine_set_isa(struct ze_engine *e, enum zk_isa isa);
 void ze_engine_set_budgets(struct ze_engine *e, uint64_t pinned_budget, uint64_t shm_budget);
-struct zs_engine *ze_engine_swap(const struct ze_engine *e);
+/* The swap engine (tiers/swap.h) the NVMe tier runs on, NULL without one: not this engine. */
+struct zs_engine *ze_engine_swap_engine(const struct ze_engine *e);
 
 /* Never NULL; for 0, -errno and the swap engine's -ZS_E_* codes. */
 const char *ze_strerror(int code);
@@ -275,6 +285,18 @@ int ze_tensor_write_all(struct ze_tensor *t, uint64_t offset, uint64_t count, ui
     const float *buf, uint32_t lane, uint64_t id);
 /* Elements per NVMe chunk of t (0 in memory): whole-state transfers of one go direct. */
 uint64_t ze_tensor_chunk_elements(const struct ze_tensor *t);
+/*
+ * The chunk layout's unit: every NVMe chunk's arrays (and the chunk length,
+ * swap.chunk_elements) are whole multiples of ZE_CHUNK_ALIGN elements, 4 KiB of fp32, as
+ * the swap's direct I/O moves them.  ze_chunk_round(n): n rounded up to one; a caller's
+ * buffer for a direct transfer (ze_tensor_read_all's stride) is laid out with it.
+ */
+#define ZE_CHUNK_ALIGN 1024u
+static inline uint64_t
+ze_chunk_round(uint64_t n)
+{
+	return (n + ZE_CHUNK_ALIGN - 1) / ZE_CHUNK_ALIGN * ZE_CHUNK_ALIGN;
+}
 /*
  * A checkpoint's raw form of a range of count elements: the arrays master (as kept), m and
  * v (as the format keeps them: 4, 2 or 1 byte an element) and, for q8-moments, m's and

@@ -90,7 +90,7 @@ ze_nvme_place(struct ze_engine *e, struct ze_tensor *t)
 
 	/* Small tensors get small chunks, so they do not take a whole chunk of disk. */
 	if (t->numel < c)
-		c = (t->numel + 1023) / 1024 * 1024;
+		c = ze_chunk_round(t->numel);
 	t->chunk_elements = c;
 	/* Its chunks_written bits are in its record (recover.c), made once it is placed. */
 	t->extent = calloc(1, sizeof(*t->extent));
@@ -351,7 +351,7 @@ zero_unwritten(struct chunk_io *io)
 		memset(buf, 0, io->bytes);
 		return;
 	}
-	/* from is a multiple of 1024: whole words of init_bits. */
+	/* from is a multiple of ZE_CHUNK_ALIGN: whole words of init_bits. */
 	for (unsigned k = 0; k < 3; k++) {
 		float *a = buf + k * stride;
 
@@ -367,7 +367,7 @@ zero_unwritten(struct chunk_io *io)
 				if ((bits & (1ull << j)) == 0)
 					a[i + j] = 0;
 		}
-		memset(a + n, 0, ((n + 1023) / 1024 * 1024 - n) * sizeof(float));
+		memset(a + n, 0, (ze_chunk_round(n) - n) * sizeof(float));
 	}
 }
 

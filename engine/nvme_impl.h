@@ -12,12 +12,12 @@
 /*
  * On NVMe a tensor is a run of chunks; chunk c holds elements
  * [c*C, (c+1)*C) as master, m, v back to back, each C*4 bytes (C a
- * multiple of 1024, so every array and chunk is 4 KiB aligned).  A
+ * multiple of ZE_CHUNK_ALIGN, so every array and chunk is 4 KiB aligned).  A
  * compressed format packs its smaller m and v and then the scales the same
  * way (ze_layout_of), the chunk rounded up to 4 KiB: C is a multiple of the
  * 256-element q8 block, so a chunk owns its blocks whole and steps alone.  One chunk
  * is one sequential read and one sequential write.  The last chunk holds
- * only the rest, each array rounded up to 1024 elements: moving a whole
+ * only the rest, each array rounded up to ZE_CHUNK_ALIGN elements (ze_chunk_round): moving a whole
  * chunk there cost a 4M-element chunk's worth of padding per tensor and
  * step, 12% of the I/O of bench_step's tensors.
  */
@@ -127,7 +127,7 @@ chunk_mark_written(struct ze_tensor *t, uint64_t c)
 static inline uint64_t
 chunk_stride(const struct ze_tensor *t, uint64_t c)
 {
-	return (chunk_len(t, c) + 1023) / 1024 * 1024;
+	return ze_chunk_round(chunk_len(t, c));
 }
 
 /* Bytes chunk c takes on disk and moves; it starts at c * chunk_bytes(t). */

@@ -153,9 +153,9 @@ ze_nvme_direct(const struct nvme_work *w, uint64_t c)
 		return ZE_DIRECT_NONE;
 	if (w->offset == first && w->count == last - first && w->stride == chunk_stride(t, c))
 		return ZE_DIRECT_WHOLE;
-	if ((w->offset - first) % 1024 != 0 || w->stride % 1024 != 0 ||
-	    (w->count % 1024 != 0 && w->offset + w->count != last) ||
-	    w->stride < (w->count + 1023) / 1024 * 1024 || 4096 % mem_align != 0 ||
+	if ((w->offset - first) % ZE_CHUNK_ALIGN != 0 || w->stride % ZE_CHUNK_ALIGN != 0 ||
+	    (w->count % ZE_CHUNK_ALIGN != 0 && w->offset + w->count != last) ||
+	    w->stride < ze_chunk_round(w->count) || 4096 % mem_align != 0 ||
 	    4096 % zs_engine_offset_align(t->e->swap) != 0)
 		return ZE_DIRECT_NONE;
 	if (w->kind == WORK_WRITE_ALL && t->init_bits == NULL && !chunk_written(t, c))
@@ -167,7 +167,7 @@ uint64_t
 ze_nvme_io_bytes(const struct nvme_work *w, uint64_t c, enum ze_direct d)
 {
 	if (d == ZE_DIRECT_SPLIT)
-		return 3 * ((w->count + 1023) / 1024 * 1024) * sizeof(float);
+		return 3 * ze_chunk_round(w->count) * sizeof(float);
 	return chunk_io_bytes(w->tensor, c);
 }
 

@@ -106,7 +106,7 @@ tensor_record(struct ze_tensor *t, struct ze_record *r, bool save)
 static uint32_t
 record_crc(const struct ze_record *r)
 {
-	return zp_crc32c(0, &r->id, (size_t)(offsetof(struct ze_record, fixed_end) -
+	return zu_crc32c(0, &r->id, (size_t)(offsetof(struct ze_record, fixed_end) -
 	    offsetof(struct ze_record, id)));
 }
 

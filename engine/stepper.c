@@ -13,8 +13,8 @@
 TAILQ_HEAD(task_list, ze_task);
 
 /*
- * One session's queue of tasks.  Tasks are taken round robin from the
- * sessions that have work, and the loop cuts steps into slices of at most
+ * One lane's queue of tasks (the shell's fairness key: a connection, for the daemon).
+ * Tasks are taken round robin from the lanes that have work, and the loop cuts steps into slices of at most
  * ZE_QUANTUM_ELEMENTS, so a job stepping a billion parameters delays a
  * small job by one slice, not a whole step.
  */

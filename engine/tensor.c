@@ -64,6 +64,13 @@ refund(struct ze_tensor *t)
 	t->charge = (struct ze_charge){ 0 };
 }
 
+/* The shell's name for its swap paths (ze_config.swap_paths_what), for messages. */
+static const char *
+swap_paths_what(const struct ze_engine *e)
+{
+	return e->cfg.swap_paths_what != NULL ? e->cfg.swap_paths_what : "swap paths";
+}
+
 /* "path (used of capacity), ..." for a full swap's message: which disk to grow or clean. */
 static void
 swap_paths_text(struct ze_engine *e, char *buf, size_t len)
@@ -100,16 +107,16 @@ place_nvme(struct ze_engine *e, struct ze_tensor *t, struct ze_account *job,
 	/* An NVMe chunk keeps its master (tiers.md: what the slot as master would take there). */
 	t->master_in_slot = false;
 	if (e->swap == NULL) {
-		snprintf(err, errlen, "tensor '%s': the job keeps state on NVMe but no swap.paths "
-		    "are configured", t->name);
+		snprintf(err, errlen, "tensor '%s': the job keeps state on NVMe but no %s are "
+		    "configured", t->name, swap_paths_what(e));
 		return -ENODEV;
 	}
 	r = ze_nvme_place(e, t);
 	if (r < 0) {
 		zu_fmt_bytes(zk_state_bytes(t->format, t->numel), a, sizeof(a));
 		swap_paths_text(e, paths, sizeof(paths));
-		snprintf(err, errlen, "tensor '%s': no room for %s of state on swap.paths %s: %s",
-		    t->name, a, paths, ze_strerror(r));
+		snprintf(err, errlen, "tensor '%s': no room for %s of state on %s %s: %s",
+		    t->name, a, swap_paths_what(e), paths, ze_strerror(r));
 		return r;
 	}
 	full = over(uid, false, t->state_bytes) ? uid : over(job, false, t->state_bytes) ? job :
@@ -221,13 +228,15 @@ place(struct ze_engine *e, struct ze_tensor *t, enum ze_policy policy, struct ze
 	zu_fmt_bytes(as.budget_bytes, c, sizeof(c));
 	if (r == -ENOSPC && e->swap == NULL)
 		snprintf(err, errlen, "tensor '%s' needs %s of optimizer state; the pinned budget "
-		    "has %s of %s in use and no swap.paths are configured", t->name, a, b, c);
+		    "has %s of %s in use and no %s are configured", t->name, a, b, c,
+		    swap_paths_what(e));
 	else if (r == -ENOSPC)
 		snprintf(err, errlen, "tensor '%s' needs %s of optimizer state; the pinned budget "
 		    "has %s of %s in use (the job's policy is cpu)", t->name, a, b, c);
 	else if (r == -ENOMEM)
 		snprintf(err, errlen, "tensor '%s': cannot pin %s: the memlock limit is exhausted "
-		    "(raise LimitMEMLOCK= or set memory.require_pinned to false)", t->name, a);
+		    "(%s)", t->name, a, e->cfg.memlock_hint != NULL ? e->cfg.memlock_hint :
+		    "raise it, or let the state be pageable");
 	else
 		snprintf(err, errlen, "tensor '%s': cannot allocate its state: %s", t->name,
 		    ze_strerror(r));

@@ -2,6 +2,7 @@
 #include <cpuid.h>
 #include <errno.h>
 #include <math.h>
+#include <stdio.h>
 #include <string.h>
 #include <strings.h>
 
@@ -56,6 +57,21 @@ const char *zk_state_format_name(enum zk_state_format f)
 	return (unsigned)f < ZK_STATE_COUNT ? format_names[f] : "unknown";
 }
 
+void zk_state_format_list(char *buf, size_t len)
+{
+	size_t off = 0;
+
+	buf[0] = '\0';
+	for (unsigned i = 0; i < ZK_STATE_COUNT && off < len; i++) {
+		int n = snprintf(buf + off, len - off, "%s\"%s\"", i > 0 ? ", " : "",
+		    format_names[i]);
+
+		if (n < 0)
+			break;
+		off += (size_t)n;
+	}
+}
+
 int zk_state_format_parse(const char *name, enum zk_state_format *ret)
 {
 	if (!name)
@@ -81,41 +97,9 @@ int zk_state_format_parse(const char *name, enum zk_state_format *ret)
 	return -EINVAL;
 }
 
-size_t zk_state_moment_bytes(enum zk_state_format f, size_t n)
-{
-	switch (f) {
-	case ZK_STATE_FP32:
-		return 4 * n;
-	case ZK_STATE_BF16:
-		return 2 * n;
-	case ZK_STATE_Q8:
-	case ZK_STATE_BF16_Q8:
-		return n;
-	case ZK_STATE_COUNT:
-		break;
-	}
-	return 0;
-}
-
-size_t zk_state_master_bytes(enum zk_state_format f, size_t n)
-{
-	return f == ZK_STATE_BF16_Q8 ? 2 * n : 4 * n;
-}
-
 static bool blocked(enum zk_state_format f)
 {
 	return f == ZK_STATE_Q8 || f == ZK_STATE_BF16_Q8;
-}
-
-size_t zk_state_blocks(enum zk_state_format f, size_t n)
-{
-	return blocked(f) ? (n + ZK_Q8_BLOCK - 1) / ZK_Q8_BLOCK : 0;
-}
-
-size_t zk_state_bytes(enum zk_state_format f, size_t n)
-{
-	return zk_state_master_bytes(f, n) + 2 * zk_state_moment_bytes(f, n) +
-	    2 * sizeof(float) * zk_state_blocks(f, n);
 }
 
 static bool format_ok(enum zk_state_format f)

@@ -130,15 +130,49 @@ struct zk_qtensor {
 const char *zk_state_format_name(enum zk_state_format f);
 /* "fp32", "bf16-moments", "q8-moments", "bf16-master+q8" (also "bf16", "q8", "bf16-q8"). */
 int zk_state_format_parse(const char *name, enum zk_state_format *ret);
+/* "\"fp32\", \"bf16-moments\", ...": every format's name, for messages; cut at len. */
+void zk_state_format_list(char *buf, size_t len);
 
+/*
+ * The arrays' sizes, inline: the one definition for the kernels, the engine and the
+ * checkpoint files' readers and writers (client/ckpt_index.c), which do not link the
+ * kernels.
+ */
 /* Bytes of one moment array (m or v) of n elements: 4n, 2n or n. */
-size_t zk_state_moment_bytes(enum zk_state_format f, size_t n);
+static inline size_t zk_state_moment_bytes(enum zk_state_format f, size_t n)
+{
+	switch (f) {
+	case ZK_STATE_FP32:
+		return 4 * n;
+	case ZK_STATE_BF16:
+		return 2 * n;
+	case ZK_STATE_Q8:
+	case ZK_STATE_BF16_Q8:
+		return n;
+	case ZK_STATE_COUNT:
+		break;
+	}
+	return 0;
+}
+
 /* Bytes of the master array of n elements: 2n for BF16_Q8, else 4n. */
-size_t zk_state_master_bytes(enum zk_state_format f, size_t n);
+static inline size_t zk_state_master_bytes(enum zk_state_format f, size_t n)
+{
+	return f == ZK_STATE_BF16_Q8 ? 2 * n : 4 * n;
+}
+
 /* Scales per moment array: ceil(n / ZK_Q8_BLOCK) for Q8 and BF16_Q8, else 0. */
-size_t zk_state_blocks(enum zk_state_format f, size_t n);
+static inline size_t zk_state_blocks(enum zk_state_format f, size_t n)
+{
+	return f == ZK_STATE_Q8 || f == ZK_STATE_BF16_Q8 ? (n + ZK_Q8_BLOCK - 1) / ZK_Q8_BLOCK : 0;
+}
+
 /* Optimizer state bytes per element set, all of master, m, v and scales. */
-size_t zk_state_bytes(enum zk_state_format f, size_t n);
+static inline size_t zk_state_bytes(enum zk_state_format f, size_t n)
+{
+	return zk_state_master_bytes(f, n) + 2 * zk_state_moment_bytes(f, n) +
+	    2 * sizeof(float) * zk_state_blocks(f, n);
+}
 
 /*
  * Elements [off, off + len) of t as a tensor of its own (what the engine

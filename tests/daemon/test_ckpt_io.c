@@ -17,14 +17,14 @@
 #include "checkpoint_io.h"
 
 struct job {
-	struct zd_ckpt_job job;
+	struct zd_ckpt_io_item job;
 	char name[8];
 };
 
 static char order[64];
 
 static void
-run(struct zd_ckpt_job *j)
+run(struct zd_ckpt_io_item *j)
 {
 	strcat(order, ((struct job *)j)->name);
 	strcat(order, " ");
@@ -53,7 +53,7 @@ Test(ckpt_io, keys_take_turns)
 	g = open(gate, O_RDWR);	/* the gate opens for good */
 	cr_assert_geq(g, 0);
 	while (taken < 6) {
-		struct zd_ckpt_job *j = zd_ckpt_io_take(io);
+		struct zd_ckpt_io_item *j = zd_ckpt_io_take(io);
 
 		if (j != NULL)
 			taken++;

@@ -126,7 +126,7 @@ crc_sse42(uint32_t crc, const uint8_t *p, size_t len)
 #endif
 
 uint32_t
-zp_crc32c(uint32_t crc, const void *buf, size_t len)
+zu_crc32c(uint32_t crc, const void *buf, size_t len)
 {
 	crc = ~crc;
 #if defined(__x86_64__)
