@@ -347,3 +347,21 @@ zst_log(const struct zst *s)
 	fclose(f);
 	return buf;
 }
+
+uint64_t
+zst_digest(int fd)
+{
+	static uint64_t buf[1 << 13];
+	uint64_t h = 1469598103934665603ull;
+	off_t off = 0;
+	ssize_t n;
+
+	while ((n = pread(fd, buf, sizeof(buf), off)) > 0) {
+		if (n % 8 != 0)
+			memset((char *)buf + n, 0, (size_t)(8 - n % 8));
+		for (ssize_t i = 0; i < (n + 7) / 8; i++)
+			h = (h ^ buf[i]) * 1099511628211ull;
+		off += n;
+	}
+	return (h ^ (uint64_t)off) * 1099511628211ull;
+}

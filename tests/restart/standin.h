@@ -5,6 +5,7 @@
 #include <pthread.h>
 #include <stdbool.h>
 #include <stddef.h>
+#include <stdint.h>
 #include <sys/types.h>
 
 #define ZST_MAX_FDS 4096
@@ -53,5 +54,10 @@ int zst_wait_exit(struct zst *s, double timeout_s);
 int zst_fd(struct zst *s, const char *name);
 /* The log so far (static buffer). */
 const char *zst_log(const struct zst *s);
+/*
+ * FNV-1a over fd's 8-byte words (kept memfds and swap files are large and mostly holes),
+ * its length mixed in: any byte changed changes it.  For "left as it was" checks.
+ */
+uint64_t zst_digest(int fd);
 
 #endif

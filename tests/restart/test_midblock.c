@@ -221,27 +221,6 @@ step_thread(void *arg)
 	return NULL;
 }
 
-/*
- * FNV-1a over fd's 8-byte words (the journal and the swap file are large and mostly
- * holes), its length mixed in: any byte changed changes it.
- */
-static uint64_t
-digest(int fd)
-{
-	static uint64_t buf[1 << 13];
-	uint64_t h = 1469598103934665603ull;
-	off_t off = 0;
-	ssize_t n;
-
-	while ((n = pread(fd, buf, sizeof(buf), off)) > 0) {
-		if (n % 8 != 0)
-			memset((char *)buf + n, 0, (size_t)(8 - n % 8));
-		for (ssize_t i = 0; i < (n + 7) / 8; i++)
-			h = (h ^ buf[i]) * 1099511628211ull;
-		off += n;
-	}
-	return (h ^ (uint64_t)off) * 1099511628211ull;
-}
 
 /*
  * A refusal found during adoption writes nothing.  The daemon dies half way through
@@ -296,7 +275,7 @@ Test(midblock, refusal_writes_nothing)
 	}
 	cr_assert_geq(held, 0, "no %s kept", grad);
 	for (size_t i = 0; i < run_.st.nfds; i++)
-		before[i] = digest(run_.st.fds[i].fd);
+		before[i] = zst_digest(run_.st.fds[i].fd);
 	nfds = run_.st.nfds;
 	stores = run_.st.stores;
 	removes = run_.st.removes;
@@ -313,7 +292,7 @@ Test(midblock, refusal_writes_nothing)
 	cr_assert_eq(run_.st.stores, stores, "the refusing daemon stored descriptors");
 	cr_assert_eq(run_.st.removes, removes, "the refusing daemon dropped kept descriptors");
 	for (size_t i = 0; i < run_.st.nfds; i++)
-		cr_assert_eq(digest(run_.st.fds[i].fd), before[i], "the refusing daemon wrote %s",
+		cr_assert_eq(zst_digest(run_.st.fds[i].fd), before[i], "the refusing daemon wrote %s",
 		    run_.st.fds[i].name);
 
 	/* Handed back: adopted, the slice finished, the steps on to the same bytes. */

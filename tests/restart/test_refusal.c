@@ -72,27 +72,11 @@ kept_state(void)
 	cr_assert(WIFSIGNALED(status), "status 0x%x", status);
 }
 
-/*
- * FNV-1a over fd's 8-byte words (the state memfds and the swap file are large and mostly
- * holes), its length mixed in: any byte changed changes it.
- */
 static uint64_t
 digest(int fd)
 {
-	static uint64_t buf[1 << 13];
-	uint64_t h = 1469598103934665603ull;
-	off_t off = 0;
-	ssize_t n;
-
 	cr_assert_geq(fd, 0);
-	while ((n = pread(fd, buf, sizeof(buf), off)) > 0) {
-		if (n % 8 != 0)
-			memset((char *)buf + n, 0, (size_t)(8 - n % 8));
-		for (ssize_t i = 0; i < (n + 7) / 8; i++)
-			h = (h ^ buf[i]) * 1099511628211ull;
-		off += n;
-	}
-	return (h ^ (uint64_t)off) * 1099511628211ull;
+	return zst_digest(fd);
 }
 
 /*
