@@ -148,6 +148,9 @@ def main(rank, world, port, socket, out, mode, ckpt=None):
     if rank == 0:
         torch.save(got, out)
     deepspeed.comm.barrier()
+    # Left to the interpreter's exit, gloo's threads can be torn down still running: the
+    # rank then aborts ("terminate called without an active exception") after its work.
+    torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
