@@ -215,6 +215,11 @@ print_stats(const cJSON *s)
 		    "(%.1f ms)\n", num(s, "pipeline.compute_waiting_on_io"),
 		    num(s, "pipeline.compute_waiting_on_io_ms"), num(s, "pipeline.io_waiting_on_compute"),
 		    num(s, "pipeline.io_waiting_on_compute_ms"));
+		/* Where the staging buffers' time went: a pipeline bound by I/O reads and writes. */
+		printf("staging  reading %.1f ms  computing %.1f ms  writing %.1f ms (summed over %.0f "
+		    "buffers)\n", num(s, "pipeline.staging_reading_ms"),
+		    num(s, "pipeline.staging_computing_ms"), num(s, "pipeline.staging_writing_ms"),
+		    num(s, "pipeline.staging_buffers"));
 		printf("params   fetches %.0f  hits (in the slot) %.0f  misses (staged) %.0f  "
 		    "staged %s  written back %s\n", num(s, "pipeline.params.fetches"),
 		    num(s, "pipeline.params.hits"), num(s, "pipeline.params.misses"), bytes(num(s, "pipeline.params.bytes_staged"), a,

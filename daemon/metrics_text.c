@@ -129,6 +129,12 @@ static const struct family root_families[] = {
 	  "Time compute waited on I/O, or I/O on compute.", 1e-3, "waiting",
 	  { { "pipeline.compute_waiting_on_io_ms", "compute_on_io" },
 	    { "pipeline.io_waiting_on_compute_ms", "io_on_compute" } } },
+	{ "zoffload_pipeline_staging_seconds_total", "counter",
+	  "Time the staging buffers spent reading a chunk, being computed on, or writing it "
+	  "back, summed over the buffers.", 1e-3, "phase",
+	  { { "pipeline.staging_reading_ms", "reading" },
+	    { "pipeline.staging_computing_ms", "computing" },
+	    { "pipeline.staging_writing_ms", "writing" } } },
 	{ "zoffload_param_fetches_total", "counter", "Offloaded-parameter fetches, by outcome.", 0,
 	  "result", { { "pipeline.params.hits", "hit" }, { "pipeline.params.misses", "miss" } } },
 	{ "zoffload_param_hit_ratio", "gauge",

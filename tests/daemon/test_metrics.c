@@ -36,7 +36,8 @@ static const char *const stats_text =
     "\"staging_buffers\":4,\"chunks_read\":3,\"chunks_written\":3,\"bytes_read\":300,"
     "\"bytes_written\":300,\"io_errors\":0,\"compute_waiting_on_io\":2,"
     "\"compute_waiting_on_io_ms\":1500,\"io_waiting_on_compute\":1,"
-    "\"io_waiting_on_compute_ms\":250,\"params\":{\"fetches\":4,\"hits\":3,\"misses\":1,"
+    "\"io_waiting_on_compute_ms\":250,\"staging_reading_ms\":40,"
+    "\"staging_computing_ms\":5,\"staging_writing_ms\":2250,\"params\":{\"fetches\":4,\"hits\":3,\"misses\":1,"
     "\"hit_rate\":0.75,\"bytes_staged\":64,\"releases\":2,\"bytes_written_back\":32}},"
     "\"uids\":[{\"uid\":1000,\"sessions\":3,\"pinned_bytes\":4096,\"swap_bytes\":300}],"
     "\"limits\":{\"max_clients\":1024,\"max_clients_per_uid\":0,\"max_queued_messages\":8192,"
@@ -85,6 +86,9 @@ Test(metrics, figures_in_base_units)
 	/* Milliseconds in the stats, seconds in the metrics. */
 	expect_line(t, "zoffload_step_latency_recent_seconds{stat=\"p99\"} 0.007");
 	expect_line(t, "zoffload_pipeline_stall_seconds_total{waiting=\"compute_on_io\"} 1.5");
+	expect_line(t, "zoffload_pipeline_staging_seconds_total{phase=\"reading\"} 0.04");
+	expect_line(t, "zoffload_pipeline_staging_seconds_total{phase=\"computing\"} 0.005");
+	expect_line(t, "zoffload_pipeline_staging_seconds_total{phase=\"writing\"} 2.25");
 	expect_line(t, "zoffload_pinned_memlock_limit_bytes +Inf");
 	expect_line(t, "zoffload_tier_used_bytes{tier=\"pinned\"} 4096");
 	/* The NVMe tier's totals are summed over its paths. */
