@@ -248,6 +248,7 @@ class _ZoffloadOptimizer(torch.optim.Optimizer):
         self._given = {}            # taken back: the params as given, until the first step
         self._grad_dtype = grad_dtype
         self._entries = {}
+        self._submitted = []        # (p, entry) in the order their steps were submitted
         # DTensor params this rank has no daemon tensor for: no elements of them here, or a
         # replica that another rank of its replicate group steps (HSDP; see _dtensor.py).
         self._empty = set()
@@ -500,8 +501,9 @@ class _ZoffloadOptimizer(torch.optim.Optimizer):
                 chunk = pes[i:i + _MAX_SET]
                 self._conn.submit([e.zt for _, e in chunk], optim=self._update_of(group),
                                   step=step, clip_coef=clip_coef, **args)
-                for _, e in chunk:
-                    e.in_flight = step
+                for pe in chunk:
+                    pe[1].in_flight = step
+                self._submitted.extend(chunk)
 
     def _make_hook(self, p):
         def hook(grad):
@@ -609,14 +611,14 @@ class _ZoffloadOptimizer(torch.optim.Optimizer):
 
     def _finish(self):
         """Waits for every step in flight and copies the new params out of the slots."""
-        waiting = [(p, e) for p, e in self._entries.items() if e.in_flight]
+        submitted, self._submitted = self._submitted, []
+        waiting = [(p, e) for p, e in submitted if e.in_flight]
         if not waiting:
             return
         error = None
-        try:
-            self._conn.wait_all()
-        except ZoffloadError as ex:
-            error = ex
+        # Each param is copied out as soon as its own step is done, in the order the steps
+        # were submitted (the daemon's order), while the daemon steps the ones after it:
+        # waiting for all of them first left the daemon idle through every copy.
         for p, e in waiting:
             e.in_flight = 0
             try:
