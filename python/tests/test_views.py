@@ -6,7 +6,8 @@ Checked here:
   copies (copy_stats);
 - what the user writes into a viewed param outside step() (a model's load_state_dict,
   p.data.mul_(), numpy) is what the next step starts from, as with torch.optim, and
-  p.data = ... falls back to copying, counted;
+  p.data = ... falls back to copying, counted; a write into a param that is a copy is
+  taken the same way (found by comparing it with its slot);
 - params that cannot be views are refused by name and still train;
 - close() leaves the params their values in storage of their own;
 - a reconnect that maps another slot file over the view keeps what was written into it.
@@ -124,6 +125,32 @@ def test_writes_outside_step_are_what_the_next_step_starts_from(daemon):
     stats = opt.copy_stats()
     assert stats["param_writes_taken"] == len(other) + 2
     assert stats["param_copies"] == 0 and stats["params_viewed"] == len(other)
+    assert max_rel_err(list(ours.parameters()), list(ref.parameters())) <= RTOL
+    opt.close()
+
+
+@pytest.mark.parametrize("why", ["param_views=False", "overlap"])
+def test_writes_into_copied_params_are_what_the_next_step_starts_from(daemon, why):
+    # A param that is no view is copied into after each step; a write into it between steps
+    # (here a load_state_dict and a numpy write, as into views above) was dropped: the next
+    # step started from the daemon's old master and overwrote it.
+    ours, ref = zhelpers.model(seed=8), zhelpers.model(seed=8)
+    opt = zt.AdamW(ours.parameters(), job=f"copies-{why}", socket=daemon.socket,
+                   param_views=why != "param_views=False", overlap=why == "overlap", **KW)
+    ref_opt = torch.optim.AdamW(ref.parameters(), **KW)
+    train_both(ours, ref, opt, ref_opt, 3)
+    assert opt.copy_stats()["param_writes_taken"] == 0      # its own copies are no writes
+    other = zhelpers.model(seed=98).state_dict()
+    for m in (ours, ref):
+        m.load_state_dict(other)
+    train_both(ours, ref, opt, ref_opt, 2, first=4)
+    with torch.no_grad():
+        for m in (ours, ref):
+            m.pos.detach().numpy()[0, 0] = 3.0
+    train_both(ours, ref, opt, ref_opt, 2, first=6)
+    stats = opt.copy_stats()
+    assert stats["params_viewed"] == 0 and stats["fallbacks"] == {why: len(other)}
+    assert stats["param_writes_taken"] == len(other) + 1
     assert max_rel_err(list(ours.parameters()), list(ref.parameters())) <= RTOL
     opt.close()
 

@@ -44,7 +44,11 @@ tensor's shared-memory grad slot and the new parameters come back through its pa
   ``p.data.normal_()``, numpy) is found at the next ``step()`` (the pages the process wrote
   become its own) and becomes the daemon's master, as torch's optimizers would take it;
   ``p.data = ...`` makes p a copy again.  Other params (CUDA, DTensor shards, views into a
-  bigger buffer, ``overlap``) are copied into after each step.
+  bigger buffer, ``overlap``) are copied into after each step; a write into such a CPU
+  param between steps is found at the next ``step()`` by comparing it bit for bit with its
+  slot (4 bytes a param more read) and becomes the master in the same way.  A write into a
+  CUDA param between steps is not seen (the comparison would cost the copy back it saves):
+  the next step starts from the daemon's master and overwrites it.
 - After the first step ``p.grad`` is the grad slot (CPU, same dtype, no ``overlap``):
   ``zero_grad()`` zeroes it in place and backward accumulates into it.  A fresh ``p.grad``
   (``set_to_none``) is copied in.
@@ -151,6 +155,16 @@ def _grad_dtype_name(grad_dtype, param):
 def _plain(t, dtype):
     """A CPU tensor laid out as its slot: copied with a memcpy (see Tensor.param_into)."""
     return t.device.type == "cpu" and t.dtype == dtype and t.is_contiguous()
+
+
+def _written_copy(t, slot):
+    """Whether t, a copy of its param slot, was written since: bit for bit, so that a NaN
+    or a -0.0 the user wrote counts, and a NaN the step left there does not."""
+    s = slot.view(t.shape)
+    if s.dtype != t.dtype:
+        s = s.to(t.dtype)
+    bits = torch.int16 if t.element_size() == 2 else torch.int32
+    return not torch.equal(t.view(bits), s.view(bits))
 
 
 def _raw(t):
@@ -516,6 +530,7 @@ class _ZoffloadOptimizer(torch.optim.Optimizer):
             group = self._group_of(p)
             self._flush_loaded_state()
             self._given = {}
+            self._take_writes(p, e)
             # What AccumulateGrad is about to store in p.grad (a zero grad adds exactly).
             self._put_grad(p, e, grad if p.grad is None else p.grad + grad, group)
             self._submit(group, [(p, e)])
@@ -567,8 +582,14 @@ class _ZoffloadOptimizer(torch.optim.Optimizer):
         """What the user did to a viewed param since the last step reaches the daemon
         before this one: writes into it (a model's load_state_dict, p.data.normal_(),
         numpy), found as the view's pages the process made its own; or a new storage
-        (p.data = ...), which p then keeps, copied into after each step."""
+        (p.data = ...), which p then keeps, copied into after each step.  A param that is
+        a copy: any bit of it that is no longer its slot's."""
         if e.view is None:
+            # A copy holds the slot's bits from the last copy out until somebody writes it.
+            # Not on the GPU: comparing there would cost the very copy back it saves.
+            if not p.is_cuda and _written_copy(_dtensor.local(p).detach(), e.param):
+                self._copies["param_writes_taken"] += 1
+                self._write_master(p, e)
             return
         if p.data_ptr() != e.view.data_ptr() or p.dtype != e.view.dtype:
             e.view = None
