@@ -6,6 +6,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "arena.h"
 #include "engine.h"
 #include "swap.h"
 #include "swap_helpers.h"
@@ -761,5 +762,24 @@ Test(engine, skipped_set_ends_every_tensor)
 	cr_assert(!ze_tensor_busy(ts[1]));
 	ze_tensor_free(ts[0]);
 	ze_tensor_free(ts[1]);
+	rig_stop(&g);
+}
+
+/* A pinned tensor's state goes back to the arena when it is freed: a loop of them leaks nothing. */
+Test(engine, freed_state_goes_back_to_the_arena)
+{
+	struct zt_arena_stats before, made, after;
+	struct ze_tensor *t;
+	struct rig g;
+
+	rig_start(&g, false);
+	ze_engine_arena_stats(g.e, &before);
+	t = make_tensor(&g, "w", 100000, ZE_POLICY_CPU, NULL, NULL, &g);
+	ze_engine_arena_stats(g.e, &made);
+	cr_assert_gt(made.used_bytes, before.used_bytes, "the test means a state in the arena");
+	ze_tensor_free(t);
+	ze_engine_arena_stats(g.e, &after);
+	cr_assert_eq(after.used_bytes, before.used_bytes, "%llu bytes of a freed state kept",
+	    (unsigned long long)(after.used_bytes - before.used_bytes));
 	rig_stop(&g);
 }
