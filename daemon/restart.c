@@ -48,6 +48,17 @@ table_create(struct zd_daemon *d)
 	return 0;
 }
 
+/* A start that cannot make its table says so: the daemon's exit status alone would not. */
+static int
+table_new(struct zd_daemon *d)
+{
+	int r = table_create(d);
+
+	if (r < 0)
+		log_errorx("cannot make the recovery table: %s", strerror(-r));
+	return r;
+}
+
 static void
 close_kept(int *fd)
 {
@@ -299,7 +310,7 @@ zd_restart_begin(struct zd_daemon *d)
 	if (fd < 0 && !records) {
 		/* Nothing kept, or only engine buffers of a run that held no state: fresh. */
 		zd_fdstore_drop_kept(&d->store, true);
-		return table_create(d);
+		return table_new(d);
 	}
 	if (fd < 0) {
 		snprintf(err, sizeof(err), "tensor records were handed back without the recovery "
@@ -335,7 +346,7 @@ zd_restart_begin(struct zd_daemon *d)
 	if (fd >= 0)
 		close(fd);
 	set_aside(d);
-	return table_create(d);
+	return table_new(d);
 }
 
 /* The engine's and the swap files' descriptors, and the table's record of the swap files. */

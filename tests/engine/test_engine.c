@@ -6,6 +6,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "arena.h"
 #include "engine.h"
 #include "swap.h"
 #include "swap_helpers.h"
@@ -724,4 +725,61 @@ Test(engine, nvme_split_parts_of_a_chunk_land_on_used_swap)
 	ze_tensor_free(t);
 	rig_stop(&g);
 	free(buf);
+}
+
+/*
+ * A set skipped for a non-finite gradient ends every one of its tensors: each is reported
+ * (skipped, nothing landed) and none stays busy, the first as much as the last.
+ */
+Test(engine, skipped_set_ends_every_tensor)
+{
+	enum { N = CHUNK + 5 };
+	struct ze_tensor *ts[2];
+	struct rig g;
+	char err[256];
+
+	rig_start(&g, false);
+	ts[0] = make_tensor(&g, "a", N, ZE_POLICY_CPU, NULL, NULL, &g);
+	ts[1] = make_tensor(&g, "b", N, ZE_POLICY_CPU, NULL, NULL, &g);
+	fill(ze_tensor_grad_slot(ts[0]), N, 1);
+	fill(ze_tensor_grad_slot(ts[1]), N, 2);
+	((float *)ze_tensor_grad_slot(ts[1]))[N - 1] = NAN;
+	cr_assert_eq(ze_step_submit(g.e, &(struct ze_step){
+		.lane = 1,
+		.id = 1,
+		.hp = { .optim = ZK_OPTIM_ADAMW, .lr = 1e-2, .beta1 = 0.9, .beta2 = 0.999,
+			.eps = 1e-8, .step = 1, .bias_correction = true, .grad_scale = 1.0 },
+		.check_finite = true,
+		.count = 2,
+		.tensors = ts,
+	}, err, sizeof(err)), 0, "%s", err);
+	wait_for(&g, &g.seen.step_done, 1);
+	cr_assert_eq(g.seen.step.status, ZE_STEP_SKIPPED_NONFINITE);
+	cr_assert_eq(g.seen.tensor_done, 2, "%u of 2 tensors reported", g.seen.tensor_done);
+	cr_assert_eq(g.seen.tensor.status, ZE_STEP_SKIPPED_NONFINITE);
+	cr_assert_eq(g.seen.tensor.landed, 0);
+	cr_assert(!ze_tensor_busy(ts[0]), "the first tensor of a skipped set stayed busy");
+	cr_assert(!ze_tensor_busy(ts[1]));
+	ze_tensor_free(ts[0]);
+	ze_tensor_free(ts[1]);
+	rig_stop(&g);
+}
+
+/* A pinned tensor's state goes back to the arena when it is freed: a loop of them leaks nothing. */
+Test(engine, freed_state_goes_back_to_the_arena)
+{
+	struct zt_arena_stats before, made, after;
+	struct ze_tensor *t;
+	struct rig g;
+
+	rig_start(&g, false);
+	ze_engine_arena_stats(g.e, &before);
+	t = make_tensor(&g, "w", 100000, ZE_POLICY_CPU, NULL, NULL, &g);
+	ze_engine_arena_stats(g.e, &made);
+	cr_assert_gt(made.used_bytes, before.used_bytes, "the test means a state in the arena");
+	ze_tensor_free(t);
+	ze_engine_arena_stats(g.e, &after);
+	cr_assert_eq(after.used_bytes, before.used_bytes, "%llu bytes of a freed state kept",
+	    (unsigned long long)(after.used_bytes - before.used_bytes));
+	rig_stop(&g);
 }

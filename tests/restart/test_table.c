@@ -2,6 +2,7 @@
  * The recovery table's job slots are shared by every uid: one uid must not take them all,
  * and a job that cannot have a slot is refused up front, never kept without one (a tensor
  * kept for a job the table does not list made every later restart refuse, for everyone).
+ * A table that cannot be made at all fails the start, by name.
  */
 #include <criterion/criterion.h>
 #include <errno.h>
@@ -9,6 +10,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/resource.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -171,4 +173,30 @@ Test(table, one_uid_cannot_fill_the_recovery_table)
 	zc_disconnect(v);
 	kill(st_.pid, SIGTERM);
 	(void)zst_wait_exit(&st_, 30);
+}
+
+/*
+ * A table that cannot be made (here its memfd cannot be sized: the table is larger than
+ * RLIMIT_FSIZE) fails the start at once, by name, before the engine is made; the daemon
+ * went on with no table when the error's sign was lost, and said nothing when it was not.
+ */
+Test(table, a_table_that_cannot_be_made_fails_the_start)
+{
+	struct rlimit small = { .rlim_cur = 64 << 10, .rlim_max = RLIM_INFINITY };
+	char sock[160], config[160];
+	const char *const *argv;
+	int status;
+
+	cr_assert_eq(zst_init(&st_), 0);
+	argv = argv_for(sock, sizeof(sock), config, sizeof(config));
+	/* Both inherited by the daemon: ftruncate then fails with EFBIG, not SIGXFSZ. */
+	cr_assert_eq(setrlimit(RLIMIT_FSIZE, &small), 0, "setrlimit: %s", strerror(errno));
+	signal(SIGXFSZ, SIG_IGN);
+	cr_assert_eq(zst_start(&st_, argv), 0);
+	status = zst_wait_exit(&st_, 60);
+	cr_assert(WIFEXITED(status) && WEXITSTATUS(status) == 1, "status 0x%x: %s", status,
+	    zst_log(&st_));
+	cr_assert_eq(st_.readies, 0, "%s", zst_log(&st_));
+	cr_assert(strstr(zst_log(&st_), "cannot make the recovery table: File too large") != NULL,
+	    "%s", zst_log(&st_));
 }
