@@ -6,7 +6,7 @@
 #include "swap.h"
 
 struct bench_stream {
-	struct zs_engine *e;
+	struct zs_swap *e;
 	struct zs_extent *x;
 	size_t bs;
 	uint64_t size;
@@ -50,7 +50,7 @@ stream_done(int result, void *arg)
 }
 
 int
-bench_stream_pass(struct zs_engine *e, struct zs_extent *x, struct bench_slot *slots,
+bench_stream_pass(struct zs_swap *e, struct zs_extent *x, struct bench_slot *slots,
     unsigned depth, size_t bs, uint64_t size, bool write, double *ret_seconds)
 {
 	struct bench_stream s = { .e = e, .x = x, .bs = bs, .size = size, .write = write };
@@ -65,7 +65,7 @@ bench_stream_pass(struct zs_engine *e, struct zs_extent *x, struct bench_slot *s
 		stream_issue(&slots[i]);
 	}
 	while (s.pending > 0) {
-		r = zs_engine_wait(e, 5000);
+		r = zs_swap_wait(e, 5000);
 		if (r < 0 && s.error == 0)
 			s.error = r;
 	}

@@ -7,7 +7,7 @@
 #include <stdint.h>
 #include <time.h>
 
-struct zs_engine;
+struct zs_swap;
 struct zs_extent;
 
 /* Seconds on CLOCK_MONOTONIC.  Inline: bench_optimizer links no swap engine. */
@@ -34,7 +34,7 @@ struct bench_slot {
  * bs (-EINVAL otherwise), so every byte moves and none past size.  0 and the
  * seconds taken in *ret_seconds, or the first error (-errno or -ZS_E_*).
  */
-int bench_stream_pass(struct zs_engine *e, struct zs_extent *x, struct bench_slot *slots,
+int bench_stream_pass(struct zs_swap *e, struct zs_extent *x, struct bench_slot *slots,
     unsigned depth, size_t bs, uint64_t size, bool write, double *ret_seconds);
 
 /*

@@ -337,7 +337,7 @@ run_daemon(const struct opts *o, enum zk_state_format format, struct step_run *r
  * `depth` deep, as the daemon keeps its staging buffers busy.
  */
 static double
-engine_pass(struct zs_engine *e, struct zs_extent *x, struct bench_slot *slots, unsigned depth,
+engine_pass(struct zs_swap *e, struct zs_extent *x, struct bench_slot *slots, unsigned depth,
     uint64_t chunk, uint64_t size, bool write)
 {
 	double t = 0;
@@ -362,11 +362,11 @@ engine_bandwidth(const struct opts *o, uint64_t bytes, double *ret_read, double 
 	uint64_t size = (bytes + chunk - 1) / chunk * chunk;
 	struct zs_path path = { .path = o->dir, .capacity = size + (64u << 20) };
 	struct zs_config zc = { .paths = &path, .npaths = 1, .stripe_unit = (uint32_t)o->block_size,
-		.queue_depth = o->queue_depth, .engine = ZS_ENGINE_AUTO, .allow_fallback = true };
+		.queue_depth = o->queue_depth, .engine = ZS_SWAP_AUTO, .allow_fallback = true };
 	struct bench_slot *slots = calloc(o->staging, sizeof(*slots));
 	struct zs_error_info info = { .path = -1 };
 	struct zt_arena *arena;
-	struct zs_engine *e;
+	struct zs_swap *e;
 	struct zs_extent x;
 	bool *pinned = calloc(o->staging, sizeof(*pinned));
 	double best_r = 1e30, best_w = 1e30;
@@ -374,7 +374,7 @@ engine_bandwidth(const struct opts *o, uint64_t bytes, double *ret_read, double 
 
 	if (slots == NULL || pinned == NULL)
 		die("out of memory");
-	r = zs_engine_new(&zc, &e, &info);
+	r = zs_swap_new(&zc, &e, &info);
 	if (r < 0)
 		die("swap engine on %s: %s", o->dir, zs_strerror(info.cause ? info.cause : r));
 	r = zt_arena_new(&(struct zt_arena_config){ .budget_bytes = chunk * o->staging,
@@ -386,7 +386,7 @@ engine_bandwidth(const struct opts *o, uint64_t bytes, double *ret_read, double 
 		if (r < 0)
 			die("staging buffer: %s", strerror(-r));
 		memset(slots[i].buf, 0x5a, chunk);
-		(void)zs_engine_register_buffer(e, slots[i].buf, chunk);
+		(void)zs_swap_register_buffer(e, slots[i].buf, chunk);
 	}
 	r = zs_extent_alloc(e, size, &x);
 	if (r < 0)
@@ -403,10 +403,10 @@ engine_bandwidth(const struct opts *o, uint64_t bytes, double *ret_read, double 
 	*ret_write = (double)size / best_w;
 	zs_extent_free(e, &x);
 	for (unsigned i = 0; i < o->staging; i++) {
-		(void)zs_engine_unregister_buffer(e, slots[i].buf);
+		(void)zs_swap_unregister_buffer(e, slots[i].buf);
 		zt_arena_release(arena, slots[i].buf, chunk, pinned[i]);
 	}
-	zs_engine_free(e);
+	zs_swap_free(e);
 	zt_arena_free(arena);
 	free(slots);
 	free(pinned);

@@ -38,7 +38,7 @@ struct result {
 
 /* Sequential pass over the whole extent with qd requests of bs in flight; MiB/s. */
 static double
-engine_pass(struct zs_engine *e, struct zs_extent *x, char *bufs, const struct opts *o, bool write)
+engine_pass(struct zs_swap *e, struct zs_extent *x, char *bufs, const struct opts *o, bool write)
 {
 	struct bench_slot *slots = calloc(o->qd, sizeof(*slots));
 	double t = 0;
@@ -136,7 +136,7 @@ best(double a, double b)
 
 /* Best of reps for engine and fio alike, alternating so drift hits both the same. */
 static int
-run_engine(const struct opts *o, enum zs_engine_kind kind, struct result *res)
+run_engine(const struct opts *o, enum zs_swap_kind kind, struct result *res)
 {
 	struct zs_path path = { .path = o->path, .capacity = o->size };
 	struct zs_config c = {
@@ -153,18 +153,18 @@ run_engine(const struct opts *o, enum zs_engine_kind kind, struct result *res)
 	};
 	struct zt_arena *arena = NULL;
 	struct zs_error_info info;
-	struct zs_engine *e = NULL;
+	struct zs_swap *e = NULL;
 	struct zs_extent x;
-	bool psync = kind == ZS_ENGINE_PTHREAD, pinned = false;
+	bool psync = kind == ZS_SWAP_PTHREAD, pinned = false;
 	double ew = 0, er = 0, fw = 0, fr = 0, fur = 0, fuw = 0;
 	char *bufs = NULL;
 	unsigned rep;
 	int r;
 
-	r = zs_engine_new(&c, &e, &info);
+	r = zs_swap_new(&c, &e, &info);
 	if (r < 0) {
 		fprintf(stderr, "bench_swap: %s engine: %s (path %d, %s: %s)\n",
-		    kind == ZS_ENGINE_URING ? "io_uring" : "pthread", zs_strerror(r), info.path,
+		    kind == ZS_SWAP_URING ? "io_uring" : "pthread", zs_strerror(r), info.path,
 		    info.step, zs_strerror(info.cause));
 		return r == -ZS_E_NOURING ? 77 : 1;
 	}
@@ -172,7 +172,7 @@ run_engine(const struct opts *o, enum zs_engine_kind kind, struct result *res)
 	if (r == 0)
 		r = zt_arena_alloc(arena, (size_t)o->qd * o->bs, (void **)&bufs, &pinned);
 	if (r == 0)
-		r = zs_engine_register_buffer(e, bufs, (size_t)o->qd * o->bs);
+		r = zs_swap_register_buffer(e, bufs, (size_t)o->qd * o->bs);
 	if (r == 0)
 		r = zs_extent_alloc(e, o->size, &x);
 	if (r < 0) {
@@ -214,7 +214,7 @@ run_engine(const struct opts *o, enum zs_engine_kind kind, struct result *res)
 	r = 0;
 out:
 	zs_extent_free(e, &x);
-	zs_engine_free(e);
+	zs_swap_free(e);
 	if (bufs != NULL)
 		zt_arena_release(arena, bufs, (size_t)o->qd * o->bs, pinned);
 	zt_arena_free(arena);
@@ -304,14 +304,14 @@ main(int argc, char **argv)
 	made = stat(o.path, &st) != 0;
 
 	if (o.uring) {
-		rr = run_engine(&o, ZS_ENGINE_URING, res + n);
+		rr = run_engine(&o, ZS_SWAP_URING, res + n);
 		if (rr == 0)
 			n += 2;
 		else if (r == 0)
 			r = rr;
 	}
 	if (o.pthread) {
-		rr = run_engine(&o, ZS_ENGINE_PTHREAD, res + n);
+		rr = run_engine(&o, ZS_SWAP_PTHREAD, res + n);
 		if (rr == 0)
 			n += 4;
 		else

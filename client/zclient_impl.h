@@ -76,6 +76,7 @@ struct zc_tensor {
  * *_timeout waits) and the descriptor can be polled by the caller.
  */
 struct zc_conn {
+	const struct zci_hooks *hooks;	/* set at connect (zclient_session.c), never NULL after */
 	/*
 	 * The socket.  Its number never changes: a reconnect puts the new
 	 * socket in its place (dup3), so a caller polling zc_conn_fd goes on.
@@ -131,7 +132,26 @@ struct zc_conn {
 	int uffd;
 };
 
-/* zclient.c: the connection. */
+/*
+ * What the layers below hand upward, one entry per message type or event:
+ * the transport (zclient.c) its events (TENSOR_DONE, STEP_DONE, PARAM_READY,
+ * an ERROR for a pending step, the connection going), the reconnect
+ * (zclient_reconnect.c) its remaps and resubmits.  zclient_session.c fills it,
+ * so that no file of libzclient calls into one that calls it back.
+ */
+struct zci_hooks {
+	void (*tensor_done)(struct zc_conn *c, const struct zp_msg *m);
+	void (*step_done)(struct zc_conn *c, const struct zp_msg *m);
+	void (*param_ready)(struct zc_conn *c, const struct zp_msg *m);
+	bool (*set_pending)(const struct zc_conn *c, uint64_t request_id);
+	int (*lost)(struct zc_conn *c, const char *why);
+	int (*closed_by_daemon)(struct zc_conn *c, int code, const char *why);
+	void (*slots_event)(struct zc_tensor *t, enum zc_slots_event why);
+	void (*sets_rehandle)(struct zc_conn *c, struct zc_tensor *const *old, uint32_t cap);
+	int (*sets_resubmit)(struct zc_conn *c, uint64_t deadline);
+};
+
+/* zclient.c: the transport, one message at a time, with no reconnect. */
 
 /* Deadlines are CLOCK_MONOTONIC nanoseconds; these two are special. */
 #define ZCI_NO_WAIT		0		/* take what has arrived, never block */
@@ -142,8 +162,6 @@ uint64_t zci_now_ns(void);
 uint64_t zci_deadline_after(int timeout_ms);
 int zci_seterr(struct zc_conn *c, int code, const char *fmt, ...)
     __attribute__((format(printf, 3, 4)));
-/* Sends m with a new request id (and sendfd unless -1), applying the events that arrived first. */
-int zci_send_msg(struct zc_conn *c, struct zp_msg *m, uint64_t deadline, int sendfd);
 /*
  * Requests in flight together (a restore's): zci_send_async sends m with a new request id
  * without applying what arrived first (zci_send_msg would drop a reply nobody waits
@@ -166,8 +184,36 @@ int zci_chains_run(struct zc_conn *c, size_t n, unsigned ahead, uint16_t type,
     zci_chain_fn *advance, void *arg);
 /* Applies whatever events have already arrived, without blocking. */
 int zci_drain(struct zc_conn *c);
+/*
+ * One request and its reply, with no reconnect: the reply is in c->msg, its
+ * descriptors in fds (NULL: closed).  Used by the reconnect itself.
+ */
+int zci_rpc_once(struct zc_conn *c, struct zp_msg *req, uint16_t reply_type, int *fds,
+    uint64_t deadline);
+/* Sends m once, with no reconnect. */
+int zci_send_once(struct zc_conn *c, struct zp_msg *m, uint64_t deadline, int sendfd);
+/*
+ * Request (with sendfd unless -1) and reply of type reply_type or alt_type, once: the
+ * reply is in c->msg, its descriptors in fds (NULL: closed).
+ */
+int zci_exchange(struct zc_conn *c, struct zp_msg *req, uint16_t reply_type, uint16_t alt_type,
+    int *fds, int sendfd, uint64_t deadline);
+/*
+ * Reads one message until the deadline (-ETIMEDOUT, no message set).  Events go
+ * to c->hooks and 0 is returned; a reply is left in c->msg and 1 returned, its
+ * descriptors in fds.
+ */
+int zci_recv_one(struct zc_conn *c, int *fds, unsigned *nfds, uint64_t deadline);
+
+/* zclient_reconnect.c: the retrying requests (below), the connection going away and coming back. */
+
+/* Sends m with a new request id (and sendfd unless -1), applying the events that arrived first. */
+int zci_send_msg(struct zc_conn *c, struct zp_msg *m, uint64_t deadline, int sendfd);
 /* Request and reply; the reply is in c->msg, its descriptors in fds. */
 int zci_rpc(struct zc_conn *c, struct zp_msg *req, uint16_t reply_type, int *fds);
+/* zci_rpc, where a reply of type alt_type does too. */
+int zci_rpc_either(struct zc_conn *c, struct zp_msg *req, uint16_t reply_type, uint16_t alt_type,
+    int *fds);
 /*
  * zci_rpc_fd sends req with sendfd (-1: none), waits for reply_type; the
  * reply stays valid until the next request on the connection.
@@ -177,16 +223,6 @@ int zci_rpc_fd(struct zc_conn *c, struct zp_msg *req, uint16_t reply_type, int s
 /* Applies events until done(arg) or the deadline (-ETIMEDOUT, with no message set). */
 int zci_wait_until(struct zc_conn *c, bool (*done)(void *), void *arg, uint64_t deadline);
 
-/*
- * One request and its reply, with no reconnect: the reply is in c->msg, its
- * descriptors in fds (NULL: closed).  Used by the reconnect itself.
- */
-int zci_rpc_once(struct zc_conn *c, struct zp_msg *req, uint16_t reply_type, int *fds,
-    uint64_t deadline);
-/* Sends m once, with no reconnect. */
-int zci_send_once(struct zc_conn *c, struct zp_msg *m, uint64_t deadline, int sendfd);
-
-/* zclient_reconnect.c: the connection going away and coming back. */
 
 /*
  * The connection is gone (why: what found it so).  With reconnects off,
@@ -214,6 +250,10 @@ int zci_ready(struct zc_conn *c, struct zp_msg *inflight, uint64_t deadline);
  * on) or at the reconnect timeout (dead).  0 once reattached.
  */
 int zci_reconnect(struct zc_conn *c, struct zp_msg *inflight, uint64_t deadline);
+/* $ZOFFLOAD_RECONNECT_MS or the default; -EINVAL (connect message set) when malformed. */
+int zci_reconnect_default(int *ret_ms);
+/* zclient_slots.c: slot mappings. */
+
 /*
  * Asks for 2 MiB pages behind a slot mapping: where shmem hugepages are
  * enabled on advice, the pages this process faults in first (the grad slot's)
@@ -222,8 +262,6 @@ int zci_reconnect(struct zc_conn *c, struct zp_msg *inflight, uint64_t deadline)
 void zci_advise_huge(void *map, size_t bytes);
 /* st_dev and st_ino of the file behind fd (0 when fstat fails). */
 void zci_file_id(int fd, uint64_t *dev, uint64_t *ino);
-/* $ZOFFLOAD_RECONNECT_MS or the default; -EINVAL (connect message set) when malformed. */
-int zci_reconnect_default(int *ret_ms);
 
 /* zclient_view.c: param views. */
 
@@ -236,6 +274,10 @@ int zci_view_remap(struct zc_tensor *t, int fd);
 void zci_view_close(struct zc_conn *c);
 
 /* zclient_tensor.c: tensors. */
+
+/* A TENSOR_DONE, a PARAM_READY (c->hooks): the tensor's step, its fetch ended. */
+void zci_tensor_done(struct zc_conn *c, const struct zp_msg *m);
+void zci_tensor_param_ready(struct zc_conn *c, const struct zp_msg *m);
 
 /* NULL for a handle no tensor of this connection has. */
 struct zc_tensor *zci_tensor_by_handle(struct zc_conn *c, uint32_t handle);
@@ -253,6 +295,8 @@ int zci_tensor_register(struct zc_conn *c, const struct zc_tensor_desc *desc, co
 void zci_sets_finish(struct zc_conn *c, const struct zp_step_done *done, uint64_t request_id);
 /* True while the step of that request id is not done. */
 bool zci_sets_pending(const struct zc_conn *c, uint64_t request_id);
+/* A STEP_DONE (c->hooks): zci_sets_finish of its set. */
+void zci_sets_step_done(struct zc_conn *c, const struct zp_msg *m);
 void zci_sets_free(struct zc_conn *c);
 /*
  * After a reattach: each set's tensors that the daemon already stepped (their

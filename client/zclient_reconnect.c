@@ -277,7 +277,7 @@ let_go_of_driver(struct zc_conn *c, struct zc_tensor *t, const int *fds)
 		t->unpin = NULL;
 		t->unpin_arg = NULL;
 	}
-	zci_tensor_slots_event(t, ZC_SLOTS_REMAP);
+	c->hooks->slots_event(t, ZC_SLOTS_REMAP);
 	return 0;
 }
 
@@ -505,7 +505,7 @@ reattach_tensors(struct zc_conn *c, struct zp_msg *inflight, uint64_t deadline)
 		if (old[i] != NULL)
 			old[i]->handle = handles[i];
 	rehandle_request(inflight, old, cap);
-	zci_sets_rehandle(c, old, cap);
+	c->hooks->sets_rehandle(c, old, cap);
 	c->tensors = table;
 	c->tensor_cap = new_cap;
 	table = old;
@@ -560,7 +560,7 @@ zci_reconnect(struct zc_conn *c, struct zp_msg *inflight, uint64_t deadline)
 		if (r == 0)
 			r = reopen_xfer(c, rc_deadline);
 		if (r == 0)
-			r = zci_sets_resubmit(c, rc_deadline);
+			r = c->hooks->sets_resubmit(c, rc_deadline);
 		if (r == 0)
 			r = refetch(c, rc_deadline);
 		if (r == 0)
@@ -585,5 +585,98 @@ zci_reconnect(struct zc_conn *c, struct zp_msg *inflight, uint64_t deadline)
 	c->lost = false;
 	c->conn_stats.reconnects++;
 	c->conn_stats.reconnect_ns += zci_now_ns() - c->lost_ns;
+	return 0;
+}
+
+/* The retrying requests: each goes again on a new connection when this one goes. */
+
+/* Sends m, reconnecting (and sending it again, its handles rewritten) when the connection goes. */
+int
+zci_send_msg(struct zc_conn *c, struct zp_msg *m, uint64_t deadline, int sendfd)
+{
+	int r;
+
+	for (;;) {
+		r = zci_ready(c, m, ZCI_NO_DEADLINE);
+		if (r < 0)
+			return r;
+		r = zci_send_once(c, m, deadline, sendfd);
+		if (r >= 0 || !c->lost)
+			return r;
+	}
+}
+
+/*
+ * zci_exchange, again on a new connection when this one goes before the reply:
+ * every request is one the reattached daemon may take a second time (see
+ * zclient_reconnect.c for those that free something).
+ */
+static int
+rpc_full(struct zc_conn *c, struct zp_msg *req, uint16_t reply_type, uint16_t alt_type,
+    int *fds, int sendfd)
+{
+	int r;
+
+	for (;;) {
+		r = zci_ready(c, req, ZCI_NO_DEADLINE);
+		if (r < 0)
+			return r;
+		r = zci_exchange(c, req, reply_type, alt_type, fds, sendfd,
+		    zci_deadline_after(c->timeout_ms));
+		if (r >= 0 || !c->lost)
+			return r;
+	}
+}
+
+/* Request and reply of type reply_type or alt_type; the reply is in c->msg, its descriptors in fds. */
+int
+zci_rpc_either(struct zc_conn *c, struct zp_msg *req, uint16_t reply_type, uint16_t alt_type,
+    int *fds)
+{
+	return rpc_full(c, req, reply_type, alt_type, fds, -1);
+}
+
+/* Request and reply; the reply is in c->msg, its descriptors in fds. */
+int
+zci_rpc(struct zc_conn *c, struct zp_msg *req, uint16_t reply_type, int *fds)
+{
+	return rpc_full(c, req, reply_type, reply_type, fds, -1);
+}
+
+int
+zci_rpc_fd(struct zc_conn *c, struct zp_msg *req, uint16_t reply_type, int sendfd,
+    const struct zp_msg **reply)
+{
+	int r = rpc_full(c, req, reply_type, reply_type, NULL, sendfd);
+
+	if (r == 0)
+		*reply = c->msg;
+	return r;
+}
+
+int
+zci_wait_until(struct zc_conn *c, bool (*done)(void *), void *arg, uint64_t deadline)
+{
+	int fds[ZP_MAX_FDS];
+	unsigned nfds;
+	int r;
+
+	if (c->dead != 0)
+		return zci_seterr(c, c->dead, "%s", c->dead_msg);
+	while (!done(arg)) {
+		/* A reconnect resubmits what this waits for; done() may then be true. */
+		r = zci_ready(c, NULL, deadline);
+		if (r < 0)
+			return r;
+		if (done(arg))
+			break;
+		r = zci_recv_one(c, fds, &nfds, deadline);
+		if (r < 0 && c->lost)
+			continue;
+		if (r < 0)
+			return r;
+		for (unsigned i = 0; i < nfds; i++)
+			close(fds[i]);
+	}
 	return 0;
 }

@@ -371,3 +371,10 @@ zc_wait_all_timeout(struct zc_conn *c, struct zc_step_result *ret, int timeout_m
 		return c->last.error < 0 ? c->last.error : -EIO;
 	return r;
 }
+
+/* A STEP_DONE (through c->hooks). */
+void
+zci_sets_step_done(struct zc_conn *c, const struct zp_msg *m)
+{
+	zci_sets_finish(c, &m->u.step_done, m->hdr.request_id);
+}

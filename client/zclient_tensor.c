@@ -11,27 +11,6 @@
 #include "zclient.h"
 #include "zclient_impl.h"
 
-/* A slot's mapping and identity (zclient_impl.h): here, and again at a reconnect's remap. */
-void
-zci_advise_huge(void *map, size_t bytes)
-{
-	if (bytes >= (2u << 20))
-		(void)madvise(map, bytes, MADV_HUGEPAGE);
-}
-
-void
-zci_file_id(int fd, uint64_t *dev, uint64_t *ino)
-{
-	struct stat st;
-
-	if (fstat(fd, &st) == 0) {
-		*dev = (uint64_t)st.st_dev;
-		*ino = (uint64_t)st.st_ino;
-	} else {
-		*dev = *ino = 0;
-	}
-}
-
 /*
  * Bytes per element.  Local, with the header-only converters below, so that
  * libzclient links no part of the kernel library (tests/client checks it).
@@ -426,4 +405,38 @@ zc_tensor_set_step(struct zc_tensor *t, uint64_t step)
 		return r;
 	t->last_step = step;
 	return 0;
+}
+
+/* A TENSOR_DONE (through c->hooks): the tensor's step ended, with its result. */
+void
+zci_tensor_done(struct zc_conn *c, const struct zp_msg *m)
+{
+	struct zc_tensor *t = zci_tensor_by_handle(c, m->u.tensor_done.handle);
+
+	if (t != NULL && t->pending && t->pending_set == m->hdr.request_id) {
+		t->pending = false;
+		if (m->u.tensor_done.status == ZP_STEP_APPLIED) {
+			t->last_step = m->u.tensor_done.step;
+			/* The step wrote the parameters into the slot. */
+			t->param_state = PARAM_RESIDENT;
+		}
+		t->result = (struct zc_step_result){
+			.step = m->u.tensor_done.step,
+			.status = (enum zc_step_status)m->u.tensor_done.status,
+			.error = m->u.tensor_done.error,
+			.grad_norm = 0,
+		};
+	}
+}
+
+/* A PARAM_READY (through c->hooks): the fetch of the tensor's parameters ended. */
+void
+zci_tensor_param_ready(struct zc_conn *c, const struct zp_msg *m)
+{
+	struct zc_tensor *t = zci_tensor_by_handle(c, m->u.param_ready.handle);
+
+	if (t != NULL && t->param_state == PARAM_FETCHING) {
+		t->param_state = m->u.param_ready.error == 0 ? PARAM_RESIDENT : PARAM_RELEASED;
+		t->param_error = m->u.param_ready.error;
+	}
 }

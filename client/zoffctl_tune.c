@@ -65,7 +65,7 @@ struct slot {
 };
 
 struct run {
-	struct zs_engine *e;
+	struct zs_swap *e;
 	struct zs_extent x;
 	size_t chunk_bytes;
 	uint64_t nchunks;
@@ -134,7 +134,7 @@ measure(const char *const *paths, unsigned npaths, uint64_t size, const struct s
 	struct zs_path zp[ZS_MAX_PATHS];
 	struct zs_config zc = {
 		.paths = zp, .npaths = npaths, .stripe_unit = p->block, .queue_depth = p->depth,
-		.engine = ZS_ENGINE_AUTO, .allow_fallback = true,
+		.engine = ZS_SWAP_AUTO, .allow_fallback = true,
 	};
 	struct run r = { .chunk_bytes = (size_t)sw->chunk_elements * 12 };
 	struct slot *slots = calloc(p->buffers, sizeof(*slots));
@@ -145,7 +145,7 @@ measure(const char *const *paths, unsigned npaths, uint64_t size, const struct s
 	p->mib_s = 0;
 	for (unsigned i = 0; i < npaths; i++)
 		zp[i] = (struct zs_path){ .path = paths[i], .capacity = size };
-	if (slots == NULL || (p->error = zs_engine_new(&zc, &r.e, NULL)) < 0)
+	if (slots == NULL || (p->error = zs_swap_new(&zc, &r.e, NULL)) < 0)
 		goto out;
 	/* One chunk short of the whole: the extent's stripes round up per path. */
 	r.nchunks = size * npaths / r.chunk_bytes - 1;
@@ -162,7 +162,7 @@ measure(const char *const *paths, unsigned npaths, uint64_t size, const struct s
 	}
 	memset(bufs, 0x5a, r.chunk_bytes * p->buffers);
 	/* As the daemon does with its staging buffers; I/O works unregistered too, only slower. */
-	(void)zs_engine_register_buffer(r.e, bufs, r.chunk_bytes * p->buffers);
+	(void)zs_swap_register_buffer(r.e, bufs, r.chunk_bytes * p->buffers);
 	t0 = now_s();
 	r.deadline = t0 + seconds;
 	for (unsigned i = 0; i < p->buffers; i++) {
@@ -170,18 +170,18 @@ measure(const char *const *paths, unsigned npaths, uint64_t size, const struct s
 		slot_issue(&slots[i]);
 	}
 	while (r.pending > 0) {
-		int rc = zs_engine_wait(r.e, 5000);
+		int rc = zs_swap_wait(r.e, 5000);
 
 		if (rc < 0 && r.error == 0)
 			r.error = rc;
 	}
 	p->error = r.error;
 	p->mib_s = (double)r.bytes / MiB / (now_s() - t0);
-	(void)zs_engine_unregister_buffer(r.e, bufs);
+	(void)zs_swap_unregister_buffer(r.e, bufs);
 out_extent:
 	zs_extent_free(r.e, &r.x);
 out:
-	zs_engine_free(r.e);
+	zs_swap_free(r.e);
 	free(bufs);
 	free(slots);
 }

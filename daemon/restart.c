@@ -353,7 +353,7 @@ zd_restart_begin(struct zd_daemon *d)
 static void
 keep_engine(struct zd_daemon *d, bool recovering)
 {
-	struct zs_engine *swap = ze_engine_swap_engine(d->engine);
+	struct zs_swap *swap = ze_engine_swap(d->engine);
 	char name[32];
 
 	zd_restart_keep_fd(d, "table", d->table_fd, recovering);
@@ -369,7 +369,7 @@ keep_engine(struct zd_daemon *d, bool recovering)
 		int fd, lock_fd;
 		struct stat st;
 
-		zs_engine_path_fds(swap, i, &fd, &lock_fd);
+		zs_swap_path_fds(swap, i, &fd, &lock_fd);
 		snprintf(name, sizeof(name), "swap%u", i);
 		zd_restart_keep_fd(d, name, fd, d->kept_swap[i] > 2);
 		snprintf(name, sizeof(name), "swaplock%u", i);

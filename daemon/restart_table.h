@@ -52,7 +52,7 @@ struct zd_table_job {
 
 /*
  * One memfd, kept as "table": what the engine's records do not say (the
- * swap files, the jobs).  Tensors are their own records (engine/recover.c);
+ * swap files, the jobs).  Tensors are their own records (engine/record.c);
  * their owner words name the job by id.  crc covers everything after it.
  */
 struct zd_table {

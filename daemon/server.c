@@ -493,11 +493,11 @@ handoff(struct zd_daemon *d)
 
 /* The swap engine on the configured paths, or *ret NULL when none are. */
 static int
-start_swap(struct zd_daemon *d, struct zs_engine **ret)
+start_swap(struct zd_daemon *d, struct zs_swap **ret)
 {
 	struct zs_path paths[ZD_MAX_SWAP_PATHS];
 	struct zs_error_info info = { .path = -1 };
-	struct zs_engine_stats es;
+	struct zs_swap_stats es;
 	struct zs_config zc = {
 		.paths = paths,
 		.npaths = d->cfg.nswap_paths,
@@ -522,12 +522,12 @@ start_swap(struct zd_daemon *d, struct zs_engine **ret)
 		    .capacity = d->cfg.swap_paths[i].capacity, .kept_fd = d->kept_swap[i],
 		    .kept_lock_fd = d->kept_swaplock[i] };
 	if (strcmp(d->cfg.swap_engine, "io_uring") == 0)
-		zc.engine = ZS_ENGINE_URING;
+		zc.engine = ZS_SWAP_URING;
 	else if (strcmp(d->cfg.swap_engine, "pthread") == 0)
-		zc.engine = ZS_ENGINE_PTHREAD;
+		zc.engine = ZS_SWAP_PTHREAD;
 	else
-		zc.engine = ZS_ENGINE_AUTO;
-	r = zs_engine_new(&zc, ret, &info);
+		zc.engine = ZS_SWAP_AUTO;
+	r = zs_swap_new(&zc, ret, &info);
 	if (r < 0) {
 		if (info.path >= 0 && r == -EBUSY && info.step != NULL &&
 		    strcmp(info.step, "lock") == 0 && info.holder_pid > 0)
@@ -547,7 +547,7 @@ start_swap(struct zd_daemon *d, struct zs_engine **ret)
 			    info.step ? " (" : "", info.step ? info.step : "", info.step ? ")" : "");
 		return r;
 	}
-	zs_engine_stats(*ret, &es);
+	zs_swap_stats(*ret, &es);
 	if (es.uring_error != 0)
 		log_warnx("io_uring is unavailable (%s): swapping with the pthread fallback "
 		    "(swap.fallback is true)", zs_strerror(es.uring_error));
@@ -555,13 +555,13 @@ start_swap(struct zd_daemon *d, struct zs_engine **ret)
 		struct zs_path_stats ps;
 		char cap[32];
 
-		zs_engine_path_stats(*ret, i, &ps);
+		zs_swap_path_stats(*ret, i, &ps);
 		zd_fmt_bytes(ps.capacity, cap, sizeof(cap));
 		log_info("NVMe tier: %s, %s preallocated, O_DIRECT alignment %u", paths[i].path, cap,
 		    ps.dio_offset_align);
 	}
 	log_info("NVMe tier: %s engine, queue depth %u, stripe unit %u KiB over %u path(s)",
-	    zs_engine_name(*ret), es.queue_depth, es.stripe_unit >> 10, es.npaths);
+	    zs_swap_name(*ret), es.queue_depth, es.stripe_unit >> 10, es.npaths);
 	return 0;
 }
 
@@ -569,7 +569,7 @@ static int
 start_engine(struct zd_daemon *d)
 {
 	const char *names[ZD_MAX_SWAP_PATHS];
-	struct zs_engine *swap;
+	struct zs_swap *swap;
 	char err[256];
 	int r;
 
@@ -654,19 +654,19 @@ tick_cb(evutil_socket_t fd, short what, void *arg)
 void
 zd_tick(struct zd_daemon *d)
 {
-	struct zs_engine *swap = ze_engine_swap_engine(d->engine);
+	struct zs_swap *swap = ze_engine_swap(d->engine);
 	uint64_t now = zu_now_ns();
 	double dt = (double)(now - d->last_tick_ns) / 1e9;
 	struct zd_uid *u, *next;
 
 	d->last_tick_ns = now;
 	if (swap != NULL) {
-		(void)zs_engine_check_paths(swap);
+		(void)zs_swap_check_paths(swap);
 		for (unsigned i = 0; i < d->cfg.nswap_paths && i < ZD_MAX_SWAP_PATHS; i++) {
 			struct zd_swap_sample *smp = &d->swap_samples[i];
 			struct zs_path_stats ps;
 
-			if (zs_engine_path_stats(swap, i, &ps) != 0)
+			if (zs_swap_path_stats(swap, i, &ps) != 0)
 				continue;
 			if (ps.bad != 0 && smp->bad == 0)
 				log_errorx("swap path %s is bad (%s): no new state goes there; state "

@@ -174,8 +174,8 @@ add_steps(cJSON *root, const struct zd_daemon *d)
 static void
 add_nvme(cJSON *tiers, const struct zd_daemon *d)
 {
-	struct zs_engine *swap = ze_engine_swap_engine(d->engine);
-	struct zs_engine_stats es;
+	struct zs_swap *swap = ze_engine_swap(d->engine);
+	struct zs_swap_stats es;
 	cJSON *nvme, *paths;
 
 	nvme = cJSON_AddObjectToObject(tiers, "nvme");
@@ -185,8 +185,8 @@ add_nvme(cJSON *tiers, const struct zd_daemon *d)
 		cJSON_AddStringToObject(nvme, "engine", "off");
 		return;
 	}
-	zs_engine_stats(swap, &es);
-	cJSON_AddStringToObject(nvme, "engine", zs_engine_name(swap));
+	zs_swap_stats(swap, &es);
+	cJSON_AddStringToObject(nvme, "engine", zs_swap_name(swap));
 	if (es.uring_error != 0)
 		cJSON_AddStringToObject(nvme, "io_uring_unavailable", zs_strerror(es.uring_error));
 	cJSON_AddNumberToObject(nvme, "queue_depth", es.queue_depth);
@@ -200,7 +200,7 @@ add_nvme(cJSON *tiers, const struct zd_daemon *d)
 		struct zs_path_stats ps;
 		cJSON *p = cJSON_CreateObject();
 
-		if (p == NULL || zs_engine_path_stats(swap, i, &ps) != 0) {
+		if (p == NULL || zs_swap_path_stats(swap, i, &ps) != 0) {
 			cJSON_Delete(p);
 			continue;
 		}

@@ -1,4 +1,4 @@
-/* The engine's life: the pinned arena, the worker pool, the stepper, the swap engine; accounts. */
+/* The engine's life: the pinned arena, the worker pool, the stepper, the swap engine. */
 #include <errno.h>
 #include <poll.h>
 #include <stdio.h>
@@ -11,7 +11,7 @@
 #include "swap.h"
 
 int
-ze_engine_new(const struct ze_config *cfg, struct zs_engine *swap,
+ze_engine_new(const struct ze_config *cfg, struct zs_swap *swap,
     const struct ze_callbacks *cb, void *cb_arg, struct ze_engine **ret, char *err,
     size_t errlen)
 {
@@ -19,7 +19,7 @@ ze_engine_new(const struct ze_config *cfg, struct zs_engine *swap,
 	int r;
 
 	if (e == NULL) {
-		zs_engine_free(swap);
+		zs_swap_free(swap);
 		snprintf(err, errlen, "out of memory");
 		return -ENOMEM;
 	}
@@ -100,11 +100,11 @@ fail:
 static bool
 swap_busy(const struct ze_engine *e)
 {
-	struct zs_engine_stats es;
+	struct zs_swap_stats es;
 
 	if (e->swap == NULL)
 		return false;
-	zs_engine_stats(e->swap, &es);
+	zs_swap_stats(e->swap, &es);
 	return es.requests_queued > 0;
 }
 
@@ -123,7 +123,7 @@ ze_engine_free(struct ze_engine *e)
 	ze_stepper_free(e->stepper);
 	e->stepper = NULL;
 	/* The swap engine runs its last callbacks into the staging buffers: it goes first. */
-	zs_engine_free(e->swap);
+	zs_swap_free(e->swap);
 	e->swap = NULL;
 	ze_nvme_stop(e);
 	ze_journal_stop(e);
@@ -144,11 +144,11 @@ ze_engine_step_fd(const struct ze_engine *e)
 int
 ze_engine_swap_fd(const struct ze_engine *e)
 {
-	return e->swap != NULL ? zs_engine_fd(e->swap) : -1;
+	return e->swap != NULL ? zs_swap_fd(e->swap) : -1;
 }
 
-struct zs_engine *
-ze_engine_swap_engine(const struct ze_engine *e)
+struct zs_swap *
+ze_engine_swap(const struct ze_engine *e)
 {
 	return e->swap;
 }
@@ -160,7 +160,7 @@ ze_engine_process(struct ze_engine *e)
 
 	ze_step_completions(e);
 	if (e->swap != NULL) {
-		r = zs_engine_process(e->swap);
+		r = zs_swap_process(e->swap);
 		if (r > 0)
 			r = 0;
 	}
@@ -218,59 +218,6 @@ void
 ze_engine_arena_stats(const struct ze_engine *e, struct zt_arena_stats *ret)
 {
 	zt_arena_get_stats(e->arena, ret);
-}
-
-const char *
-ze_strerror(int code)
-{
-	return zs_strerror(code);
-}
-
-int
-ze_errno(int code)
-{
-	return zs_errno(code);
-}
-
-int
-ze_account_new(const struct ze_account_limits *l, struct ze_account **ret)
-{
-	struct ze_account *a = calloc(1, sizeof(*a));
-
-	if (a == NULL)
-		return -ENOMEM;
-	a->refs = 1;
-	a->limits = *l;
-	*ret = a;
-	return 0;
-}
-
-struct ze_account *
-ze_account_ref(struct ze_account *a)
-{
-	a->refs++;
-	return a;
-}
-
-void
-ze_account_unref(struct ze_account *a)
-{
-	if (a == NULL || --a->refs > 0)
-		return;
-	free(a);
-}
-
-void
-ze_account_set_limits(struct ze_account *a, const struct ze_account_limits *l)
-{
-	a->limits = *l;
-}
-
-void
-ze_account_usage(const struct ze_account *a, uint64_t *ret_pinned, uint64_t *ret_swap)
-{
-	*ret_pinned = a->pinned_bytes;
-	*ret_swap = a->swap_bytes;
 }
 
 void

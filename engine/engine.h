@@ -20,7 +20,7 @@
 struct ze_engine;
 struct ze_tensor;
 struct ze_account;
-struct zs_engine;
+struct zs_swap;
 
 /* Elements per pinned slice: one stepper task, the unit of fairness and of exactly-once. */
 #define ZE_QUANTUM_ELEMENTS (4u << 20)
@@ -132,7 +132,7 @@ struct ze_callbacks {
  * Takes swap (NULL: no NVMe tier), whether this fails or not; it is freed
  * with the engine.  err names what failed.
  */
-int ze_engine_new(const struct ze_config *cfg, struct zs_engine *swap,
+int ze_engine_new(const struct ze_config *cfg, struct zs_swap *swap,
     const struct ze_callbacks *cb, void *cb_arg, struct ze_engine **ret, char *err,
     size_t errlen);
 /* Finishes what the stepper and the swap engine hold (their callbacks run), then frees. */
@@ -150,7 +150,7 @@ unsigned ze_engine_steps_in_flight(const struct ze_engine *e);
 void ze_engine_set_isa(struct ze_engine *e, enum zk_isa isa);
 void ze_engine_set_budgets(struct ze_engine *e, uint64_t pinned_budget, uint64_t shm_budget);
 /* The swap engine (tiers/swap.h) the NVMe tier runs on, NULL without one: not this engine. */
-struct zs_engine *ze_engine_swap_engine(const struct ze_engine *e);
+struct zs_swap *ze_engine_swap(const struct ze_engine *e);
 
 /* Never NULL; for 0, -errno and the swap engine's -ZS_E_* codes. */
 const char *ze_strerror(int code);

@@ -46,7 +46,7 @@ struct ze_tensor {
 	bool freed;
 	uint64_t id;			/* the engine's, never reused: names its kept descriptors */
 	/*
-	 * Its recovery record (recover.c): a memfd holding what the tensor is
+	 * Its recovery record (record.c): a memfd holding what the tensor is
 	 * rebuilt from, and the arrays below marked (rec) live in it, so every
 	 * change to them is already kept.
 	 */
@@ -81,7 +81,7 @@ struct ze_tensor {
 	 * writers of the params.  The slot's memfd is kept with the others, so
 	 * the step journal's guarantee holds as for a master in the state's
 	 * memfd (journal.c: it names elements, not files).  Fixed at placement,
-	 * kept in the record (recover.c).  Elsewhere the slot is a mirror the
+	 * kept in the record (record.c).  Elsewhere the slot is a mirror the
 	 * step writes beside master.
 	 */
 	bool master_in_slot;
@@ -178,7 +178,7 @@ struct ze_engine {
 	struct zt_arena *arena;
 	struct zk_pool *pool;
 	struct ze_stepper *stepper;
-	struct zs_engine *swap;
+	struct zs_swap *swap;
 	struct zt_arena *staging_arena;
 	struct ze_staging *staging;
 	unsigned nstaging;
@@ -319,11 +319,18 @@ int ze_shm_adopt(struct ze_engine *e, int fd, size_t bytes, bool client_read_onl
 int ze_shm_create_from(struct ze_engine *e, const char *name, size_t bytes,
     bool client_read_only, int src, struct ze_shm *ret);
 
-/* recover.c */
+/* record.c */
 /* The record for a tensor just placed (units and chunks known); -errno. */
 int ze_record_create(struct ze_tensor *t);
 void ze_record_initialized(struct ze_tensor *t);
 void ze_record_destroy(struct ze_tensor *t);
+/*
+ * A kept record (fd) mapped as t's and checked against the layout its fields
+ * imply; err says why not.  adopt.c rebuilds the rest of t from it.
+ */
+int ze_record_adopt(struct ze_tensor *t, int fd, char *err, size_t errlen);
+const struct zs_extent *ze_record_extent(const struct ze_tensor *t);
+uint64_t ze_record_param_store_bytes(const struct ze_tensor *t);
 
 /* journal.c */
 /* A new journal (kept_fd -1) or the one an earlier process kept; -EPROTO: not one we know. */

@@ -60,7 +60,7 @@ ze_nvme_start(struct ze_engine *e)
 		sb->bytes = bytes;
 		e->nstaging++;
 		/* Fixed buffers spare the kernel a page walk per I/O; not having them is fine. */
-		(void)zs_engine_register_buffer(e->swap, sb->buf, bytes);
+		(void)zs_swap_register_buffer(e->swap, sb->buf, bytes);
 		TAILQ_INSERT_TAIL(&e->staging_free, sb, entry);
 	}
 	return 0;
@@ -92,7 +92,7 @@ ze_nvme_place(struct ze_engine *e, struct ze_tensor *t)
 	if (t->numel < c)
 		c = ze_chunk_round(t->numel);
 	t->chunk_elements = c;
-	/* Its chunks_written bits are in its record (recover.c), made once it is placed. */
+	/* Its chunks_written bits are in its record (record.c), made once it is placed. */
 	t->extent = calloc(1, sizeof(*t->extent));
 	if (t->extent == NULL) {
 		r = -ENOMEM;
@@ -611,7 +611,7 @@ ze_nvme_rewrite(struct ze_engine *e, struct ze_tensor *t, uint64_t chunk, const 
 	r = zs_write(e->swap, t->extent, chunk * chunk_bytes(t), buf, chunk_io_bytes(t, chunk),
 	    rewrite_done, &done);
 	while (r == 0 && done == 0)
-		r = zs_engine_wait(e->swap, -1) < 0 ? -EIO : 0;
+		r = zs_swap_wait(e->swap, -1) < 0 ? -EIO : 0;
 	if (r < 0)
 		return r;
 	if (done < 0)

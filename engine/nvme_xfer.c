@@ -145,7 +145,7 @@ ze_nvme_direct(const struct nvme_work *w, uint64_t c)
 {
 	const struct ze_tensor *t = w->tensor;
 	uint64_t first = c * t->chunk_elements, last = first + chunk_len(t, c);
-	uint32_t mem_align = zs_engine_mem_align(t->e->swap);
+	uint32_t mem_align = zs_swap_mem_align(t->e->swap);
 
 	if ((w->kind != WORK_READ_ALL && w->kind != WORK_WRITE_ALL) ||
 	    t->format != ZK_STATE_FP32 || w->raw || w->buf == NULL ||
@@ -156,7 +156,7 @@ ze_nvme_direct(const struct nvme_work *w, uint64_t c)
 	if ((w->offset - first) % ZE_CHUNK_ALIGN != 0 || w->stride % ZE_CHUNK_ALIGN != 0 ||
 	    (w->count % ZE_CHUNK_ALIGN != 0 && w->offset + w->count != last) ||
 	    w->stride < ze_chunk_round(w->count) || 4096 % mem_align != 0 ||
-	    4096 % zs_engine_offset_align(t->e->swap) != 0)
+	    4096 % zs_swap_offset_align(t->e->swap) != 0)
 		return ZE_DIRECT_NONE;
 	if (w->kind == WORK_WRITE_ALL && t->init_bits == NULL && !chunk_written(t, c))
 		return ZE_DIRECT_NONE;

@@ -4,6 +4,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "convert.h"
 #include "engine_impl.h"
 
 static size_t
@@ -304,4 +305,30 @@ ze_format_supports(enum zk_state_format f, enum zk_optim optim)
 		return true;
 	/* An empty range still checks the optimizer: a kernel added later shows up here. */
 	return zk_qstep(ZK_ISA_SCALAR, &hp, &q, 0, 0) != -ENOTSUP;
+}
+
+/* fp32 into a param slot of its dtype (stepper.c's param write-back, tensor.c's writes). */
+void
+ze_param_convert(void *slot, enum zk_dtype dtype, uint64_t offset, uint64_t count,
+    const float *src)
+{
+	switch (dtype) {
+	case ZK_DTYPE_F32:
+		memcpy((float *)slot + offset, src, count * sizeof(float));
+		break;
+	/*
+	 * The inline forms: a call per element was three to five times slower, and a
+	 * restore converts every element of master here.
+	 */
+	case ZK_DTYPE_BF16:
+		for (uint64_t i = 0; i < count; i++)
+			((uint16_t *)slot)[offset + i] = zk__f32_to_bf16(src[i]);
+		break;
+	case ZK_DTYPE_F16:
+		for (uint64_t i = 0; i < count; i++)
+			((uint16_t *)slot)[offset + i] = zk__f32_to_f16(src[i]);
+		break;
+	default:
+		break;
+	}
 }

@@ -83,7 +83,7 @@ swap_paths_text(struct ze_engine *e, char *buf, size_t len)
 		char used[32], cap[32];
 		int n;
 
-		if (zs_engine_path_stats(e->swap, i, &ps) != 0)
+		if (zs_swap_path_stats(e->swap, i, &ps) != 0)
 			continue;
 		zu_fmt_bytes(ps.used_bytes, used, sizeof(used));
 		zu_fmt_bytes(ps.capacity, cap, sizeof(cap));
@@ -511,31 +511,6 @@ ze_tensor_write_param(struct ze_tensor *t, uint64_t offset, uint64_t count, cons
 	if (t->master_in_slot && src == (const float *)t->param_slot.map + offset)
 		return;
 	ze_param_convert(t->param_slot.map, t->param_dtype, offset, count, src);
-}
-
-void
-ze_param_convert(void *slot, enum zk_dtype dtype, uint64_t offset, uint64_t count,
-    const float *src)
-{
-	switch (dtype) {
-	case ZK_DTYPE_F32:
-		memcpy((float *)slot + offset, src, count * sizeof(float));
-		break;
-	/*
-	 * The inline forms: a call per element was three to five times slower, and a
-	 * restore converts every element of master here.
-	 */
-	case ZK_DTYPE_BF16:
-		for (uint64_t i = 0; i < count; i++)
-			((uint16_t *)slot)[offset + i] = zk__f32_to_bf16(src[i]);
-		break;
-	case ZK_DTYPE_F16:
-		for (uint64_t i = 0; i < count; i++)
-			((uint16_t *)slot)[offset + i] = zk__f32_to_f16(src[i]);
-		break;
-	default:
-		break;
-	}
 }
 
 void

@@ -68,7 +68,7 @@ zs_errno(int code)
 }
 
 void
-zs_engine_wake(struct zs_engine *e)
+zs_swap_wake(struct zs_swap *e)
 {
 	(void)eventfd_write(e->efd, 1);
 }
@@ -82,17 +82,17 @@ uring_forced_off(const struct zs_config *c)
 }
 
 static int
-start_backend(struct zs_engine *e, const struct zs_config *c, struct zs_error_info *info)
+start_backend(struct zs_swap *e, const struct zs_config *c, struct zs_error_info *info)
 {
 	int r;
 
-	if (c->engine != ZS_ENGINE_PTHREAD) {
+	if (c->engine != ZS_SWAP_PTHREAD) {
 		e->backend = &zs_backend_uring;
 		r = uring_forced_off(c) ? -ENOSYS : e->backend->init(e);
 		if (r == 0)
 			return 0;
 		e->uring_error = r;
-		if (c->engine == ZS_ENGINE_URING || !c->allow_fallback) {
+		if (c->engine == ZS_SWAP_URING || !c->allow_fallback) {
 			if (info != NULL)
 				*info = (struct zs_error_info){ .path = -1, .step = "io_uring_queue_init",
 				    .cause = r };
@@ -117,16 +117,16 @@ check_config(const struct zs_config *c)
 		return -EINVAL;
 	if (c->queue_depth > MAX_QD || c->threads > MAX_THREADS)
 		return -EINVAL;
-	if (c->engine != ZS_ENGINE_AUTO && c->engine != ZS_ENGINE_URING &&
-	    c->engine != ZS_ENGINE_PTHREAD)
+	if (c->engine != ZS_SWAP_AUTO && c->engine != ZS_SWAP_URING &&
+	    c->engine != ZS_SWAP_PTHREAD)
 		return -EINVAL;
 	return 0;
 }
 
 int
-zs_engine_new(const struct zs_config *c, struct zs_engine **ret, struct zs_error_info *info)
+zs_swap_new(const struct zs_config *c, struct zs_swap **ret, struct zs_error_info *info)
 {
-	struct zs_engine *e;
+	struct zs_swap *e;
 	unsigned i;
 	int r;
 
@@ -218,10 +218,10 @@ err:
 	return r;
 }
 
-static void run_callbacks(struct zs_engine *e);
+static void run_callbacks(struct zs_swap *e);
 
 void
-zs_engine_free(struct zs_engine *e)
+zs_swap_free(struct zs_swap *e)
 {
 	struct zs_req *q;
 	unsigned i;
@@ -247,7 +247,7 @@ zs_engine_free(struct zs_engine *e)
 	e->closing = true;
 	while (e->in_flight > 0 || e->done_head != NULL || e->injected != NULL) {
 		/* Nothing in flight: no completion will ever make the fd readable. */
-		if ((e->in_flight > 0 ? zs_engine_wait(e, -1) : zs_engine_process(e)) < 0)
+		if ((e->in_flight > 0 ? zs_swap_wait(e, -1) : zs_swap_process(e)) < 0)
 			break;
 	}
 	run_callbacks(e);
@@ -265,31 +265,31 @@ zs_engine_free(struct zs_engine *e)
 }
 
 int
-zs_engine_fd(const struct zs_engine *e)
+zs_swap_fd(const struct zs_swap *e)
 {
 	return e->efd;
 }
 
 uint32_t
-zs_engine_offset_align(const struct zs_engine *e)
+zs_swap_offset_align(const struct zs_swap *e)
 {
 	return e->offset_align;
 }
 
 uint32_t
-zs_engine_mem_align(const struct zs_engine *e)
+zs_swap_mem_align(const struct zs_swap *e)
 {
 	return e->mem_align;
 }
 
 const char *
-zs_engine_name(const struct zs_engine *e)
+zs_swap_name(const struct zs_swap *e)
 {
 	return e->backend->name;
 }
 
 int
-zs_engine_register_buffer(struct zs_engine *e, void *ptr, size_t len)
+zs_swap_register_buffer(struct zs_swap *e, void *ptr, size_t len)
 {
 	unsigned i;
 	int r;
@@ -315,7 +315,7 @@ zs_engine_register_buffer(struct zs_engine *e, void *ptr, size_t len)
 }
 
 int
-zs_engine_unregister_buffer(struct zs_engine *e, void *ptr)
+zs_swap_unregister_buffer(struct zs_swap *e, void *ptr)
 {
 	unsigned i;
 
@@ -334,7 +334,7 @@ zs_engine_unregister_buffer(struct zs_engine *e, void *ptr)
 }
 
 static uint16_t
-find_buffer(const struct zs_engine *e, const char *p, size_t len)
+find_buffer(const struct zs_swap *e, const char *p, size_t len)
 {
 	unsigned i;
 
@@ -350,7 +350,7 @@ find_buffer(const struct zs_engine *e, const char *p, size_t len)
 }
 
 static void
-done_push(struct zs_engine *e, struct zs_req *q)
+done_push(struct zs_swap *e, struct zs_req *q)
 {
 	q->next = NULL;
 	if (e->done_tail != NULL)
@@ -361,7 +361,7 @@ done_push(struct zs_engine *e, struct zs_req *q)
 }
 
 static void
-queue_pop(struct zs_engine *e)
+queue_pop(struct zs_swap *e)
 {
 	e->queue_head = e->queue_head->next;
 	if (e->queue_head == NULL)
@@ -383,7 +383,7 @@ inject_op(const struct zs_op *op)
 
 /* (Re)submit the op's remaining range. */
 static void
-op_issue(struct zs_engine *e, struct zs_op *op)
+op_issue(struct zs_swap *e, struct zs_op *op)
 {
 	if (e->inject != NULL && e->inject->prepare != NULL) {
 		struct zs_inject_op io = inject_op(op);
@@ -393,7 +393,7 @@ op_issue(struct zs_engine *e, struct zs_op *op)
 			op->res = r;
 			op->next = e->injected;
 			e->injected = op;
-			zs_engine_wake(e);
+			zs_swap_wake(e);
 			return;
 		}
 	}
@@ -402,7 +402,7 @@ op_issue(struct zs_engine *e, struct zs_op *op)
 
 /* Hand free operation slots ranges of the queued requests, in order. */
 static void
-pump(struct zs_engine *e)
+pump(struct zs_swap *e)
 {
 	while (e->free_ops != NULL && e->queue_head != NULL) {
 		struct zs_req *q = e->queue_head;
@@ -477,7 +477,7 @@ mark_bad(struct zs_file *f, int res)
 }
 
 static void
-op_finish(struct zs_engine *e, struct zs_op *op, int res)
+op_finish(struct zs_swap *e, struct zs_op *op, int res)
 {
 	struct zs_req *q = op->req;
 
@@ -503,7 +503,7 @@ op_finish(struct zs_engine *e, struct zs_op *op, int res)
 }
 
 void
-zs_op_complete(struct zs_engine *e, struct zs_op *op, int res)
+zs_op_complete(struct zs_swap *e, struct zs_op *op, int res)
 {
 	struct zs_file *f = &e->files[op->path];
 	uint32_t left = op->len - op->done, moved;
@@ -554,7 +554,7 @@ zs_op_complete(struct zs_engine *e, struct zs_op *op, int res)
 }
 
 static int
-submit(struct zs_engine *e, const struct zs_extent *x, uint64_t offset, void *buf,
+submit(struct zs_swap *e, const struct zs_extent *x, uint64_t offset, void *buf,
     size_t len, bool write, zs_callback *cb, void *arg)
 {
 	struct zs_req *q;
@@ -602,19 +602,19 @@ submit(struct zs_engine *e, const struct zs_extent *x, uint64_t offset, void *bu
 	 * by the next process, which the wake-up brings.
 	 */
 	if (!e->in_process && e->backend->submit(e) < 0)
-		zs_engine_wake(e);
+		zs_swap_wake(e);
 	return 0;
 }
 
 int
-zs_read(struct zs_engine *e, const struct zs_extent *x, uint64_t offset, void *buf,
+zs_read(struct zs_swap *e, const struct zs_extent *x, uint64_t offset, void *buf,
     size_t len, zs_callback *cb, void *arg)
 {
 	return submit(e, x, offset, buf, len, false, cb, arg);
 }
 
 int
-zs_write(struct zs_engine *e, const struct zs_extent *x, uint64_t offset, const void *buf,
+zs_write(struct zs_swap *e, const struct zs_extent *x, uint64_t offset, const void *buf,
     size_t len, zs_callback *cb, void *arg)
 {
 	/* The buffer is only read from; the cast keeps one request type. */
@@ -622,7 +622,7 @@ zs_write(struct zs_engine *e, const struct zs_extent *x, uint64_t offset, const 
 }
 
 static int
-run_one_callback(struct zs_engine *e)
+run_one_callback(struct zs_swap *e)
 {
 	struct zs_req *q = e->done_head;
 	zs_callback *cb;
@@ -647,14 +647,14 @@ run_one_callback(struct zs_engine *e)
 }
 
 static void
-run_callbacks(struct zs_engine *e)
+run_callbacks(struct zs_swap *e)
 {
 	while (run_one_callback(e))
 		;
 }
 
 int
-zs_engine_process(struct zs_engine *e)
+zs_swap_process(struct zs_swap *e)
 {
 	eventfd_t v;
 	struct zs_op *op;
@@ -676,14 +676,14 @@ zs_engine_process(struct zs_engine *e)
 		r = e->backend->submit(e);
 	if (r == -EBUSY || r == -EAGAIN || r == -EINTR) {
 		/* The kernel kept some staged ops; come back for them. */
-		zs_engine_wake(e);
+		zs_swap_wake(e);
 		r = 0;
 	}
 	return r < 0 ? r : n;
 }
 
 int
-zs_engine_wait(struct zs_engine *e, int timeout_ms)
+zs_swap_wait(struct zs_swap *e, int timeout_ms)
 {
 	struct pollfd pfd = { .fd = e->efd, .events = POLLIN };
 	int r;
@@ -691,11 +691,11 @@ zs_engine_wait(struct zs_engine *e, int timeout_ms)
 	r = poll(&pfd, 1, timeout_ms);
 	if (r < 0 && errno != EINTR)
 		return -errno;
-	return zs_engine_process(e);
+	return zs_swap_process(e);
 }
 
 int
-zs_engine_path_stats(const struct zs_engine *e, unsigned path, struct zs_path_stats *ret)
+zs_swap_path_stats(const struct zs_swap *e, unsigned path, struct zs_path_stats *ret)
 {
 	const struct zs_file *f;
 
@@ -720,7 +720,7 @@ zs_engine_path_stats(const struct zs_engine *e, unsigned path, struct zs_path_st
 }
 
 unsigned
-zs_engine_check_paths(struct zs_engine *e)
+zs_swap_check_paths(struct zs_swap *e)
 {
 	unsigned bad = 0;
 
@@ -737,9 +737,9 @@ zs_engine_check_paths(struct zs_engine *e)
 }
 
 void
-zs_engine_stats(const struct zs_engine *e, struct zs_engine_stats *ret)
+zs_swap_stats(const struct zs_swap *e, struct zs_swap_stats *ret)
 {
-	*ret = (struct zs_engine_stats){
+	*ret = (struct zs_swap_stats){
 		.engine = e->backend->name,
 		.uring_error = e->uring_error,
 		.npaths = e->npaths,
@@ -756,7 +756,7 @@ zs_engine_stats(const struct zs_engine *e, struct zs_engine_stats *ret)
 }
 
 void
-zs_engine_path_fds(const struct zs_engine *e, unsigned i, int *ret_fd, int *ret_lock_fd)
+zs_swap_path_fds(const struct zs_swap *e, unsigned i, int *ret_fd, int *ret_lock_fd)
 {
 	*ret_fd = i < e->npaths ? e->files[i].fd : -1;
 	*ret_lock_fd = i < e->npaths ? e->files[i].lock_fd : -1;

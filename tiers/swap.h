@@ -8,7 +8,7 @@
 
 /*
  * Everything here is driven by one thread (the daemon's loop): submission,
- * zs_engine_process() and the callbacks it runs.  Functions return 0 or a
+ * zs_swap_process() and the callbacks it runs.  Functions return 0 or a
  * negative code: -errno, or one of the -ZS_E_* codes below.
  */
 
@@ -37,10 +37,10 @@ const char *zs_strerror(int code);
 /* -errno for a -ZS_E_* code; any other code as it is. */
 int zs_errno(int code);
 
-enum zs_engine_kind {
-	ZS_ENGINE_AUTO,		/* io_uring; pthread only when allow_fallback */
-	ZS_ENGINE_URING,
-	ZS_ENGINE_PTHREAD,
+enum zs_swap_kind {
+	ZS_SWAP_AUTO,		/* io_uring; pthread only when allow_fallback */
+	ZS_SWAP_URING,
+	ZS_SWAP_PTHREAD,
 };
 
 struct zs_path {
@@ -88,14 +88,14 @@ struct zs_config {
 	uint32_t stripe_unit;		/* 0: 1 MiB; a multiple of the allocation granularity */
 	unsigned queue_depth;		/* operations in flight at most; 0: 32 */
 	unsigned threads;		/* pthread engine workers; 0: queue_depth */
-	enum zs_engine_kind engine;
+	enum zs_swap_kind engine;
 	bool allow_fallback;		/* AUTO may fall back to pthread */
 	/* Behave as if io_uring_queue_init() failed (also: env ZOFFLOAD_SWAP_NO_URING=1). */
 	bool force_no_uring;
 	const struct zs_inject *inject;	/* NULL in production */
 };
 
-/* Why zs_engine_new() failed, for the daemon's message. */
+/* Why zs_swap_new() failed, for the daemon's message. */
 struct zs_error_info {
 	int path;		/* index into config->paths, -1: not about one path */
 	const char *step;	/* "open", "fallocate", "io_uring_queue_init", ... */
@@ -103,41 +103,41 @@ struct zs_error_info {
 	int holder_pid;		/* step "lock": the process holding the path (0: not found) */
 };
 
-struct zs_engine;
+struct zs_swap;
 
 /*
  * Opens and preallocates every path (so a full disk shows here, not during
  * training) and starts the engine.  info, when not NULL, is filled on failure.
  */
-int zs_engine_new(const struct zs_config *config, struct zs_engine **ret,
+int zs_swap_new(const struct zs_config *config, struct zs_swap **ret,
     struct zs_error_info *info);
 /*
  * Completes requests not yet started with -ECANCELED, waits for those in
  * flight, runs their callbacks (where new requests get -ESHUTDOWN), then
  * frees.  NULL is fine.
  */
-void zs_engine_free(struct zs_engine *engine);
+void zs_swap_free(struct zs_swap *engine);
 
-/* Readable when zs_engine_process() has work; level-triggered. */
-int zs_engine_fd(const struct zs_engine *engine);
+/* Readable when zs_swap_process() has work; level-triggered. */
+int zs_swap_fd(const struct zs_swap *engine);
 /* Reaps completions, runs their callbacks here; number of callbacks run or -errno. */
-int zs_engine_process(struct zs_engine *engine);
+int zs_swap_process(struct zs_swap *engine);
 /* Polls the fd up to timeout_ms (-1: forever), then processes.  For tools and tests. */
-int zs_engine_wait(struct zs_engine *engine, int timeout_ms);
+int zs_swap_wait(struct zs_swap *engine, int timeout_ms);
 
 /*
  * Registers memory (from the pinned arena) with the kernel so I/O into it
  * skips the per-request page pinning.  I/O into unregistered memory works
  * too, only slower.  -ENOSPC when ZS_MAX_BUFFERS are registered.
  */
-int zs_engine_register_buffer(struct zs_engine *engine, void *ptr, size_t len);
-int zs_engine_unregister_buffer(struct zs_engine *engine, void *ptr);
+int zs_swap_register_buffer(struct zs_swap *engine, void *ptr, size_t len);
+int zs_swap_unregister_buffer(struct zs_swap *engine, void *ptr);
 
 /* Offsets, lengths and buffer addresses of I/O must be multiples of these. */
-uint32_t zs_engine_offset_align(const struct zs_engine *engine);
-uint32_t zs_engine_mem_align(const struct zs_engine *engine);
+uint32_t zs_swap_offset_align(const struct zs_swap *engine);
+uint32_t zs_swap_mem_align(const struct zs_swap *engine);
 /* "io_uring" or "pthread". */
-const char *zs_engine_name(const struct zs_engine *engine);
+const char *zs_swap_name(const struct zs_swap *engine);
 
 /* Space on the swap paths; striped over all of them in stripe units. */
 /*
@@ -155,30 +155,30 @@ struct zs_extent {
 	uint8_t paths[ZS_MAX_PATHS];
 };
 
-int zs_extent_alloc(struct zs_engine *engine, uint64_t size, struct zs_extent *ret);
+int zs_extent_alloc(struct zs_swap *engine, uint64_t size, struct zs_extent *ret);
 /*
  * Takes an extent an earlier engine on the same files handed out (kept in
  * a record) back out of the free space: -EINVAL when it does not fit this
  * engine's paths, -EEXIST when part of it is taken already.
  */
-int zs_extent_reserve(struct zs_engine *engine, const struct zs_extent *extent);
+int zs_extent_reserve(struct zs_swap *engine, const struct zs_extent *extent);
 /* Path i's swap file descriptor and its lock's (-1: none), for keeping them. */
-void zs_engine_path_fds(const struct zs_engine *engine, unsigned i, int *ret_fd,
+void zs_swap_path_fds(const struct zs_swap *engine, unsigned i, int *ret_fd,
     int *ret_lock_fd);
 /* No I/O on it may be in flight. */
-void zs_extent_free(struct zs_engine *engine, const struct zs_extent *extent);
+void zs_extent_free(struct zs_swap *engine, const struct zs_extent *extent);
 
 /* result: 0 when all of len was transferred, else -errno / -ZS_E_*. */
 typedef void zs_callback(int result, void *arg);
 
 /*
  * Queue I/O of [offset, offset + len) of the extent.  0: cb runs exactly once,
- * from a later zs_engine_process(); negative: rejected, cb never runs.  The
+ * from a later zs_swap_process(); negative: rejected, cb never runs.  The
  * extent may be reused once this returns; buf must stay until cb.
  */
-int zs_read(struct zs_engine *engine, const struct zs_extent *extent,
+int zs_read(struct zs_swap *engine, const struct zs_extent *extent,
     uint64_t offset, void *buf, size_t len, zs_callback *cb, void *arg);
-int zs_write(struct zs_engine *engine, const struct zs_extent *extent,
+int zs_write(struct zs_swap *engine, const struct zs_extent *extent,
     uint64_t offset, const void *buf, size_t len, zs_callback *cb, void *arg);
 
 struct zs_path_stats {
@@ -196,7 +196,7 @@ struct zs_path_stats {
 	int bad;			/* 0, or why no new extent goes there (-errno / -ZS_E_*) */
 };
 
-struct zs_engine_stats {
+struct zs_swap_stats {
 	const char *engine;
 	int uring_error;		/* why io_uring is not used (-errno), 0 if it is */
 	unsigned npaths;
@@ -211,14 +211,14 @@ struct zs_engine_stats {
 	uint64_t buffers_registered;
 };
 
-int zs_engine_path_stats(const struct zs_engine *engine, unsigned path,
+int zs_swap_path_stats(const struct zs_swap *engine, unsigned path,
     struct zs_path_stats *ret);
-void zs_engine_stats(const struct zs_engine *engine, struct zs_engine_stats *ret);
+void zs_swap_stats(const struct zs_swap *engine, struct zs_swap_stats *ret);
 /*
  * Looks for paths gone bad under the engine (a swap file truncated below
  * its capacity); such a path, like one whose I/O failed, takes no new
  * extent.  Returns how many paths are bad.
  */
-unsigned zs_engine_check_paths(struct zs_engine *engine);
+unsigned zs_swap_check_paths(struct zs_swap *engine);
 
 #endif

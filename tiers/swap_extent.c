@@ -116,7 +116,7 @@ zs_space_release(struct zs_space *s, uint64_t off, uint64_t len)
 
 /* Bytes of an extent of size bytes over n slots, starting on slot first, that land on slot p. */
 static uint64_t
-extent_share(const struct zs_engine *e, uint64_t size, unsigned n, unsigned first, unsigned p)
+extent_share(const struct zs_swap *e, uint64_t size, unsigned n, unsigned first, unsigned p)
 {
 	uint64_t nunits = (size + e->unit - 1) / e->unit;
 	uint64_t i = (p + n - first) % n;
@@ -133,7 +133,7 @@ extent_share(const struct zs_engine *e, uint64_t size, unsigned n, unsigned firs
 }
 
 int
-zs_extent_alloc(struct zs_engine *e, uint64_t size, struct zs_extent *ret)
+zs_extent_alloc(struct zs_swap *e, uint64_t size, struct zs_extent *ret)
 {
 	struct zs_extent x;
 	uint64_t best = 0;
@@ -195,7 +195,7 @@ fail:
 }
 
 void
-zs_extent_free(struct zs_engine *e, const struct zs_extent *x)
+zs_extent_free(struct zs_swap *e, const struct zs_extent *x)
 {
 	unsigned s;
 
@@ -246,7 +246,7 @@ space_take(struct zs_space *s, uint64_t off, uint64_t len)
 }
 
 int
-zs_extent_reserve(struct zs_engine *e, const struct zs_extent *x)
+zs_extent_reserve(struct zs_swap *e, const struct zs_extent *x)
 {
 	unsigned s;
 	int r = 0;

@@ -66,24 +66,24 @@ struct zs_buffer {
 
 struct zs_backend {
 	const char *name;
-	int (*init)(struct zs_engine *e);
+	int (*init)(struct zs_swap *e);
 	/* Only with no operation in flight. */
-	void (*fini)(struct zs_engine *e);
+	void (*fini)(struct zs_swap *e);
 	/* Optional; the backend may ignore registered buffers. */
-	int (*register_buffer)(struct zs_engine *e, unsigned index);
-	int (*unregister_buffer)(struct zs_engine *e, unsigned index);
+	int (*register_buffer)(struct zs_swap *e, unsigned index);
+	int (*unregister_buffer)(struct zs_swap *e, unsigned index);
 	/* Stage one operation (its remaining range); cannot fail: slots bound the queue. */
-	void (*queue)(struct zs_engine *e, struct zs_op *op);
+	void (*queue)(struct zs_swap *e, struct zs_op *op);
 	/* Hand staged operations to the kernel or the workers. */
-	int (*submit)(struct zs_engine *e);
+	int (*submit)(struct zs_swap *e);
 	/* zs_op_complete() for every finished operation; never runs callbacks. */
-	int (*reap)(struct zs_engine *e);
+	int (*reap)(struct zs_swap *e);
 };
 
 extern const struct zs_backend zs_backend_uring;
 extern const struct zs_backend zs_backend_pthread;
 
-struct zs_engine {
+struct zs_swap {
 	const struct zs_backend *backend;
 	void *bstate;
 	int efd;
@@ -120,13 +120,13 @@ struct zs_engine {
 	uint64_t retries;
 	uint64_t short_ios;
 	bool in_process;
-	bool closing;			/* in zs_engine_free: no new requests */
+	bool closing;			/* in zs_swap_free: no new requests */
 };
 
 /* Called by backends from reap(). */
-void zs_op_complete(struct zs_engine *e, struct zs_op *op, int res);
+void zs_op_complete(struct zs_swap *e, struct zs_op *op, int res);
 /* Make the next poll of the fd return at once. */
-void zs_engine_wake(struct zs_engine *e);
+void zs_swap_wake(struct zs_swap *e);
 
 /* swap_file.c */
 int zs_file_open(const struct zs_path *path, uint64_t capacity, struct zs_file *f,

@@ -9,7 +9,7 @@
 #include "swap_impl.h"
 
 struct pool {
-	struct zs_engine *e;
+	struct zs_swap *e;
 	pthread_mutex_t lock;
 	pthread_cond_t cond;
 	struct zs_op *todo_head;	/* under lock */
@@ -28,7 +28,7 @@ static void *
 worker(void *arg)
 {
 	struct pool *p = arg;
-	struct zs_engine *e = p->e;
+	struct zs_swap *e = p->e;
 
 	pthread_mutex_lock(&p->lock);
 	for (;;) {
@@ -79,7 +79,7 @@ stop_workers(struct pool *p, unsigned started)
 }
 
 static int
-pool_init(struct zs_engine *e)
+pool_init(struct zs_swap *e)
 {
 	struct pool *p;
 	sigset_t all, old;
@@ -114,7 +114,7 @@ pool_init(struct zs_engine *e)
 }
 
 static void
-pool_fini(struct zs_engine *e)
+pool_fini(struct zs_swap *e)
 {
 	struct pool *p = e->bstate;
 
@@ -128,7 +128,7 @@ pool_fini(struct zs_engine *e)
 }
 
 static void
-pool_queue(struct zs_engine *e, struct zs_op *op)
+pool_queue(struct zs_swap *e, struct zs_op *op)
 {
 	struct pool *p = e->bstate;
 
@@ -142,7 +142,7 @@ pool_queue(struct zs_engine *e, struct zs_op *op)
 }
 
 static int
-pool_submit(struct zs_engine *e)
+pool_submit(struct zs_swap *e)
 {
 	struct pool *p = e->bstate;
 
@@ -165,7 +165,7 @@ pool_submit(struct zs_engine *e)
 }
 
 static int
-pool_reap(struct zs_engine *e)
+pool_reap(struct zs_swap *e)
 {
 	struct pool *p = e->bstate;
 	struct zs_op *op, *next;

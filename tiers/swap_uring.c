@@ -12,7 +12,7 @@ struct uring_state {
 };
 
 static int
-uring_init(struct zs_engine *e)
+uring_init(struct zs_swap *e)
 {
 	struct uring_state *u;
 	int fds[ZS_MAX_PATHS];
@@ -54,7 +54,7 @@ err_free:
 }
 
 static void
-uring_fini(struct zs_engine *e)
+uring_fini(struct zs_swap *e)
 {
 	struct uring_state *u = e->bstate;
 
@@ -66,7 +66,7 @@ uring_fini(struct zs_engine *e)
 }
 
 static int
-uring_register_buffer(struct zs_engine *e, unsigned index)
+uring_register_buffer(struct zs_swap *e, unsigned index)
 {
 	struct uring_state *u = e->bstate;
 	struct iovec iov = { e->buffers[index].ptr, e->buffers[index].len };
@@ -83,7 +83,7 @@ uring_register_buffer(struct zs_engine *e, unsigned index)
 }
 
 static int
-uring_unregister_buffer(struct zs_engine *e, unsigned index)
+uring_unregister_buffer(struct zs_swap *e, unsigned index)
 {
 	struct uring_state *u = e->bstate;
 	struct iovec iov = { NULL, 0 };
@@ -98,7 +98,7 @@ uring_unregister_buffer(struct zs_engine *e, unsigned index)
 }
 
 static void
-uring_queue(struct zs_engine *e, struct zs_op *op)
+uring_queue(struct zs_swap *e, struct zs_op *op)
 {
 	struct uring_state *u = e->bstate;
 	struct io_uring_sqe *sqe;
@@ -126,7 +126,7 @@ uring_queue(struct zs_engine *e, struct zs_op *op)
 }
 
 static int
-uring_submit(struct zs_engine *e)
+uring_submit(struct zs_swap *e)
 {
 	struct uring_state *u = e->bstate;
 	int r;
@@ -138,7 +138,7 @@ uring_submit(struct zs_engine *e)
 }
 
 static int
-uring_reap(struct zs_engine *e)
+uring_reap(struct zs_swap *e)
 {
 	struct uring_state *u = e->bstate;
 	struct io_uring_cqe *cqe;

@@ -117,7 +117,7 @@ struct rig {
 static void
 rig_start(struct rig *g, bool nvme)
 {
-	struct zs_engine *swap = NULL;
+	struct zs_swap *swap = NULL;
 	char err[256];
 	int r;
 
@@ -125,7 +125,7 @@ rig_start(struct rig *g, bool nvme)
 	if (nvme) {
 		g->dir = th_tmpdir();
 		g->inject = (struct zs_inject){ .prepare = fault_prepare, .arg = &g->fault };
-		r = th_engine(ZS_ENGINE_PTHREAD, g->dir, 64u << 20, 8, 0, &g->inject, &swap);
+		r = th_engine(ZS_SWAP_PTHREAD, g->dir, 64u << 20, 8, 0, &g->inject, &swap);
 		cr_assert_eq(r, 0, "swap engine: %s", zs_strerror(r));
 	}
 	r = ze_engine_new(&(struct ze_config){

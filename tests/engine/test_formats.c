@@ -78,14 +78,14 @@ struct rig {
 static void
 rig_start(struct rig *g, bool nvme)
 {
-	struct zs_engine *swap = NULL;
+	struct zs_swap *swap = NULL;
 	char err[256];
 	int r;
 
 	memset(g, 0, sizeof(*g));
 	if (nvme) {
 		g->dir = th_tmpdir();
-		r = th_engine(ZS_ENGINE_PTHREAD, g->dir, 64u << 20, 8, 0, NULL, &swap);
+		r = th_engine(ZS_SWAP_PTHREAD, g->dir, 64u << 20, 8, 0, NULL, &swap);
 		cr_assert_eq(r, 0, "swap engine: %s", zs_strerror(r));
 	}
 	r = ze_engine_new(&(struct ze_config){

@@ -24,9 +24,9 @@ int __real_zk_pool_step(struct zk_pool *pool, enum zk_isa isa, const struct zk_h
     const struct zk_tensor *tensors, size_t ntensors);
 int __wrap_zk_pool_step(struct zk_pool *pool, enum zk_isa isa, const struct zk_hparams *hp,
     const struct zk_tensor *tensors, size_t ntensors);
-int __real_zs_read(struct zs_engine *e, const struct zs_extent *x, uint64_t offset, void *buf,
+int __real_zs_read(struct zs_swap *e, const struct zs_extent *x, uint64_t offset, void *buf,
     size_t len, zs_callback *cb, void *arg);
-int __wrap_zs_read(struct zs_engine *e, const struct zs_extent *x, uint64_t offset, void *buf,
+int __wrap_zs_read(struct zs_swap *e, const struct zs_extent *x, uint64_t offset, void *buf,
     size_t len, zs_callback *cb, void *arg);
 
 static pthread_mutex_t gate_lock = PTHREAD_MUTEX_INITIALIZER;
@@ -72,7 +72,7 @@ read_unwrap(int result, void *arg)
 }
 
 int
-__wrap_zs_read(struct zs_engine *e, const struct zs_extent *x, uint64_t offset, void *buf,
+__wrap_zs_read(struct zs_swap *e, const struct zs_extent *x, uint64_t offset, void *buf,
     size_t len, zs_callback *cb, void *arg)
 {
 	int fail = atomic_load(&read_fails);
@@ -187,14 +187,14 @@ struct rig {
 static void
 rig_start_with(struct rig *g, bool nvme, uint64_t swap_bytes, unsigned staging, uint64_t chunk)
 {
-	struct zs_engine *swap = NULL;
+	struct zs_swap *swap = NULL;
 	char err[256];
 	int r;
 
 	memset(g, 0, sizeof(*g));
 	if (nvme) {
 		g->dir = th_tmpdir();
-		r = th_engine(ZS_ENGINE_PTHREAD, g->dir, swap_bytes, 8, 0, NULL, &swap);
+		r = th_engine(ZS_SWAP_PTHREAD, g->dir, swap_bytes, 8, 0, NULL, &swap);
 		cr_assert_eq(r, 0, "swap engine: %s", zs_strerror(r));
 	}
 	r = ze_engine_new(&(struct ze_config){

@@ -55,8 +55,8 @@ th_rmdir(char *dir)
 }
 
 int
-th_engine(enum zs_engine_kind kind, const char *dir, uint64_t capacity, unsigned qd,
-    uint32_t unit, const struct zs_inject *inject, struct zs_engine **ret)
+th_engine(enum zs_swap_kind kind, const char *dir, uint64_t capacity, unsigned qd,
+    uint32_t unit, const struct zs_inject *inject, struct zs_swap **ret)
 {
 	struct zs_path path = { .path = dir, .capacity = capacity };
 	struct zs_config c = {
@@ -68,7 +68,7 @@ th_engine(enum zs_engine_kind kind, const char *dir, uint64_t capacity, unsigned
 		.inject = inject,
 	};
 
-	return zs_engine_new(&c, ret, NULL);
+	return zs_swap_new(&c, ret, NULL);
 }
 
 static void
@@ -80,7 +80,7 @@ io_done(int result, void *arg)
 }
 
 int
-th_io(struct zs_engine *e, bool write, const struct zs_extent *x, uint64_t off, void *buf,
+th_io(struct zs_swap *e, bool write, const struct zs_extent *x, uint64_t off, void *buf,
     size_t len)
 {
 	int result = 1, r;
@@ -91,7 +91,7 @@ th_io(struct zs_engine *e, bool write, const struct zs_extent *x, uint64_t off, 
 	if (r < 0)
 		return r;
 	while (result == 1 && time(NULL) < deadline) {
-		r = zs_engine_wait(e, 1000);
+		r = zs_swap_wait(e, 1000);
 		if (r < 0)
 			return r;
 	}
@@ -99,13 +99,13 @@ th_io(struct zs_engine *e, bool write, const struct zs_extent *x, uint64_t off, 
 }
 
 int
-th_drain(struct zs_engine *e, const unsigned *pending)
+th_drain(struct zs_swap *e, const unsigned *pending)
 {
 	time_t deadline = time(NULL) + 10;
 	int r;
 
 	while (*pending > 0 && time(NULL) < deadline) {
-		r = zs_engine_wait(e, 1000);
+		r = zs_swap_wait(e, 1000);
 		if (r < 0)
 			return r;
 	}
@@ -140,21 +140,21 @@ th_fill(void *buf, size_t len, uint64_t seed)
 }
 
 static const char *
-engine_problem(enum zs_engine_kind kind)
+engine_problem(enum zs_swap_kind kind)
 {
 	static char why[256];
 	struct zs_error_info info;
 	struct zs_path path;
 	struct zs_config c = { .paths = &path, .npaths = 1, .engine = kind };
-	struct zs_engine *e = NULL;
+	struct zs_swap *e = NULL;
 	char *dir = th_tmpdir();
 	int r;
 
 	if (dir == NULL)
 		return "cannot create a directory under $TMPDIR or /tmp";
 	path = (struct zs_path){ .path = dir, .capacity = 4 * MiB };
-	r = zs_engine_new(&c, &e, &info);
-	zs_engine_free(e);
+	r = zs_swap_new(&c, &e, &info);
+	zs_swap_free(e);
 	if (r < 0)
 		snprintf(why, sizeof(why), "%s: %s (%s: %s)", dir, zs_strerror(r), info.step,
 		    zs_strerror(info.cause));
@@ -165,13 +165,13 @@ engine_problem(enum zs_engine_kind kind)
 const char *
 th_uring_problem(void)
 {
-	return engine_problem(ZS_ENGINE_URING);
+	return engine_problem(ZS_SWAP_URING);
 }
 
 const char *
 th_environment_problem(void)
 {
-	return engine_problem(ZS_ENGINE_PTHREAD);
+	return engine_problem(ZS_SWAP_PTHREAD);
 }
 
 int

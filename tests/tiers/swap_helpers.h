@@ -16,14 +16,14 @@ char *th_tmpdir(void);
 void th_rmdir(char *dir);
 
 /* One engine on dir (an O_TMPFILE there). */
-int th_engine(enum zs_engine_kind kind, const char *dir, uint64_t capacity, unsigned qd,
-    uint32_t unit, const struct zs_inject *inject, struct zs_engine **ret);
+int th_engine(enum zs_swap_kind kind, const char *dir, uint64_t capacity, unsigned qd,
+    uint32_t unit, const struct zs_inject *inject, struct zs_swap **ret);
 
 /* Submit, then process until the callback ran; its result. */
-int th_io(struct zs_engine *e, bool write, const struct zs_extent *x, uint64_t off,
+int th_io(struct zs_swap *e, bool write, const struct zs_extent *x, uint64_t off,
     void *buf, size_t len);
 /* Process until every callback counted by *pending has run (or 10 s pass). */
-int th_drain(struct zs_engine *e, const unsigned *pending);
+int th_drain(struct zs_swap *e, const unsigned *pending);
 
 void *th_alloc(size_t len);
 void th_fill(void *buf, size_t len, uint64_t seed);

@@ -14,7 +14,7 @@
 
 #include "swap_helpers.h"
 
-static const enum zs_engine_kind kinds[] = { ZS_ENGINE_URING, ZS_ENGINE_PTHREAD };
+static const enum zs_swap_kind kinds[] = { ZS_SWAP_URING, ZS_SWAP_PTHREAD };
 
 enum fault {
 	F_SHORT,		/* first try of every op moves half, unaligned */
@@ -97,7 +97,7 @@ f_complete(void *arg, const struct zs_inject_op *op, int res)
 
 struct setup {
 	char *dir;
-	struct zs_engine *e;
+	struct zs_swap *e;
 	struct zs_extent x;
 	struct faults f;
 	struct zs_inject inj;
@@ -107,7 +107,7 @@ struct setup {
 };
 
 static bool
-setup(struct setup *s, enum zs_engine_kind kind, enum fault fault, unsigned npaths)
+setup(struct setup *s, enum zs_swap_kind kind, enum fault fault, unsigned npaths)
 {
 	char sub[2][512];
 	struct zs_path paths[2];
@@ -115,7 +115,7 @@ setup(struct setup *s, enum zs_engine_kind kind, enum fault fault, unsigned npat
 		.paths = paths, .npaths = npaths, .capacity = 8 * MiB,
 		.stripe_unit = 64 * 1024, .queue_depth = 4, .engine = kind,
 	};
-	const char *why = kind == ZS_ENGINE_URING ? th_uring_problem() : NULL;
+	const char *why = kind == ZS_SWAP_URING ? th_uring_problem() : NULL;
 	unsigned i;
 
 	if (why != NULL) {
@@ -133,7 +133,7 @@ setup(struct setup *s, enum zs_engine_kind kind, enum fault fault, unsigned npat
 		mkdir(sub[i], 0700);
 		paths[i] = (struct zs_path){ .path = sub[i] };
 	}
-	cr_assert_eq(zs_engine_new(&c, &s->e, NULL), 0);
+	cr_assert_eq(zs_swap_new(&c, &s->e, NULL), 0);
 	cr_assert_eq(zs_extent_alloc(s->e, s->size, &s->x), 0);
 	s->buf = th_alloc(s->size);
 	s->back = th_alloc(s->size);
@@ -144,25 +144,25 @@ setup(struct setup *s, enum zs_engine_kind kind, enum fault fault, unsigned npat
 static void
 teardown(struct setup *s)
 {
-	struct zs_engine_stats st;
+	struct zs_swap_stats st;
 
 	/* Whatever failed, nothing stays in flight or queued. */
-	zs_engine_stats(s->e, &st);
+	zs_swap_stats(s->e, &st);
 	cr_assert_eq(st.in_flight, 0);
 	cr_assert_eq(st.requests_queued, 0);
 	zs_extent_free(s->e, &s->x);
-	zs_engine_free(s->e);
+	zs_swap_free(s->e);
 	free(s->buf);
 	free(s->back);
 	th_rmdir(s->dir);
 }
 
 static uint64_t
-errors(struct zs_engine *e, unsigned path, int which)
+errors(struct zs_swap *e, unsigned path, int which)
 {
 	struct zs_path_stats ps;
 
-	cr_assert_eq(zs_engine_path_stats(e, path, &ps), 0);
+	cr_assert_eq(zs_swap_path_stats(e, path, &ps), 0);
 	return which == EIO ? ps.errors_eio : which == ENOSPC ? ps.errors_enospc : ps.errors_other;
 }
 
@@ -170,14 +170,14 @@ Test(swap_faults, short_io_resubmitted)
 {
 	for (unsigned k = 0; k < 2; k++) {
 		struct setup s;
-		struct zs_engine_stats st;
+		struct zs_swap_stats st;
 
 		if (!setup(&s, kinds[k], F_SHORT, 2))
 			continue;
 		cr_assert_eq(th_io(s.e, true, &s.x, 0, s.buf, s.size), 0);
 		cr_assert_eq(th_io(s.e, false, &s.x, 0, s.back, s.size), 0);
 		cr_assert(memcmp(s.buf, s.back, s.size) == 0);
-		zs_engine_stats(s.e, &st);
+		zs_swap_stats(s.e, &st);
 		cr_assert(s.f.failed >= 2 && st.short_ios == s.f.failed, "%u short, %lu resubmitted",
 		    s.f.failed, (unsigned long)st.short_ios);
 		cr_assert_eq(errors(s.e, 0, EIO) + errors(s.e, 0, 0), 0);
@@ -241,14 +241,14 @@ Test(swap_faults, eagain_retried)
 {
 	for (unsigned k = 0; k < 2; k++) {
 		struct setup s;
-		struct zs_engine_stats st;
+		struct zs_swap_stats st;
 
 		if (!setup(&s, kinds[k], F_EAGAIN_3, 2))
 			continue;
 		cr_assert_eq(th_io(s.e, true, &s.x, 0, s.buf, s.size), 0);
 		cr_assert_eq(th_io(s.e, false, &s.x, 0, s.back, s.size), 0);
 		cr_assert(memcmp(s.buf, s.back, s.size) == 0);
-		zs_engine_stats(s.e, &st);
+		zs_swap_stats(s.e, &st);
 		cr_assert_eq(st.retries, s.f.failed);
 		cr_assert_eq(errors(s.e, 0, 0) + errors(s.e, 1, 0), 0);
 		teardown(&s);
@@ -286,15 +286,15 @@ Test(swap_faults, file_size_limit_fails_at_start)
 {
 	char *dir = th_tmpdir(), file[512];
 	struct zs_path path = { .path = file, .capacity = 8 * MiB };
-	struct zs_config c = { .paths = &path, .npaths = 1, .engine = ZS_ENGINE_PTHREAD };
+	struct zs_config c = { .paths = &path, .npaths = 1, .engine = ZS_SWAP_PTHREAD };
 	struct zs_error_info info;
 	struct rlimit rl = { 1 * MiB, 1 * MiB };
-	struct zs_engine *e = NULL;
+	struct zs_swap *e = NULL;
 
 	snprintf(file, sizeof(file), "%s/swap", dir);
 	signal(SIGXFSZ, SIG_IGN);
 	cr_assert_eq(setrlimit(RLIMIT_FSIZE, &rl), 0);
-	cr_assert_eq(zs_engine_new(&c, &e, &info), -EFBIG);
+	cr_assert_eq(zs_swap_new(&c, &e, &info), -EFBIG);
 	cr_assert_null(e);
 	cr_assert_eq(info.path, 0);
 	cr_assert_str_eq(info.step, "fallocate");
@@ -320,20 +320,20 @@ Test(swap_faults, failing_path_takes_no_new_extents)
 
 		if (!setup(&s, kinds[k], F_EIO_PATH1, 2))
 			continue;
-		cr_assert_eq(zs_engine_path_stats(s.e, 1, &ps), 0);
+		cr_assert_eq(zs_swap_path_stats(s.e, 1, &ps), 0);
 		cr_assert_eq(ps.bad, 0, "bad before any I/O");
 		cr_assert_eq(th_io(s.e, true, &s.x, 0, s.buf, s.size), -EIO);
-		cr_assert_eq(zs_engine_path_stats(s.e, 1, &ps), 0);
+		cr_assert_eq(zs_swap_path_stats(s.e, 1, &ps), 0);
 		cr_assert_eq(ps.bad, -EIO, "path 1 failed its I/O but is not bad (%d)", ps.bad);
 		used1 = ps.used_bytes;
-		cr_assert_eq(zs_engine_path_stats(s.e, 0, &ps), 0);
+		cr_assert_eq(zs_swap_path_stats(s.e, 0, &ps), 0);
 		cr_assert_eq(ps.bad, 0);
 		cr_assert_eq(zs_extent_alloc(s.e, s.size, &y), 0);
 		cr_assert_eq(y.nslots, 1);
 		cr_assert_eq(y.paths[0], 0);
-		cr_assert_eq(zs_engine_path_stats(s.e, 1, &ps), 0);
+		cr_assert_eq(zs_swap_path_stats(s.e, 1, &ps), 0);
 		cr_assert_eq(ps.used_bytes, used1, "the bad path took part of a new extent");
-		cr_assert_eq(zs_engine_check_paths(s.e), 1);
+		cr_assert_eq(zs_swap_check_paths(s.e), 1);
 		cr_assert_eq(th_io(s.e, true, &y, 0, s.buf, s.size), 0);
 		cr_assert_eq(th_io(s.e, false, &y, 0, s.back, s.size), 0);
 		cr_assert(memcmp(s.buf, s.back, s.size) == 0);

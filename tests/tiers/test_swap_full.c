@@ -70,12 +70,12 @@ Test(swap_full, capacity_beyond_free_space)
 {
 	struct zs_path paths[2] = { { .path = big }, { .path = small } };
 	struct zs_config c = {
-		.paths = paths, .npaths = 2, .capacity = 16 * MiB, .engine = ZS_ENGINE_PTHREAD,
+		.paths = paths, .npaths = 2, .capacity = 16 * MiB, .engine = ZS_SWAP_PTHREAD,
 	};
 	struct zs_error_info info;
-	struct zs_engine *e = NULL;
+	struct zs_swap *e = NULL;
 
-	cr_assert_eq(zs_engine_new(&c, &e, &info), -ENOSPC);
+	cr_assert_eq(zs_swap_new(&c, &e, &info), -ENOSPC);
 	cr_assert_null(e);
 	cr_assert_eq(info.path, 1);
 	cr_assert_str_eq(info.step, "fallocate");
@@ -86,10 +86,10 @@ Test(swap_full, filesystem_already_full)
 {
 	char filler[512], file[512];
 	struct zs_path path = { .path = file, .capacity = 1 * MiB };
-	struct zs_config c = { .paths = &path, .npaths = 1, .engine = ZS_ENGINE_AUTO,
+	struct zs_config c = { .paths = &path, .npaths = 1, .engine = ZS_SWAP_AUTO,
 	    .allow_fallback = true };
 	struct zs_error_info info;
-	struct zs_engine *e = NULL;
+	struct zs_swap *e = NULL;
 	int fd;
 
 	snprintf(filler, sizeof(filler), "%s/filler", small);
@@ -99,7 +99,7 @@ Test(swap_full, filesystem_already_full)
 	/* Every page of the tmpfs, so nothing is left. */
 	cr_assert_eq(fallocate(fd, 0, 0, 8 * MiB), 0);
 	close(fd);
-	cr_assert_eq(zs_engine_new(&c, &e, &info), -ENOSPC);
+	cr_assert_eq(zs_swap_new(&c, &e, &info), -ENOSPC);
 	cr_assert_eq(info.path, 0);
 	cr_assert_eq(access(file, F_OK), -1);
 	unlink(filler);
@@ -108,15 +108,15 @@ Test(swap_full, filesystem_already_full)
 Test(swap_full, fits_then_works)
 {
 	struct zs_path path = { .path = small, .capacity = 4 * MiB };
-	struct zs_config c = { .paths = &path, .npaths = 1, .engine = ZS_ENGINE_AUTO,
+	struct zs_config c = { .paths = &path, .npaths = 1, .engine = ZS_SWAP_AUTO,
 	    .allow_fallback = true };
 	struct zs_error_info info;
-	struct zs_engine *e = NULL;
+	struct zs_swap *e = NULL;
 	struct zs_extent x;
 	char *buf = th_alloc(1 * MiB), *back = th_alloc(1 * MiB);
 	int r;
 
-	r = zs_engine_new(&c, &e, &info);
+	r = zs_swap_new(&c, &e, &info);
 	if (r == -ZS_E_NODIRECT)
 		cr_skip_test("tmpfs here has no O_DIRECT");
 	cr_assert_eq(r, 0, "%s", zs_strerror(r));
@@ -127,7 +127,7 @@ Test(swap_full, fits_then_works)
 	cr_assert_eq(th_io(e, false, &x, 3 * MiB, back, 1 * MiB), 0);
 	cr_assert(memcmp(buf, back, 1 * MiB) == 0);
 	zs_extent_free(e, &x);
-	zs_engine_free(e);
+	zs_swap_free(e);
 	free(buf);
 	free(back);
 }

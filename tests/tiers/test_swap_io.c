@@ -14,14 +14,14 @@
 #include "arena.h"
 #include "swap_helpers.h"
 
-static const enum zs_engine_kind kinds[] = { ZS_ENGINE_URING, ZS_ENGINE_PTHREAD };
+static const enum zs_swap_kind kinds[] = { ZS_SWAP_URING, ZS_SWAP_PTHREAD };
 
 static bool
-skip_kind(enum zs_engine_kind kind)
+skip_kind(enum zs_swap_kind kind)
 {
 	const char *why;
 
-	if (kind != ZS_ENGINE_URING)
+	if (kind != ZS_SWAP_URING)
 		return false;
 	why = th_uring_problem();
 	if (why != NULL)
@@ -38,7 +38,7 @@ rnd(uint64_t *s)
 
 /* Random aligned writes and reads against an in-memory model of the extent. */
 static void
-roundtrip(enum zs_engine_kind kind, unsigned npaths, bool registered)
+roundtrip(enum zs_swap_kind kind, unsigned npaths, bool registered)
 {
 	const uint64_t size = 8 * MiB;
 	const uint32_t unit = 64 * 1024;
@@ -50,7 +50,7 @@ roundtrip(enum zs_engine_kind kind, unsigned npaths, bool registered)
 	};
 	struct zt_arena_config ac = { .budget_bytes = 64 * MiB, .numa_node = -1 };
 	struct zt_arena *arena = NULL;
-	struct zs_engine *e;
+	struct zs_swap *e;
 	struct zs_extent x;
 	struct zs_path_stats ps;
 	char *model, *io, *check;
@@ -64,9 +64,9 @@ roundtrip(enum zs_engine_kind kind, unsigned npaths, bool registered)
 		cr_assert_eq(mkdir(sub[i], 0700), 0);
 		paths[i] = (struct zs_path){ .path = sub[i] };
 	}
-	cr_assert_eq(zs_engine_new(&c, &e, NULL), 0);
-	cr_assert_str_eq(zs_engine_name(e), kind == ZS_ENGINE_URING ? "io_uring" : "pthread");
-	a = zs_engine_offset_align(e);
+	cr_assert_eq(zs_swap_new(&c, &e, NULL), 0);
+	cr_assert_str_eq(zs_swap_name(e), kind == ZS_SWAP_URING ? "io_uring" : "pthread");
+	a = zs_swap_offset_align(e);
 	cr_assert(a >= 512 && a <= 4096 && (a & (a - 1)) == 0, "offset align %lu", (unsigned long)a);
 
 	model = th_alloc(size);
@@ -74,7 +74,7 @@ roundtrip(enum zs_engine_kind kind, unsigned npaths, bool registered)
 	if (registered) {
 		cr_assert_eq(zt_arena_new(&ac, &arena), 0);
 		cr_assert_eq(zt_arena_alloc(arena, size, (void **)&io, &pinned), 0);
-		cr_assert_eq(zs_engine_register_buffer(e, io, size), 0);
+		cr_assert_eq(zs_swap_register_buffer(e, io, size), 0);
 	} else {
 		io = th_alloc(size);
 	}
@@ -116,7 +116,7 @@ roundtrip(enum zs_engine_kind kind, unsigned npaths, bool registered)
 
 	done = used = 0;
 	for (i = 0; i < npaths; i++) {
-		cr_assert_eq(zs_engine_path_stats(e, i, &ps), 0);
+		cr_assert_eq(zs_swap_path_stats(e, i, &ps), 0);
 		cr_assert_eq(ps.errors_eio + ps.errors_enospc + ps.errors_other, 0);
 		cr_assert_eq(ps.in_flight, 0);
 		/* Striped: every path holds its share, give or take one unit. */
@@ -129,13 +129,13 @@ roundtrip(enum zs_engine_kind kind, unsigned npaths, bool registered)
 
 	zs_extent_free(e, &x);
 	if (registered) {
-		cr_assert_eq(zs_engine_unregister_buffer(e, io), 0);
+		cr_assert_eq(zs_swap_unregister_buffer(e, io), 0);
 		zt_arena_release(arena, io, size, pinned);
 		zt_arena_free(arena);
 	} else {
 		free(io);
 	}
-	zs_engine_free(e);
+	zs_swap_free(e);
 	free(model);
 	free(check);
 	th_rmdir(dir);
@@ -164,7 +164,7 @@ Test(swap_io, roundtrip_three_paths)
 
 /* Every stripe unit is in the file and at the place the layout says. */
 static void
-striping(enum zs_engine_kind kind)
+striping(enum zs_swap_kind kind)
 {
 	const uint32_t unit = 64 * 1024;
 	const uint64_t size = 16 * (uint64_t)unit;
@@ -174,7 +174,7 @@ striping(enum zs_engine_kind kind)
 		.paths = paths, .npaths = 2, .capacity = 4 * MiB,
 		.stripe_unit = unit, .queue_depth = 4, .engine = kind,
 	};
-	struct zs_engine *e;
+	struct zs_swap *e;
 	struct zs_extent pad, x;
 	struct zs_path_stats s0, s1;
 	unsigned char *buf = th_alloc(size), *back = th_alloc(unit);
@@ -183,7 +183,7 @@ striping(enum zs_engine_kind kind)
 
 	snprintf(f0, sizeof(f0), "%s/swap0", dir);
 	snprintf(f1, sizeof(f1), "%s/swap1", dir);
-	cr_assert_eq(zs_engine_new(&c, &e, NULL), 0);
+	cr_assert_eq(zs_swap_new(&c, &e, NULL), 0);
 	/* An odd-sized extent first, so that x starts neither at 0 nor on path 0 alone. */
 	cr_assert_eq(zs_extent_alloc(e, unit + 4096, &pad), 0);
 	cr_assert_eq(zs_extent_alloc(e, size, &x), 0);
@@ -203,15 +203,15 @@ striping(enum zs_engine_kind kind)
 	}
 	close(fds[0]);
 	close(fds[1]);
-	cr_assert_eq(zs_engine_path_stats(e, 0, &s0), 0);
-	cr_assert_eq(zs_engine_path_stats(e, 1, &s1), 0);
+	cr_assert_eq(zs_swap_path_stats(e, 0, &s0), 0);
+	cr_assert_eq(zs_swap_path_stats(e, 1, &s1), 0);
 	cr_assert_eq(s0.bytes_written, size / 2);
 	cr_assert_eq(s1.bytes_written, size / 2);
 	cr_assert_eq(s0.capacity, 4 * MiB);
 	cr_assert_eq(s0.used_bytes + s1.used_bytes, size + unit + 4096);
 	zs_extent_free(e, &pad);
 	zs_extent_free(e, &x);
-	zs_engine_free(e);
+	zs_swap_free(e);
 	free(buf);
 	free(back);
 	th_rmdir(dir);
@@ -262,15 +262,15 @@ burst_done(int result, void *arg)
 
 /* Ten times the queue depth at once: queued inside, never more than depth in flight. */
 static void
-burst(enum zs_engine_kind kind)
+burst(enum zs_swap_kind kind)
 {
 	const unsigned qd = 32, n = 10 * qd;
 	const uint32_t len = 64 * 1024;
 	struct burst b = { 0 };
 	struct zs_inject inj = { count_prepare, count_complete, &b };
 	char *dir = th_tmpdir();
-	struct zs_engine *e;
-	struct zs_engine_stats st;
+	struct zs_swap *e;
+	struct zs_swap_stats st;
 	struct zs_extent x;
 	char *buf = th_alloc((size_t)n * len);
 	unsigned i;
@@ -286,23 +286,23 @@ burst(enum zs_engine_kind kind)
 			l = len;
 		b.pending++;
 		cr_assert_eq(zs_write(e, &x, off, buf + off, l, burst_done, &b), 0);
-		zs_engine_stats(e, &st);
+		zs_swap_stats(e, &st);
 		cr_assert(st.in_flight <= qd);
 	}
-	zs_engine_stats(e, &st);
+	zs_swap_stats(e, &st);
 	cr_assert_eq(st.in_flight, qd);
 	cr_assert(st.requests_queued > qd);
 	cr_assert_eq(th_drain(e, &b.pending), 0);
 	cr_assert_eq(b.failed, 0);
 	cr_assert(b.live_max <= qd, "%u operations in flight, depth %u", b.live_max, qd);
 	cr_assert_eq(b.live, 0);
-	zs_engine_stats(e, &st);
+	zs_swap_stats(e, &st);
 	cr_assert(st.in_flight_peak == qd);
 	cr_assert_eq(st.in_flight, 0);
 	cr_assert_eq(st.requests_queued, 0);
 	cr_assert_eq(st.requests_done, n);
 	zs_extent_free(e, &x);
-	zs_engine_free(e);
+	zs_swap_free(e);
 	free(buf);
 	th_rmdir(dir);
 }
@@ -315,7 +315,7 @@ Test(swap_io, burst_bounded_by_queue_depth)
 }
 
 struct chain {
-	struct zs_engine *e;
+	struct zs_swap *e;
 	struct zs_extent *x;
 	char *buf;
 	unsigned left;
@@ -360,11 +360,11 @@ Test(swap_io, submit_from_callback)
 		chain_next(0, &ch);
 		ch.done = 0;
 		while (ch.done < 100 && ch.error == 0)
-			cr_assert(zs_engine_wait(ch.e, 1000) >= 0);
+			cr_assert(zs_swap_wait(ch.e, 1000) >= 0);
 		pending = 0;
 		cr_assert_eq(th_drain(ch.e, &pending), 0);
 		cr_assert_eq(ch.error, 0);
-		zs_engine_free(ch.e);
+		zs_swap_free(ch.e);
 		free(ch.buf);
 		th_rmdir(dir);
 	}
@@ -379,16 +379,16 @@ never(int result, void *arg)
 Test(swap_io, rejects_misaligned_and_out_of_range)
 {
 	char *dir = th_tmpdir(), *buf = th_alloc(2 * MiB);
-	struct zs_engine *e;
+	struct zs_swap *e;
 	struct zs_extent x, other;
 	uint64_t a;
 
-	cr_assert_eq(th_engine(ZS_ENGINE_PTHREAD, dir, 4 * MiB, 4, 0, NULL, &e), 0);
-	a = zs_engine_offset_align(e);
+	cr_assert_eq(th_engine(ZS_SWAP_PTHREAD, dir, 4 * MiB, 4, 0, NULL, &e), 0);
+	a = zs_swap_offset_align(e);
 	cr_assert_eq(zs_extent_alloc(e, 1 * MiB, &x), 0);
 	cr_assert_eq(zs_read(e, &x, a / 2, buf, a, never, NULL), -EINVAL);
 	cr_assert_eq(zs_read(e, &x, 0, buf, a + 1, never, NULL), -EINVAL);
-	if (zs_engine_mem_align(e) > 1)
+	if (zs_swap_mem_align(e) > 1)
 		cr_assert_eq(zs_read(e, &x, 0, buf + 1, a, never, NULL), -EINVAL);
 	cr_assert_eq(zs_read(e, &x, 0, buf, 0, never, NULL), -EINVAL);
 	cr_assert_eq(zs_read(e, &x, 1 * MiB - a, buf, 2 * a, never, NULL), -ERANGE);
@@ -399,8 +399,8 @@ Test(swap_io, rejects_misaligned_and_out_of_range)
 	zs_extent_free(e, &x);
 	cr_assert_eq(zs_extent_alloc(e, 4 * MiB, &other), 0);
 	zs_extent_free(e, &other);
-	cr_assert_eq(zs_engine_wait(e, 0), 0);
-	zs_engine_free(e);
+	cr_assert_eq(zs_swap_wait(e, 0), 0);
+	zs_swap_free(e);
 	free(buf);
 	th_rmdir(dir);
 }
@@ -411,9 +411,9 @@ Test(swap_io, extents_fill_and_coalesce)
 	struct zs_path paths[2] = { { .path = d0 }, { .path = d1 } };
 	struct zs_config c = {
 		.paths = paths, .npaths = 2, .capacity = 8 * MiB,
-		.stripe_unit = 1 * MiB, .engine = ZS_ENGINE_PTHREAD,
+		.stripe_unit = 1 * MiB, .engine = ZS_SWAP_PTHREAD,
 	};
-	struct zs_engine *e;
+	struct zs_swap *e;
 	struct zs_extent x[64], big;
 	struct zs_path_stats s0, s1;
 	unsigned i, n = 0;
@@ -422,23 +422,23 @@ Test(swap_io, extents_fill_and_coalesce)
 	snprintf(d1, sizeof(d1), "%s/b", dir);
 	mkdir(d0, 0700);
 	mkdir(d1, 0700);
-	cr_assert_eq(zs_engine_new(&c, &e, NULL), 0);
+	cr_assert_eq(zs_swap_new(&c, &e, NULL), 0);
 	/* Sub-unit extents go where there is most room: both paths fill evenly. */
 	while (n < 64 && zs_extent_alloc(e, 300 * 1024, &x[n]) == 0)
 		n++;
 	cr_assert(n >= 50, "%u extents of 300 KiB in 16 MiB", n);
-	zs_engine_path_stats(e, 0, &s0);
-	zs_engine_path_stats(e, 1, &s1);
+	zs_swap_path_stats(e, 0, &s0);
+	zs_swap_path_stats(e, 1, &s1);
 	cr_assert(s0.used_bytes > 7 * MiB && s1.used_bytes > 7 * MiB);
 	for (i = 0; i < n; i += 2)
 		zs_extent_free(e, &x[i]);
 	for (i = 1; i < n; i += 2)
 		zs_extent_free(e, &x[i]);
-	zs_engine_path_stats(e, 0, &s0);
+	zs_swap_path_stats(e, 0, &s0);
 	cr_assert_eq(s0.used_bytes, 0);
 	cr_assert_eq(zs_extent_alloc(e, 16 * MiB, &big), 0);
 	zs_extent_free(e, &big);
-	zs_engine_free(e);
+	zs_swap_free(e);
 	th_rmdir(dir);
 }
 
@@ -455,7 +455,7 @@ Test(swap_io, free_with_requests_outstanding)
 {
 	for (unsigned k = 0; k < 2; k++) {
 		char *dir, *buf;
-		struct zs_engine *e;
+		struct zs_swap *e;
 		struct zs_extent x;
 		int n = 0;
 		unsigned i;
@@ -468,7 +468,7 @@ Test(swap_io, free_with_requests_outstanding)
 		cr_assert_eq(zs_extent_alloc(e, 8 * MiB, &x), 0);
 		for (i = 0; i < 8; i++)
 			cr_assert_eq(zs_write(e, &x, i * MiB, buf, 1 * MiB, count_done, &n), 0);
-		zs_engine_free(e);
+		zs_swap_free(e);
 		cr_assert_eq(n, 8, "every callback runs, ok or cancelled");
 		free(buf);
 		th_rmdir(dir);
@@ -481,37 +481,37 @@ Test(swap_io, forced_uring_unavailable)
 	struct zs_path path = { .path = dir, .capacity = 4 * MiB };
 	struct zs_config c = { .paths = &path, .npaths = 1, .force_no_uring = true };
 	struct zs_error_info info;
-	struct zs_engine_stats st;
-	struct zs_engine *e = NULL;
+	struct zs_swap_stats st;
+	struct zs_swap *e = NULL;
 
-	c.engine = ZS_ENGINE_AUTO;
-	cr_assert_eq(zs_engine_new(&c, &e, &info), -ZS_E_NOURING);
+	c.engine = ZS_SWAP_AUTO;
+	cr_assert_eq(zs_swap_new(&c, &e, &info), -ZS_E_NOURING);
 	cr_assert_null(e);
 	cr_assert_eq(info.cause, -ENOSYS);
 	cr_assert_str_eq(info.step, "io_uring_queue_init");
 	cr_assert(strstr(zs_strerror(-ZS_E_NOURING), "io_uring") != NULL);
 
-	c.engine = ZS_ENGINE_URING;
+	c.engine = ZS_SWAP_URING;
 	c.allow_fallback = true;
-	cr_assert_eq(zs_engine_new(&c, &e, &info), -ZS_E_NOURING);
+	cr_assert_eq(zs_swap_new(&c, &e, &info), -ZS_E_NOURING);
 
-	c.engine = ZS_ENGINE_AUTO;
-	cr_assert_eq(zs_engine_new(&c, &e, &info), 0);
-	cr_assert_str_eq(zs_engine_name(e), "pthread");
-	zs_engine_stats(e, &st);
+	c.engine = ZS_SWAP_AUTO;
+	cr_assert_eq(zs_swap_new(&c, &e, &info), 0);
+	cr_assert_str_eq(zs_swap_name(e), "pthread");
+	zs_swap_stats(e, &st);
 	cr_assert_eq(st.uring_error, -ENOSYS);
-	zs_engine_free(e);
+	zs_swap_free(e);
 
 	/* The environment knob, as a test harness or an operator would set it. */
 	c.force_no_uring = false;
 	c.allow_fallback = false;
 	setenv("ZOFFLOAD_SWAP_NO_URING", "1", 1);
-	cr_assert_eq(zs_engine_new(&c, &e, &info), -ZS_E_NOURING);
+	cr_assert_eq(zs_swap_new(&c, &e, &info), -ZS_E_NOURING);
 	unsetenv("ZOFFLOAD_SWAP_NO_URING");
 	if (th_uring_problem() == NULL) {
-		cr_assert_eq(zs_engine_new(&c, &e, &info), 0);
-		cr_assert_str_eq(zs_engine_name(e), "io_uring");
-		zs_engine_free(e);
+		cr_assert_eq(zs_swap_new(&c, &e, &info), 0);
+		cr_assert_str_eq(zs_swap_name(e), "io_uring");
+		zs_swap_free(e);
 	}
 	th_rmdir(dir);
 }
