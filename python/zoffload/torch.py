@@ -639,7 +639,13 @@ class _ZoffloadOptimizer(torch.optim.Optimizer):
         error = None
         # Each param is copied out as soon as its own step is done, in the order the steps
         # were submitted (the daemon's order), while the daemon steps the ones after it:
-        # waiting for all of them first left the daemon idle through every copy.
+        # waiting for all of them first left the daemon idle through every copy.  With
+        # nothing to copy (views), one wait for all saves a wake-up a tensor.
+        if all(e.view is not None for _, e in waiting):
+            try:
+                self._conn.wait_all()
+            except ZoffloadError as ex:
+                error = ex
         for p, e in waiting:
             e.in_flight = 0
             try:
