@@ -163,13 +163,17 @@ def _written_copy(t, slot):
     s = slot.view(t.shape)
     if s.dtype != t.dtype:
         s = s.to(t.dtype)
-    bits = torch.int16 if t.element_size() == 2 else torch.int32
-    return not torch.equal(t.view(bits), s.view(bits))
+    return not torch.equal(_bits(t), _bits(s))
+
+
+def _bits(t):
+    """t as same-size integers: only the bytes matter."""
+    return t.view(torch.int16 if t.element_size() == 2 else torch.int32)
 
 
 def _raw(t):
-    # Same-size integers: numpy has no bfloat16, and only the bytes matter.
-    return t.view(torch.int16 if t.element_size() == 2 else torch.int32).numpy()
+    # numpy has no bfloat16.
+    return _bits(t).numpy()
 
 
 class _Entry:
@@ -515,8 +519,8 @@ class _ZoffloadOptimizer(torch.optim.Optimizer):
                 chunk = pes[i:i + _MAX_SET]
                 self._conn.submit([e.zt for _, e in chunk], optim=self._update_of(group),
                                   step=step, clip_coef=clip_coef, **args)
-                for pe in chunk:
-                    pe[1].in_flight = step
+                for _, e in chunk:
+                    e.in_flight = step
                 self._submitted.extend(chunk)
 
     def _make_hook(self, p):
