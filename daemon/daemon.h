@@ -92,6 +92,12 @@ struct zd_daemon {
 	bool handoff;				/* drain, then exec exe with the store */
 	int kept_swap[ZD_MAX_SWAP_PATHS];	/* > 2: taken from the store for start_swap */
 	int kept_swaplock[ZD_MAX_SWAP_PATHS];
+	/*
+	 * The store still lists them: start_swap takes the descriptors above (and zeroes
+	 * them), so whether to send them again is remembered apart.
+	 */
+	bool swap_in_store[ZD_MAX_SWAP_PATHS];
+	bool swaplock_in_store[ZD_MAX_SWAP_PATHS];
 	int kept_journal;
 	int kept_staging[256];
 	unsigned nkept_staging;

@@ -73,6 +73,7 @@ kept_reset(struct zd_daemon *d)
 	for (unsigned i = 0; i < ZD_MAX_SWAP_PATHS; i++) {
 		close_kept(&d->kept_swap[i]);
 		close_kept(&d->kept_swaplock[i]);
+		d->swap_in_store[i] = d->swaplock_in_store[i] = false;
 	}
 	close_kept(&d->kept_journal);
 	for (unsigned i = 0; i < d->nkept_staging; i++)
@@ -134,6 +135,8 @@ check_swap(struct zd_daemon *d, const struct zd_table *tb, char *err, size_t err
 		d->kept_swap[i] = zd_fdstore_take(&d->store, name);
 		snprintf(name, sizeof(name), "swaplock%u", i);
 		d->kept_swaplock[i] = zd_fdstore_take(&d->store, name);
+		d->swap_in_store[i] = d->kept_swap[i] > 2;
+		d->swaplock_in_store[i] = d->kept_swaplock[i] > 2;
 		if (w->kind == SWAP_UNNAMED) {
 			/* An unnamed file in a directory: only the kept descriptor reaches it. */
 			if (d->kept_swap[i] < 0) {
@@ -371,9 +374,9 @@ keep_engine(struct zd_daemon *d, bool recovering)
 
 		zs_swap_path_fds(swap, i, &fd, &lock_fd);
 		snprintf(name, sizeof(name), "swap%u", i);
-		zd_restart_keep_fd(d, name, fd, d->kept_swap[i] > 2);
+		zd_restart_keep_fd(d, name, fd, d->swap_in_store[i]);
 		snprintf(name, sizeof(name), "swaplock%u", i);
-		zd_restart_keep_fd(d, name, lock_fd, d->kept_swaplock[i] > 2);
+		zd_restart_keep_fd(d, name, lock_fd, d->swaplock_in_store[i]);
 		if (recovering)
 			continue;
 		(void)swap_identity(d->cfg.swap_paths[i].path, fd, &d->table->swap[i]);
@@ -384,8 +387,10 @@ keep_engine(struct zd_daemon *d, bool recovering)
 	}
 	zd_restart_table_seal(d);
 	/* Taken over by the engine and the swap engine now. */
-	for (unsigned i = 0; i < ZD_MAX_SWAP_PATHS; i++)
+	for (unsigned i = 0; i < ZD_MAX_SWAP_PATHS; i++) {
 		d->kept_swap[i] = d->kept_swaplock[i] = 0;
+		d->swap_in_store[i] = d->swaplock_in_store[i] = false;
+	}
 	d->kept_journal = 0;
 	d->nkept_staging = 0;
 }

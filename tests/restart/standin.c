@@ -57,6 +57,23 @@ store_remove(struct zst *s, const char *name)
 }
 
 static void
+count_store(struct zst *s, const char *name)
+{
+	size_t i;
+
+	for (i = 0; i < s->nnames; i++)
+		if (strcmp(s->names[i].name, name) == 0)
+			break;
+	if (i == s->nnames) {
+		if (s->nnames == ZST_MAX_FDS)
+			return;
+		snprintf(s->names[i].name, sizeof(s->names[0].name), "%s", name);
+		s->names[s->nnames++].stores = 0;
+	}
+	s->names[i].stores++;
+}
+
+static void
 handle(struct zst *s, const char *msg, int fd)
 {
 	char name[64] = "stored", v[16];
@@ -77,6 +94,7 @@ handle(struct zst *s, const char *msg, int fd)
 		snprintf(s->fds[s->nfds].name, sizeof(s->fds[0].name), "%s", name);
 		s->fds[s->nfds++].fd = fd;
 		s->stores++;
+		count_store(s, name);
 		fd = -1;
 	}
 	if (fd >= 0)
@@ -322,6 +340,19 @@ zst_fd(struct zst *s, const char *name)
 			fd = s->fds[i].fd;
 	pthread_mutex_unlock(&s->lock);
 	return fd;
+}
+
+unsigned
+zst_times_stored(struct zst *s, const char *name)
+{
+	unsigned n = 0;
+
+	pthread_mutex_lock(&s->lock);
+	for (size_t i = 0; i < s->nnames; i++)
+		if (strcmp(s->names[i].name, name) == 0)
+			n = s->names[i].stores;
+	pthread_mutex_unlock(&s->lock);
+	return n;
 }
 
 const char *

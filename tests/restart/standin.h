@@ -34,6 +34,9 @@ struct zst {
 	unsigned removes;		/* FDSTOREREMOVE=1 done */
 	size_t nfds;
 	struct { char name[64]; int fd; } fds[ZST_MAX_FDS];
+	/* How many times each name was sent with FDSTORE=1, replacements included. */
+	size_t nnames;
+	struct { char name[64]; unsigned stores; } names[ZST_MAX_FDS];
 };
 
 /*
@@ -52,6 +55,8 @@ void zst_drain(struct zst *s);
 int zst_wait_exit(struct zst *s, double timeout_s);
 /* The descriptor kept under name (still the stand-in's), or -1. */
 int zst_fd(struct zst *s, const char *name);
+/* How many times a descriptor was stored under name since zst_init. */
+unsigned zst_times_stored(struct zst *s, const char *name);
 /* The log so far (static buffer). */
 const char *zst_log(const struct zst *s);
 /*

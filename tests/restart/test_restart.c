@@ -23,6 +23,7 @@ compare(enum zrt_disturb kind, unsigned count, unsigned steps, bool swap_file,
     bool auto_reconnect, const char *state_format)
 {
 	char err[20000] = "";
+	static const char *const once[] = { "table", "journal", "swap0" };
 	unsigned params = 0, records = 0;
 	void *want, *got;
 	size_t bytes;
@@ -81,6 +82,18 @@ compare(enum zrt_disturb kind, unsigned count, unsigned steps, bool swap_file,
 	}
 	cr_assert_eq(records, ZRT_JOBS * ZRT_TENSORS);
 	cr_assert_eq(params, ZRT_JOBS * ZRT_TENSORS, "%u param slots kept", params);
+	/*
+	 * What a successor took back from the store stays listed there: sent once by the
+	 * first daemon, never again (systemd keeps a second copy under the same name, up to
+	 * FileDescriptorStoreMax).
+	 */
+	for (size_t i = 0; i < sizeof(once) / sizeof(once[0]); i++)
+		cr_assert_eq(zst_times_stored(&run_.st, once[i]), 1,
+		    "%s stored %u times, once expected", once[i],
+		    zst_times_stored(&run_.st, once[i]));
+	/* A swap directory is held locked through a descriptor of its own; a named file is not. */
+	cr_assert_eq(zst_times_stored(&run_.st, "swaplock0"), swap_file ? 0 : 1,
+	    "the swap directory's lock stored %u times", zst_times_stored(&run_.st, "swaplock0"));
 	free(want);
 	free(got);
 }
