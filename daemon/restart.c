@@ -634,6 +634,7 @@ zd_restart_finish(struct zd_daemon *d)
 
 	/* Two phases: every tensor checked with nothing written, then each adopted. */
 	r = each_kept_tensor(d, check_cb, NULL);
+	ze_adopt_checks_done(d->engine);
 	if (r < 0)
 		return r;
 	d->adopting = true;

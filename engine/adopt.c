@@ -88,6 +88,32 @@ page_round(uint64_t bytes)
 	return (bytes + 4095) / 4096 * 4096;
 }
 
+/* Taken until ze_adopt_checks_done: the swap files' free space, in memory only. */
+static int
+hold_extent(struct ze_engine *e, const struct zs_extent *x)
+{
+	struct zs_extent *more = realloc(e->checked, (e->nchecked + 1) * sizeof(*more));
+	int r;
+
+	if (more == NULL)
+		return -ENOMEM;
+	e->checked = more;
+	r = zs_extent_reserve(e->swap, x);
+	if (r == 0)
+		e->checked[e->nchecked++] = *x;
+	return r;
+}
+
+void
+ze_adopt_checks_done(struct ze_engine *e)
+{
+	for (size_t i = 0; i < e->nchecked; i++)
+		zs_extent_free(e->swap, &e->checked[i]);
+	free(e->checked);
+	e->checked = NULL;
+	e->nchecked = 0;
+}
+
 /* What of t's kept parts ze_tensor_adopt would refuse: 0, or -errno with *what. */
 static int
 check_parts(struct ze_engine *e, struct ze_tensor *t, const struct ze_tensor_fds *fds,
@@ -99,11 +125,11 @@ check_parts(struct ze_engine *e, struct ze_tensor *t, const struct ze_tensor_fds
 		*what = "its extent on the swap paths";
 		if (e->swap == NULL)
 			return -ENODEV;
-		/* Taken and given back: the swap files' free space, in memory only. */
-		r = zs_extent_reserve(e->swap, ze_record_extent(t));
+		r = hold_extent(e, ze_record_extent(t));
+		if (r == -EEXIST)
+			*what = "its extent on the swap paths, which another kept tensor's overlaps";
 		if (r < 0)
 			return r;
-		zs_extent_free(e->swap, ze_record_extent(t));
 	} else {
 		*what = "its state";
 		if (fds->state < 0 || t->state_bytes != ze_tensor_pinned_bytes(t))

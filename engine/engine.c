@@ -7,6 +7,7 @@
 
 #include "engine_impl.h"
 #include "pool.h"
+#include "recover.h"
 #include "stepper.h"
 #include "swap.h"
 
@@ -122,6 +123,7 @@ ze_engine_free(struct ze_engine *e)
 		(void)ze_engine_wait(e, 100);
 	ze_stepper_free(e->stepper);
 	e->stepper = NULL;
+	ze_adopt_checks_done(e);
 	/* The swap engine runs its last callbacks into the staging buffers: it goes first. */
 	zs_swap_free(e->swap);
 	e->swap = NULL;

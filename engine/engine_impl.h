@@ -207,6 +207,13 @@ struct ze_engine {
 	struct ze_journal *journal;
 	size_t journal_bytes;
 	int journal_fd;
+	/*
+	 * adopt.c: the swap extents ze_tensor_adopt_check took, held until
+	 * ze_adopt_checks_done gives them back, so that two kept tensors claiming
+	 * the same swap space are refused before either is adopted (and written).
+	 */
+	struct zs_extent *checked;
+	size_t nchecked;
 };
 
 /* Byte offsets of a state's arrays in one region of `elements` elements each (state.c). */

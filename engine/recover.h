@@ -95,6 +95,12 @@ int ze_tensor_adopt(struct ze_engine *e, const struct ze_tensor_fds *fds,
  */
 int ze_tensor_adopt_check(struct ze_engine *e, const struct ze_tensor_fds *fds, char *err,
     size_t errlen);
+/*
+ * The checks are over: the swap space the checked tensors claim is free again, for
+ * ze_tensor_adopt to take.  Until then each check holds its tensor's extent, so one that
+ * overlaps another checked tensor's is refused (-EEXIST) with nothing adopted yet.
+ */
+void ze_adopt_checks_done(struct ze_engine *e);
 /* Every kept tensor is back: the journal's entries for tensors that were not are void. */
 void ze_engine_recovered(struct ze_engine *e);
 

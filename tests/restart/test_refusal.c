@@ -511,3 +511,42 @@ Test(refusal, missing_param_slot)
 	drop_kept("zt1.param");
 	expect_refusal("tensor zt1: its grad or param slot was not handed back");
 }
+
+/*
+ * Two kept tensors claiming the same swap space: a second record of an NVMe tensor (its
+ * slots alongside, as a store holding a stale copy would have it).  Refused while the
+ * tensors are checked, naming the overlap, before either is adopted: adopting the first
+ * settles its record and finishes the journal's slice in it.
+ */
+Test(refusal, overlapping_swap_extents)
+{
+	static const char *const parts[] = { "rec", "grad", "param", "param2" };
+	char name[64], copy[64], why[128];
+	unsigned id = 0;
+
+	kept_state();
+	zst_drain(&run_.st);
+	/* An NVMe tensor's state is on the swap file: its record has no .state beside it. */
+	for (unsigned t = 1; t <= ZRT_JOBS * ZRT_TENSORS && id == 0; t++) {
+		snprintf(name, sizeof(name), "zt%u.state", t);
+		if (zst_fd(&run_.st, name) < 0)
+			id = t;
+	}
+	cr_assert_neq(id, 0, "no NVMe tensor kept");
+	for (size_t k = 0; k < sizeof(parts) / sizeof(parts[0]); k++) {
+		int fd;
+
+		snprintf(name, sizeof(name), "zt%u.%s", id, parts[k]);
+		snprintf(copy, sizeof(copy), "zt99.%s", parts[k]);
+		if (zst_fd(&run_.st, name) < 0)
+			continue;
+		fd = dup(zst_fd(&run_.st, name));
+		cr_assert_geq(fd, 0);
+		cr_assert_lt(run_.st.nfds, ZST_MAX_FDS);
+		snprintf(run_.st.fds[run_.st.nfds].name, sizeof(run_.st.fds[0].name), "%s", copy);
+		run_.st.fds[run_.st.nfds++].fd = fd;
+	}
+	snprintf(why, sizeof(why), "cannot take back its extent on the swap paths, which "
+	    "another kept tensor's overlaps");
+	expect_refusal(why);
+}
