@@ -404,6 +404,16 @@ start_waiting(struct zd_daemon *d, struct zd_uid *u)
 	running = false;
 }
 
+void
+zd_ckpt_budget_reloaded(struct zd_daemon *d)
+{
+	struct zd_uid *u;
+
+	TAILQ_FOREACH(u, &d->uids, entry)
+		if (u->ckpt_waiting > 0)
+			start_waiting(d, u);
+}
+
 bool
 zd_ckpt_io_done(struct zd_daemon *d, uint32_t lane, uint64_t id, void *user, int result)
 {

@@ -38,13 +38,18 @@ void zd_ckpt_process(struct zd_daemon *d);
 bool zd_ckpt_idle(const struct zd_daemon *d);
 /* Joins the I/O threads and ends the transfers they had; before the engine goes. */
 void zd_ckpt_stop(struct zd_daemon *d);
-/* A tensor is freed: transfers of it end when what they have in flight comes back. */
 /*
  * A save or restore of et is in flight: between its pieces the tensor is not busy, and a
  * step, write, set_step, release or unregister then would tear what the file gets.
  */
 bool zd_ckpt_in_transfer(const struct zd_daemon *d, const struct ze_tensor *et);
+/* A tensor is freed: transfers of it end when what they have in flight comes back. */
 void zd_ckpt_tensor_gone(struct zd_daemon *d, struct ze_tensor *et);
+/*
+ * limits.uid_ckpt_buffer_budget was reloaded: transfers waiting for room a raised budget
+ * now gives begin (else they would wait for one of their uid's to end).
+ */
+void zd_ckpt_budget_reloaded(struct zd_daemon *d);
 /* "checkpoint" in the stats: bytes saved and restored, transfers in flight. */
 void zd_ckpt_stats_json(struct cJSON *root, const struct zd_daemon *d);
 

@@ -425,6 +425,7 @@ reload(struct zd_daemon *d)
 	ze_engine_set_isa(d->engine, isa);
 	d->isa = isa;
 	zd_uid_reload_limits(d);
+	zd_ckpt_budget_reloaded(d);
 	zd_config_clear(&fresh);
 	log_info("SIGHUP: reloaded %s (kernels %s): %s%s", d->config_path, zk_isa_name(d->isa),
 	    live[0] != '\0' ? "changed live: " : "nothing changed live", live);

@@ -14,6 +14,7 @@
 #include <criterion/criterion.h>
 #include <errno.h>
 #include <fcntl.h>
+#include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -63,23 +64,32 @@ teardown(void)
 
 TestSuite(budget, .fini = teardown, .timeout = 300);
 
-/* A daemon with 1 Mi-element chunks and the budget given (NULL: the default), gated. */
+/* The daemon's config: 1 Mi-element chunks and the budget given (NULL: the default). */
+static void
+config_with(const char *budget, char *config, size_t len)
+{
+	char limits[128] = "";
+
+	if (budget != NULL)
+		snprintf(limits, sizeof(limits), ", \"limits\": { \"uid_ckpt_buffer_budget\": "
+		    "\"%s\" }", budget);
+	snprintf(config, len, "{ \"compute\": { \"worker_threads\": 2 }, \"log\": "
+	    "{ \"level\": \"info\" }, \"swap\": { \"paths\": [ { \"path\": \"%s\", "
+	    "\"capacity\": \"512M\" } ], \"chunk_elements\": %u, \"staging_buffers\": 2 }%s }\n",
+	    swapdir, CHUNK, limits);
+}
+
+/* A daemon with config_with's config, gated. */
 static void
 start(const char *budget)
 {
-	char config[1024], limits[128] = "";
+	char config[1024];
 
 	ck_tmpdir(swapdir, sizeof(swapdir), "swap");
 	ck_tmpdir(g.gatedir, sizeof(g.gatedir), "gate");
 	snprintf(g.gate, sizeof(g.gate), "%s/gate", g.gatedir);
 	cr_assert_eq(mkfifo(g.gate, 0600), 0, "mkfifo %s: %s", g.gate, strerror(errno));
-	if (budget != NULL)
-		snprintf(limits, sizeof(limits), ", \"limits\": { \"uid_ckpt_buffer_budget\": "
-		    "\"%s\" }", budget);
-	snprintf(config, sizeof(config), "{ \"compute\": { \"worker_threads\": 2 }, \"log\": "
-	    "{ \"level\": \"info\" }, \"swap\": { \"paths\": [ { \"path\": \"%s\", "
-	    "\"capacity\": \"512M\" } ], \"chunk_elements\": %u, \"staging_buffers\": 2 }%s }\n",
-	    swapdir, CHUNK, limits);
+	config_with(budget, config, sizeof(config));
 	cr_assert_eq(setenv("ZOFFLOADD_TEST_CKPT_GATE", g.gate, 1), 0);
 	itd_start(&d, config);
 	cr_assert_eq(unsetenv("ZOFFLOADD_TEST_CKPT_GATE"), 0);
@@ -356,5 +366,99 @@ Test(budget, waiting_saves_of_a_client_gone_end)
 	cr_assert_eq(stat_or_zero(c, "checkpoint", "transfers_waiting"), 0);
 	cr_assert_eq(itd_stat(c, "limits.client_fds"), fds0, "descriptors left behind");
 	zc_disconnect(c);
+	cr_assert_eq(itd_stop(&d, 30), 0, "%s", itd_log_text(&d));
+}
+
+/* SIGHUP with budget in the config; returns once the stats show it (the loop reloads). */
+static void
+reload_budget(struct zc_conn *c, const char *budget, uint64_t bytes)
+{
+	char config[1024];
+	FILE *f;
+	int i;
+
+	config_with(budget, config, sizeof(config));
+	f = fopen(d.config, "w");
+	cr_assert_not_null(f);
+	fputs(config, f);
+	cr_assert_eq(fclose(f), 0);
+	cr_assert_eq(kill(d.pid, SIGHUP), 0);
+	for (i = 0; i < 500 && itd_stat(c, "limits.uid_ckpt_buffer_budget") != (double)bytes; i++)
+		usleep(10000);
+	cr_assert_eq(itd_stat(c, "limits.uid_ckpt_buffer_budget"), (double)bytes, "%s",
+	    itd_log_text(&d));
+}
+
+/*
+ * The budget changed by SIGHUP while saves wait their turn.  Raised, the waiting ones
+ * begin at once, not when a running one ends (here they never would: the gate holds them).
+ * Lowered under what one save needs, a new save is refused by name, and the saves already
+ * taken in all end, reading back as written.
+ */
+Test(budget, a_reloaded_budget_applies_to_the_saves_waiting)
+{
+	static struct zp_msg m;
+	static uint32_t crc[SAVES][ZP_CKPT_ARRAYS];
+	struct zc_conn *c;
+	unsigned done;
+	int sock, file, i;
+	char b[32];
+
+	snprintf(b, sizeof(b), "%lluM", BUDGET >> 20);
+	start(b);
+	c = itd_connect(&d);
+	sock = job_with(SAVES + 1);
+	file = scratch_file();
+	for (unsigned k = 0; k < SAVES; k++)
+		send_save(sock, k + 1, k, 10 + k, file);
+	itd_raw_send(sock, ZP_PING, 2, NULL);
+	recv_type(sock, ZP_PONG, &m);
+	cr_assert_eq(stat_or_zero(c, "checkpoint", "transfers_waiting"), SAVES - BUDGET / BUF_BYTES);
+
+	/* Room for them all now: the gate still holds the first three. */
+	reload_budget(c, "1G", 1ull << 30);
+	for (i = 0; i < 500 && stat_or_zero(c, "checkpoint", "transfers_waiting") > 0; i++)
+		usleep(10000);
+	cr_assert_eq(stat_or_zero(c, "checkpoint", "transfers_waiting"), 0, "the budget was "
+	    "raised, and saves still wait for one that ends\n%s", itd_log_text(&d));
+	cr_assert_eq(stat_or_zero(c, "checkpoint", "buffer_bytes"), SAVES * BUF_BYTES);
+
+	/* Lowered under one save's buffers: a new one is refused, the rest go on. */
+	reload_budget(c, "8M", 8ull << 20);
+	send_save(sock, SAVES + 1, SAVES, 5, file);
+	recv_type(sock, ZP_ERROR, &m);
+	cr_assert_eq(m.u.error.code, -EDQUOT);
+	cr_assert(strstr(m.u.error.message, "limits.uid_ckpt_buffer_budget (8.0 MiB)") != NULL,
+	    "%s", m.u.error.message);
+	g.fd = open(g.gate, O_RDWR);
+	cr_assert_geq(g.fd, 0);
+	for (done = 0; done < SAVES; done++) {
+		recv_type(sock, ZP_CKPT_DONE, &m);
+		cr_assert(m.hdr.request_id >= 10 && m.hdr.request_id < 10 + SAVES);
+		memcpy(crc[m.hdr.request_id - 10], m.u.ckpt_done.crc, sizeof(crc[0]));
+	}
+	cr_assert_eq(stat_or_zero(c, "checkpoint", "buffer_bytes"), 0);
+
+	/* A restore asked for under the lowered budget is refused as a save is. */
+	send_xfer(sock, true, 1, 0, 100, file);
+	recv_type(sock, ZP_ERROR, &m);
+	cr_assert_eq(m.u.error.code, -EDQUOT, "%s", m.u.error.message);
+
+	/* Raised again, each reads back what its save wrote. */
+	reload_budget(c, b, BUDGET);
+	for (unsigned k = 0; k < SAVES; k++)
+		send_xfer(sock, true, k + 1, k, 100 + k, file);
+	for (done = 0; done < SAVES; done++) {
+		recv_type(sock, ZP_CKPT_DONE, &m);
+		cr_assert(m.hdr.request_id >= 100 && m.hdr.request_id < 100 + SAVES);
+		cr_assert_arr_eq(m.u.ckpt_done.crc, crc[m.hdr.request_id - 100], sizeof(crc[0]),
+		    "restore %llu read other bytes than its save wrote",
+		    (unsigned long long)m.hdr.request_id);
+	}
+	cr_assert_eq(stat_or_zero(c, "checkpoint", "buffer_bytes"), 0);
+	cr_assert_eq(stat_or_zero(c, "checkpoint", "transfers_waiting"), 0);
+	zc_disconnect(c);
+	close(file);
+	close(sock);
 	cr_assert_eq(itd_stop(&d, 30), 0, "%s", itd_log_text(&d));
 }
