@@ -77,7 +77,7 @@ def test_resume_bit_identical(make_daemon, tmp_path, cls_name, policy):
     code = ("import sys, test_checkpoint as t; "
             f"t.resume({cls_name!r}, {second_daemon.socket!r}, {policy!r}, {str(ckpt)!r}, "
             f"{k + 1}, {n}, {str(out)!r})")
-    subprocess.run([sys.executable, "-c", code], check=True, timeout=120,
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=zhelpers.HANG_S,
                    cwd=os.path.dirname(__file__))
     got = torch.load(out)
     for a, b in zip(got["params"], want["params"]):

@@ -37,7 +37,7 @@ FORMATS = ["fp32", "bf16-moments", "q8-moments"]
 
 
 def run(cmd, pattern):
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=120,
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=zhelpers.HANG_S,
                          env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert out.returncode == 0, out.stdout + out.stderr
     m = re.search(pattern, out.stdout)

@@ -31,7 +31,7 @@ def run_zero(sockets, job, out, steps=STEPS, ckpt=()):
                                sockets[rank], job, str(steps), str(out), *map(str, ckpt)],
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
              for rank in range(world)]
-    outputs = [p.communicate(timeout=120)[0] for p in procs]
+    outputs = [p.communicate(timeout=zhelpers.HANG_S)[0] for p in procs]
     for rank, (p, text) in enumerate(zip(procs, outputs)):
         assert p.returncode == 0, f"rank {rank}: {text}"
     jobs = [json.loads(line[5:]) for text in outputs for line in text.splitlines()
@@ -43,7 +43,7 @@ def run_zero(sockets, job, out, steps=STEPS, ckpt=()):
 def single(sock, tmp_path):
     out = tmp_path / "single.pt"
     r = subprocess.run([sys.executable, WORKER, "train", sock, "single", str(STEPS), str(out)],
-                       capture_output=True, text=True, timeout=120)
+                       capture_output=True, text=True, timeout=zhelpers.HANG_S)
     assert r.returncode == 0, r.stderr
     return torch.load(out)
 

@@ -26,6 +26,7 @@ import pytest
 import torch
 
 from test_numerics import RTOL, max_rel_err
+import zhelpers
 
 try:
     from torch.distributed.fsdp import fully_shard  # noqa: F401
@@ -58,7 +59,7 @@ def launch(world, sock, mode, job, out, *args):
     outputs = []
     for p in procs:
         try:
-            outputs.append(p.communicate(timeout=300)[0])
+            outputs.append(p.communicate(timeout=zhelpers.HANG_S)[0])
         except subprocess.TimeoutExpired:
             for q in procs:
                 q.kill()
@@ -159,7 +160,6 @@ def test_hsdp_four_ranks(daemon, tmp_path):
 def saved(tmp_path_factory):
     """Two ranks train 5 steps and save (DCP, and the streaming checkpoint), then 5 more;
     a fresh pair resumes from the DCP checkpoint."""
-    import zhelpers
     d = zhelpers.Daemon()
     out = tmp_path_factory.mktemp("fsdp2-ckpt")
     try:

@@ -105,7 +105,7 @@ def test_accelerate_save_and_load_state(daemon, tmp_path):
 def torchrun(*args):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
            "2", os.path.join(EXAMPLES, "hf_trainer.py"), *map(str, args)]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=zhelpers.HANG_S)
     assert r.returncode == 0, r.stderr[-4000:]
 
 

@@ -26,7 +26,7 @@ LR = 2e-3           # worker.LR
 
 def run_worker(*args, env=None, expect=0):
     r = subprocess.run([sys.executable, WORKER, *map(str, args)], capture_output=True,
-                       text=True, timeout=120, env=env)
+                       text=True, timeout=zhelpers.HANG_S, env=env)
     assert r.returncode == expect, r.stderr
     return r.stdout
 
@@ -121,7 +121,7 @@ def launch(sock, world, steps, kill=False):
              for rank in range(world)]
     jobs = []
     for rank, p in enumerate(procs):
-        out, err = p.communicate(timeout=120)
+        out, err = p.communicate(timeout=zhelpers.HANG_S)
         assert p.returncode == (-9 if kill else 0), f"rank {rank}: {err}"
         (line,) = [ln for ln in out.splitlines() if ln.startswith("JOB ")]
         name, resumed = line.split()[1:]

@@ -120,10 +120,10 @@ def test_killed_trainer_takes_its_state_back(daemon, tmp_path):
     full = tmp_path / "full.pt"
     # The run that dies after step 5, and one that trains 10 steps uninterrupted.
     r = subprocess.run([sys.executable, WORKER, "train", daemon.socket, "crash", "10",
-                        str(after5), "5"], capture_output=True, text=True, timeout=120)
+                        str(after5), "5"], capture_output=True, text=True, timeout=zhelpers.HANG_S)
     assert r.returncode == -9, r.stderr
     r = subprocess.run([sys.executable, WORKER, "train", daemon.socket, "whole", "10",
-                        str(full)], capture_output=True, text=True, timeout=120)
+                        str(full)], capture_output=True, text=True, timeout=zhelpers.HANG_S)
     assert r.returncode == 0, r.stderr
     m = zhelpers.model(seed=999)        # fresh weights: the daemon's must replace them
     with warnings.catch_warnings(record=True) as caught:

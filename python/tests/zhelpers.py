@@ -11,6 +11,10 @@ import time
 import torch
 
 ZOFFLOADD = os.environ.get("ZOFFLOADD", "")
+# How long a child process may take before it is taken for hung.  A guard against a hang, not
+# a limit on speed: a child that takes 30 s alone took over 120 s on two cores shared with a
+# build and the other meson test, so this is far past anything a loaded machine makes of it.
+HANG_S = 600
 
 
 class Daemon:
