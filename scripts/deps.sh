@@ -5,12 +5,12 @@
 # also what the tests use (Criterion, pytest and torch, fio for the swap benchmark, clang for
 # the fuzzers and the clang build, systemd-analyze for the unit, promtool, prometheus and curl
 # for the metrics endpoint, python3-venv for the checkpoint test's venv in which it installs
-# safetensors from PyPI).
+# safetensors from PyPI, ccache, which meson uses where it finds it, for the test builds).
 ZOFFLOAD_BUILD_PACKAGES="build-essential pkg-config meson ninja-build liburing-dev libnuma-dev
 libjemalloc-dev libevent-dev libcjson-dev python3-dev scdoc"
 ZOFFLOAD_TORCH_PACKAGES="python3-torch python3-numpy"
 ZOFFLOAD_TEST_PACKAGES="libcriterion-dev fio clang libclang-rt-14-dev systemd python3-pytest
-prometheus curl python3-venv $ZOFFLOAD_TORCH_PACKAGES"
+prometheus curl python3-venv ccache $ZOFFLOAD_TORCH_PACKAGES"
 
 install_deps() {
 	local missing=() pkg packages=$ZOFFLOAD_BUILD_PACKAGES

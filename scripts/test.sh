@@ -55,7 +55,10 @@ else
 	meson setup "$build" "${setup[@]}" >/dev/null
 fi
 # A build dir set up by hand with the other compiler would test the wrong one.
-cc_cmd=$(awk '/^rule c_COMPILER$/ { getline; print $3; exit }' "$build/build.ninja")
+# The compiler after any launcher meson put first (ccache, where it is installed).
+cc_cmd=$(awk '/^rule c_COMPILER$/ { getline
+	for (i = 3; i <= NF; i++) if ($i != "ccache" && $i != "sccache") { print $i; exit } }' \
+	"$build/build.ninja")
 is_clang=0
 if [[ "$cc_cmd" == *clang* ]]; then is_clang=1; fi
 if [ $is_clang -ne $clang ]; then
