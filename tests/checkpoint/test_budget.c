@@ -205,6 +205,21 @@ scratch_file(void)
 	return file;
 }
 
+/* The answers to SAVES restores asked for as request ids 100 on: each read what its save wrote. */
+static void
+restores_read_back(int sock, uint32_t crc[SAVES][ZP_CKPT_ARRAYS])
+{
+	static struct zp_msg m;
+
+	for (unsigned done = 0; done < SAVES; done++) {
+		recv_type(sock, ZP_CKPT_DONE, &m);
+		cr_assert(m.hdr.request_id >= 100 && m.hdr.request_id < 100 + SAVES);
+		cr_assert_arr_eq(m.u.ckpt_done.crc, crc[m.hdr.request_id - 100], sizeof(crc[0]),
+		    "restore %llu read other bytes than its save wrote",
+		    (unsigned long long)m.hdr.request_id);
+	}
+}
+
 Test(budget, many_saves_of_one_uid_stay_within_its_budget)
 {
 	static struct zp_msg m;
@@ -291,13 +306,7 @@ Test(budget, many_saves_of_one_uid_stay_within_its_budget)
 	cr_assert_eq(stat_or_zero(c, "checkpoint", "transfers_waiting"), SAVES - started);
 	g.fd = open(g.gate, O_RDWR);
 	cr_assert_geq(g.fd, 0);
-	for (done = 0; done < SAVES; done++) {
-		recv_type(sock, ZP_CKPT_DONE, &m);
-		cr_assert(m.hdr.request_id >= 100 && m.hdr.request_id < 100 + SAVES);
-		cr_assert_arr_eq(m.u.ckpt_done.crc, crc[m.hdr.request_id - 100], sizeof(crc[0]),
-		    "restore %llu read other bytes than its save wrote",
-		    (unsigned long long)m.hdr.request_id);
-	}
+	restores_read_back(sock, crc);
 	cr_assert_eq(stat_or_zero(c, "checkpoint", "buffer_bytes"), 0);
 	zc_disconnect(c);
 	close(file);
@@ -448,13 +457,7 @@ Test(budget, a_reloaded_budget_applies_to_the_saves_waiting)
 	reload_budget(c, b, BUDGET);
 	for (unsigned k = 0; k < SAVES; k++)
 		send_xfer(sock, true, k + 1, k, 100 + k, file);
-	for (done = 0; done < SAVES; done++) {
-		recv_type(sock, ZP_CKPT_DONE, &m);
-		cr_assert(m.hdr.request_id >= 100 && m.hdr.request_id < 100 + SAVES);
-		cr_assert_arr_eq(m.u.ckpt_done.crc, crc[m.hdr.request_id - 100], sizeof(crc[0]),
-		    "restore %llu read other bytes than its save wrote",
-		    (unsigned long long)m.hdr.request_id);
-	}
+	restores_read_back(sock, crc);
 	cr_assert_eq(stat_or_zero(c, "checkpoint", "buffer_bytes"), 0);
 	cr_assert_eq(stat_or_zero(c, "checkpoint", "transfers_waiting"), 0);
 	zc_disconnect(c);
