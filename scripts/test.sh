@@ -13,6 +13,10 @@ cd "$(dirname "$0")/.."
 install_deps test
 pyenv_ensure
 
+# ccache (where meson found it): a clean clone elsewhere hits what an earlier one cached, the
+# paths under this checkout hashed as relative ones and the working directory left out.
+export CCACHE_BASEDIR="$PWD" CCACHE_NOHASHDIR=1
+
 sanitize=0
 clang=0
 while [ $# -gt 0 ]; do
