@@ -521,7 +521,7 @@ Test(refusal, missing_param_slot)
 Test(refusal, overlapping_swap_extents)
 {
 	static const char *const parts[] = { "rec", "grad", "param", "param2" };
-	char name[64], copy[64], why[128];
+	char name[64], copy[64];
 	unsigned id = 0;
 
 	kept_state();
@@ -546,7 +546,6 @@ Test(refusal, overlapping_swap_extents)
 		snprintf(run_.st.fds[run_.st.nfds].name, sizeof(run_.st.fds[0].name), "%s", copy);
 		run_.st.fds[run_.st.nfds++].fd = fd;
 	}
-	snprintf(why, sizeof(why), "cannot take back its extent on the swap paths, which "
-	    "another kept tensor's overlaps");
-	expect_refusal(why);
+	expect_refusal("cannot take back its extent on the swap paths, which another kept "
+	    "tensor's overlaps");
 }
