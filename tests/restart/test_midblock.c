@@ -40,6 +40,7 @@ teardown(void)
 	zrt_teardown(&run_);
 	unsetenv("ZOFFLOADD_TEST_STEP_GATE");
 	unsetenv("ZOFFLOADD_TEST_STEP_GATE_AT");
+	unsetenv("ZOFFLOADD_TEST_ADOPT_ENOMEM");
 	if (fifo_[0] != '\0')
 		unlink(fifo_);
 	if (dir_[0] != '\0')
@@ -223,31 +224,21 @@ step_thread(void *arg)
 
 
 /*
- * A refusal found during adoption writes nothing.  The daemon dies half way through
- * step 3 of 'w', with the journal holding its slice; the grad slot of the tensor kept last
- * (adopted after 'w') is kept back from the store.  The start refuses, naming it, and
- * every descriptor kept (the journal, each record, state and slot, the table, the swap
- * file) reads as before it.  Handed back, the next start adopts: the journal finishes
- * 'w''s slice and the steps go on to the uninterrupted run's bytes.
+ * The gated daemon SIGKILLed half way through step 3 of 'w', with the journal holding its
+ * slice: the name of the record kept last, the tensor a restart adopts after 'w'.
  */
-Test(midblock, refusal_writes_nothing)
+static void
+killed_in_step3(struct stepper *sp, char *last_id, size_t len)
 {
-	static uint64_t before[ZST_MAX_FDS];
-	struct stepper sp = { .failed = 0 };
-	char err[20000] = "", grad[64] = "", why[128];
 	struct pollfd p = { .events = POLLIN };
-	size_t bytes, nfds;
-	void *want = reference("fp32", ZC_ADAMW, STEPS, &bytes), *got = malloc(bytes);
-	unsigned stores, removes;
 	pthread_t th;
-	int status, held = -1;
+	int status;
 	char c;
 
-	cr_assert(got != NULL);
 	gated_setup("fp32", ZC_ADAMW, true);
 	p.fd = open(fifo_, O_RDONLY | O_NONBLOCK | O_CLOEXEC);
 	cr_assert_geq(p.fd, 0, "%s", strerror(errno));
-	cr_assert_eq(pthread_create(&th, NULL, step_thread, &sp), 0);
+	cr_assert_eq(pthread_create(&th, NULL, step_thread, sp), 0);
 	cr_assert(poll(&p, 1, 60000) == 1 && read(p.fd, &c, 1) == 1,
 	    "the daemon never reached its step gate\n%s", zst_log(&run_.st));
 	kill(run_.st.pid, SIGKILL);
@@ -255,16 +246,62 @@ Test(midblock, refusal_writes_nothing)
 	cr_assert(status >= 0 && WIFSIGNALED(status), "status 0x%x", status);
 	pthread_join(th, NULL);
 	close(p.fd);
-	cr_assert_eq(sp.failed, 3, "step %u failed, not the gated one", sp.failed);
-
-	/* The last record kept names the tensor adopted last: its grad slot is held back. */
+	cr_assert_eq(sp->failed, 3, "step %u failed, not the gated one", sp->failed);
+	last_id[0] = '\0';
 	for (size_t i = 0; i < run_.st.nfds; i++) {
 		const char *n = run_.st.fds[i].name;
-		size_t len = strlen(n);
+		size_t nl = strlen(n);
 
-		if (strncmp(n, "zt", 2) == 0 && len > 4 && strcmp(n + len - 4, ".rec") == 0)
-			snprintf(grad, sizeof(grad), "%.*s.grad", (int)(len - 4), n);
+		if (strncmp(n, "zt", 2) == 0 && nl > 6 && strcmp(n + nl - 4, ".rec") == 0)
+			snprintf(last_id, len, "%.*s", (int)(nl - 6), n + 2);
 	}
+	cr_assert(last_id[0] != '\0', "no tensor record kept");
+}
+
+/* Started again with what the store holds: adopted, and steps 3.. to the uninterrupted bytes. */
+static void
+resumed_to(const void *want, size_t bytes, struct stepper *sp)
+{
+	char err[20000] = "";
+	void *got = malloc(bytes);
+
+	cr_assert(got != NULL);
+	cr_assert_eq(zst_start(&run_.st, run_.argv), 0);
+	cr_assert_eq(zst_wait_ready(&run_.st, run_.st.readies + 1, 30), 0, "%s",
+	    zst_log(&run_.st));
+	cr_assert_eq(zrt_attach(&run_, true, err, sizeof(err)), 0, "%s", err);
+	for (unsigned step = 3; step <= STEPS; step++) {
+		cr_assert_eq(zrt_step(&run_, step, sp->submitted), 0, "step %u: %s / %s\n%s", step,
+		    zc_errmsg(run_.j[0].c), zc_errmsg(run_.j[1].c), zst_log(&run_.st));
+		memset(sp->submitted, 0, sizeof(sp->submitted));
+	}
+	zrt_snapshot(&run_, got);
+	same_bytes(got, want, bytes);
+	free(got);
+}
+
+#define SLICE_FINISHED "tensor 'w': a step cut short by the restart was made whole (1 slice(s) " \
+	"finished from the journal"
+
+/*
+ * A refusal found during adoption writes nothing.  The daemon dies half way through
+ * step 3 of 'w'; the grad slot of the tensor kept last is kept back from the store.  The
+ * start refuses, naming it, and every descriptor kept (the journal, each record, state and
+ * slot, the table, the swap file) reads as before it.  Handed back, the next start adopts:
+ * the journal finishes 'w''s slice and the steps go on to the uninterrupted run's bytes.
+ */
+Test(midblock, refusal_writes_nothing)
+{
+	static uint64_t before[ZST_MAX_FDS];
+	struct stepper sp = { .failed = 0 };
+	char id[24], grad[64], why[128];
+	size_t bytes, nfds;
+	void *want = reference("fp32", ZC_ADAMW, STEPS, &bytes);
+	unsigned stores, removes;
+	int held = -1;
+
+	killed_in_step3(&sp, id, sizeof(id));
+	snprintf(grad, sizeof(grad), "zt%s.grad", id);
 	for (size_t i = 0; i < run_.st.nfds && held < 0; i++) {
 		if (strcmp(run_.st.fds[i].name, grad) != 0)
 			continue;
@@ -284,8 +321,8 @@ Test(midblock, refusal_writes_nothing)
 	cr_assert_eq(zst_wait_ready(&run_.st, run_.st.readies + 1, 30), -ECHILD,
 	    "zoffloadd started with %s missing:\n%s", grad, zst_log(&run_.st));
 	zst_drain(&run_.st);
-	snprintf(why, sizeof(why), "refusing to start: tensor %.*s: its grad or param slot was "
-	    "not handed back", (int)(strlen(grad) - 5), grad);
+	snprintf(why, sizeof(why), "refusing to start: tensor zt%s: its grad or param slot was "
+	    "not handed back", id);
 	cr_assert(strstr(zst_log(&run_.st), why) != NULL, "wanted '%s' in:\n%s", why,
 	    zst_log(&run_.st));
 	cr_assert_eq(run_.st.nfds, nfds);
@@ -298,19 +335,37 @@ Test(midblock, refusal_writes_nothing)
 	/* Handed back: adopted, the slice finished, the steps on to the same bytes. */
 	snprintf(run_.st.fds[run_.st.nfds].name, sizeof(run_.st.fds[0].name), "%s", grad);
 	run_.st.fds[run_.st.nfds++].fd = held;
-	cr_assert_eq(zst_start(&run_.st, run_.argv), 0);
-	cr_assert_eq(zst_wait_ready(&run_.st, run_.st.readies + 1, 30), 0, "%s",
-	    zst_log(&run_.st));
-	cr_assert(strstr(zst_log(&run_.st), "tensor 'w': a step cut short by the restart was made "
-	    "whole (1 slice(s) finished from the journal") != NULL, "%s", zst_log(&run_.st));
-	cr_assert_eq(zrt_attach(&run_, true, err, sizeof(err)), 0, "%s", err);
-	for (unsigned step = 3; step <= STEPS; step++) {
-		cr_assert_eq(zrt_step(&run_, step, sp.submitted), 0, "step %u: %s / %s\n%s", step,
-		    zc_errmsg(run_.j[0].c), zc_errmsg(run_.j[1].c), zst_log(&run_.st));
-		memset(sp.submitted, 0, sizeof(sp.submitted));
-	}
-	zrt_snapshot(&run_, got);
-	same_bytes(got, want, bytes);
+	resumed_to(want, bytes, &sp);
+	cr_assert(strstr(zst_log(&run_.st), SLICE_FINISHED) != NULL, "%s", zst_log(&run_.st));
 	free(want);
-	free(got);
+}
+
+/*
+ * A start that fails for want of memory after it has adopted some tensors (a resource
+ * failure, which no check before adoption can foresee) leaves what it wrote as a death at
+ * that moment would: 'w''s slice finished from the journal, its record settled.  The next
+ * start takes that back and the steps go on to the uninterrupted run's bytes: nothing is
+ * stepped twice nor lost.
+ */
+Test(midblock, start_out_of_memory_part_way)
+{
+	struct stepper sp = { .failed = 0 };
+	char id[24], why[128];
+	size_t bytes;
+	void *want = reference("fp32", ZC_ADAMW, STEPS, &bytes);
+
+	killed_in_step3(&sp, id, sizeof(id));
+	setenv("ZOFFLOADD_TEST_ADOPT_ENOMEM", id, 1);
+	cr_assert_eq(zst_start(&run_.st, run_.argv), 0);
+	cr_assert_eq(zst_wait_ready(&run_.st, run_.st.readies + 1, 30), -ECHILD,
+	    "zoffloadd started though out of memory at tensor zt%s:\n%s", id, zst_log(&run_.st));
+	zst_drain(&run_.st);
+	unsetenv("ZOFFLOADD_TEST_ADOPT_ENOMEM");
+	snprintf(why, sizeof(why), "cannot take back its state: Cannot allocate memory");
+	cr_assert(strstr(zst_log(&run_.st), why) != NULL, "wanted '%s' in:\n%s", why,
+	    zst_log(&run_.st));
+	/* 'w' came first: the failed start finished its slice. */
+	cr_assert(strstr(zst_log(&run_.st), SLICE_FINISHED) != NULL, "%s", zst_log(&run_.st));
+	resumed_to(want, bytes, &sp);
+	free(want);
 }
