@@ -157,12 +157,18 @@ def train(rank, world, sock, job, out, offload, policy, steps):
     dist.all_gather_object(held, (len(opt._entries), coord,
                                   [p.to_local().detach().clone() for p in ours.parameters()]))
     result["held"] = held
+    stats = [None] * world
+    dist.all_gather_object(stats, opt.copy_stats())
+    result["copy_stats"] = stats
     if offload == "hsdp":
         result["restored"] = restored_hsdp(world, sock, job, out, ours, opt)
+    # Closed, the optimizer's slots go: the shards that were their views are FSDP2's again.
+    opt.close()
+    with torch.no_grad():
+        result["loss_after_close"] = float(loss_of(ours, 0, 0))
     if rank == 0:
         torch.save(result, out)
     dist.barrier()
-    opt.close()
 
 
 def clip(rank, world, sock, job, out, layout, steps, skip_at):

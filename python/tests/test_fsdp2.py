@@ -11,8 +11,10 @@ each forward through FSDP2's all-gather, show that what the step wrote into each
 is what FSDP2 computes with.
 
 Without CPUOffloadPolicy on a CPU run, the sharded params live on the mesh's device, the CPU:
-the same CPU-tensor path as with it (what differs is FSDP2's own copies, not ours).  The GPU
-path (shards on the GPU, copies to and from the slots) is not run here.
+the same CPU-tensor path as with it (what differs is FSDP2's own copies, not ours).  Either
+way an unpadded shard is its param slot's view (copy_stats() says which, and that no step
+copied them out), and after close() FSDP2's forward gives the same loss from shards of its
+own again.  The GPU path (shards on the GPU, copies to and from the slots) is not run here.
 
 Skipped (and said so) under a torch without fully_shard (1.13).
 """
@@ -85,6 +87,8 @@ def check_lockstep(r):
     first, (got, want) = r["first_loss"], r["final_loss"]
     assert first - want > 0.05, f"the loss barely moved: {first} -> {want}"
     assert abs(got - want) <= 1e-5 * want, f"FSDP2's forward: loss {got}, torch's {want}"
+    # The same forward once the optimizer is closed: the shards it viewed kept their values.
+    assert r["loss_after_close"] == got, (r["loss_after_close"], got)
 
 
 def check_clip(r):
@@ -113,6 +117,16 @@ def test_two_ranks_cpu_offload(daemon, tmp_path):
     job = the_job(r, "fsdp2-2")
     assert job["params"] == total and job["tensors"] == 2 * len(r["ours"])
     assert r["local_numels"][list(r["ours"]).index("head.bias")] == 19
+    # Each shard FSDP2 keeps unpadded is its param slot's view, so no step copies it out:
+    # all of rank 0's (the larger part of an uneven dim 0 is the padded size); rank 1's
+    # shards of an odd dim 0 (18 of 19 rows) are padded, so copied after every step.
+    padded = sum(1 for v in r["ours"].values() if v.shape[0] % 2)
+    first, last = r["copy_stats"]
+    assert first["params_viewed"] == len(r["ours"]) and first["param_copies"] == 0, first
+    assert not first["fallbacks"], first
+    assert padded and last["fallbacks"] == {"padded shard": padded}, last
+    assert last["params_viewed"] == len(r["ours"]) - padded, last
+    assert last["param_copies"] == padded * STEPS, last
 
 
 def test_four_ranks_on_the_mesh_device_nvme(make_daemon, tmp_path):
@@ -129,6 +143,9 @@ def test_four_ranks_on_the_mesh_device_nvme(make_daemon, tmp_path):
     assert job["params"] == sum(v.numel() for v in r["ours"].values())
     # 2 rows of the gate: one each on ranks 0-1, none on ranks 2-3, which register nothing.
     assert job["tensors"] == 4 * len(r["ours"]) - 2
+    # On the mesh's device (the CPU) the shards are views too: rank 0's, never padded.
+    first = r["copy_stats"][0]
+    assert first["params_viewed"] == len(r["ours"]) and first["param_copies"] == 0, first
 
 
 def test_hsdp_four_ranks(daemon, tmp_path):

@@ -21,12 +21,23 @@ bytes per replica.  ``state_dict()`` broadcasts the moments the same way, so tha
 replica returns them (DCP saves one copy of what is replicated): a collective, as DCP's
 calls are.  ``Replicate()`` on two mesh dimensions and ``Partial()`` are refused.
 
+A shard under ``fully_shard`` on the CPU (``CPUOffloadPolicy``, or a CPU mesh) is made a view
+of its param slot, as a plain CPU param is (torch.py, ``param_views``): FSDP2 all-gathers
+from the padded 1-D storage it keeps for the shard (``FSDPParam._sharded_param_data``), whose
+first rows are the local tensor; that storage becomes the slot, so each step's new params
+are what the next all-gather reads, with no copy out.  FSDP2 keeps a storage it finds
+already padded (``reset_sharded_param`` compares storages), so its later resets leave the
+view alone.  The slot holds the shard's elements and no more, so a padded shard (the last
+ranks' when dim 0 does not divide by the shard group) stays a copy, as does one FSDP2 pins
+(``pin_memory``: it would copy the shard into pinned memory of its own).
+
 The shard's place in the logical parameter, ``(offset, numel of the whole)``, is what the
 streaming checkpoint stores, so that a checkpoint made by N ranks restores into M: it is
 exact for shards along dim 0 (FSDP2's default), whose flattened local part is one range of
 the flattened whole; a shard along another dim is not one range and is refused there.
 """
 import math
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -36,6 +47,11 @@ try:
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 except ImportError:             # torch 1.13: no DTensor, nothing here applies
     DTensor = None
+try:
+    # Where fully_shard keeps each module's FSDPState (and so its FSDPParams): torch's own.
+    from torch.distributed import _composable_state
+except ImportError:
+    _composable_state = None
 
 
 def is_dtensor(t):
@@ -117,6 +133,59 @@ def like(p, flat):
     value = flat.view(loc.shape).to(loc.device)
     return DTensor.from_local(value, p.device_mesh, p.placements, run_check=False,
                               shape=p.shape, stride=p.stride())
+
+
+def _fsdp_index():
+    """{id(sharded param): FSDPParam} over every module fully_shard has sharded."""
+    index = {}
+    mapping = getattr(_composable_state, "_module_state_mapping", None) or {}
+    for ref in list(mapping.values()):
+        state = ref() if isinstance(ref, weakref.ref) else ref
+        groups = getattr(state, "_fsdp_param_groups", None)
+        if groups is None:
+            group = getattr(state, "_fsdp_param_group", None)
+            groups = [group] if group is not None else []
+        for group in groups:
+            for fp in getattr(group, "fsdp_params", ()):
+                index[id(fp.sharded_param)] = fp
+    return index
+
+
+def fsdp_param(p, cache):
+    """The FSDPParam (fully_shard's record of a sharded param) whose sharded param p is, or
+    None.  cache: a dict the caller keeps, filled again on a miss."""
+    if not is_dtensor(p):
+        return None
+    fp = cache.get(id(p))
+    if fp is None or fp.sharded_param is not p:
+        cache.clear()
+        cache.update(_fsdp_index())
+        fp = cache.get(id(p))
+    return fp if fp is not None and fp.sharded_param is p else None
+
+
+def view_refusal(p, fp):
+    """Why p's shard cannot be its param slot's view (None when it can; see above)."""
+    if fp is None:
+        return "DTensor outside fully_shard"
+    t = local(p)
+    data = getattr(fp, "_sharded_param_data", None)
+    if (type(data) is not torch.Tensor or type(t) is not torch.Tensor
+            or tuple(getattr(fp, "padded_sharded_param_size", ())) != tuple(t.shape)):
+        return "padded shard" if type(data) is torch.Tensor else "FSDP2's shard storage"
+    if getattr(fp, "pin_memory", False):
+        return "FSDP2 pins its shard"
+    if not t.is_contiguous() or data.data_ptr() != t.data_ptr():
+        return "FSDP2's shard storage"
+    return None
+
+
+def set_shard(p, fp, flat):
+    """p's shard and FSDP2's storage of it become flat (the shard's elements, 1-D): what the
+    next all-gather reads and what p.to_local() is."""
+    shape = local(p).shape
+    fp._sharded_param_data = flat
+    p._local_tensor = flat.view(shape)
 
 
 def place(p):

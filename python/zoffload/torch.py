@@ -43,8 +43,10 @@ tensor's shared-memory grad slot and the new parameters come back through its pa
   no copy out.  A write into it outside ``step()`` (``model.load_state_dict()``,
   ``p.data.normal_()``, numpy) is found at the next ``step()`` (the pages the process wrote
   become its own) and becomes the daemon's master, as torch's optimizers would take it;
-  ``p.data = ...`` makes p a copy again.  Other params (CUDA, DTensor shards, views into a
-  bigger buffer, ``overlap``) are copied into after each step; a write into such a CPU
+  ``p.data = ...`` makes p a copy again.  A DTensor param's shard under FSDP2 on the CPU is a
+  view the same way (FSDP2's storage of the shard is the slot; see _dtensor.py).  Other params
+  (CUDA, padded or pinned DTensor shards, views into a bigger buffer, ``overlap``) are copied
+  into after each step; a write into such a CPU
   param between steps is found at the next ``step()`` by comparing it bit for bit with its
   slot (4 bytes a param more read) and becomes the master in the same way.  A write into a
   CUDA param between steps is not seen (the comparison would cost the copy back it saves):
@@ -178,7 +180,8 @@ def _raw(t):
 
 class _Entry:
     """One parameter's tensor in the daemon and no-copy views of its slots."""
-    __slots__ = ("zt", "grad", "param", "view", "in_flight", "pins", "grad_view_ok", "gd")
+    __slots__ = ("zt", "grad", "param", "view", "in_flight", "pins", "grad_view_ok", "gd",
+                 "fsdp")
 
     def __init__(self, zt, grad_dtype, param_dtype):
         self.zt = zt
@@ -190,6 +193,7 @@ class _Entry:
             self.param = torch.frombuffer(zt.param, dtype=_TORCH_DTYPES[param_dtype])
         # The param view (see _view_refusal), once it is p's storage; else None.
         self.view = None
+        self.fsdp = None            # a viewed DTensor shard's FSDPParam (see _dtensor.py)
         self.in_flight = 0          # step submitted and not yet waited for
         self.pins = None            # _CudaPins: the slots registered with CUDA
 
@@ -272,6 +276,7 @@ class _ZoffloadOptimizer(torch.optim.Optimizer):
         self._empty = set()
         self._replicated = []       # HSDP's replicated params, in registration order
         self._group_index = {}
+        self._fsdp_cache = {}       # _dtensor.fsdp_param's
         self._hooks = []
         self._next_index = 0
         self._clip = None           # _clip.Clip: what clip_grad_norm_ left for step()
@@ -397,7 +402,7 @@ class _ZoffloadOptimizer(torch.optim.Optimizer):
         if p.device.type != "cpu":
             return "not a CPU tensor"
         if _dtensor.is_dtensor(p):
-            return "DTensor"        # FSDP2 owns the shard's storage
+            return _dtensor.view_refusal(p, _dtensor.fsdp_param(p, self._fsdp_cache))
         if p.layout != torch.strided or not p.is_contiguous():
             return "not contiguous"
         # torch 1.13 has _storage() (typed, sized in elements); 2.x untyped_storage().
@@ -449,10 +454,16 @@ class _ZoffloadOptimizer(torch.optim.Optimizer):
         view = zt.param_view if self._view_refusal(p) is None else None
         if view is not None:
             # p's storage becomes the view: it holds what the daemon's param slot holds
-            # (these params, or a taken-back state's), and p's own storage goes.
-            e.view = torch.frombuffer(view, dtype=p.dtype).view(p.shape)
-            with torch.no_grad():
-                p.data = e.view
+            # (these params, or a taken-back state's), and p's own storage goes.  A DTensor's
+            # shard: FSDP2's storage of it (see _dtensor.py).
+            flat = torch.frombuffer(view, dtype=p.dtype)
+            e.view = flat.view(_dtensor.local(p).shape)
+            if _dtensor.is_dtensor(p):
+                e.fsdp = _dtensor.fsdp_param(p, self._fsdp_cache)
+                _dtensor.set_shard(p, e.fsdp, flat)
+            else:
+                with torch.no_grad():
+                    p.data = e.view
         elif last:
             t = _dtensor.local(p)
             master = torch.empty(t.numel(), dtype=torch.float32)
@@ -595,7 +606,9 @@ class _ZoffloadOptimizer(torch.optim.Optimizer):
                 self._copies["param_writes_taken"] += 1
                 self._write_master(p, e)
             return
-        if p.data_ptr() != e.view.data_ptr() or p.dtype != e.view.dtype:
+        t = _dtensor.local(p)
+        if t.data_ptr() != e.view.data_ptr() or t.dtype != e.view.dtype:
+            # p.data = ..., or FSDP2 reset its shard (model.to(), load_state_dict(assign=True)).
             e.view = None
             self._fallbacks["p.data replaced"] += 1
             self._write_master(p, e)
@@ -882,10 +895,14 @@ def _drop_views(entries):
     for p, e in entries.items():
         if p.grad is not None and _dtensor.local(p.grad).data_ptr() == e.grad.data_ptr():
             p.grad = p.grad.clone()     # the slot goes away with the tensor
-        if e.view is not None and p.data_ptr() == e.view.data_ptr():
-            with torch.no_grad():
-                p.data = p.data.clone()     # and so does the param view
-        e.view = None
+        if e.view is not None and _dtensor.local(p).data_ptr() == e.view.data_ptr():
+            # And so does the param view (for a DTensor shard, FSDP2's storage of it).
+            if e.fsdp is not None:
+                _dtensor.set_shard(p, e.fsdp, e.view.reshape(-1).clone())
+            else:
+                with torch.no_grad():
+                    p.data = p.data.clone()
+        e.view = e.fsdp = None
         if e.pins is not None:
             e.pins.unpin()          # before unregister() unmaps (its hook would as well)
         e.grad = e.param = None
