@@ -3,9 +3,8 @@
 on the CPU, ~100 M fp32 parameters), zoffload.torch.AdamW beside the peers an FSDP2 user has:
 torch.optim.AdamW foreach, and AdamW(fused=True) where this torch steps DTensors with it; and
 the end-to-end training step (forward, backward, step) of each.  Measured in the same run on
-one zoffloadd started here, on one model whose sharded params every optimizer steps in turn
-(the values do not matter to the times), round by round so that no side gets the quieter
-moment by its place.  A figure is the best round's; each round's time is the slower rank's.
+one zoffloadd started here, each optimizer on a model of its own (the same seed and sizes),
+round by round so that no side gets the quieter moment by its place.  A figure is the best round's; each round's time is the slower rank's.
 
     PYTHONPATH=build-test/python $VENV/bin/python benchmarks/bench_fsdp2.py [--json] [--size M]
 
@@ -43,26 +42,38 @@ def worker(args):
     dist.init_process_group("gloo", rank=args.rank, world_size=args.world)
     d = 2048 if args.size >= 50 else 512
     layers = max(1, round(args.size * 1e6 / (d * d + d)))
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(*[torch.nn.Linear(d, d) for _ in range(layers)])
     mesh = init_device_mesh("cpu", (args.world,))
     policy = CPUOffloadPolicy(pin_memory=False)     # no CUDA here to pin with
-    for layer in model:
-        fully_shard(layer, mesh=mesh, offload_policy=policy)
-    fully_shard(model, mesh=mesh, offload_policy=policy)
+
+    def sharded_model():
+        torch.manual_seed(0)
+        m = torch.nn.Sequential(*[torch.nn.Linear(d, d) for _ in range(layers)])
+        for layer in m:
+            fully_shard(layer, mesh=mesh, offload_policy=policy)
+        fully_shard(m, mesh=mesh, offload_policy=policy)
+        return m
+
     x = torch.randn(args.batch, d)
     skipped = []
-    opts = {"zoffload": zoffload.torch.AdamW(model.parameters(), lr=1e-5, socket=args.socket,
-                                             job="bench-fsdp2"),
-            "torch_foreach": torch.optim.AdamW(model.parameters(), lr=1e-5, foreach=True)}
+    # A model of its own for each optimizer: one optimizer's writes into params another
+    # steps would make the other take them as a new master (ours) or fault in pages that
+    # are our param views (the peers), neither of which a real run does.
+    models = {"zoffload": sharded_model(), "torch_foreach": sharded_model()}
+    opts = {"zoffload": zoffload.torch.AdamW(models["zoffload"].parameters(), lr=1e-5,
+                                             socket=args.socket, job="bench-fsdp2"),
+            "torch_foreach": torch.optim.AdamW(models["torch_foreach"].parameters(), lr=1e-5,
+                                               foreach=True)}
     try:
-        fused = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
-        model(x).square().mean().backward()
+        models["torch_fused"] = sharded_model()
+        fused = torch.optim.AdamW(models["torch_fused"].parameters(), lr=1e-5, fused=True)
+        models["torch_fused"](x).square().mean().backward()
         fused.step()
         opts["torch_fused"] = fused
     except (RuntimeError, TypeError, NotImplementedError) as ex:
+        del models["torch_fused"]
         skipped.append(f"torch_fused: {type(ex).__name__}: {str(ex).splitlines()[0]}")
-    model(x).square().mean().backward()     # the grads every step takes
+    for m in models.values():
+        m(x).square().mean().backward()     # the grads every step takes
 
     def slowest(t):
         t = torch.tensor([t], dtype=torch.float64)
@@ -75,10 +86,10 @@ def worker(args):
         fn()
         return slowest(time.perf_counter() - t0)
 
-    def train_step(opt):
-        opt.zero_grad(set_to_none=True)
-        model(x).square().mean().backward()
-        opt.step()
+    def train_step(name):
+        opts[name].zero_grad(set_to_none=True)
+        models[name](x).square().mean().backward()
+        opts[name].step()
 
     times = {}
     for opt in opts.values():
@@ -88,8 +99,8 @@ def worker(args):
             times.setdefault("step_" + name, []).append(timed(opt.step))
     for _ in range(args.rounds):
         for name, opt in opts.items():
-            times.setdefault("train_" + name, []).append(timed(lambda: train_step(opt)))
-    nparams = sum(p.numel() for p in model.parameters())
+            times.setdefault("train_" + name, []).append(timed(lambda: train_step(name)))
+    nparams = sum(p.numel() for p in models["zoffload"].parameters())
     if args.rank == 0:
         print("RESULT " + json.dumps({"times": {k: min(v) for k, v in times.items()},
                                       "skipped": skipped, "params": nparams,
