@@ -170,9 +170,10 @@ def view_refusal(p, fp):
         return "DTensor outside fully_shard"
     t = local(p)
     data = getattr(fp, "_sharded_param_data", None)
-    if (type(data) is not torch.Tensor or type(t) is not torch.Tensor
-            or tuple(getattr(fp, "padded_sharded_param_size", ())) != tuple(t.shape)):
-        return "padded shard" if type(data) is torch.Tensor else "FSDP2's shard storage"
+    if type(data) is not torch.Tensor or type(t) is not torch.Tensor:
+        return "FSDP2's shard storage"
+    if tuple(getattr(fp, "padded_sharded_param_size", ())) != tuple(t.shape):
+        return "padded shard"
     if getattr(fp, "pin_memory", False):
         return "FSDP2 pins its shard"
     if not t.is_contiguous() or data.data_ptr() != t.data_ptr():
