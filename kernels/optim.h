@@ -129,6 +129,11 @@ struct zk_undo {
 #define ZK_UNDO_M 1024u
 #define ZK_UNDO_V 2048u
 #define ZK_UNDO_SCALES 3072u
+/*
+ * The fp32 vector kernels' unit (optim_simd.c says why this size): whole
+ * vectors of either width, within a slot.
+ */
+#define ZK_UNDO_UNIT 32u
 
 static inline uint64_t zk_undo_pack(uint64_t at, uint64_t count, unsigned slot)
 {
