@@ -23,6 +23,7 @@ higher is better; ratio = value / limit, >= 1 meets the target):
 Environment: $ZOFFLOADD (the daemon) defaults to build-test's.
 """
 import argparse
+import contextlib
 import json
 import os
 import signal
@@ -131,7 +132,9 @@ def main():
               free_port())
         return
     try:
-        import deepspeed  # noqa: F401
+        # DeepSpeed's logger writes to the stdout it finds at import: stderr, so --json stays JSON.
+        with contextlib.redirect_stdout(sys.stderr):
+            import deepspeed  # noqa: F401
     except ImportError as ex:
         sys.exit(f"bench_deepspeed: deepspeed is not importable here ({ex}): nothing to "
                  "compare with")

@@ -6,6 +6,7 @@
 #include <stdbool.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <sys/mman.h>
 #include <string.h>
 #include <unistd.h>
 
@@ -450,6 +451,11 @@ compute_bound(const struct opts *o, enum zk_isa isa, bool copy)
 
 		if (state == NULL || grad == NULL || (param_out && param == NULL))
 			die("out of memory for the compute bound");
+		/* In 2 MiB pages where the kernel gives them, as the daemon's state and slots are. */
+		(void)madvise(state, (3 * stride + 4095) / 4096 * 4096, MADV_HUGEPAGE);
+		(void)madvise(grad, ((size_t)n * io_size + 4095) / 4096 * 4096, MADV_HUGEPAGE);
+		if (param != NULL)
+			(void)madvise(param, ((size_t)n * io_size + 4095) / 4096 * 4096, MADV_HUGEPAGE);
 		ts[k] = (struct zk_tensor){ .master = (float *)state, .m = (float *)(state + stride),
 			.v = (float *)(state + 2 * stride), .grad = grad, .grad_dtype = dt_io,
 			.param = param, .param_dtype = dt_io, .n = n };

@@ -26,6 +26,7 @@ Environment: $ZOFFLOADD (the daemon) and $BENCH_TORCH_C (the C program) default 
 in build-test/.
 """
 import argparse
+import contextlib
 import gc
 import json
 import os
@@ -79,9 +80,11 @@ def torch_has_fused_cpu_adamw():
 def deepspeed_cpu_adam():
     """DeepSpeedCPUAdam's class when deepspeed imports and its op builds, else the reason."""
     try:
-        import deepspeed.ops.adam as ds_adam
-        from deepspeed.ops.op_builder import CPUAdamBuilder
-        CPUAdamBuilder().load(verbose=False)
+        # DeepSpeed's logger writes to the stdout it finds at import: stderr, so --json stays JSON.
+        with contextlib.redirect_stdout(sys.stderr):
+            import deepspeed.ops.adam as ds_adam
+            from deepspeed.ops.op_builder import CPUAdamBuilder
+            CPUAdamBuilder().load(verbose=False)
     except Exception as ex:         # ImportError, or the op's build failing
         return None, f"{type(ex).__name__}: {ex}".splitlines()[0]
     return ds_adam.DeepSpeedCPUAdam, None

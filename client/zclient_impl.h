@@ -260,6 +260,8 @@ int zci_reconnect_default(int *ret_ms);
  * are huge, and the daemon's mappings of them cheap to tear down.
  */
 void zci_advise_huge(void *map, size_t bytes);
+/* mmap(NULL, bytes, prot, MAP_SHARED, fd, 0) of a slot, large ones on a 2 MiB boundary. */
+void *zci_map_slot(size_t bytes, int prot, int fd);
 /* st_dev and st_ino of the file behind fd (0 when fstat fails). */
 void zci_file_id(int fd, uint64_t *dev, uint64_t *ino);
 

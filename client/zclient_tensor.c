@@ -235,8 +235,8 @@ zci_tensor_register(struct zc_conn *c, const struct zc_tensor_desc *desc, const 
 		    (unsigned long long)file_bytes(fds[0]), (unsigned long long)file_bytes(fds[1]));
 		goto fail_tensor;
 	}
-	t->grad = mmap(NULL, t->grad_bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fds[0], 0);
-	t->param = mmap(NULL, t->param_bytes, PROT_READ, MAP_SHARED, fds[1], 0);
+	t->grad = zci_map_slot(t->grad_bytes, PROT_READ | PROT_WRITE, fds[0]);
+	t->param = zci_map_slot(t->param_bytes, PROT_READ, fds[1]);
 	if (t->grad == MAP_FAILED || t->param == MAP_FAILED) {
 		r = zci_seterr(c, -errno, "map the slots of '%s': %s", desc->name, strerror(errno));
 		if (t->grad != MAP_FAILED)

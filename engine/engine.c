@@ -48,6 +48,7 @@ ze_engine_new(const struct ze_config *cfg, struct zs_swap *swap,
 		.numa_node = cfg->numa_node,
 		.require_pinned = cfg->require_pinned,
 		.hugepages = cfg->hugepages,
+		.collapse = cfg->hugepages,
 	}, &e->arena);
 	if (r < 0) {
 		snprintf(err, errlen, "%s %d: %s", cfg->numa_node_what != NULL ?

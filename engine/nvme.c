@@ -42,6 +42,7 @@ ze_nvme_start(struct ze_engine *e)
 		 * long (2.8 times its I/O bound, median of five runs; 1.08 now).
 		 */
 		.collapse = true,
+		.collapse_kept = true,
 	}, &e->staging_arena);
 	if (r < 0)
 		return r;

@@ -12,8 +12,6 @@
 
 #include "arena.h"
 
-/* Below this, transparent hugepages waste more than they save. */
-#define HUGEPAGE_MIN (4u << 20)
 #define HUGEPAGE_SIZE ((size_t)2 << 20)
 
 struct zt_arena {
@@ -71,8 +69,8 @@ round_up(size_t size, size_t align)
  * fd >= 0: the memory is that file's, shared (it outlives the process
  * wherever the descriptor is kept).
  */
-static void *
-map_aligned(size_t size, bool huge, int fd)
+void *
+zt_map_aligned(size_t size, bool huge, int fd)
 {
 	size_t span = huge ? size + HUGEPAGE_SIZE : size;
 	uintptr_t start, aligned;
@@ -110,17 +108,16 @@ map_aligned(size_t size, bool huge, int fd)
 #endif
 
 /*
- * Puts a file's mapping into 2 MiB pages (zt_arena_config.collapse).  A new
- * file gets one zero byte written per 2 MiB first: the collapse then fills
- * each huge page with zeros instead of copying 512 faulted-in small pages
- * (15 ms for 48 MiB against 200 ms), and on no pages at all it fails.  A
- * kept file is collapsed as it is, its contents copied.  Failure (an older
- * kernel, no huge page to be had) leaves small pages: slower I/O, still
- * correct.
+ * A new file gets one zero byte written per 2 MiB first: the collapse then
+ * fills each huge page with zeros instead of copying 512 faulted-in small
+ * pages (15 ms for 48 MiB against 200 ms), and on no pages at all it fails.
+ * A kept file is collapsed as it is, its contents copied.
  */
-static void
-collapse(char *p, size_t size, bool fresh)
+void
+zt_collapse(void *map, size_t size, bool fresh)
 {
+	char *p = map;
+
 	if (fresh)
 		for (size_t off = 0; off < size; off += HUGEPAGE_SIZE)
 			p[off] = 0;
@@ -137,7 +134,7 @@ arena_map(struct zt_arena *arena, size_t size, int fd, bool budget, void **ret,
 
 	if (budget && arena->used_bytes + size > arena->config.budget_bytes)
 		return -ENOSPC;
-	p = map_aligned(size, arena->config.hugepages && size >= HUGEPAGE_MIN, fd);
+	p = zt_map_aligned(size, arena->config.hugepages && size >= ZT_HUGEPAGE_MIN, fd);
 	if (p == NULL)
 		return -errno;
 	if (arena->config.numa_node >= 0) {
@@ -150,8 +147,9 @@ arena_map(struct zt_arena *arena, size_t size, int fd, bool budget, void **ret,
 			return err;
 		}
 	}
-	if (fd >= 0 && arena->config.collapse && arena->config.hugepages && size >= HUGEPAGE_MIN)
-		collapse(p, size, budget);
+	if (fd >= 0 && arena->config.collapse && arena->config.hugepages && size >= ZT_HUGEPAGE_MIN &&
+	    (budget || arena->config.collapse_kept))
+		zt_collapse(p, size, budget);
 	/*
 	 * mlock faults the pages in, on the bound node.  A kept file's pages are
 	 * in memory already (it was locked until its process died): they are

@@ -17,10 +17,16 @@ struct zt_arena_config {
 	 * With hugepages: large memfd allocations are also put into 2 MiB pages
 	 * with MADV_COLLAPSE, which shared memory does not take from MADV_HUGEPAGE
 	 * where /sys/kernel/mm/transparent_hugepage/shmem_enabled is never (a
-	 * common default).  For I/O buffers: see map_aligned.  A kept file's pages
-	 * are copied into them, its size in bytes, once.
+	 * common default).  For I/O buffers: see zt_map_aligned; for the state a
+	 * step streams, the pages' TLB reach.
 	 */
 	bool collapse;
+	/*
+	 * A kept file's pages are collapsed too: copied into huge pages, its size
+	 * in bytes, once.  Without it a kept file is left as its last process made
+	 * it (in huge pages where that one collapsed it), so a restart walks none of it.
+	 */
+	bool collapse_kept;
 };
 
 struct zt_arena_stats {
@@ -58,5 +64,21 @@ void zt_arena_release(struct zt_arena *arena, void *ptr, size_t size, bool pinne
 /* Budget may shrink below use: new allocations fail until enough is released. */
 void zt_arena_set_budget(struct zt_arena *arena, uint64_t budget_bytes);
 void zt_arena_get_stats(const struct zt_arena *arena, struct zt_arena_stats *ret);
+
+/* Below this, transparent hugepages waste more than they save. */
+#define ZT_HUGEPAGE_MIN ((size_t)4 << 20)
+/*
+ * size bytes of fd (shared) or of anonymous memory (fd -1), MADV_HUGEPAGE and
+ * on a 2 MiB boundary where huge, so that 2 MiB pages can back all of it.
+ * NULL with errno set on failure.
+ */
+void *zt_map_aligned(size_t size, bool huge, int fd);
+/*
+ * Puts a shared mapping of a memfd into 2 MiB pages (MADV_COLLAPSE, which
+ * does not depend on shmem_enabled).  fresh: the file is new and all zeros.
+ * Failure (an older kernel, no huge page to be had) leaves small pages: slower,
+ * still correct.
+ */
+void zt_collapse(void *p, size_t size, bool fresh);
 
 #endif

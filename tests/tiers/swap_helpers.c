@@ -1,4 +1,4 @@
-/* Helpers shared by the swap engine tests: temp dirs, engines, synchronous I/O. */
+/* Helpers shared by the tiers and engine tests: temp dirs, engines, synchronous I/O, huge pages. */
 #ifndef _GNU_SOURCE
 #define _GNU_SOURCE	/* statx, fallocate, O_DIRECT, strerrordesc_np */
 #endif
@@ -7,6 +7,9 @@
 #include <errno.h>
 #include <limits.h>
 #include <stdio.h>
+#include <stdbool.h>
+#include <stdint.h>
+#include <sys/mman.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
@@ -193,4 +196,52 @@ th_main(int argc, char **argv, const char *(*problem)(void))
 		result = !criterion_run_all_tests(tests);
 	criterion_finalize(tests);
 	return result;
+}
+
+#ifndef MADV_COLLAPSE
+#define MADV_COLLAPSE 25
+#endif
+
+/* KiB of the mapping holding p mapped by 2 MiB shared-memory pages (/proc/self/smaps). */
+unsigned long
+th_shmem_pmd_kib(const void *p)
+{
+	FILE *f = fopen("/proc/self/smaps", "r");
+	char line[512];
+	unsigned long lo, hi, kib = 0, v;
+	bool in = false;
+
+	cr_assert_not_null(f);
+	while (fgets(line, sizeof(line), f) != NULL) {
+		if (sscanf(line, "%lx-%lx ", &lo, &hi) == 2 && strchr(line, ':') > strchr(line, ' '))
+			in = lo <= (uintptr_t)p && (uintptr_t)p < hi;
+		else if (in && sscanf(line, "ShmemPmdMapped: %lu kB", &v) == 1)
+			kib = v;
+	}
+	fclose(f);
+	return kib;
+}
+
+/* Whether this kernel collapses shared memory at all (Linux 6.1, THP configured). */
+bool
+th_kernel_collapses_shmem(void)
+{
+	size_t size = 4u << 20, huge = 2u << 20;
+	int fd = memfd_create("probe", MFD_CLOEXEC);
+	char *span, *p;
+	bool ok;
+
+	cr_assert_geq(fd, 0);
+	cr_assert_eq(ftruncate(fd, (off_t)size), 0);
+	/* On a 2 MiB boundary, as the arena maps: elsewhere no page of the file can be huge. */
+	span = mmap(NULL, size + huge, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+	cr_assert_neq(span, MAP_FAILED);
+	p = (char *)(((uintptr_t)span + huge - 1) & ~(uintptr_t)(huge - 1));
+	cr_assert_neq(mmap(p, size, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_FIXED, fd, 0),
+	    MAP_FAILED);
+	memset(p, 1, size);
+	ok = madvise(p, size, MADV_COLLAPSE) == 0;
+	munmap(span, size + huge);
+	close(fd);
+	return ok;
 }

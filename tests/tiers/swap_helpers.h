@@ -1,4 +1,4 @@
-/* Helpers shared by the swap engine tests: temp dirs, engines, synchronous I/O. */
+/* Helpers shared by the tiers and engine tests: temp dirs, engines, synchronous I/O, huge pages. */
 #ifndef ZT_TEST_SWAP_HELPERS_H
 #define ZT_TEST_SWAP_HELPERS_H
 
@@ -35,5 +35,10 @@ const char *th_environment_problem(void);
 
 /* Criterion's runner behind an environment check that can skip (exit 77). */
 int th_main(int argc, char **argv, const char *(*problem)(void));
+
+/* KiB of the mapping holding p mapped by 2 MiB shared-memory pages (/proc/self/smaps). */
+unsigned long th_shmem_pmd_kib(const void *p);
+/* Whether this kernel collapses shared memory at all (Linux 6.1, THP configured). */
+bool th_kernel_collapses_shmem(void);
 
 #endif

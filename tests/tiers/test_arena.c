@@ -9,6 +9,7 @@
 #include <unistd.h>
 
 #include "arena.h"
+#include "swap_helpers.h"
 
 Test(arena, budget_and_release)
 {
@@ -51,54 +52,6 @@ Test(arena, missing_numa_node_refused)
 	cr_assert_null(a);
 }
 
-#ifndef MADV_COLLAPSE
-#define MADV_COLLAPSE 25
-#endif
-
-/* KiB of the mapping holding p mapped by 2 MiB shared-memory pages (/proc/self/smaps). */
-static unsigned long
-shmem_pmd_kib(const void *p)
-{
-	FILE *f = fopen("/proc/self/smaps", "r");
-	char line[512];
-	unsigned long lo, hi, kib = 0, v;
-	bool in = false;
-
-	cr_assert_not_null(f);
-	while (fgets(line, sizeof(line), f) != NULL) {
-		if (sscanf(line, "%lx-%lx ", &lo, &hi) == 2 && strchr(line, ':') > strchr(line, ' '))
-			in = lo <= (uintptr_t)p && (uintptr_t)p < hi;
-		else if (in && sscanf(line, "ShmemPmdMapped: %lu kB", &v) == 1)
-			kib = v;
-	}
-	fclose(f);
-	return kib;
-}
-
-/* Whether this kernel collapses shared memory at all (Linux 6.1, THP configured). */
-static bool
-kernel_collapses_shmem(void)
-{
-	size_t size = 4u << 20, huge = 2u << 20;
-	int fd = memfd_create("probe", MFD_CLOEXEC);
-	char *span, *p;
-	bool ok;
-
-	cr_assert_geq(fd, 0);
-	cr_assert_eq(ftruncate(fd, (off_t)size), 0);
-	/* On a 2 MiB boundary, as the arena maps: elsewhere no page of the file can be huge. */
-	span = mmap(NULL, size + huge, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-	cr_assert_neq(span, MAP_FAILED);
-	p = (char *)(((uintptr_t)span + huge - 1) & ~(uintptr_t)(huge - 1));
-	cr_assert_neq(mmap(p, size, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_FIXED, fd, 0),
-	    MAP_FAILED);
-	memset(p, 1, size);
-	ok = madvise(p, size, MADV_COLLAPSE) == 0;
-	munmap(span, size + huge);
-	close(fd);
-	return ok;
-}
-
 /*
  * A memfd allocation with collapse is in 2 MiB pages whatever shmem_enabled says
  * (the NVMe staging buffers: from 4 KiB pages the swap engine read at 0.36x), and a
@@ -109,20 +62,20 @@ kernel_collapses_shmem(void)
 Test(arena, memfd_collapsed_into_huge_pages)
 {
 	struct zt_arena_config c = { .budget_bytes = 64u << 20, .numa_node = -1,
-		.hugepages = true, .collapse = true };
+		.hugepages = true, .collapse = true, .collapse_kept = true };
 	size_t size = 12u << 20;
 	struct zt_arena *a;
 	unsigned char *p;
 	bool pinned;
 	int fd, kept;
 
-	if (!kernel_collapses_shmem())
+	if (!th_kernel_collapses_shmem())
 		cr_skip_test("this kernel does not collapse shared memory into huge pages");
 	cr_assert_eq(zt_arena_new(&c, &a), 0);
 	cr_assert_eq(zt_arena_alloc_fd(a, size, "collapse-test", -1, (void **)&p, &pinned, &fd), 0);
 	cr_assert_eq((uintptr_t)p % (2u << 20), 0);
-	cr_assert_eq(shmem_pmd_kib(p), size / 1024, "%lu KiB of %zu in 2 MiB pages",
-	    shmem_pmd_kib(p), size / 1024);
+	cr_assert_eq(th_shmem_pmd_kib(p), size / 1024, "%lu KiB of %zu in 2 MiB pages",
+	    th_shmem_pmd_kib(p), size / 1024);
 	for (size_t i = 0; i < size; i += 4096)
 		cr_assert_eq(p[i], 0, "byte %zu of a new allocation is not zero", i);
 	for (size_t i = 0; i < size; i++)
@@ -139,9 +92,52 @@ Test(arena, memfd_collapsed_into_huge_pages)
 	munmap(p, size);
 	cr_assert_eq(zt_arena_alloc_fd(a, size, "collapse-test", kept, (void **)&p, &pinned, &fd), 0);
 	cr_assert_eq(fd, kept);
-	cr_assert_eq(shmem_pmd_kib(p), size / 1024);
+	cr_assert_eq(th_shmem_pmd_kib(p), size / 1024);
 	for (size_t i = 0; i < size; i++)
 		cr_assert_eq(p[i], (unsigned char)(i * 7 + 3), "byte %zu of the kept file changed", i);
+	zt_arena_release(a, p, size, pinned);
+	close(kept);
+	zt_arena_free(a);
+}
+
+/*
+ * Without collapse_kept (the pinned state's arena) a new file is collapsed
+ * and a kept one mapped as it is: its huge pages mapped whole as they are
+ * touched, a part its last process left in small pages left so, nothing
+ * copied (a restart walks none of its state).
+ */
+Test(arena, kept_memfd_mapped_as_it_was_left)
+{
+	struct zt_arena_config c = { .budget_bytes = 64u << 20, .numa_node = -1,
+		.hugepages = true, .collapse = true };
+	size_t size = 12u << 20, huge = 2u << 20;
+	struct zt_arena *a;
+	unsigned char *p;
+	bool pinned;
+	int fd, kept;
+
+	if (!th_kernel_collapses_shmem())
+		cr_skip_test("this kernel does not collapse shared memory into huge pages");
+	cr_assert_eq(zt_arena_new(&c, &a), 0);
+	cr_assert_eq(zt_arena_alloc_fd(a, size, "kept-test", -1, (void **)&p, &pinned, &fd), 0);
+	cr_assert_eq(th_shmem_pmd_kib(p), size / 1024);
+	for (size_t i = 0; i < size; i++)
+		p[i] = (unsigned char)(i * 5 + 1);
+	zt_arena_release(a, p, size, pinned);
+
+	/* Its first huge page split into small ones by a punched hole. */
+	kept = fd;
+	p = mmap(NULL, size, PROT_READ | PROT_WRITE, MAP_SHARED, kept, 0);
+	cr_assert_neq(p, MAP_FAILED);
+	cr_assert_eq(fallocate(kept, FALLOC_FL_KEEP_SIZE | FALLOC_FL_PUNCH_HOLE, 0, 4096), 0);
+	for (size_t i = 0; i < 4096; i++)
+		p[i] = (unsigned char)(i * 5 + 1);
+	munmap(p, size);
+	cr_assert_eq(zt_arena_alloc_fd(a, size, "kept-test", kept, (void **)&p, &pinned, &fd), 0);
+	for (size_t i = 0; i < size; i++)
+		cr_assert_eq(p[i], (unsigned char)(i * 5 + 1), "byte %zu of the kept file changed", i);
+	cr_assert_eq(th_shmem_pmd_kib(p), (size - huge) / 1024, "%lu KiB of %zu in 2 MiB pages",
+	    th_shmem_pmd_kib(p), (size - huge) / 1024);
 	zt_arena_release(a, p, size, pinned);
 	close(kept);
 	zt_arena_free(a);
