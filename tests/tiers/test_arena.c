@@ -53,6 +53,22 @@ Test(arena, missing_numa_node_refused)
 }
 
 /*
+ * A kept file's first huge page split into small ones by a punched hole, its
+ * first 4 KiB written back as byte i was (i * mul + add).
+ */
+static void
+split_first_huge_page(int fd, size_t size, unsigned mul, unsigned add)
+{
+	unsigned char *p = mmap(NULL, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+
+	cr_assert_neq(p, MAP_FAILED);
+	cr_assert_eq(fallocate(fd, FALLOC_FL_KEEP_SIZE | FALLOC_FL_PUNCH_HOLE, 0, 4096), 0);
+	for (size_t i = 0; i < 4096; i++)
+		p[i] = (unsigned char)(i * mul + add);
+	munmap(p, size);
+}
+
+/*
  * A memfd allocation with collapse is in 2 MiB pages whatever shmem_enabled says
  * (the NVMe staging buffers: from 4 KiB pages the swap engine read at 0.36x), and a
  * kept file's contents survive its collapse (a staging buffer may hold a computed chunk
@@ -82,14 +98,9 @@ Test(arena, memfd_collapsed_into_huge_pages)
 		p[i] = (unsigned char)(i * 7 + 3);
 	zt_arena_release(a, p, size, pinned);
 
-	/* Kept: its first huge page split into small ones by a punched hole, then mapped back. */
+	/* Kept: its first huge page split into small ones, then mapped back. */
 	kept = fd;
-	p = mmap(NULL, size, PROT_READ | PROT_WRITE, MAP_SHARED, kept, 0);
-	cr_assert_neq(p, MAP_FAILED);
-	cr_assert_eq(fallocate(kept, FALLOC_FL_KEEP_SIZE | FALLOC_FL_PUNCH_HOLE, 0, 4096), 0);
-	for (size_t i = 0; i < 4096; i++)
-		p[i] = (unsigned char)(i * 7 + 3);
-	munmap(p, size);
+	split_first_huge_page(kept, size, 7, 3);
 	cr_assert_eq(zt_arena_alloc_fd(a, size, "collapse-test", kept, (void **)&p, &pinned, &fd), 0);
 	cr_assert_eq(fd, kept);
 	cr_assert_eq(th_shmem_pmd_kib(p), size / 1024);
@@ -125,14 +136,8 @@ Test(arena, kept_memfd_mapped_as_it_was_left)
 		p[i] = (unsigned char)(i * 5 + 1);
 	zt_arena_release(a, p, size, pinned);
 
-	/* Its first huge page split into small ones by a punched hole. */
 	kept = fd;
-	p = mmap(NULL, size, PROT_READ | PROT_WRITE, MAP_SHARED, kept, 0);
-	cr_assert_neq(p, MAP_FAILED);
-	cr_assert_eq(fallocate(kept, FALLOC_FL_KEEP_SIZE | FALLOC_FL_PUNCH_HOLE, 0, 4096), 0);
-	for (size_t i = 0; i < 4096; i++)
-		p[i] = (unsigned char)(i * 5 + 1);
-	munmap(p, size);
+	split_first_huge_page(kept, size, 5, 1);
 	cr_assert_eq(zt_arena_alloc_fd(a, size, "kept-test", kept, (void **)&p, &pinned, &fd), 0);
 	for (size_t i = 0; i < size; i++)
 		cr_assert_eq(p[i], (unsigned char)(i * 5 + 1), "byte %zu of the kept file changed", i);
