@@ -14,7 +14,7 @@ measured how each handles those instead of the step.  Each side runs in a proces
 (its memory counted alone), alternating, and each figure is the best of --rounds.
 
     PYTHONPATH=build-test/python TORCH_EXTENSIONS_DIR=... $VENV/bin/python \\
-        benchmarks/bench_deepspeed.py [--json] [--size 100]
+        benchmarks/bench_deepspeed.py [--json] [--size 100] [--clip 1.0]
 
 Figures (--json: a list of {name, value, unit, limit, ratio}; value = the peer's / ours, so
 higher is better; ratio = value / limit, >= 1 meets the target):
@@ -56,7 +56,7 @@ def cpu_seconds(pid):
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def child(which, size, steps, sock, daemon_pid, threads, port):
+def child(which, size, steps, sock, daemon_pid, threads, port, clip):
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port))
     import torch
@@ -83,6 +83,8 @@ def child(which, size, steps, sock, daemon_pid, threads, port):
                                  "contiguous_gradients": True,
                                  "offload_optimizer": {"device": "cpu", "pin_memory": False}},
            "steps_per_print": 1 << 30}
+    if clip:
+        cfg["gradient_clipping"] = clip
     if which == "ours":
         engine, opt, _, _ = zds.initialize(model=model, model_parameters=model.parameters(),
                                            config=cfg, job=f"bench-ds-{os.getpid()}",
@@ -123,6 +125,8 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--size", type=float, default=100, help="model size, M parameters")
+    ap.add_argument("--clip", type=float, default=0.0,
+                    help="the config's gradient_clipping (0: none), for both sides")
     ap.add_argument("--steps", type=int, default=5, help="timed, after two warm-up steps")
     ap.add_argument("--rounds", type=int, default=2, help="each figure the best round's")
     ap.add_argument("--threads", type=int, default=os.cpu_count(),
@@ -133,7 +137,7 @@ def main():
     args = ap.parse_args()
     if args.child:
         child(args.child, args.size, args.steps, args.socket, args.daemon_pid, args.threads,
-              free_port())
+              free_port(), args.clip)
         return
     try:
         # DeepSpeed's logger writes to the stdout it finds at import: stderr, so --json stays JSON.
@@ -151,8 +155,9 @@ def main():
                 for which in ("ours", "ref"):
                     out = subprocess.run(
                         [sys.executable, os.path.abspath(__file__), "--child", which,
-                         "--size", str(args.size), "--steps", str(args.steps), "--socket",
-                         sock, "--daemon-pid", str(proc.pid), "--threads", str(args.threads)],
+                         "--size", str(args.size), "--clip", str(args.clip), "--steps",
+                         str(args.steps), "--socket", sock, "--daemon-pid", str(proc.pid),
+                         "--threads", str(args.threads)],
                         capture_output=True, text=True)
                     if out.returncode != 0:
                         sys.exit(f"bench_deepspeed: the {which} run failed:\n"

@@ -398,6 +398,8 @@ def amp_run(which, dtype, stage, sock, job, rank=0, world=1):
     with deepspeed.zero.GatheredParameters(list(m.parameters())):
         out["params"] = [p.detach().float().clone() for p in m.parameters()]
     out["masters"] = fp32_partitions(engine)
+    if which == "ours":
+        out["folded"] = getattr(engine.optimizer.unscale_and_clip_grads, "folded", 0)
     engine.destroy()
     if which == "ours":
         zopt.close()
@@ -424,6 +426,29 @@ def test_mixed_precision_loss_scale_overflow_and_scheduler(daemon, process_group
     ref = amp_run("ref", dtype, stage, daemon.socket, None)
     other = amp_run("torch", dtype, stage, daemon.socket, None)
     check_amp(ours, ref, other, dtype, stage)
+
+
+@pytest.mark.parametrize("dtype, stage", [("fp16", 2), ("bf16", 1)])
+def test_unscale_and_clip_folded_into_the_step(daemon, process_group, monkeypatch, dtype,
+                                               stage):
+    """Under ZeRO-1/2 DeepSpeed's pass multiplying the gradients by 1 / (loss scale x clip)
+    is folded into the daemon's step (zoffload.deepspeed._fold_unscale): every step's factor
+    taken (fp16's 2**8 loss scale, clipping 1.0), and the same bits as with DeepSpeed's own
+    pass, on every loss and on the final masters and params."""
+    from deepspeed.accelerator import get_accelerator
+    import zoffload.deepspeed as zds
+
+    if dtype == "fp16":
+        monkeypatch.setattr(type(get_accelerator()), "is_fp16_supported", lambda self: True)
+    folded = amp_run("ours", dtype, stage, daemon.socket, f"fold-{dtype}-{stage}")
+    monkeypatch.setattr(zds, "_FOLD_UNSCALE", False)
+    passed = amp_run("ours", dtype, stage, daemon.socket, f"pass-{dtype}-{stage}")
+    skips = 1 if dtype == "fp16" else 0
+    assert folded["folded"] == AMP_STEPS - skips and passed["folded"] == 0
+    assert folded["losses"] == passed["losses"]
+    assert folded["skipped"] == passed["skipped"] and folded["scales"] == passed["scales"]
+    for a, b in zip(folded["masters"] + folded["params"], passed["masters"] + passed["params"]):
+        assert torch.equal(a, b)
 
 
 def test_mixed_precision_two_processes(daemon, tmp_path):

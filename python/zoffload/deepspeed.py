@@ -27,6 +27,10 @@ zoffload.torch).  From the DeepSpeed config (``config``, ``config_params`` or
   launcher has no run id) gets a name rank 0 draws and shares over the process group, new at
   every launch.
 
+Under ZeRO-1/2 the gradients' unscale and clip (``gradient_clipping``, fp16's loss scale), a
+pass DeepSpeed makes over every gradient before the step, is folded into the daemon's step
+(``_fold_unscale``): the same bits, one pass fewer.
+
 Every other name of the module is DeepSpeed's own (``deepspeed.zero``, ``add_config_arguments``,
 ``init_distributed``, ...).
 
@@ -42,7 +46,7 @@ import secrets
 
 import torch
 
-from . import _zclient
+from . import _clip, _zclient
 from . import torch as zt
 
 __all__ = ["initialize", "optimizer_from_config"]
@@ -146,6 +150,42 @@ def _job_name(job):
         return "deepspeed-" + drawn[0]
 
 
+# Tests turn it off to compare against DeepSpeed's own pass.
+_FOLD_UNSCALE = True
+
+
+def _fold_unscale(zero, optimizer):
+    """Under ZeRO-1/2, DeepSpeed multiplies each flat gradient partition by 1 / (loss scale x
+    clip factor) just before the optimizer steps it, wherever gradient_clipping or a loss
+    scale is set: a pass over every gradient (read and write, 8 B a parameter), most steps by
+    1.  Here the daemon's step multiplies by the same factor as it loads each gradient (the
+    kernel's clip coefficient, an fp32 multiply as DeepSpeed's mul_ is), so the step's result
+    is the same bits and the pass is gone.  The factor is DeepSpeed's own: its method is run on
+    a one-element tensor of ones, which it leaves holding the fp32 factor it would multiply by
+    (or leaves at 1 where it would not multiply).  ZeRO-3's method is not replaced."""
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+    if not isinstance(zero, DeepSpeedZeroOptimizer) or zero.optimizer is not optimizer:
+        return
+    unscale = zero.unscale_and_clip_grads
+
+    def unscale_and_clip_grads(grad_groups_flat, total_norm):
+        first = grad_groups_flat[0] if grad_groups_flat else None
+        while isinstance(first, list):
+            first = first[0] if first else None
+        if first is None or first.dtype != torch.float32 or optimizer._clip is not None:
+            return unscale(grad_groups_flat, total_norm)
+        probe = torch.ones(1, dtype=first.dtype)
+        unscale([probe], total_norm)
+        factor = probe.item()
+        if factor != 1.0:
+            optimizer._clip = _clip.Clip(factor, False)
+        unscale_and_clip_grads.folded += 1
+
+    unscale_and_clip_grads.folded = 0
+    zero.unscale_and_clip_grads = unscale_and_clip_grads
+
+
 def initialize(args=None, model=None, optimizer=None, model_parameters=None,
                training_data=None, lr_scheduler=None, distributed_port=None, mpu=None,
                dist_init_required=None, collate_fn=None, config=None, mesh_param=None,
@@ -220,12 +260,15 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None,
         cfg["zero_allow_untested_optimizer"] = True
         cfg["zero_force_ds_cpu_optimizer"] = False
         kw = {} if distributed_port is None else {"distributed_port": distributed_port}
-        return deepspeed.initialize(args=args, model=model, optimizer=optimizer,
-                                    model_parameters=None, training_data=training_data,
-                                    lr_scheduler=lr_scheduler, mpu=mpu,
-                                    dist_init_required=dist_init_required,
-                                    collate_fn=collate_fn, config=cfg, mesh_param=mesh_param,
-                                    **kw)
+        out = deepspeed.initialize(args=args, model=model, optimizer=optimizer,
+                                   model_parameters=None, training_data=training_data,
+                                   lr_scheduler=lr_scheduler, mpu=mpu,
+                                   dist_init_required=dist_init_required,
+                                   collate_fn=collate_fn, config=cfg, mesh_param=mesh_param,
+                                   **kw)
+        if _FOLD_UNSCALE:
+            _fold_unscale(out[0].optimizer, optimizer)
+        return out
     except BaseException:
         if built:
             optimizer.close()
