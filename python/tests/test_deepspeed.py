@@ -494,3 +494,74 @@ def check_amp(ours, ref, other, dtype, stage):
     assert lw <= 1.5 * ln + 1e-5 and pw <= 1.5 * pn + 1e-3, \
         ("against DeepSpeedCPUAdam, further than torch's AdamW is", lw, pw, ln, pn)
     assert ours["losses"][-1] < ours["losses"][0] - 0.05
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_deepspeeds_fp32_and_grad_accessors_reach_the_daemons_tensors(daemon, process_group,
+                                                                      stage):
+    """deepspeed.utils' safe_get_full_grad, safe_get_full_fp32_param and
+    safe_set_full_fp32_param (what users, Trainer callbacks and checkpoint tools read and
+    write the masters and gradients through) reach the tensors the daemon steps, under
+    ZeRO-1/2 with offload_optimizer on the CPU.  DeepSpeed maps each model param to views of
+    its flat fp32 partition and of the partition's gradient, made once at initialize; the
+    partition's storage becomes the param slot's view and its gradient the grad slot at the
+    first step, so views made before read a dead copy: the initial masters and no gradient,
+    and a write through them was lost (the daemon never saw it).  Compared exactly: the
+    daemon's master and grad slot hold the very values DeepSpeed's views must show."""
+    import deepspeed
+    from deepspeed.utils import (safe_get_full_fp32_param, safe_get_full_grad,
+                                 safe_set_full_fp32_param)
+    import zoffload.deepspeed as zds
+
+    m = zhelpers.model(seed=12)
+    cfg = amp_config("bf16", stage)
+    del cfg["scheduler"]
+    engine, opt, _, _ = zds.initialize(model=m, model_parameters=m.parameters(), config=cfg,
+                                       job=f"accessors-{stage}", socket=daemon.socket)
+    zero, zopt = engine.optimizer, opt.optimizer
+    lps = [(g, lp) for g, group in enumerate(zero.bit16_groups) for lp in group]
+
+    def daemons(lp, g, what):
+        """lp's elements of the daemon's master ("master") or grad slot ("grad")."""
+        part = zero.single_partition_of_fp32_groups[g]
+        e = zopt._entries[part]
+        if what == "master":
+            flat = torch.empty(part.numel(), dtype=torch.float32)
+            e.zt.read("master", flat.numpy())
+        else:
+            flat = e.grad
+        frag = lp._hp_mapping.get_hp_fragment_address()
+        return flat.narrow(0, frag.start, frag.numel).view(lp.shape)
+
+    def train_step(step):
+        x, y = zhelpers.batch(step)
+        logits = engine(x)
+        loss = torch.nn.functional.cross_entropy(
+            logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1))
+        engine.backward(loss)
+        if step >= 2:       # from the second step the partition's gradient is the grad slot
+            for g, lp in lps:
+                got = safe_get_full_grad(lp)
+                assert torch.equal(got.float(), daemons(lp, g, "grad")), \
+                    f"step {step}: safe_get_full_grad is not the gradient the daemon steps"
+        engine.step()
+
+    try:
+        for step in range(1, 5):
+            train_step(step)
+            for g, lp in lps:
+                assert torch.equal(safe_get_full_fp32_param(lp), daemons(lp, g, "master")), \
+                    f"step {step}: safe_get_full_fp32_param is not the daemon's master"
+        g, lp = lps[0]
+        value = safe_get_full_fp32_param(lp) + 1.0
+        safe_set_full_fp32_param(lp, value)
+        assert torch.equal(safe_get_full_fp32_param(lp), value)
+        train_step(5)
+        # One AdamW step from the written master: at most a few lr away (|update| <= lr x
+        # |m^|/sqrt(v^) + lr x wd x |w|), where losing the write leaves it 1.0 away.
+        moved = (daemons(lp, g, "master") - value).abs().max().item()
+        assert moved < 20 * LR_MAX, f"the written master was not stepped ({moved} away)"
+        assert torch.equal(safe_get_full_fp32_param(lp), daemons(lp, g, "master"))
+    finally:
+        engine.destroy()
+        zopt.close()

@@ -186,6 +186,54 @@ def _fold_unscale(zero, optimizer):
     zero.unscale_and_clip_grads = unscale_and_clip_grads
 
 
+def _relink_after_steps(zero, optimizer):
+    """Under ZeRO-1/2 DeepSpeed maps each model param to views of its flat fp32 partition and
+    of the partition's gradient (its _hp_mapping and offload_gradient_dict), made once at
+    initialize.  zoffload.torch makes the partition's storage the param slot's view and its
+    gradient the grad slot at the first step, so those views went on reading the storages
+    it replaced: deepspeed.utils' safe_get_full_fp32_param gave the initial masters,
+    safe_get_full_grad no gradient, a safe_set_full_fp32_param was lost, and the dead
+    storages (8 B a parameter) were never freed.  After a step that replaced a storage,
+    DeepSpeed's own linking is run again over the storages as they are now; its optimizer
+    state's views are made anew at the next step, as DeepSpeed makes them at the first.
+    The same when close() hands the partitions private copies of the slots, which go away
+    (after engine.destroy(), which drops the param maps, only the gradient views are left to
+    let go of).  ZeRO-3 reads its partitions afresh at each access."""
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+    if not isinstance(zero, DeepSpeedZeroOptimizer) or zero.optimizer is not optimizer:
+        return
+    step = zero.step
+
+    def storages():
+        return [(p.data_ptr(), None if p.grad is None else p.grad.data_ptr())
+                for p in zero.single_partition_of_fp32_groups]
+
+    linked = storages()
+
+    def relinking_step(*args, **kwargs):
+        nonlocal linked
+        out = step(*args, **kwargs)
+        now = storages()
+        if now != linked and not (zero.cpu_offload and any(g is None for _, g in now)):
+            zero._link_all_hp_params()
+            zero._hp_optimizer_states_linked = False
+            linked = now
+            relinking_step.relinked += 1
+        return out
+
+    def views_dropped():
+        if any(getattr(lp, "_hp_mapping", None) is not None
+               for group in zero.bit16_groups for lp in group):
+            zero._link_all_hp_params()
+        elif zero.cpu_offload:
+            zero.offload_gradient_dict.clear()
+
+    relinking_step.relinked = 0
+    zero.step = relinking_step
+    optimizer._views_dropped_hooks.append(views_dropped)
+
+
 def initialize(args=None, model=None, optimizer=None, model_parameters=None,
                training_data=None, lr_scheduler=None, distributed_port=None, mpu=None,
                dist_init_required=None, collate_fn=None, config=None, mesh_param=None,
@@ -268,6 +316,7 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None,
                                    **kw)
         if _FOLD_UNSCALE:
             _fold_unscale(out[0].optimizer, optimizer)
+        _relink_after_steps(out[0].optimizer, optimizer)
         return out
     except BaseException:
         if built:

@@ -280,6 +280,9 @@ class _ZoffloadOptimizer(torch.optim.Optimizer):
         self._hooks = []
         self._next_index = 0
         self._clip = None           # _clip.Clip: what clip_grad_norm_ left for step()
+        # Called once close() has replaced the slot views a framework was handed (p's storage,
+        # p.grad) by copies: its own views of them must go too (zoffload.deepspeed).
+        self._views_dropped_hooks = []
         self._conn = _zclient.Connection(socket, reconnect_ms=reconnect_ms)
         self._conn.job_open(self.job, rank, world_size, policy=policy,
                             pinned_budget=pinned_budget, state_format=state_format)
@@ -873,6 +876,8 @@ class _ZoffloadOptimizer(torch.optim.Optimizer):
         self._hooks = []
         entries, self._entries = self._entries, {}
         _drop_views(entries)
+        for hook in self._views_dropped_hooks:
+            hook()
         for e in entries.values():
             e.zt.unregister()
         self._conn.close()
