@@ -23,7 +23,8 @@ higher is better; ratio = value / limit, >= 1 meets the target):
   speedup_vs_deepspeed_cpu_adam_iteration: forward, backward and step;
   host_memory_per_param_vs_deepspeed_cpu_adam: host bytes per parameter after training,
       proportional set size (shared pages counted once) of the trainer, and for ours also of
-      the daemon, less what they held before the model was built.
+      the daemon, less what they held before the model was built, each taken after the
+      trainer's malloc_trim (see trimmed_pss).
 Environment: $ZOFFLOADD (the daemon) defaults to build-test's.
 """
 import argparse
@@ -50,6 +51,17 @@ def pss_bytes(pid):
     raise RuntimeError(f"no Pss in /proc/{pid}/smaps_rollup")
 
 
+def trimmed_pss(pids):
+    """The trainer's and the daemon's PSS once the trainer's glibc has handed back the freed
+    heap pages it keeps (malloc_trim): how many it keeps varies from run to run by 8 B a
+    parameter on either side (25 or 33 B for DeepSpeedCPUAdam's run), which measured the
+    allocator's luck rather than what the run holds."""
+    import ctypes
+
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
+    return sum(pss_bytes(p) for p in pids)
+
+
 def cpu_seconds(pid):
     with open(f"/proc/{pid}/stat") as f:
         fields = f.read().rsplit(")", 1)[1].split()
@@ -70,7 +82,7 @@ def child(which, size, steps, sock, daemon_pid, threads, port, clip):
     DeepSpeedCPUAdam([torch.nn.Parameter(torch.zeros(1))])      # its op loaded beforehand
 
     pids = [os.getpid()] + ([daemon_pid] if which == "ours" else [])
-    before = sum(pss_bytes(p) for p in pids)
+    before = trimmed_pss(pids)
     torch.manual_seed(0)
     layers = []
     for _ in range(max(1, round(size * 1e6 / (WIDTH * WIDTH + 3 * WIDTH)))):
@@ -110,10 +122,12 @@ def child(which, size, steps, sock, daemon_pid, threads, port, clip):
             step_t.append(t2 - t1)
             iter_t.append(t2 - t0)
             daemon_cpu.append(c1 - c0)
-    after = sum(pss_bytes(p) for p in pids)
+    untrimmed = sum(pss_bytes(p) for p in pids)
+    after = trimmed_pss(pids)
     print(json.dumps({"params": nparams, "step_s": statistics.median(step_t),
                       "iter_s": statistics.median(iter_t),
                       "bytes_per_param": (after - before) / nparams,
+                      "untrimmed_bytes_per_param": (untrimmed - before) / nparams,
                       # The daemon's CPU time while the trainer ran forward and backward.
                       "daemon_cpu_fwd_bwd_s": statistics.median(daemon_cpu)}), flush=True)
     engine.destroy()
@@ -164,7 +178,8 @@ def main():
                                  f"{out.stdout[-3000:]}{out.stderr[-3000:]}")
                     got = json.loads(out.stdout.strip().splitlines()[-1])
                     b = best.setdefault(which, got)
-                    for k in ("step_s", "iter_s", "bytes_per_param", "daemon_cpu_fwd_bwd_s"):
+                    for k in ("step_s", "iter_s", "bytes_per_param", "untrimmed_bytes_per_param",
+                              "daemon_cpu_fwd_bwd_s"):
                         b[k] = min(b[k], got[k])
         finally:
             proc.send_signal(signal.SIGTERM)
@@ -180,7 +195,9 @@ def main():
                f"fp32 params, {args.threads} threads; engine.step() s: zoffload "
                f"{ours['step_s']:.4f}, DeepSpeedCPUAdam {ref['step_s']:.4f}; iteration s: "
                f"{ours['iter_s']:.4f} / {ref['iter_s']:.4f}; host bytes per param: "
-               f"{ours['bytes_per_param']:.1f} / {ref['bytes_per_param']:.1f}; the daemon's "
+               f"{ours['bytes_per_param']:.1f} / {ref['bytes_per_param']:.1f} (before "
+               f"malloc_trim: {ours['untrimmed_bytes_per_param']:.1f} / "
+               f"{ref['untrimmed_bytes_per_param']:.1f}); the daemon's "
                f"CPU during forward and backward: {ours['daemon_cpu_fwd_bwd_s']:.3f} s")
     if args.json:
         print(summary, file=sys.stderr)
