@@ -428,13 +428,14 @@ def test_mixed_precision_loss_scale_overflow_and_scheduler(daemon, process_group
     check_amp(ours, ref, other, dtype, stage)
 
 
-@pytest.mark.parametrize("dtype, stage", [("fp16", 2), ("bf16", 1)])
+@pytest.mark.parametrize("dtype, stage", [("fp16", 2), ("bf16", 1), ("fp16", 3), ("bf16", 3)])
 def test_unscale_and_clip_folded_into_the_step(daemon, process_group, monkeypatch, dtype,
                                                stage):
-    """Under ZeRO-1/2 DeepSpeed's pass multiplying the gradients by 1 / (loss scale x clip)
-    is folded into the daemon's step (zoffload.deepspeed._fold_unscale): every step's factor
-    taken (fp16's 2**8 loss scale, clipping 1.0), and the same bits as with DeepSpeed's own
-    pass, on every loss and on the final masters and params."""
+    """Under ZeRO DeepSpeed's pass multiplying the gradients by 1 / (loss scale x clip) is
+    folded into the daemon's step (zoffload.deepspeed._fold_unscale): every step's factor
+    taken (fp16's 2**8 loss scale, clipping 1.0; the model is one ZeRO-3 sub-group, so one
+    factor a step there too), and the same bits as with DeepSpeed's own pass, on every loss
+    and on the final masters and params."""
     from deepspeed.accelerator import get_accelerator
     import zoffload.deepspeed as zds
 

@@ -27,8 +27,8 @@ zoffload.torch).  From the DeepSpeed config (``config``, ``config_params`` or
   launcher has no run id) gets a name rank 0 draws and shares over the process group, new at
   every launch.
 
-Under ZeRO-1/2 the gradients' unscale and clip (``gradient_clipping``, fp16's loss scale), a
-pass DeepSpeed makes over every gradient before the step, is folded into the daemon's step
+Under ZeRO-1/2/3 the gradients' unscale and clip (``gradient_clipping``, fp16's loss scale),
+a pass DeepSpeed makes over every gradient before the step, is folded into the daemon's step
 (``_fold_unscale``): the same bits, one pass fewer.
 
 Every other name of the module is DeepSpeed's own (``deepspeed.zero``, ``add_config_arguments``,
@@ -155,28 +155,65 @@ _FOLD_UNSCALE = True
 
 
 def _fold_unscale(zero, optimizer):
-    """Under ZeRO-1/2, DeepSpeed multiplies each flat gradient partition by 1 / (loss scale x
-    clip factor) just before the optimizer steps it, wherever gradient_clipping or a loss
-    scale is set: a pass over every gradient (read and write, 8 B a parameter), most steps by
-    1.  Here the daemon's step multiplies by the same factor as it loads each gradient (the
-    kernel's clip coefficient, an fp32 multiply as DeepSpeed's mul_ is), so the step's result
-    is the same bits and the pass is gone.  The factor is DeepSpeed's own: its method is run on
-    a one-element tensor of ones, which it leaves holding the fp32 factor it would multiply by
-    (or leaves at 1 where it would not multiply).  ZeRO-3's method is not replaced."""
+    """Under ZeRO, DeepSpeed multiplies each flat gradient partition (ZeRO-1/2) or sub-group
+    (ZeRO-3) by 1 / (loss scale x clip factor) just before the optimizer steps it, wherever
+    gradient_clipping or a loss scale is set: a pass over every gradient (read and write, 8 B
+    a parameter), most steps by 1.  Here the daemon's step multiplies by the same factor as it
+    loads each gradient (the kernel's clip coefficient, an fp32 multiply as DeepSpeed's mul_
+    is), so the step's result is the same bits and the pass is gone.  The factor is
+    DeepSpeed's own: its method is run on a one-element tensor of ones, which it leaves
+    holding the fp32 factor it would multiply by (or leaves at 1 where it would not
+    multiply).  The factor is the next step()'s alone, which is the one of that partition or
+    sub-group."""
     from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+    from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
 
-    if not isinstance(zero, DeepSpeedZeroOptimizer) or zero.optimizer is not optimizer:
+    if zero.optimizer is not optimizer:
+        return
+    if isinstance(zero, DeepSpeedZeroOptimizer):
+        unscale_stage12 = zero.unscale_and_clip_grads
+
+        def factor_of(grad_groups_flat, total_norm):
+            first = grad_groups_flat[0] if grad_groups_flat else None
+            while isinstance(first, list):
+                first = first[0] if first else None
+            if first is None or first.dtype != torch.float32:
+                return None
+            probe = torch.ones(1, dtype=first.dtype)
+            unscale_stage12([probe], total_norm)
+            return probe
+    elif isinstance(zero, DeepSpeedZeroOptimizer_Stage3):
+        unscale_stage3 = zero.unscale_and_clip_grads
+
+        class _Probe:
+            """Stands for fp32_partitioned_groups_flat during one call of DeepSpeed's method:
+            every sub-group's gradient is the probe."""
+            def __init__(self, grad):
+                self.grad = grad
+
+            def __getitem__(self, sub_group_id):
+                return self
+
+        def factor_of(sub_group_id, total_norm):
+            groups = zero.fp32_partitioned_groups_flat
+            grad = groups[sub_group_id].grad
+            if grad is None or grad.dtype != torch.float32:
+                return None
+            probe = torch.ones(1, dtype=grad.dtype)
+            zero.fp32_partitioned_groups_flat = _Probe(probe)
+            try:
+                unscale_stage3(sub_group_id, total_norm)
+            finally:
+                zero.fp32_partitioned_groups_flat = groups
+            return probe
+    else:
         return
     unscale = zero.unscale_and_clip_grads
 
-    def unscale_and_clip_grads(grad_groups_flat, total_norm):
-        first = grad_groups_flat[0] if grad_groups_flat else None
-        while isinstance(first, list):
-            first = first[0] if first else None
-        if first is None or first.dtype != torch.float32 or optimizer._clip is not None:
-            return unscale(grad_groups_flat, total_norm)
-        probe = torch.ones(1, dtype=first.dtype)
-        unscale([probe], total_norm)
+    def unscale_and_clip_grads(grads, total_norm):
+        probe = None if optimizer._clip is not None else factor_of(grads, total_norm)
+        if probe is None:
+            return unscale(grads, total_norm)
         factor = probe.item()
         if factor != 1.0:
             optimizer._clip = _clip.Clip(factor, False)
