@@ -213,11 +213,20 @@ ze_param_flags(struct ze_tensor *t, bool resident, bool dirty)
 	}
 }
 
-/* Called when the last init bit is set: the bits are not looked at again. */
+/*
+ * Called when the last init bit is set: the bits are not looked at again (a record taken back
+ * reads them only while initialized is 0), so their pages, a bit an element, go back.  Once
+ * punched they read as zeros, which nothing reads; where the punch fails they are only kept.
+ */
 void
 ze_record_initialized(struct ze_tensor *t)
 {
+	uint64_t from = ROUND(t->rec->off_init);
+
 	DYN(t->rec)->initialized = 1;
+	if (from < t->rec_bytes)
+		(void)fallocate(t->rec_fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, (off_t)from,
+		    (off_t)(t->rec_bytes - from));
 }
 
 uint64_t ze_tensor_id(const struct ze_tensor *t) { return t->id; }

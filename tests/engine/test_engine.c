@@ -5,9 +5,11 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 
 #include "arena.h"
 #include "engine.h"
+#include "recover.h"
 #include "swap.h"
 #include "swap_helpers.h"
 
@@ -432,6 +434,36 @@ Test(engine, initialized_when_all_of_master_is_in_pinned)
 Test(engine, initialized_when_all_of_master_is_in_nvme)
 {
 	init_tracking(true);
+}
+
+/*
+ * The record's init bits, a bit an element (12 MiB for 100 M), are not looked at once every
+ * element was written: their pages go back then, and the record keeps its few stamp pages.
+ */
+Test(engine, init_bits_given_back_once_initialized)
+{
+	enum { N = 1 << 20 };
+	static float v[N];
+	struct ze_tensor_fds fds;
+	struct stat before, after;
+	struct ze_tensor *t;
+	struct rig g;
+
+	rig_start(&g, false);
+	t = make_tensor(&g, "w", N, ZE_POLICY_CPU, NULL, NULL, &g);
+	ze_tensor_fds(t, &fds);
+	fill(v, N, 5);
+	cr_assert_eq(xfer(&g, t, true, ZE_STATE_MASTER, 0, N - 64, v), 0);
+	cr_assert_not(ze_tensor_initialized(t));
+	cr_assert_eq(fstat(fds.record, &before), 0);
+	cr_assert_geq((uint64_t)before.st_blocks * 512, N / 8 - 4096, "the bits are in the record");
+	cr_assert_eq(xfer(&g, t, true, ZE_STATE_MASTER, N - 64, 64, v + N - 64), 0);
+	cr_assert(ze_tensor_initialized(t));
+	cr_assert_eq(fstat(fds.record, &after), 0);
+	cr_assert_leq((uint64_t)after.st_blocks * 512, 4 * 4096,
+	    "%llu bytes of the record still held", (unsigned long long)after.st_blocks * 512);
+	ze_tensor_free(t);
+	rig_stop(&g);
 }
 
 /* A failed initial write on NVMe does not count as written. */
