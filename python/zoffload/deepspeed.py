@@ -170,9 +170,8 @@ def _fold_unscale(zero, optimizer):
 
     if zero.optimizer is not optimizer:
         return
+    unscale = zero.unscale_and_clip_grads
     if isinstance(zero, DeepSpeedZeroOptimizer):
-        unscale_stage12 = zero.unscale_and_clip_grads
-
         def factor_of(grad_groups_flat, total_norm):
             first = grad_groups_flat[0] if grad_groups_flat else None
             while isinstance(first, list):
@@ -180,11 +179,9 @@ def _fold_unscale(zero, optimizer):
             if first is None or first.dtype != torch.float32:
                 return None
             probe = torch.ones(1, dtype=first.dtype)
-            unscale_stage12([probe], total_norm)
+            unscale([probe], total_norm)
             return probe
     elif isinstance(zero, DeepSpeedZeroOptimizer_Stage3):
-        unscale_stage3 = zero.unscale_and_clip_grads
-
         class _Probe:
             """Stands for fp32_partitioned_groups_flat during one call of DeepSpeed's method:
             every sub-group's gradient is the probe."""
@@ -202,13 +199,12 @@ def _fold_unscale(zero, optimizer):
             probe = torch.ones(1, dtype=grad.dtype)
             zero.fp32_partitioned_groups_flat = _Probe(probe)
             try:
-                unscale_stage3(sub_group_id, total_norm)
+                unscale(sub_group_id, total_norm)
             finally:
                 zero.fp32_partitioned_groups_flat = groups
             return probe
     else:
         return
-    unscale = zero.unscale_and_clip_grads
 
     def unscale_and_clip_grads(grads, total_norm):
         probe = None if optimizer._clip is not None else factor_of(grads, total_norm)
@@ -256,7 +252,6 @@ def _relink_after_steps(zero, optimizer):
             zero._link_all_hp_params()
             zero._hp_optimizer_states_linked = False
             linked = now
-            relinking_step.relinked += 1
         return out
 
     def views_dropped():
@@ -266,7 +261,6 @@ def _relink_after_steps(zero, optimizer):
         elif zero.cpu_offload:
             zero.offload_gradient_dict.clear()
 
-    relinking_step.relinked = 0
     zero.step = relinking_step
     optimizer._views_dropped_hooks.append(views_dropped)
 
