@@ -452,6 +452,35 @@ struct zc_checkpoint_entry {
 ZC_API int zc_checkpoint_save(struct zc_conn *conn, const char *dir,
     const struct zc_checkpoint_entry *entries, size_t nentries, const struct zc_step_params *last);
 
+/*
+ * Where a part of a tensor sits in its logical parameter: elements [offset, offset + count)
+ * of the tensor are elements [global_offset, global_offset + count) of global_name, a
+ * parameter of global_numel elements.  A framework's flat buffer (DeepSpeed's ZeRO
+ * partition) holds parts of several parameters and padding that belongs to none: it is
+ * saved and restored as one range per part, by the parameters' own names, so that any
+ * other layout of them restores it.
+ */
+struct zc_checkpoint_range {
+	uint64_t offset;		/* in the tensor */
+	uint64_t count;			/* > 0 */
+	const char *global_name;	/* not NULL */
+	uint64_t global_offset;
+	uint64_t global_numel;		/* > 0 */
+};
+struct zc_checkpoint_piece {
+	struct zc_tensor *tensor;
+	struct zc_checkpoint_range range;
+};
+
+/*
+ * zc_checkpoint_save of pieces of tensors: each piece's range is saved as a tensor of the
+ * file of its own (named TENSOR@OFFSET when it is not the whole tensor); elements in no
+ * piece are not saved.  The pieces of a tensor must not overlap (-EINVAL); for q8-moments
+ * state each starts on a 256-element block and ends on one or at the tensor's end.
+ */
+ZC_API int zc_checkpoint_save_pieces(struct zc_conn *conn, const char *dir,
+    const struct zc_checkpoint_piece *pieces, size_t npieces, const struct zc_step_params *last);
+
 /* A checkpoint directory opened for restoring: every rank file's header read and checked. */
 struct zc_checkpoint;
 ZC_API int zc_checkpoint_open(struct zc_conn *conn, const char *dir, struct zc_checkpoint **ret);
@@ -496,6 +525,18 @@ ZC_API void zc_checkpoint_allow_convert(struct zc_checkpoint *ckpt, bool allow);
 ZC_API int zc_tensors_register_checkpoint(struct zc_conn *conn, size_t n,
     const struct zc_tensor_desc *descs, struct zc_checkpoint *ckpt,
     const struct zc_checkpoint_place *places, enum zc_optim optim, struct zc_tensor **ret);
+
+/*
+ * zc_tensors_register_checkpoint with tensor i's state taken from nranges[i] ranges (the
+ * next nranges[i] of ranges, in turn): each range from whichever rank files hold it, as a
+ * place's.  Elements of a tensor in none of its ranges (a flat buffer's padding) start
+ * with a zero master and zero moments.  Ranges of a tensor that overlap or reach past its
+ * end: -EINVAL naming the tensor.
+ */
+ZC_API int zc_tensors_register_checkpoint_ranges(struct zc_conn *conn, size_t n,
+    const struct zc_tensor_desc *descs, struct zc_checkpoint *ckpt,
+    const struct zc_checkpoint_range *ranges, const size_t *nranges, enum zc_optim optim,
+    struct zc_tensor **ret);
 
 /* Conversions for clients that fill bf16/fp16 grad slots on the CPU. */
 ZC_API uint16_t zc_f32_to_bf16(float f);

@@ -45,8 +45,12 @@ hparams_json(const struct zc_step_params *p)
 	return text;
 }
 
+/* One piece of a save: a range of a tensor, a tensor of the file. */
 struct save_tensor {
-	const char *name;
+	const char *name;		/* in the file: the tensor's, or owned TENSOR@OFFSET */
+	char *owned_name;
+	struct zc_tensor *t;
+	uint64_t t_offset;		/* of the range in t */
 	const char *global_name;
 	uint64_t global_offset;
 	uint64_t global_numel;
@@ -58,6 +62,7 @@ struct save_tensor {
 	enum zck_arrays arrays;		/* its arrays, raw as the daemon keeps them */
 	uint64_t done;			/* elements written */
 	uint64_t req_n;			/* in the request in flight */
+	size_t next;			/* the tensor's next piece, or SIZE_MAX */
 };
 
 static void
@@ -155,8 +160,12 @@ pwrite_all(int fd, const void *buf, size_t len, uint64_t off)
 /* A save's tensors, each a chain of CKPT_WRITEs: their three arrays, a piece of each at a time. */
 struct save_set {
 	struct zc_conn *c;
-	const struct zc_checkpoint_entry *es;
 	struct save_tensor *ts;
+	/*
+	 * Chain i: a tensor's pieces in turn, its piece under way cur[i] (the daemon refuses a
+	 * transfer into a tensor that is in one).
+	 */
+	size_t *cur;
 	int fd;
 	uint64_t data_start;
 	const char *path;
@@ -168,7 +177,7 @@ save_advance(void *arg, size_t i, const struct zp_msg *reply)
 {
 	struct save_set *set = arg;
 	struct zc_conn *c = set->c;
-	struct save_tensor *st = &set->ts[i];
+	struct save_tensor *st = &set->ts[set->cur[i]];
 	struct zp_msg m = { .hdr = { .type = ZP_CKPT_WRITE } };
 	uint64_t n;
 	int r;
@@ -192,11 +201,15 @@ save_advance(void *arg, size_t i, const struct zp_msg *reply)
 		memcpy(st->crc, reply->u.ckpt_done.crc, sizeof(st->crc));
 		st->done += st->req_n;
 	}
-	if (st->done == st->numel)
-		return 0;
+	if (st->done == st->numel) {
+		if (st->next == SIZE_MAX)
+			return 0;
+		set->cur[i] = st->next;
+		st = &set->ts[st->next];
+	}
 	n = st->numel - st->done < SAVE_PIECE ? st->numel - st->done : SAVE_PIECE;
 	m.u.ckpt_write = (struct zp_ckpt_write){
-		.handle = set->es[i].tensor->handle, .offset = st->done, .count = n,
+		.handle = st->t->handle, .offset = st->t_offset + st->done, .count = n,
 		.format = (uint8_t)st->arrays,
 	};
 	for (unsigned k = 0; k < ZCK_ARRAYS; k++) {
@@ -252,32 +265,73 @@ release_replaced(struct zc_conn *c, int fd)
 		(void)zci_recv_reply(c, ZP_PONG, deadline);
 }
 
+/* Piece i against piece j of the same tensor: apart, or the error. */
 static int
-check_entries(struct zc_conn *c, const struct zc_checkpoint_entry *es, size_t n,
+check_apart(struct zc_conn *c, const struct zc_checkpoint_piece *pi,
+    const struct zc_checkpoint_piece *pj)
+{
+	uint64_t n = zc_tensor_numel(pi->tensor);
+	uint64_t lo = pi->range.offset > pj->range.offset ? pi->range.offset : pj->range.offset;
+	uint64_t hi = pi->range.offset + pi->range.count < pj->range.offset + pj->range.count ?
+	    pi->range.offset + pi->range.count : pj->range.offset + pj->range.count;
+
+	if (lo >= hi)
+		return 0;
+	if (pi->range.count == n && pj->range.count == n)
+		return zci_seterr(c, -EINVAL, "checkpoint: tensor '%s' is listed twice",
+		    pi->tensor->name);
+	return zci_seterr(c, -EINVAL, "checkpoint: elements %" PRIu64 "..%" PRIu64 " of tensor "
+	    "'%s' are in two pieces", lo, hi, pi->tensor->name);
+}
+
+static int
+check_pieces(struct zc_conn *c, const struct zc_checkpoint_piece *ps, size_t n,
     struct save_tensor *ts)
 {
 	for (size_t i = 0; i < n; i++) {
-		struct zc_tensor *t = es[i].tensor;
+		struct zc_tensor *t = ps[i].tensor;
+		const struct zc_checkpoint_range *rg = &ps[i].range;
+		uint64_t numel;
+		int r;
 
 		if (t == NULL || t->conn != c)
 			return zci_seterr(c, -EINVAL, "checkpoint entry %zu: not a tensor of this "
 			    "connection", i);
+		numel = zc_tensor_numel(t);
 		for (size_t j = 0; j < i; j++)
-			if (es[j].tensor == t)
-				return zci_seterr(c, -EINVAL, "checkpoint: tensor '%s' is listed twice",
-				    t->name);
+			if (ps[j].tensor == t && (r = check_apart(c, &ps[i], &ps[j])) < 0)
+				return r;
 		if (t->pending)
 			return zci_seterr(c, -EBUSY, "checkpoint: tensor '%s' is in a step; wait for "
 			    "it first", t->name);
-		ts[i].name = t->name;
+		ts[i].t = t;
 		ts[i].state_format = c->state_format[0] != '\0' ? c->state_format : "fp32";
 		for (unsigned a = 0; a < 3; a++)
 			if (strcmp(ts[i].state_format, zck_arrays_name((enum zck_arrays)a)) == 0)
 				ts[i].arrays = (enum zck_arrays)a;
-		ts[i].numel = zc_tensor_numel(t);
-		ts[i].global_name = es[i].global_name != NULL ? es[i].global_name : ts[i].name;
-		ts[i].global_offset = es[i].global_offset;
-		ts[i].global_numel = es[i].global_numel != 0 ? es[i].global_numel : ts[i].numel;
+		if (rg->count == 0 || rg->offset > numel || rg->count > numel - rg->offset)
+			return zci_seterr(c, -EINVAL, "checkpoint: tensor '%s' of %" PRIu64 " elements "
+			    "has no elements %" PRIu64 "..%" PRIu64 " to save", t->name, numel,
+			    rg->offset, rg->offset + rg->count);
+		if (ts[i].arrays == ZCK_ARRAYS_Q8 && (rg->offset % ZK_Q8_BLOCK != 0 ||
+		    (rg->count % ZK_Q8_BLOCK != 0 && rg->offset + rg->count != numel)))
+			return zci_seterr(c, -EINVAL, "checkpoint: tensor '%s': its piece %" PRIu64
+			    "..%" PRIu64 " splits a 256-element block of q8-moments state", t->name,
+			    rg->offset, rg->offset + rg->count);
+		ts[i].t_offset = rg->offset;
+		ts[i].numel = rg->count;
+		if (rg->count == numel) {
+			ts[i].name = t->name;
+		} else {
+			if (asprintf(&ts[i].owned_name, "%s@%" PRIu64, t->name, rg->offset) < 0) {
+				ts[i].owned_name = NULL;
+				return zci_seterr(c, -ENOMEM, "out of memory");
+			}
+			ts[i].name = ts[i].owned_name;
+		}
+		ts[i].global_name = rg->global_name != NULL ? rg->global_name : t->name;
+		ts[i].global_offset = rg->global_offset;
+		ts[i].global_numel = rg->global_numel != 0 ? rg->global_numel : ts[i].numel;
 		if (strlen(ts[i].global_name) == 0 || strlen(ts[i].global_name) > 255)
 			return zci_seterr(c, -EINVAL, "checkpoint: tensor '%s': global name must be 1 "
 			    "to 255 bytes", ts[i].name);
@@ -293,6 +347,33 @@ check_entries(struct zc_conn *c, const struct zc_checkpoint_entry *es, size_t n,
 int
 zc_checkpoint_save(struct zc_conn *c, const char *dir, const struct zc_checkpoint_entry *es,
     size_t n, const struct zc_step_params *last)
+{
+	struct zc_checkpoint_piece *ps;
+	int r;
+
+	if (es == NULL || n == 0)
+		return zc_checkpoint_save_pieces(c, dir, NULL, 0, last);
+	ps = calloc(n, sizeof(*ps));
+	if (ps == NULL)
+		return zci_seterr(c, -ENOMEM, "out of memory");
+	for (size_t i = 0; i < n; i++) {
+		struct zc_tensor *t = es[i].tensor;
+		bool ours = t != NULL && t->conn == c;
+
+		/* A whole tensor; check_pieces refuses what is not one of this connection. */
+		ps[i] = (struct zc_checkpoint_piece){ .tensor = t, .range = {
+			.count = ours ? zc_tensor_numel(t) : 1,
+			.global_name = es[i].global_name,
+			.global_offset = es[i].global_offset, .global_numel = es[i].global_numel } };
+	}
+	r = zc_checkpoint_save_pieces(c, dir, ps, n, last);
+	free(ps);
+	return r;
+}
+
+int
+zc_checkpoint_save_pieces(struct zc_conn *c, const char *dir,
+    const struct zc_checkpoint_piece *es, size_t n, const struct zc_step_params *last)
 {
 	char *path = NULL, *tmp = NULL, *hp = NULL, *head = NULL;
 	struct save_tensor *ts = NULL;
@@ -310,7 +391,7 @@ zc_checkpoint_save(struct zc_conn *c, const char *dir, const struct zc_checkpoin
 	ts = calloc(n, sizeof(*ts));
 	if (ts == NULL)
 		return zci_seterr(c, -ENOMEM, "out of memory");
-	r = check_entries(c, es, n, ts);
+	r = check_pieces(c, es, n, ts);
 	if (r < 0)
 		goto out;
 	/*
@@ -350,9 +431,31 @@ zc_checkpoint_save(struct zc_conn *c, const char *dir, const struct zc_checkpoin
 		goto out;
 	}
 	{
-		struct save_set set = { c, es, ts, fd, 8 + reserved, path };
+		struct save_set set = { c, ts, NULL, fd, 8 + reserved, path };
+		size_t nchains = 0;
 
-		r = zci_chains_run(c, n, SAVE_AHEAD, ZP_CKPT_WRITE, save_advance, &set);
+		set.cur = calloc(n, sizeof(*set.cur));
+		if (set.cur == NULL) {
+			r = zci_seterr(c, -ENOMEM, "out of memory");
+			goto out;
+		}
+		/* A tensor's first piece heads its chain; each later one follows the one before. */
+		for (size_t i = 0; i < n; i++) {
+			size_t k;
+
+			ts[i].next = SIZE_MAX;
+			for (k = 0; k < nchains && ts[set.cur[k]].t != ts[i].t; k++)
+				;
+			if (k == nchains) {
+				set.cur[nchains++] = i;
+				continue;
+			}
+			for (k = set.cur[k]; ts[k].next != SIZE_MAX; k = ts[k].next)
+				;
+			ts[k].next = i;
+		}
+		r = zci_chains_run(c, nchains, SAVE_AHEAD, ZP_CKPT_WRITE, save_advance, &set);
+		free(set.cur);
 	}
 	if (r < 0)
 		goto out;
@@ -412,6 +515,8 @@ out:
 	free(hp);
 	free(tmp);
 	free(path);
+	for (size_t i = 0; ts != NULL && i < n; i++)
+		free(ts[i].owned_name);
 	free(ts);
 	return r;
 }

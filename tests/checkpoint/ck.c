@@ -59,8 +59,8 @@ mix(uint64_t x)
 }
 
 /* In [-scale, scale): the same for an element whichever rank holds it. */
-static float
-value(unsigned p, uint64_t i, uint64_t step, float scale)
+float
+ck_value(unsigned p, uint64_t i, uint64_t step, float scale)
 {
 	uint64_t h = mix(((uint64_t)p << 56) ^ (step << 40) ^ i);
 
@@ -119,7 +119,7 @@ ck_job_start(struct ck_job *j, const struct itd *d, const char *name, unsigned w
 			desc_of(j, r, p, tname, sizeof(tname), &desc);
 			init = malloc(desc.numel * sizeof(float));
 			for (uint64_t i = 0; i < desc.numel; i++)
-				init[i] = value(p, j->r[r].off[p] + i, 0, 0.5f);
+				init[i] = ck_value(p, j->r[r].off[p] + i, 0, 0.5f);
 			cr_assert_eq(zc_tensor_register(j->r[r].c, &desc, init, &j->r[r].t[p]), 0,
 			    "%s: %s", tname, zc_errmsg(j->r[r].c));
 			free(init);
@@ -183,7 +183,7 @@ ck_job_steps(struct ck_job *j, uint64_t from, uint64_t to)
 					continue;
 				g = zc_tensor_grad_slot(j->r[r].t[p], NULL);
 				for (uint64_t i = 0; i < j->r[r].numel[p]; i++)
-					g[i] = value(p, j->r[r].off[p] + i, step, 0.01f);
+					g[i] = ck_value(p, j->r[r].off[p] + i, step, 0.01f);
 				ts[n++] = j->r[r].t[p];
 			}
 			cr_assert_eq(zc_step_submit(j->r[r].c, &sp, ts, n), 0, "%s",

@@ -66,6 +66,8 @@ void ck_job_close(struct ck_job *j);
 void ck_assert_same(const struct ck_state *a, const struct ck_state *b, const char *what);
 void ck_state_free(struct ck_state *s);
 struct zc_step_params ck_params(enum zc_optim optim, uint64_t step);
+/* Element i of parameter p at step (0: its initial value), in [-scale, scale). */
+float ck_value(unsigned p, uint64_t i, uint64_t step, float scale);
 /*
  * A daemon whose checkpoint I/O threads open gate (a FIFO, ZOFFLOADD_TEST_CKPT_GATE) for
  * reading before each job: one waits there until a writer holds the gate open (fd: the
