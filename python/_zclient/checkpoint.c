@@ -11,23 +11,43 @@
 
 #include "zpy.h"
 
-/* One (Tensor, global_name or None, global_offset, global_numel) tuple of checkpoint_save. */
+/* A str or None for a global name; -1 (raised) when it is neither. */
+static int
+parse_gname(PyObject *gname, const char **ret, const char *what, Py_ssize_t i)
+{
+	*ret = NULL;
+	if (gname == Py_None)
+		return 0;
+	*ret = PyUnicode_Check(gname) ? PyUnicode_AsUTF8(gname) : NULL;
+	if (*ret == NULL) {
+		if (!PyErr_Occurred())
+			PyErr_Format(PyExc_TypeError, "%s %zd: global_name must be a str or None",
+			    what, i);
+		return -1;
+	}
+	return 0;
+}
+
+/*
+ * One (Tensor, global_name or None, global_offset, global_numel[, offset, count]) tuple of
+ * checkpoint_save: the tensor's elements [offset, offset + count) (count 0: to its end).
+ */
 static int
 parse_save_entry(struct zpy_conn *conn, PyObject *item, Py_ssize_t i,
-    struct zc_checkpoint_entry *e, PyObject **tensor)
+    struct zc_checkpoint_piece *e, PyObject **tensor)
 {
 	PyObject *gname, *wrap;
-	unsigned long long off, gnumel;
+	unsigned long long off, gnumel, t_off = 0, count = 0;
 	struct zc_tensor **one;
 	size_t n;
 	int r;
 
-	if (!PyTuple_Check(item) || !PyArg_ParseTuple(item, "OOKK", tensor, &gname, &off,
-	    &gnumel)) {
+	if (!PyTuple_Check(item) || !PyArg_ParseTuple(item, "OOKK|KK", tensor, &gname, &off,
+	    &gnumel, &t_off, &count)) {
 		if (!PyErr_Occurred() || PyErr_ExceptionMatches(PyExc_TypeError)) {
 			PyErr_Clear();
 			PyErr_Format(PyExc_TypeError, "entry %zd: expected (Tensor, global_name or "
-			    "None, global_offset, global_numel), not %R", i, item);
+			    "None, global_offset, global_numel[, offset, count]), not %R", i, item);
 		}
 		return -1;
 	}
@@ -38,18 +58,18 @@ parse_save_entry(struct zpy_conn *conn, PyObject *item, Py_ssize_t i,
 		return -1;
 	e->tensor = one[0];
 	PyMem_Free(one);
-	e->global_name = NULL;
-	if (gname != Py_None) {
-		e->global_name = PyUnicode_Check(gname) ? PyUnicode_AsUTF8(gname) : NULL;
-		if (e->global_name == NULL) {
-			if (!PyErr_Occurred())
-				PyErr_Format(PyExc_TypeError, "entry %zd: global_name must be a str "
-				    "or None", i);
-			return -1;
-		}
+	if (parse_gname(gname, &e->range.global_name, "entry", i) < 0)
+		return -1;
+	if (count == 0) {
+		uint64_t numel = zc_tensor_numel(e->tensor);
+
+		/* An offset past the end: the library names it. */
+		count = t_off < numel ? numel - t_off : 1;
 	}
-	e->global_offset = off;
-	e->global_numel = gnumel;
+	e->range.offset = t_off;
+	e->range.count = count;
+	e->range.global_offset = off;
+	e->range.global_numel = gnumel;
 	return 0;
 }
 
@@ -59,7 +79,7 @@ zpy_checkpoint_save(struct zpy_conn *self, PyObject *args, PyObject *kw)
 	static char *kwlist[] = { "dir", "entries", "optim", "step", "lr", "beta1", "beta2",
 		"eps", "weight_decay", "lr_decay", NULL };
 	struct zc_step_params sp = { .beta1 = 0.9, .beta2 = 0.999, .eps = 1e-8 };
-	struct zc_checkpoint_entry *es = NULL;
+	struct zc_checkpoint_piece *es = NULL;
 	PyObject *dir, *seq, *fast = NULL, *ret = NULL;
 	unsigned long long step;
 	const char *optim;
@@ -95,7 +115,7 @@ zpy_checkpoint_save(struct zpy_conn *self, PyObject *args, PyObject *kw)
 		    < 0)
 			goto out;
 	}
-	ZPY_CALL(self, r, err, zc_checkpoint_save(self->c, PyBytes_AS_STRING(dir), es,
+	ZPY_CALL(self, r, err, zc_checkpoint_save_pieces(self->c, PyBytes_AS_STRING(dir), es,
 	    (size_t)n, &sp));
 	if (r < 0) {
 		zpy_raise_conn(self, r, err);
@@ -113,23 +133,53 @@ out:
 struct restore_item {
 	PyObject *name;
 	struct zc_tensor_desc desc;
-	struct zc_checkpoint_place place;
+	struct zc_checkpoint_range *ranges;	/* PyMem */
+	size_t nranges;
 };
 
+/* One (offset, count, global_name, global_offset, global_numel) of a tensor's ranges. */
+static int
+parse_range(PyObject *item, PyObject *name, Py_ssize_t k, struct zc_checkpoint_range *rg)
+{
+	PyObject *gname;
+	unsigned long long off, count, goff, gnumel;
+
+	if (!PyTuple_Check(item) || !PyArg_ParseTuple(item, "KKOKK", &off, &count, &gname, &goff,
+	    &gnumel)) {
+		if (!PyErr_Occurred() || PyErr_ExceptionMatches(PyExc_TypeError)) {
+			PyErr_Clear();
+			PyErr_Format(PyExc_TypeError, "tensor %R, range %zd: expected (offset, count, "
+			    "global_name, global_offset, global_numel), not %R", name, k, item);
+		}
+		return -1;
+	}
+	if (parse_gname(gname, &rg->global_name, "range", k) < 0)
+		return -1;
+	*rg = (struct zc_checkpoint_range){ off, count, rg->global_name, goff, gnumel };
+	return 0;
+}
+
+/*
+ * (name, numel, grad_dtype, param_dtype, global_name or None, global_offset, global_numel):
+ * the whole tensor at one place; (name, numel, grad_dtype, param_dtype, ranges): its
+ * ranges, a list of parse_range's tuples.
+ */
 static int
 parse_restore_item(PyObject *item, Py_ssize_t i, struct restore_item *it)
 {
-	PyObject *gd, *pd, *gname;
-	unsigned long long numel, off, gnumel;
+	PyObject *gd, *pd, *gname = Py_None, *ranges = NULL;
+	unsigned long long numel, off = 0, gnumel = 0;
+	bool by_ranges = PyTuple_Check(item) && PyTuple_GET_SIZE(item) == 5;
 	int g, p;
 
-	if (!PyTuple_Check(item) || !PyArg_ParseTuple(item, "UKOOOKK", &it->name, &numel, &gd,
-	    &pd, &gname, &off, &gnumel)) {
+	if (!PyTuple_Check(item) || !(by_ranges ?
+	    PyArg_ParseTuple(item, "UKOOO", &it->name, &numel, &gd, &pd, &ranges) :
+	    PyArg_ParseTuple(item, "UKOOOKK", &it->name, &numel, &gd, &pd, &gname, &off, &gnumel))) {
 		if (!PyErr_Occurred() || PyErr_ExceptionMatches(PyExc_TypeError)) {
 			PyErr_Clear();
 			PyErr_Format(PyExc_TypeError, "tensor %zd: expected (name, numel, grad_dtype, "
-			    "param_dtype, global_name or None, global_offset, global_numel), not %R",
-			    i, item);
+			    "param_dtype, global_name or None, global_offset, global_numel) or (name, "
+			    "numel, grad_dtype, param_dtype, ranges), not %R", i, item);
 		}
 		return -1;
 	}
@@ -147,18 +197,35 @@ parse_restore_item(PyObject *item, Py_ssize_t i, struct restore_item *it)
 	it->desc.numel = numel;
 	it->desc.grad_dtype = (enum zc_dtype)g;
 	it->desc.param_dtype = (enum zc_dtype)p;
-	it->place.global_name = NULL;
-	if (gname != Py_None) {
-		it->place.global_name = PyUnicode_Check(gname) ? PyUnicode_AsUTF8(gname) : NULL;
-		if (it->place.global_name == NULL) {
-			if (!PyErr_Occurred())
-				PyErr_Format(PyExc_TypeError, "tensor %R: global_name must be a str or "
-				    "None", it->name);
+	if (!by_ranges) {
+		it->ranges = PyMem_Calloc(1, sizeof(*it->ranges));
+		if (it->ranges == NULL) {
+			PyErr_NoMemory();
 			return -1;
 		}
+		it->nranges = 1;
+		if (parse_gname(gname, &it->ranges[0].global_name, "tensor", i) < 0)
+			return -1;
+		it->ranges[0].count = numel;
+		it->ranges[0].global_offset = off;
+		it->ranges[0].global_numel = gnumel;
+		return 0;
 	}
-	it->place.global_offset = off;
-	it->place.global_numel = gnumel;
+	if (!PyList_Check(ranges)) {
+		PyErr_Format(PyExc_TypeError, "tensor %R: ranges must be a list, not %R", it->name,
+		    ranges);
+		return -1;
+	}
+	it->nranges = (size_t)PyList_GET_SIZE(ranges);
+	it->ranges = PyMem_Calloc(it->nranges > 0 ? it->nranges : 1, sizeof(*it->ranges));
+	if (it->ranges == NULL) {
+		PyErr_NoMemory();
+		return -1;
+	}
+	for (size_t k = 0; k < it->nranges; k++)
+		if (parse_range(PyList_GET_ITEM(ranges, (Py_ssize_t)k), it->name, (Py_ssize_t)k,
+		    &it->ranges[k]) < 0)
+			return -1;
 	return 0;
 }
 
@@ -184,19 +251,26 @@ restore_all(struct zc_conn *c, const char *dir, struct restore_item *items, size
     struct zc_step_params *sp, char *err)
 {
 	struct zc_tensor_desc *descs = calloc(n > 0 ? n : 1, sizeof(*descs));
-	struct zc_checkpoint_place *places = calloc(n > 0 ? n : 1, sizeof(*places));
+	size_t *nranges = calloc(n > 0 ? n : 1, sizeof(*nranges)), total = 0, at = 0;
+	struct zc_checkpoint_range *ranges = NULL;
 	struct zc_checkpoint *ck = NULL;
 	int r;
 
-	if (descs == NULL || places == NULL) {
+	for (size_t i = 0; i < n; i++)
+		total += items[i].nranges;
+	ranges = calloc(total > 0 ? total : 1, sizeof(*ranges));
+	if (descs == NULL || nranges == NULL || ranges == NULL) {
 		free(descs);
-		free(places);
+		free(nranges);
+		free(ranges);
 		snprintf(err, ZPY_ERRLEN, "out of memory");
 		return -ENOMEM;
 	}
 	for (size_t i = 0; i < n; i++) {
 		descs[i] = items[i].desc;
-		places[i] = items[i].place;
+		nranges[i] = items[i].nranges;
+		memcpy(ranges + at, items[i].ranges, items[i].nranges * sizeof(*ranges));
+		at += items[i].nranges;
 	}
 	zc_conn_set_param_views(c, views);
 	r = zc_checkpoint_open(c, dir, &ck);
@@ -205,11 +279,13 @@ restore_all(struct zc_conn *c, const char *dir, struct restore_item *items, size
 		r = zc_checkpoint_step_params(ck, sp);
 	}
 	if (r >= 0)
-		r = zc_tensors_register_checkpoint(c, n, descs, ck, places, optim, ts);
+		r = zc_tensors_register_checkpoint_ranges(c, n, descs, ck, ranges, nranges, optim,
+		    ts);
 	if (r < 0)
 		snprintf(err, ZPY_ERRLEN, "%s", zc_errmsg(c));
 	zc_checkpoint_close(ck);
-	free(places);
+	free(ranges);
+	free(nranges);
 	free(descs);
 	return r;
 }
@@ -226,7 +302,7 @@ zpy_register_checkpoint(struct zpy_conn *self, PyObject *args, PyObject *kw)
 	enum zc_optim optim;
 	const char *oname;
 	char err[ZPY_ERRLEN], rerr[ZPY_ERRLEN];
-	Py_ssize_t n;
+	Py_ssize_t n = 0;
 	int r;
 
 	if (!PyArg_ParseTupleAndKeywords(args, kw, "O&Os|$pp:register_checkpoint", kwlist,
@@ -268,6 +344,8 @@ zpy_register_checkpoint(struct zpy_conn *self, PyObject *args, PyObject *kw)
 out:
 	Py_XDECREF(list);
 	PyMem_Free(ts);
+	for (Py_ssize_t i = 0; items != NULL && i < n; i++)
+		PyMem_Free(items[i].ranges);
 	PyMem_Free(items);
 	Py_XDECREF(fast);
 	Py_DECREF(dir);

@@ -583,17 +583,21 @@ static PyMethodDef conn_methods[] = {
 	{ "checkpoint_save", (PyCFunction)(void (*)(void))zpy_checkpoint_save,
 	  METH_VARARGS | METH_KEYWORDS,
 	  "checkpoint_save(dir, entries, optim, step, lr, beta1=0.9, beta2=0.999, eps=1e-8, "
-	  "weight_decay=0, lr_decay=0): save this rank's tensors into dir (zc_checkpoint_save).\n"
-	  "entries: (Tensor, global_name or None, global_offset, global_numel) tuples; the "
-	  "keywords are the last step's hyperparameters, saved with the file." },
+	  "weight_decay=0, lr_decay=0): save this rank's tensors into dir "
+	  "(zc_checkpoint_save_pieces).\n"
+	  "entries: (Tensor, global_name or None, global_offset, global_numel[, offset, count]) "
+	  "tuples, each the tensor's elements [offset, offset + count) (count 0, or none: to its "
+	  "end); the keywords are the last step's hyperparameters, saved with the file." },
 	{ "register_checkpoint", (PyCFunction)(void (*)(void))zpy_register_checkpoint,
 	  METH_VARARGS | METH_KEYWORDS,
 	  "register_checkpoint(dir, tensors, optim, *, convert=False, param_views=False) -> "
 	  "(list of Tensor, dict)\n"
 	  "tensors: (name, numel, grad_dtype, param_dtype, global_name or None, global_offset, "
-	  "global_numel) tuples, each registered with its state (master, moments, step) from "
-	  "the checkpoint in dir; all or none.  The dict: the hyperparameters saved with rank "
-	  "0's file (zc_checkpoint_step_params)." },
+	  "global_numel) tuples, or (name, numel, grad_dtype, param_dtype, ranges) with ranges "
+	  "a list of (offset, count, global_name, global_offset, global_numel), each "
+	  "registered with its state (master, moments, step) from the checkpoint in dir "
+	  "(elements in none of its ranges zero); all or none.  The dict: the hyperparameters "
+	  "saved with rank 0's file (zc_checkpoint_step_params)." },
 	{ NULL, NULL, 0, NULL },
 };
 

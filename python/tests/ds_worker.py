@@ -5,8 +5,10 @@ Every case of CASES in one process group, each with zoffload.torch.AdamW ("ours"
 DeepSpeed's DeepSpeedCPUAdam ("ref"): the small transformer of zhelpers under ZeRO stage 1, 2
 or 3 with offload_optimizer on the CPU, STEPS optimizer steps.  MODE "all": every case both
 ways; rank 0 saves {case/which: {"losses", "params"}} into OUT.  For "ckpt" cases ours also
-saves engine.save_checkpoint after step CKPT_AT into CKPT/case.  MODE "resume": only the
-ckpt cases, ours, from load_checkpoint of CKPT/case, steps CKPT_AT+1 to STEPS.  MODE "amp":
+saves engine.save_checkpoint after step CKPT_AT into CKPT/case, and zoffload.deepspeed's
+save_checkpoint into CKPT/case-streamed.  MODE "resume": only the ckpt cases, ours, from
+load_checkpoint of each, steps CKPT_AT+1 to STEPS.  MODE "reshard": the ckpt cases' streamed
+checkpoint, saved by another world size, loaded (see reshard()).  MODE "amp":
 test_deepspeed's mixed-precision runs (amp_run) for each of AMP_CASES, ours, DeepSpeedCPUAdam
 and torch's AdamW; rank 0 saves {dtype-stage/which: record} into OUT.
 """
@@ -79,12 +81,20 @@ def build(case, which, rank, job, socket):
     return m, engine
 
 
-def run(case, which, rank, world, job, socket, first=1, save_to=None, load_from=None):
+def run(case, which, rank, world, job, socket, first=1, save_to=None, load_from=None,
+        streamed=False):
+    """streamed: the checkpoint saved and loaded by zoffload.deepspeed's save_checkpoint /
+    load_checkpoint (the daemon's streaming checkpoint) rather than the engine's own."""
     import deepspeed
+    import zoffload.deepspeed as zds
 
     m, engine = build(case, which, rank, job, socket)
     if load_from is not None:
-        path, _ = engine.load_checkpoint(load_from)
+        if streamed:
+            path, client = zds.load_checkpoint(engine, load_from)
+            assert client.get("case") == case, client
+        else:
+            path, _ = engine.load_checkpoint(load_from)
         assert path is not None, f"nothing loaded from {load_from}"
     losses = []
     for step in range(first, STEPS + 1):
@@ -100,6 +110,8 @@ def run(case, which, rank, world, job, socket, first=1, save_to=None, load_from=
         losses.append(total / CASES[case]["accum"])
         if save_to is not None and step == CKPT_AT:
             engine.save_checkpoint(save_to, tag=f"step{step}")
+            zds.save_checkpoint(engine, save_to + "-streamed", tag=f"step{step}",
+                                client_state={"case": case})
     with deepspeed.zero.GatheredParameters(list(m.parameters())):
         params = [p.detach().clone() for p in m.parameters()]
     copies = None
@@ -109,6 +121,37 @@ def run(case, which, rank, world, job, socket, first=1, save_to=None, load_from=
     if which == "ours":
         engine.optimizer.optimizer.close()
     return {"losses": losses, "params": params, "copies": copies}
+
+
+def reshard(case, rank, world, job, socket, load_from, save_to):
+    """A streamed checkpoint of another world size loaded: every param's fp32 master as
+    DeepSpeed's safe_get_full_fp32_param reads it, the state saved again into save_to at
+    once, and the losses of the steps after."""
+    import deepspeed
+    import zoffload.deepspeed as zds
+    from deepspeed.utils import safe_get_full_fp32_param
+
+    m, engine = build(case, "ours", rank, job, socket)
+    path, _ = zds.load_checkpoint(engine, load_from)
+    assert path is not None, f"nothing loaded from {load_from}"
+    masters = {name: safe_get_full_fp32_param(p).detach().clone().reshape(-1)
+               for name, p in m.named_parameters()}
+    zds.save_checkpoint(engine, save_to, tag="again")
+    losses = []
+    for step in range(CKPT_AT + 1, CKPT_AT + 4):
+        for micro in range(CASES[case]["accum"]):
+            x, y = micro_batch(case, step, micro, rank, world)
+            logits = engine(x)
+            loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]),
+                                                     y.reshape(-1))
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.item())
+    with deepspeed.zero.GatheredParameters(list(m.parameters())):
+        params = [p.detach().clone() for p in m.parameters()]
+    engine.destroy()
+    engine.optimizer.optimizer.close()
+    return {"masters": masters, "losses": losses, "params": params}
 
 
 def main(rank, world, port, socket, out, mode, ckpt=None):
@@ -141,10 +184,19 @@ def main(rank, world, port, socket, out, mode, ckpt=None):
                         else None)
                 got[f"{case}/{which}"] = run(case, which, rank, world, f"{case}-{world}",
                                              socket, save_to=save)
-        elif CASES[case]["ckpt"]:
+        elif mode == "resume" and CASES[case]["ckpt"]:
             got[f"{case}/resumed"] = run(case, "ours", rank, world, f"{case}-{world}-resumed",
                                          socket, first=CKPT_AT + 1,
                                          load_from=os.path.join(ckpt, case))
+            got[f"{case}/streamed"] = run(case, "ours", rank, world, f"{case}-{world}-streamed",
+                                          socket, first=CKPT_AT + 1,
+                                          load_from=os.path.join(ckpt, case) + "-streamed",
+                                          streamed=True)
+        elif mode == "reshard" and CASES[case]["ckpt"] and CASES[case]["stage"] < 3:
+            # (ZeRO-3: DeepSpeed's own files refuse another world size.)
+            got[f"{case}/reshard"] = reshard(case, rank, world, f"{case}-{world}-reshard",
+                                             socket, os.path.join(ckpt, case) + "-streamed",
+                                             os.path.join(ckpt, f"{case}-resaved-{world}"))
     if rank == 0:
         torch.save(got, out)
     deepspeed.comm.barrier()

@@ -212,6 +212,74 @@ def test_two_ranks_into_one(daemon, tmp_path):
     ref.close()
 
 
+def test_flat_buffers_saved_by_pieces(daemon, tmp_path):
+    """Flat buffers that hold parts of two params and padding (as DeepSpeed's ZeRO
+    partitions), world size 2, saved piece by piece under the params' names: restored into
+    the two params themselves and into one flat buffer of another layout, bit for bit the
+    run of the two params, the padding zero."""
+    torch.manual_seed(6)
+    a0, b0 = torch.randn(30), torch.randn(25)
+    ref_a, ref_b = torch.nn.Parameter(a0.clone()), torch.nn.Parameter(b0.clone())
+    ref = zt.AdamW([ref_a, ref_b], lr=1e-2, job="pieces-ref", socket=daemon.socket)
+    # A and B end to end, padded to 60: rank 0 holds A[0:30], rank 1 B[0:25] and 5 of padding.
+    flats = [torch.nn.Parameter(a0.clone()),
+             torch.nn.Parameter(torch.cat([b0, torch.zeros(5)]))]
+    pieces = [[(0, 30, "A", 0, 30)], [(0, 25, "B", 0, 25)]]
+    ranks = [zt.AdamW([f], lr=1e-2, job="pieces-ranks", socket=daemon.socket, rank=r,
+                      world_size=2) for r, f in enumerate(flats)]
+
+    def grads(step):
+        g = grad_of(step, 55)
+        return g[:30], g[30:]
+
+    for step in range(1, 6):
+        ga, gb = grads(step)
+        ref_a.grad, ref_b.grad = ga.clone(), gb.clone()
+        ref.step()
+        flats[0].grad = ga.clone()
+        flats[1].grad = torch.cat([gb, torch.zeros(5)])
+        for opt in ranks:
+            opt.step()
+    for f, opt, pcs in zip(flats, ranks, pieces):
+        opt.save_checkpoint(tmp_path, places={f: pcs})
+        opt.close()
+
+    a, b = torch.nn.Parameter(torch.zeros(30)), torch.nn.Parameter(torch.zeros(25))
+    apart = zt.AdamW([a, b], lr=1.0, job="pieces-apart", socket=daemon.socket)
+    assert apart.load_checkpoint(tmp_path, names={a: "A", b: "B"}) == 5
+    # One flat buffer: B first, then 3 of padding, then A, then 6 more.
+    flat = torch.nn.Parameter(torch.full((64,), 7.0))
+    one = zt.AdamW([flat], lr=1.0, job="pieces-one", socket=daemon.socket)
+    assert one.load_checkpoint(tmp_path, places={
+        flat: [(0, 25, "B", 0, 25), (28, 30, "A", 0, 30)]}) == 5
+    assert torch.equal(a.detach(), ref_a.detach()) and torch.equal(b.detach(), ref_b.detach())
+    for step in range(6, 9):
+        ga, gb = grads(step)
+        ref_a.grad, ref_b.grad = ga.clone(), gb.clone()
+        a.grad, b.grad = ga.clone(), gb.clone()
+        flat.grad = torch.cat([gb, torch.zeros(3), ga, torch.zeros(6)])
+        for opt in (ref, apart, one):
+            opt.step()
+    assert torch.equal(a.detach(), ref_a.detach()) and torch.equal(b.detach(), ref_b.detach())
+    assert torch.equal(flat.detach()[:25], ref_b.detach())
+    assert torch.equal(flat.detach()[28:58], ref_a.detach())
+    pad = torch.cat([flat.detach()[25:28], flat.detach()[58:]])
+    assert torch.equal(pad, torch.zeros(9)), pad
+    sd, want = one.state_dict()["state"][0], ref.state_dict()["state"]
+    for key in ("exp_avg", "exp_avg_sq"):
+        assert torch.equal(sd[key][:25], want[1][key]) and torch.equal(sd[key][28:58],
+                                                                        want[0][key])
+        assert not sd[key][25:28].any() and not sd[key][58:].any()
+    # A piece outside its buffer, or over another, is refused by name before anything.
+    with pytest.raises(ValueError, match="does not fit"):
+        one.save_checkpoint(tmp_path / "bad", places={flat: [(60, 10, "A", 0, 30)]})
+    with pytest.raises(ZoffloadError, match="are in two pieces"):
+        one.save_checkpoint(tmp_path / "bad", places={
+            flat: [(0, 25, "B", 0, 25), (20, 30, "A", 0, 30)]})
+    for opt in (ref, apart, one):
+        opt.close()
+
+
 def test_binding_errors(daemon, tmp_path):
     """The extension's calls raise ZoffloadError with libzclient's message."""
     from zoffload import _zclient
@@ -281,3 +349,16 @@ def test_half_params_resume(make_daemon, tmp_path, dtype):
     assert_same_sd(opt2.state_dict(), opt.state_dict())
     opt.close()
     opt2.close()
+
+
+def test_streamed_reference_refused_by_load_state_dict(daemon):
+    """The optimizer state zoffload.deepspeed.save_checkpoint leaves in DeepSpeed's ZeRO-3
+    files is a reference to the streamed state: loaded as a state dict it would resume with
+    no moments, and is refused by name."""
+    p = torch.nn.Parameter(torch.ones(4))
+    opt = zt.AdamW([p], job="ckpt-reference", socket=daemon.socket)
+    ref = {"state": {}, "param_groups": [dict(opt.param_groups[0], params=[])],
+           "zoffload.deepspeed": "zoffload"}
+    with pytest.raises(ValueError, match="zoffload.deepspeed.load_checkpoint"):
+        opt.load_state_dict(ref)
+    opt.close()

@@ -20,6 +20,7 @@ of in_proj_bias), whose gradient is zero in exact arithmetic (softmax does not c
 every key moves alike), so that each Adam turns its rounding noise into steps of up to lr of
 either sign: 1e-3 apart between the two, of no meaning.
 """
+import math
 import os
 import socket
 import subprocess
@@ -105,11 +106,70 @@ def test_zero_stages_against_deepspeed_cpu_adam_and_resume(daemon, tmp_path, wor
     for case, c in ds_worker.CASES.items():
         if not c["ckpt"]:
             continue
-        whole, again = got[f"{case}/ours"], resumed[f"{case}/resumed"]
-        assert again["losses"] == whole["losses"][ds_worker.CKPT_AT:], \
-            f"{case}: the resumed losses differ"
-        for a, b in zip(again["params"], whole["params"]):
-            assert torch.equal(a, b), f"{case}: the resumed run differs from the whole one"
+        whole = got[f"{case}/ours"]
+        for how in ("resumed", "streamed"):
+            again = resumed[f"{case}/{how}"]
+            assert again["losses"] == whole["losses"][ds_worker.CKPT_AT:], \
+                f"{case} {how}: the resumed losses differ"
+            for a, b in zip(again["params"], whole["params"]):
+                assert torch.equal(a, b), f"{case} {how}: the resumed run differs from the whole one"
+        # The moments never went through the trainer's memory: the streamed save wrote no
+        # ZeRO optimizer files (ZeRO-1/2), or ones whose optimizer state is a reference to
+        # the streamed one (ZeRO-3: its fp32 partitions are DeepSpeed's weights).
+        streamed = ckpt / f"{case}-streamed" / f"step{ds_worker.CKPT_AT}"
+        zero_files = list(streamed.glob("*optim_states.pt"))
+        assert len(zero_files) == (world if c["stage"] == 3 else 0), zero_files
+        for path in zero_files:
+            osd = torch.load(path, weights_only=False)["optimizer_state_dict"]
+            assert osd["optimizer_state_dict"] == {
+                "state": {}, "param_groups": osd["optimizer_state_dict"]["param_groups"],
+                "zoffload.deepspeed": "zoffload"}, path
+        assert list((streamed / "zoffload").glob("rank-*.safetensors"))
+    if world == 2:
+        check_reshard(daemon, tmp_path, ckpt)
+
+
+def saved_state(dir):
+    """{param name: {array: its whole fp32 tensor}} from a streaming checkpoint's rank files,
+    each element asserted to be in exactly one of them."""
+    from safetensors import safe_open
+
+    out, seen = {}, {}
+    for path in sorted(dir.glob("rank-*.safetensors")):
+        with safe_open(str(path), framework="pt") as f:
+            meta = f.metadata()
+            for key in f.keys():
+                entry, array = key.rsplit("/", 1)
+                name = meta[f"{entry}/global_name"]
+                off, n = int(meta[f"{entry}/global_offset"]), int(meta[f"{entry}/global_numel"])
+                t = f.get_tensor(key)
+                whole = out.setdefault(name, {}).setdefault(array, torch.zeros(n))
+                whole[off:off + t.numel()] = t
+                count = seen.setdefault((name, array), torch.zeros(n, dtype=torch.int32))
+                count[off:off + t.numel()] += 1
+    for (name, array), count in seen.items():
+        assert bool((count == 1).all()), f"{dir}: {name}/{array} is not saved exactly once"
+    return out
+
+
+def check_reshard(daemon, tmp_path, ckpt):
+    """ZeRO-1/2: the 2 ranks' streamed checkpoints loaded by 1 rank: DeepSpeed's flat partitions of
+    another layout hold every saved master and moment bit for bit (saved again at once,
+    and the masters as DeepSpeed's safe_get_full_fp32_param reads them), and it trains on."""
+    got = launch(1, daemon.socket, tmp_path / "reshard.pt", "reshard", ckpt)
+    for case, c in ds_worker.CASES.items():
+        if not c["ckpt"] or c["stage"] == 3:
+            continue        # ZeRO-3: DeepSpeed's own files refuse another world size
+        r = got[f"{case}/reshard"]
+        before = saved_state(ckpt / f"{case}-streamed" / f"step{ds_worker.CKPT_AT}" / "zoffload")
+        after = saved_state(ckpt / f"{case}-resaved-1" / "again" / "zoffload")
+        assert before.keys() == after.keys() == r["masters"].keys(), case
+        for name, arrays in before.items():
+            for array, t in arrays.items():
+                assert torch.equal(after[name][array], t), f"{case}: {name}/{array} changed"
+            assert torch.equal(r["masters"][name], arrays["master"]), \
+                f"{case}: DeepSpeed's view of {name}'s master is not the restored one"
+        assert all(math.isfinite(x) for x in r["losses"]), r["losses"]
 
 
 # zoffload.deepspeed.initialize in this process (world size 1 over gloo): the config mapped.

@@ -9,7 +9,10 @@ writes its own JSON file (temporary name, fsync, rename, fsync of the directory)
 state file, so that a rank's pair is complete once its JSON file exists.
 
 Global names: ``names`` / ``places`` map a param to its name (``{p: "layer.weight"}``) or to
-its place ``(name, offset, numel of the whole parameter)`` for a shard.  Without them a param
+its place ``(name, offset, numel of the whole parameter)`` for a shard, or (``places``) to a
+list of pieces ``(offset, count, name, offset in it, its numel)`` for a flat buffer that holds
+parts of several parameters (DeepSpeed's ZeRO partitions): each piece is saved under its
+parameter's name, and the elements in no piece (padding) are not saved and restore as zero.  Without them a param
 is ``group{g}.param{i}`` (its position in param_groups), prefixed with ``rank{r}.`` when the
 world size is above 1: positions are those of what this rank's optimizer sees (under
 ZeroRedundancyOptimizer, its partition), which another world size does not share.  Names
@@ -36,8 +39,33 @@ _META_RE = re.compile(r"zoffload-torch-rank-(\d{5})-of-(\d{5})\.json$")
 _FORMAT = "zoffload.torch/1"
 
 
+def _pieces(p, position, given):
+    """A flat buffer's pieces: [(offset, count, name, global offset, global numel)], checked."""
+    n = _dtensor.local(p).numel()
+    out = []
+    for piece in given:
+        try:
+            off, count, name, goff, gnumel = piece
+            off, count, goff, gnumel = int(off), int(count), int(goff), int(gnumel)
+        except (TypeError, ValueError):
+            raise TypeError(f"zoffload: parameter {position}: a piece is (offset, count, "
+                            f"global name, global offset, global numel), not {piece!r}") from None
+        if not isinstance(name, str) or not name:
+            raise TypeError(f"zoffload: parameter {position}: its global name must be a "
+                            f"non-empty str, not {name!r}")
+        if count <= 0 or off < 0 or off + count > n or goff < 0 or goff + count > gnumel:
+            raise ValueError(f"zoffload: parameter {position}: piece {piece!r} does not fit "
+                             f"its {n} elements or '{name}' of {gnumel}")
+        out.append((off, count, name, goff, gnumel))
+    if not out:
+        raise ValueError(f"zoffload: parameter {position}: an empty list of pieces")
+    return out
+
+
 def _places(opt, names, places):
-    """(p, global name, offset, global numel, position) for every param, in group order."""
+    """(p, global name, offset, global numel, position, pieces) for every param, in group
+    order; pieces None, or a flat buffer's [(offset, count, name, global offset, global
+    numel)] (global name, offset and numel then None)."""
     out = []
     seen = set()
     prefix = f"rank{opt.rank}." if opt.world_size > 1 else ""
@@ -47,6 +75,16 @@ def _places(opt, names, places):
             if p in opt._empty:
                 continue
             dt = _dtensor.is_dtensor(p)
+            if places is not None and isinstance(places.get(p), list):
+                pieces = _pieces(p, position, places[p])
+                for _, _, name, goff, _ in pieces:
+                    if (name, goff) in seen:
+                        raise ValueError(f"zoffload: parameter {position}: global name "
+                                         f"'{name}' at offset {goff} is given to two "
+                                         "parameters")
+                    seen.add((name, goff))
+                out.append((p, None, None, None, position, pieces))
+                continue
             if places is not None and p in places:
                 name, offset, gnumel = places[p]
                 offset, gnumel = int(offset), int(gnumel)
@@ -61,7 +99,7 @@ def _places(opt, names, places):
                 raise ValueError(f"zoffload: parameter {position}: global name '{name}' at "
                                  f"offset {offset} is given to two parameters")
             seen.add((name, offset))
-            out.append((p, name, offset, gnumel, position))
+            out.append((p, name, offset, gnumel, position, None))
     return out
 
 
@@ -100,8 +138,13 @@ def save(opt, dir, names, places):
     os.makedirs(dir, exist_ok=True)
     step = max((int(opt.state[p]["step"].item()) for p, *_ in items
                 if "step" in opt.state.get(p, {})), default=0)
-    entries = [(opt._entries[p].zt, name, offset, gnumel) for p, name, offset, gnumel, _
-               in items]
+    entries = []
+    for p, name, offset, gnumel, _, pieces in items:
+        zt = opt._entries[p].zt
+        if pieces is None:
+            entries.append((zt, name, offset, gnumel))
+        else:
+            entries.extend((zt, n, goff, gn, off, count) for off, count, n, goff, gn in pieces)
     try:
         groups = [_hyper(g) for g in opt.param_groups]
         json.dumps(groups)
@@ -116,8 +159,19 @@ def save(opt, dir, names, places):
         opt._conn.checkpoint_save(os.fspath(dir), entries, optim=opt._optim, step=step,
                                   **opt._group_args(opt.param_groups[0]))
     by_pos = {}
-    for p, name, offset, gnumel, position in items:
-        by_pos[position] = name
+    params = {}
+    for p, name, offset, gnumel, position, pieces in items:
+        dtype = str(p.dtype).replace("torch.", "")
+        if pieces is None:
+            by_pos[position] = name
+            # shape: the logical param's (a DTensor's global shape); numel: this rank's part.
+            params[name] = {"shape": list(p.shape), "dtype": dtype, "offset": offset,
+                            "numel": _dtensor.local(p).numel(), "global_numel": gnumel}
+            continue
+        by_pos[position] = [n for _, _, n, _, _ in pieces]
+        for _, count, n, goff, gn in pieces:
+            params[n] = {"shape": [gn], "dtype": dtype, "offset": goff, "numel": count,
+                         "global_numel": gn}
     for g, group in enumerate(opt.param_groups):
         # Those this rank saved (not its empty shards, nor replicas another rank steps).
         groups[g]["params"] = [by_pos[f"group{g}.param{i}"]
@@ -131,11 +185,7 @@ def save(opt, dir, names, places):
         "world_size": opt.world_size,
         "step": step,
         "param_groups": groups,
-        # shape: the logical param's (a DTensor's global shape); numel: this rank's part.
-        "params": {name: {"shape": list(p.shape), "dtype": str(p.dtype).replace("torch.", ""),
-                          "offset": offset, "numel": _dtensor.local(p).numel(),
-                          "global_numel": gnumel}
-                   for p, name, offset, gnumel, _ in items},
+        "params": params,
     }
     _write_atomic(os.path.join(dir, _META.format(opt.rank, opt.world_size)),
                   json.dumps(meta, indent=1, sort_keys=True))
@@ -172,7 +222,7 @@ def load(opt, dir, names, places, convert=False):
     opt._finish()
     opt._follow()
     items = _places(opt, names, places)
-    for p, _, _, _, position in items:
+    for p, _, _, _, position, _ in items:
         st = opt.state.get(p, {})
         done = int(st["step"].item()) if torch.is_tensor(st.get("step")) else 0
         if done or any(k in st for k in opt._state_keys):
@@ -188,7 +238,16 @@ def load(opt, dir, names, places, convert=False):
                              f"{meta['class']}, not {cls}")
         for name, info in meta["params"].items():
             saved.setdefault(name, (path, info))
-    for p, name, offset, gnumel, position in items:
+    for p, name, offset, gnumel, position, pieces in items:
+        for _, _, n, _, gn in pieces or ():
+            if n not in saved:
+                raise ValueError(f"zoffload: parameter {position}: its piece of '{n}' is not "
+                                 f"in checkpoint {dir}")
+            if gn != saved[n][1]["global_numel"]:
+                raise ValueError(f"zoffload: parameter {position}: '{n}' has {gn} elements "
+                                 f"here, {saved[n][1]['global_numel']} in {saved[n][0]}")
+        if pieces is not None:
+            continue
         if name not in saved:
             raise ValueError(f"zoffload: parameter {position} ('{name}', shape "
                              f"{list(p.shape)}) is not in checkpoint {dir}")
@@ -218,8 +277,9 @@ def load(opt, dir, names, places, convert=False):
     from .torch import _DTYPES, _drop_views
     olds = {p: opt._entries[p] for p, *_ in items}
     request = [(olds[p].zt.name, olds[p].zt.numel, olds[p].gd, _DTYPES[p.dtype], name, offset,
-                gnumel)
-               for p, name, offset, gnumel, _ in items]
+                gnumel) if pieces is None else
+               (olds[p].zt.name, olds[p].zt.numel, olds[p].gd, _DTYPES[p.dtype], list(pieces))
+               for p, name, offset, gnumel, _, pieces in items]
     _drop_views(olds)
     for e in olds.values():
         e.zt.unregister()

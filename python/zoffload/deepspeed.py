@@ -37,7 +37,11 @@ Every other name of the module is DeepSpeed's own (``deepspeed.zero``, ``add_con
 Under ZeRO, DeepSpeed hands the optimizer its flat fp32 partitions, not the model's params;
 zoffload.torch registers each at its first step (see ``_follow`` there).
 ``engine.save_checkpoint`` / ``load_checkpoint`` go through the optimizer's ``state_dict`` /
-``load_state_dict`` and resume bit for bit.
+``load_state_dict`` and resume bit for bit.  For a big model, ``save_checkpoint(engine, dir)``
+and ``load_checkpoint(engine, dir)`` of this module take the same arguments and write
+DeepSpeed's files but the ZeRO optimizer's: the daemon streams the optimizer's state from
+its tiers into the checkpoint, placed by the model's parameter names, and it restores into
+another data-parallel world size (see _ds_checkpoint.py).
 """
 import copy
 import json
@@ -48,8 +52,9 @@ import torch
 
 from . import _clip, _zclient
 from . import torch as zt
+from ._ds_checkpoint import load_checkpoint, save_checkpoint
 
-__all__ = ["initialize", "optimizer_from_config"]
+__all__ = ["initialize", "optimizer_from_config", "save_checkpoint", "load_checkpoint"]
 
 _ZOFFLOAD_KEYS = ("job", "socket", "reconnect_ms", "resume", "state_format", "pinned_budget")
 _TYPES = {"adamw": "AdamW", "adam": "Adam", "adagrad": "Adagrad", "lion": "Lion"}

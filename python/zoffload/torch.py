@@ -782,6 +782,10 @@ class _ZoffloadOptimizer(torch.optim.Optimizer):
 
     @_not_traced
     def load_state_dict(self, state_dict):
+        if isinstance(state_dict, dict) and "zoffload.deepspeed" in state_dict:
+            raise ValueError("zoffload: this optimizer state is a reference to a streamed "
+                             "checkpoint saved by zoffload.deepspeed.save_checkpoint, not the "
+                             "state: load it with zoffload.deepspeed.load_checkpoint")
         self._finish()
         for hook in self._hooks_of("load_state_dict_pre"):
             state_dict = hook(self, state_dict) or state_dict
