@@ -24,7 +24,15 @@ higher is better; ratio = value / limit, >= 1 meets the target):
   host_memory_per_param_vs_deepspeed_cpu_adam: host bytes per parameter after training,
       proportional set size (shared pages counted once) of the trainer, and for ours also of
       the daemon, less what they held before the model was built, each taken after the
-      trainer's malloc_trim (see trimmed_pss).
+      trainer's malloc_trim (see trimmed_pss);
+  checkpoint_save_speedup_vs_deepspeed_cpu_adam: after training, zoffload.deepspeed's
+      save_checkpoint (the daemon streams the optimizer's state) against engine.save_checkpoint
+      of the DeepSpeedCPUAdam run, both into the same file system (the engine's own save
+      with zoffload is timed and printed too);
+  checkpoint_save_memory_vs_deepspeed_cpu_adam: host bytes per parameter at a save's peak:
+      the figure above plus what the save adds at its peak (VmHWM, reset before the save,
+      less the RSS then; trainer and daemon), each side's.
+  --no-checkpoint leaves the last two out.
 Environment: $ZOFFLOADD (the daemon) defaults to build-test's.
 """
 import argparse
@@ -68,7 +76,42 @@ def cpu_seconds(pid):
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def child(which, size, steps, sock, daemon_pid, threads, port, clip):
+def peak_reset(pid):
+    """The process's peak RSS (VmHWM) set back to its RSS now (clear_refs 5)."""
+    with open(f"/proc/{pid}/clear_refs", "w") as f:
+        f.write("5")
+
+
+def peak_rss(pid):
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(f"no VmHWM for {pid}")
+
+
+def rss(pid):
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(f"no VmRSS for {pid}")
+
+
+def timed_save(pids, save, nparams):
+    """save()'s seconds and the peak host memory it took beyond what was there, per param."""
+    import gc
+    gc.collect()
+    base = sum(rss(p) for p in pids)
+    for p in pids:
+        peak_reset(p)
+    t0 = time.perf_counter()
+    save()
+    t = time.perf_counter() - t0
+    return t, (sum(peak_rss(p) for p in pids) - base) / nparams
+
+
+def child(which, size, steps, sock, daemon_pid, threads, port, clip, ckpt_dir):
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port))
     import torch
@@ -124,7 +167,19 @@ def child(which, size, steps, sock, daemon_pid, threads, port, clip):
             daemon_cpu.append(c1 - c0)
     untrimmed = sum(pss_bytes(p) for p in pids)
     after = trimmed_pss(pids)
+    saves = {}
+    if ckpt_dir:
+        # The engine's own save (the optimizer's state_dict, pickled), and ours streamed by
+        # the daemon; each into a directory of its own, removed after.
+        ways = [("engine", lambda d: engine.save_checkpoint(d, tag="t"))]
+        if which == "ours":
+            ways.append(("streamed", lambda d: zds.save_checkpoint(engine, d, tag="t")))
+        for name, save in ways:
+            d = os.path.join(ckpt_dir, f"{which}-{name}")
+            saves[name] = timed_save(pids, lambda: save(d), nparams)
+            subprocess.run(["rm", "-rf", d], check=True)
     print(json.dumps({"params": nparams, "step_s": statistics.median(step_t),
+                      "saves": saves,
                       "iter_s": statistics.median(iter_t),
                       "bytes_per_param": (after - before) / nparams,
                       "untrimmed_bytes_per_param": (untrimmed - before) / nparams,
@@ -145,13 +200,16 @@ def main():
     ap.add_argument("--rounds", type=int, default=2, help="each figure the best round's")
     ap.add_argument("--threads", type=int, default=os.cpu_count(),
                     help="daemon workers, and torch's threads: the same cores for both")
+    ap.add_argument("--no-checkpoint", action="store_true",
+                    help="leave out the checkpoint save figures")
     ap.add_argument("--child", help=argparse.SUPPRESS)
+    ap.add_argument("--ckpt-dir", help=argparse.SUPPRESS)
     ap.add_argument("--socket", help=argparse.SUPPRESS)
     ap.add_argument("--daemon-pid", type=int, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
         child(args.child, args.size, args.steps, args.socket, args.daemon_pid, args.threads,
-              free_port(), args.clip)
+              free_port(), args.clip, args.ckpt_dir)
         return
     try:
         # DeepSpeed's logger writes to the stdout it finds at import: stderr, so --json stays JSON.
@@ -171,7 +229,8 @@ def main():
                         [sys.executable, os.path.abspath(__file__), "--child", which,
                          "--size", str(args.size), "--clip", str(args.clip), "--steps",
                          str(args.steps), "--socket", sock, "--daemon-pid", str(proc.pid),
-                         "--threads", str(args.threads)],
+                         "--threads", str(args.threads)] +
+                        ([] if args.no_checkpoint else ["--ckpt-dir", tmp]),
                         capture_output=True, text=True)
                     if out.returncode != 0:
                         sys.exit(f"bench_deepspeed: the {which} run failed:\n"
@@ -181,6 +240,9 @@ def main():
                     for k in ("step_s", "iter_s", "bytes_per_param", "untrimmed_bytes_per_param",
                               "daemon_cpu_fwd_bwd_s"):
                         b[k] = min(b[k], got[k])
+                    for k, (t, m) in got["saves"].items():
+                        bt, bm = b["saves"][k]
+                        b["saves"][k] = (min(bt, t), min(bm, m))
         finally:
             proc.send_signal(signal.SIGTERM)
             proc.wait()
@@ -191,6 +253,14 @@ def main():
         ("host_memory_per_param_vs_deepspeed_cpu_adam",
          ref["bytes_per_param"] / ours["bytes_per_param"], "x", 1.0),
     ]
+    if not args.no_checkpoint:
+        (st, sm), (et, em), (rt, rm) = (ours["saves"]["streamed"], ours["saves"]["engine"],
+                                        ref["saves"]["engine"])
+        figures += [
+            ("checkpoint_save_speedup_vs_deepspeed_cpu_adam", rt / st, "x", 1.0),
+            ("checkpoint_save_memory_vs_deepspeed_cpu_adam",
+             (ref["bytes_per_param"] + rm) / (ours["bytes_per_param"] + sm), "x", 1.0),
+        ]
     summary = (f"bench_deepspeed: ZeRO-2, offload_optimizer cpu, {ours['params'] / 1e6:.1f} M "
                f"fp32 params, {args.threads} threads; engine.step() s: zoffload "
                f"{ours['step_s']:.4f}, DeepSpeedCPUAdam {ref['step_s']:.4f}; iteration s: "
@@ -199,6 +269,10 @@ def main():
                f"malloc_trim: {ours['untrimmed_bytes_per_param']:.1f} / "
                f"{ref['untrimmed_bytes_per_param']:.1f}); the daemon's "
                f"CPU during forward and backward: {ours['daemon_cpu_fwd_bwd_s']:.3f} s")
+    if not args.no_checkpoint:
+        summary += (f"; checkpoint save s (peak host bytes per param it added): streamed "
+                    f"{st:.2f} ({sm:.2f}), the engine's with zoffload {et:.2f} ({em:.2f}), "
+                    f"DeepSpeedCPUAdam's {rt:.2f} ({rm:.2f})")
     if args.json:
         print(summary, file=sys.stderr)
         print(json.dumps([{"name": n, "value": round(v, 3), "unit": u, "limit": lim,
