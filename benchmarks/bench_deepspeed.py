@@ -82,33 +82,26 @@ def peak_reset(pid):
         f.write("5")
 
 
-def peak_rss(pid):
+def status_bytes(pid, key):
+    """A size from /proc/PID/status: VmRSS, or VmHWM (the peak since peak_reset)."""
     with open(f"/proc/{pid}/status") as f:
         for line in f:
-            if line.startswith("VmHWM:"):
+            if line.startswith(key + ":"):
                 return int(line.split()[1]) * 1024
-    raise RuntimeError(f"no VmHWM for {pid}")
-
-
-def rss(pid):
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError(f"no VmRSS for {pid}")
+    raise RuntimeError(f"no {key} for {pid}")
 
 
 def timed_save(pids, save, nparams):
     """save()'s seconds and the peak host memory it took beyond what was there, per param."""
     import gc
     gc.collect()
-    base = sum(rss(p) for p in pids)
+    base = sum(status_bytes(p, "VmRSS") for p in pids)
     for p in pids:
         peak_reset(p)
     t0 = time.perf_counter()
     save()
     t = time.perf_counter() - t0
-    return t, (sum(peak_rss(p) for p in pids) - base) / nparams
+    return t, (sum(status_bytes(p, "VmHWM") for p in pids) - base) / nparams
 
 
 def child(which, size, steps, sock, daemon_pid, threads, port, clip, ckpt_dir):

@@ -81,6 +81,21 @@ def build(case, which, rank, job, socket):
     return m, engine
 
 
+def train_step(engine, case, step, rank, world):
+    """Optimizer step `step`, its micro-batches each forward, backward and engine.step();
+    the mean loss."""
+    total = 0.0
+    for micro in range(CASES[case]["accum"]):
+        x, y = micro_batch(case, step, micro, rank, world)
+        logits = engine(x)
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]),
+                                                 y.reshape(-1))
+        engine.backward(loss)
+        engine.step()
+        total += loss.item()
+    return total / CASES[case]["accum"]
+
+
 def run(case, which, rank, world, job, socket, first=1, save_to=None, load_from=None,
         streamed=False):
     """streamed: the checkpoint saved and loaded by zoffload.deepspeed's save_checkpoint /
@@ -98,16 +113,7 @@ def run(case, which, rank, world, job, socket, first=1, save_to=None, load_from=
         assert path is not None, f"nothing loaded from {load_from}"
     losses = []
     for step in range(first, STEPS + 1):
-        total = 0.0
-        for micro in range(CASES[case]["accum"]):
-            x, y = micro_batch(case, step, micro, rank, world)
-            logits = engine(x)
-            loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]),
-                                                     y.reshape(-1))
-            engine.backward(loss)
-            engine.step()
-            total += loss.item()
-        losses.append(total / CASES[case]["accum"])
+        losses.append(train_step(engine, case, step, rank, world))
         if save_to is not None and step == CKPT_AT:
             engine.save_checkpoint(save_to, tag=f"step{step}")
             zds.save_checkpoint(engine, save_to + "-streamed", tag=f"step{step}",
@@ -137,16 +143,8 @@ def reshard(case, rank, world, job, socket, load_from, save_to):
     masters = {name: safe_get_full_fp32_param(p).detach().clone().reshape(-1)
                for name, p in m.named_parameters()}
     zds.save_checkpoint(engine, save_to, tag="again")
-    losses = []
-    for step in range(CKPT_AT + 1, CKPT_AT + 4):
-        for micro in range(CASES[case]["accum"]):
-            x, y = micro_batch(case, step, micro, rank, world)
-            logits = engine(x)
-            loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]),
-                                                     y.reshape(-1))
-            engine.backward(loss)
-            engine.step()
-            losses.append(loss.item())
+    losses = [train_step(engine, case, step, rank, world)
+              for step in range(CKPT_AT + 1, CKPT_AT + 4)]
     with deepspeed.zero.GatheredParameters(list(m.parameters())):
         params = [p.detach().clone() for p in m.parameters()]
     engine.destroy()

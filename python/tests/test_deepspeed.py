@@ -112,7 +112,7 @@ def test_zero_stages_against_deepspeed_cpu_adam_and_resume(daemon, tmp_path, wor
             assert again["losses"] == whole["losses"][ds_worker.CKPT_AT:], \
                 f"{case} {how}: the resumed losses differ"
             for a, b in zip(again["params"], whole["params"]):
-                assert torch.equal(a, b), f"{case} {how}: the resumed run differs from the whole one"
+                assert torch.equal(a, b), f"{case} {how}: the resumed run differs from the whole"
         # The moments never went through the trainer's memory: the streamed save wrote no
         # ZeRO optimizer files (ZeRO-1/2), or ones whose optimizer state is a reference to
         # the streamed one (ZeRO-3: its fp32 partitions are DeepSpeed's weights).

@@ -12,11 +12,12 @@ Global names: ``names`` / ``places`` map a param to its name (``{p: "layer.weigh
 its place ``(name, offset, numel of the whole parameter)`` for a shard, or (``places``) to a
 list of pieces ``(offset, count, name, offset in it, its numel)`` for a flat buffer that holds
 parts of several parameters (DeepSpeed's ZeRO partitions): each piece is saved under its
-parameter's name, and the elements in no piece (padding) are not saved and restore as zero.  Without them a param
-is ``group{g}.param{i}`` (its position in param_groups), prefixed with ``rank{r}.`` when the
-world size is above 1: positions are those of what this rank's optimizer sees (under
-ZeroRedundancyOptimizer, its partition), which another world size does not share.  Names
-that are the model's (``model.named_parameters()``) restore into any world size.
+parameter's name, and the elements in no piece (padding) are not saved and restore as zero.
+Without them a param is ``group{g}.param{i}`` (its position in param_groups), prefixed with
+``rank{r}.`` when the world size is above 1: positions are those of what this rank's
+optimizer sees (under ZeroRedundancyOptimizer, its partition), which another world size does
+not share.  Names that are the model's (``model.named_parameters()``) restore into any world
+size.
 
 DTensor params (FSDP2's ``fully_shard``) are this rank's shard, placed in the logical param
 by their placements (see _dtensor.py): ``names`` alone names the whole param, and without
