@@ -116,8 +116,8 @@ def run(case, which, rank, world, job, socket, first=1, save_to=None, load_from=
         losses.append(train_step(engine, case, step, rank, world))
         if save_to is not None and step == CKPT_AT:
             engine.save_checkpoint(save_to, tag=f"step{step}")
-            zds.save_checkpoint(engine, save_to + "-streamed", tag=f"step{step}",
-                                client_state={"case": case})
+            # Positional, in engine.save_checkpoint's order (save_dir, tag, client_state).
+            zds.save_checkpoint(engine, save_to + "-streamed", f"step{step}", {"case": case})
     with deepspeed.zero.GatheredParameters(list(m.parameters())):
         params = [p.detach().clone() for p in m.parameters()]
     copies = None

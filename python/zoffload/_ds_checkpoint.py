@@ -215,20 +215,10 @@ def load_checkpoint(engine, load_dir, tag=None, load_module_strict=True,
     zero.overflow = saved["overflow"]
     with _Fp32Groups(zero):
         opt.load_checkpoint(where, places=places(engine))
-    if _stage3(zero):
-        # The low-precision partitions from the restored masters, as DeepSpeed's own load
-        # does from its files' (the same values when both are of one save).
-        for i, fp32 in enumerate(zero.fp32_partitioned_groups_flat):
-            if fp32.numel() == 0:
-                continue
-            flat = zero.fp16_partitioned_groups_flat[i]
-            flat.data.copy_(fp32.data)
-            for part, q in zip(zero.fp16_partitioned_groups[i],
-                               zero.unflatten(flat, zero.fp16_partitioned_groups[i])):
-                part.data = q.data
-    else:
+    if not _stage3(zero):
         # DeepSpeed's views of the partitions (safe_get_full_fp32_param...) onto the
-        # restored tensors, before any step.
+        # restored tensors, before any step.  (Under ZeRO-3 DeepSpeed read its low-precision
+        # partitions from its own files' masters, which the same save wrote alike.)
         zero._link_all_hp_params()
         zero._hp_optimizer_states_linked = False
     return path, client
