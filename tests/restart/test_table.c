@@ -10,7 +10,13 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <linux/audit.h>
+#include <linux/filter.h>
+#include <linux/seccomp.h>
+#include <stddef.h>
+#include <sys/prctl.h>
 #include <sys/resource.h>
+#include <sys/syscall.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -199,4 +205,52 @@ Test(table, a_table_that_cannot_be_made_fails_the_start)
 	cr_assert_eq(st_.readies, 0, "%s", zst_log(&st_));
 	cr_assert(strstr(zst_log(&st_), "cannot make the recovery table: File too large") != NULL,
 	    "%s", zst_log(&st_));
+}
+
+/*
+ * memfd_create answering EMFILE for this process and what it starts (a seccomp filter is
+ * inherited across fork and exec).  The table is the start's first memfd, so the start fails
+ * there, before any other; the test's own harness needs none after zst_init.
+ */
+static int
+refuse_memfd_create(void)
+{
+	struct sock_filter code[] = {
+		BPF_STMT(BPF_LD | BPF_W | BPF_ABS, offsetof(struct seccomp_data, arch)),
+		BPF_JUMP(BPF_JMP | BPF_JEQ | BPF_K, AUDIT_ARCH_X86_64, 1, 0),
+		BPF_STMT(BPF_RET | BPF_K, SECCOMP_RET_ALLOW),
+		BPF_STMT(BPF_LD | BPF_W | BPF_ABS, offsetof(struct seccomp_data, nr)),
+		BPF_JUMP(BPF_JMP | BPF_JEQ | BPF_K, __NR_memfd_create, 0, 1),
+		BPF_STMT(BPF_RET | BPF_K, SECCOMP_RET_ERRNO | (EMFILE & SECCOMP_RET_DATA)),
+		BPF_STMT(BPF_RET | BPF_K, SECCOMP_RET_ALLOW),
+	};
+	struct sock_fprog prog = { .len = sizeof(code) / sizeof(code[0]), .filter = code };
+
+	if (prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0)
+		return -errno;
+	if (prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, &prog) != 0)
+		return -errno;
+	return 0;
+}
+
+Test(table, a_table_without_its_memfd_fails_the_start)
+{
+	char sock[160], config[160];
+	const char *const *argv;
+	int status, r;
+
+#if !defined(__x86_64__)
+	cr_skip("the filter is written for x86-64's system call numbers");
+#endif
+	cr_assert_eq(zst_init(&st_), 0);
+	argv = argv_for(sock, sizeof(sock), config, sizeof(config));
+	r = refuse_memfd_create();
+	cr_assert_eq(r, 0, "seccomp: %s", strerror(-r));
+	cr_assert_eq(zst_start(&st_, argv), 0);
+	status = zst_wait_exit(&st_, 60);
+	cr_assert(WIFEXITED(status) && WEXITSTATUS(status) == 1, "status 0x%x: %s", status,
+	    zst_log(&st_));
+	cr_assert_eq(st_.readies, 0, "%s", zst_log(&st_));
+	cr_assert(strstr(zst_log(&st_), "cannot make the recovery table: Too many open files") !=
+	    NULL, "%s", zst_log(&st_));
 }
