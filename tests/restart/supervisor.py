@@ -4,9 +4,9 @@ the daemon stores (FDSTORE=1) and starts its successor through bash's redirectio
 ("exec zoffloadd ... 3<&1003 4<&1004"), as an operator's own supervisor might.  It changes
 what systemd does not promise about the descriptors it hands back (their offsets, the
 O_NONBLOCK flag of their open files, their order) and checks that the state still comes
-back bit for bit; then it hands back a record reopened read-only through /proc (a
-supervisor's mistake) and checks that the daemon refuses it by name, leaving the state
-as it was for a correct restart after.
+back bit for bit; then it hands back a record reopened read-only, then write-only, through
+/proc (a supervisor's mistake) and checks that the daemon refuses each by name and access
+mode, leaving the state as it was for a correct restart after.
 
 usage: supervisor.py ZOFFLOADD LIBZCLIENT"""
 import array
@@ -98,7 +98,8 @@ def drain():
 
 def start(redirect=None):
     """The daemon, through bash, with the store as LISTEN_FDS; redirect(name, fd) -> the
-    redirection's source for that descriptor (default: the descriptor itself)."""
+    redirection for that descriptor, operator and source (default "<&fd": the descriptor
+    itself)."""
     global proc
     names = sorted(store, reverse=True)     # another order than the daemon stored them in
     high, redirs = [], []
@@ -106,8 +107,8 @@ def start(redirect=None):
         # Out of the way of 3 .. 3 + n, so that no redirection overwrites another's source.
         h = fcntl.fcntl(store[name], fcntl.F_DUPFD, 1000)
         high.append(h)
-        src = redirect(name, h) if redirect else "&%d" % h
-        redirs.append("%d<%s" % (3 + i, src))
+        src = redirect(name, h) if redirect else "<&%d" % h
+        redirs.append("%d%s" % (3 + i, src))
     env = dict(os.environ, NOTIFY_SOCKET=notify_path)
     env.pop("LISTEN_FDS", None)
     cmd = 'exec "$0" --config "$1" --socket "$2"'
@@ -190,13 +191,22 @@ try:
         fail("the daemon stored %s" % sorted(store))
 
     # A supervisor's mistake first: the record reopened read-only through /proc.
-    start(lambda name, h: "/proc/self/fd/%d" % h if name in records else "&%d" % h)
+    start(lambda name, h: "</proc/self/fd/%d" % h if name in records else "<&%d" % h)
     if proc.wait(60) == 0:
         fail("a read-only record was accepted")
     drain()
     text = open(log_path, errors="replace").read()
     if "open read-only, not read-write" not in text or records[0] not in text:
         fail("the refusal does not name the record and its access mode")
+    # And write-only (">>": appending, so the reopening itself truncates nothing).
+    mark = len(text)
+    start(lambda name, h: ">>/proc/self/fd/%d" % h if name in records else "<&%d" % h)
+    if proc.wait(60) == 0:
+        fail("a write-only record was accepted")
+    drain()
+    text = open(log_path, errors="replace").read()[mark:]
+    if "open write-only, not read-write" not in text or records[0] not in text:
+        fail("the refusal of a write-only record does not name it and its access mode")
 
     start()
     if not wait_ready(2):
@@ -214,8 +224,8 @@ try:
     zc.zc_disconnect(conn)
     proc.send_signal(signal.SIGTERM)
     proc.wait(30)
-    print("ok: restarted through bash with offsets, flags and order changed; a read-only "
-          "reopening refused by name")
+    print("ok: restarted through bash with offsets, flags and order changed; read-only and "
+          "write-only reopenings refused by name")
 finally:
     if proc is not None and proc.poll() is None:
         proc.kill()
