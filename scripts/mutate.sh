@@ -26,7 +26,8 @@
 #   invalid     does not compile (or, with -Werror, warns), or for Python does not parse;
 #   equivalent  compiles to the same object as the original (trivial compiler equivalence:
 #               the file's own compile command at -O2 without debug information), or for
-#               Python parses to the same syntax tree, docstrings left out;
+#               Python parses to the same syntax tree, docstrings and a `pass` beside
+#               other statements left out;
 #   duplicate   compiles to the same object as a mutant already tested.
 # The kill rate is killed / (killed + survived).  Each survivor is printed with its diff,
 # and the report is kept in DIR/report.txt.
@@ -148,8 +149,9 @@ for e in json.load(open(os.path.join(build, "compile_commands.json"))):
 EOF
 }
 
-# Python: a digest of the syntax tree (comments, layout and docstrings do not count); fails
-# if it does not parse.
+# Python: a digest of the syntax tree (comments, layout and docstrings do not count, nor a
+# `pass` beside other statements: universalmutator turns a comment line into one); fails if
+# it does not parse.
 py_digest() {
 	/usr/bin/python3 -c 'import ast, hashlib, sys
 try:
@@ -161,6 +163,12 @@ for n in ast.walk(t):
     if (isinstance(body, list) and body and isinstance(body[0], ast.Expr) and
             isinstance(body[0].value, ast.Constant) and isinstance(body[0].value.value, str)):
         body[0] = ast.Pass()
+for n in ast.walk(t):
+    for field in ("body", "orelse", "finalbody"):
+        stmts = getattr(n, field, None)
+        if isinstance(stmts, list) and stmts and isinstance(stmts[0], ast.stmt):
+            kept = [s for s in stmts if not isinstance(s, ast.Pass)]
+            setattr(n, field, kept or [ast.Pass()])
 print(hashlib.sha256(ast.dump(t).encode()).hexdigest())' "$1"
 }
 

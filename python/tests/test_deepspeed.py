@@ -269,6 +269,23 @@ def test_unsupported_optimizer_blocks_refused_by_name(block, why):
         zds.optimizer_from_config(block)
 
 
+def test_config_given_twice_or_not_at_all_refused_by_name():
+    import argparse
+    import zoffload.deepspeed as zds
+
+    m = zhelpers.model(seed=11)
+    cfg = {"train_micro_batch_size_per_gpu": 8, "zero_optimization": {"stage": 2}}
+    args = argparse.Namespace(deepspeed_config="ds_config.json")
+    # Refused before DeepSpeed or the daemon is reached: neither config is guessed between.
+    with pytest.raises(ValueError, match=r"a DeepSpeed config in both args.deepspeed_config "
+                                         r"and config=: give one"):
+        zds.initialize(args=args, model=m, config=cfg)
+    assert args.deepspeed_config == "ds_config.json", "the caller's args were changed"
+    with pytest.raises(ValueError, match=r"no DeepSpeed config \(config=, config_params= or "
+                                         r"args.deepspeed_config\)"):
+        zds.initialize(args=argparse.Namespace(), model=m)
+
+
 def test_config_blocks_mapped():
     import deepspeed
     import zoffload.deepspeed as zds
