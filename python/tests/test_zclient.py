@@ -88,6 +88,15 @@ def test_threads_share_a_connection(daemon):
     c.close()
 
 
+def test_package_exports_the_bindings():
+    """What `import zoffload` promises (its docstring, __all__): the binding's four types."""
+    from zoffload import _zclient
+
+    assert sorted(zoffload.__all__) == ["Connection", "Slot", "Tensor", "ZoffloadError"]
+    for name in zoffload.__all__:
+        assert getattr(zoffload, name) is getattr(_zclient, name), name
+
+
 def test_types_are_not_made_by_hand():
     with pytest.raises(TypeError, match="Connection.register"):
         zoffload.Tensor()
