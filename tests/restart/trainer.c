@@ -257,6 +257,8 @@ disturb_once(struct disturber *ds)
 			    zst_log(&r->st));
 			return -EIO;
 		}
+		if (r->before_restart != NULL)
+			r->before_restart(r);
 		rc = zst_start(&r->st, r->argv);
 		break;
 	default:
@@ -386,6 +388,18 @@ zrt_train(struct zrt *r, enum zrt_disturb kind, unsigned count, uint64_t seed, c
 		return -EAGAIN;
 	}
 	while (step <= r->steps) {
+		/*
+		 * Where the steps left are no more than the disturbances left, the step waits for
+		 * the next one (bounded): a fast machine's steps must not run out before the
+		 * disturber's random delays do.  The step before let it go, so it comes.
+		 */
+		if (kind != ZRT_NONE && kind != ZRT_GATE && ds.generation < count &&
+		    r->steps - step + 1 <= count - ds.generation) {
+			unsigned before = ds.generation;
+
+			for (int i = 0; i < 6000 && ds.generation == before && ds.error == 0; i++)
+				usleep(10000);
+		}
 		rc = zrt_step(r, step, submitted);
 		if (rc == 0) {
 			memset(submitted, 0, sizeof(submitted));
