@@ -206,6 +206,7 @@ struct ze_engine {
 	/* journal.c: the slice being stepped and its workers' blocks, and staging buffers' chunks */
 	struct ze_journal *journal;
 	size_t journal_bytes;
+	size_t journal_stride;			/* between the workers' rings (its version's) */
 	int journal_fd;
 	/*
 	 * adopt.c: the swap extents ze_tensor_adopt_check took, held until

@@ -18,13 +18,23 @@
 #define ZE_JOURNAL_MAGIC 0x316c726a666f7a7aull	/* "zzofjrl1" */
 /* 2: master_in_slot (1 is still read: a version 1 record keeps its master in the state). */
 #define ZE_RECORD_VERSION 2u
-/* 1: an undo copy of the whole slice; 2: roll forward (journal.c). */
-#define ZE_JOURNAL_VERSION 2u
+/*
+ * 1: an undo copy of the whole slice; 2: roll forward (journal.c); 3: the same, each
+ * worker's ring at a stride of its own (2 is still taken back, with its rings packed).
+ */
+#define ZE_JOURNAL_VERSION 3u
 #define ZE_OWNER_WORDS 4
 /* Staging buffers whose computed chunks the journal can name. */
 #define ZE_MAX_STAGING 256
 /* Worker threads with a before-image of their own in the journal (compute.worker_threads' most). */
 #define ZE_JOURNAL_WORKERS 1024
+
+/*
+ * The layout of a journal of `version` (2 or ZE_JOURNAL_VERSION): its header's bytes, then
+ * worker w's ring at header + w * ring_stride, bytes in all.  -EINVAL: not a version this
+ * engine takes back.  For tests that make an earlier daemon's journal.
+ */
+int ze_journal_layout(unsigned version, size_t *header, size_t *ring_stride, size_t *bytes);
 
 struct ze_tensor_fds {
 	int record;

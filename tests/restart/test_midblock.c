@@ -17,6 +17,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include "recover.h"
 #include "trainer.h"
 
 /*
@@ -32,6 +33,8 @@ static struct zrt ref_, run_;
 static char dir_[64], fifo_[96];
 /* 'w' with fp32 params: the run where its slot is its master (engine_impl.h, master_in_slot). */
 static bool w_fp32_;
+/* Run between the kill and the restart (zrt's before_restart), set before gated_setup. */
+static void (*before_restart_)(struct zrt *r);
 
 static void
 teardown(void)
@@ -47,6 +50,7 @@ teardown(void)
 		rmdir(dir_);
 	fifo_[0] = dir_[0] = '\0';
 	w_fp32_ = false;
+	before_restart_ = NULL;
 }
 
 TestSuite(midblock, .fini = teardown, .timeout = 300);
@@ -88,6 +92,7 @@ gated_setup(const char *format, enum zc_optim optim, bool journal)
 	setenv("ZOFFLOADD_TEST_STEP_GATE", fifo_, 1);
 	setenv("ZOFFLOADD_TEST_STEP_GATE_AT", GATE_AT, 1);
 	cr_assert_eq(zrt_setup_with(&run_, false, &o, err, sizeof(err)), 0, "%s", err);
+	run_.before_restart = before_restart_;
 	run_.steps = STEPS;
 	run_.w_fp32_params = w_fp32_;
 	run_.state_format = format;
@@ -135,6 +140,46 @@ Test(midblock, q8_moments_adamw) { finished_by_journal("q8-moments", ZC_ADAMW); 
 Test(midblock, q8_moments_adam) { finished_by_journal("q8-moments", ZC_ADAM); }
 Test(midblock, bf16_master_q8_adamw) { finished_by_journal("bf16-master+q8", ZC_ADAMW); }
 Test(midblock, bf16_master_q8_adam) { finished_by_journal("bf16-master+q8", ZC_ADAM); }
+
+/*
+ * A daemon before journal version 3 kept its workers' rings packed: the kept journal of
+ * the killed daemon is rewritten in that layout (each ring moved, the version set, the file
+ * cut to its size) before the restart, which must take it back and finish the step, then
+ * go on stepping through it, bit for bit: an upgrade across the layout loses nothing.
+ */
+static void
+journal_to_version_2(struct zrt *r)
+{
+	size_t h3, s3, b3, h2, s2, b2;
+	uint32_t version = 2;
+	static char ring[64 << 10];
+	int fd = zst_fd(&r->st, "journal");
+
+	cr_assert_geq(fd, 0, "no journal kept");
+	cr_assert_eq(ze_journal_layout(ZE_JOURNAL_VERSION, &h3, &s3, &b3), 0);
+	cr_assert_eq(ze_journal_layout(2, &h2, &s2, &b2), 0);
+	cr_assert(h2 == h3 && s2 < s3 && s2 <= sizeof(ring) && b2 < b3);
+	/* Ascending: version 2's ring w lands below version 3's ring w, on rings moved already. */
+	for (unsigned w = 0; w < ZE_JOURNAL_WORKERS; w++) {
+		cr_assert_eq(pread(fd, ring, s2, (off_t)(h3 + w * s3)), (ssize_t)s2);
+		cr_assert_eq(pwrite(fd, ring, s2, (off_t)(h2 + w * s2)), (ssize_t)s2);
+	}
+	/* The header's version: after its 8-byte magic. */
+	cr_assert_eq(pwrite(fd, &version, sizeof(version), 8), (ssize_t)sizeof(version));
+	cr_assert_eq(ftruncate(fd, (off_t)b2), 0);
+}
+
+Test(midblock, fp32_adamw_from_a_version_2_journal)
+{
+	before_restart_ = journal_to_version_2;
+	finished_by_journal("fp32", ZC_ADAMW);
+}
+
+Test(midblock, q8_moments_adamw_from_a_version_2_journal)
+{
+	before_restart_ = journal_to_version_2;
+	finished_by_journal("q8-moments", ZC_ADAMW);
+}
 
 /*
  * The same with 'w''s params fp32: its slot is its master for the formats

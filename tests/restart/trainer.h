@@ -59,6 +59,8 @@ struct zrt {
 	struct zrt_options opts;
 	/* zrt_train returns once the trainer reattached after its first restart. */
 	bool stop_after_restart;
+	/* Called between a kill's exit and the next start (NULL: none), to change what is kept. */
+	void (*before_restart)(struct zrt *r);
 	uint64_t reconnects;
 	unsigned restarts;		/* daemon deaths the trainer went through */
 	unsigned resumed;		/* tensors taken back resumed after one */
