@@ -288,6 +288,24 @@ ZC_API void zc_tensor_set_slots_hook(struct zc_tensor *tensor, zc_slots_fn *fn, 
 typedef void zc_release_fn(struct zc_tensor *tensor, void *arg);
 ZC_API void zc_tensor_set_release_hook(struct zc_tensor *tensor, zc_release_fn *fn, void *arg);
 /*
+ * Pointers into a tensor's slots that outlive it: a binding whose user may
+ * still hold views of them (torch.frombuffer of a slot, a parameter's storage
+ * that a framework's thread still references) cannot take them back.  With
+ * kept set, the tensor's going (zc_tensor_unregister, zc_job_close,
+ * zc_disconnect) leaves its slots mapped where they are, holding what they
+ * held, fills *kept with their ranges and does not unmap them: the caller
+ * munmaps each range when the last pointer into it is gone.  The daemon has
+ * let go of the files then and no longer counts their pages; they are the
+ * process's memory until that munmap.  *kept must stay valid until the
+ * tensor goes or kept is set back to NULL (the default: the slots are
+ * unmapped with the tensor).  The slots hook still runs (ZC_SLOTS_UNMAP):
+ * a driver's registration of the pages ends with the tensor.
+ */
+struct zc_kept_slots {
+	struct { void *addr; size_t bytes; } grad, param, param_view;	/* addr NULL: none */
+};
+ZC_API void zc_tensor_keep_slots(struct zc_tensor *tensor, struct zc_kept_slots *kept);
+/*
  * A param slot pinned by a driver.  zc_param_release makes the daemon drop
  * the pages of a param_offload tensor's slot, and the next fetch refills it
  * with new ones: a driver that pinned the old pages (cudaHostRegister) would

@@ -68,6 +68,8 @@ struct zc_tensor {
 	 */
 	zc_unpin_fn *unpin;
 	void *unpin_arg;
+	/* Set: the slots stay mapped when the tensor goes, handed to the caller here. */
+	struct zc_kept_slots *kept;
 };
 
 /*
@@ -270,6 +272,7 @@ void zci_file_id(int fd, uint64_t *dev, uint64_t *ino);
 /* Maps t's param view from the param slot's file. */
 int zci_view_map(struct zc_tensor *t, int fd);
 void zci_view_unmap(struct zc_tensor *t);
+void zci_view_keep(struct zc_tensor *t, void **ret_addr, size_t *ret_bytes);
 /* A reattach brought the param slot back in another file: the view moves onto it in place. */
 int zci_view_remap(struct zc_tensor *t, int fd);
 /* Closes the connection's pagemap and userfaultfd descriptors (after its tensors went). */

@@ -160,10 +160,25 @@ zci_tensor_unmap(struct zc_tensor *t)
 {
 	/* Before munmap: a driver's registration must not outlive the mapping. */
 	zci_tensor_slots_event(t, ZC_SLOTS_UNMAP);
+	if (t->kept != NULL) {
+		*t->kept = (struct zc_kept_slots){
+			.grad = { t->grad, t->grad_bytes },
+			.param = { t->param, t->param_bytes },
+		};
+		zci_view_keep(t, &t->kept->param_view.addr, &t->kept->param_view.bytes);
+		free(t);
+		return;
+	}
 	munmap(t->grad, t->grad_bytes);
 	munmap(t->param, t->param_bytes);
 	zci_view_unmap(t);
 	free(t);
+}
+
+void
+zc_tensor_keep_slots(struct zc_tensor *t, struct zc_kept_slots *kept)
+{
+	t->kept = kept;
 }
 
 int

@@ -180,6 +180,23 @@ zci_view_unmap(struct zc_tensor *t)
 }
 
 void
+zci_view_keep(struct zc_tensor *t, void **ret_addr, size_t *ret_bytes)
+{
+	struct uffdio_range range = { (uintptr_t)t->param_view, t->param_bytes };
+
+	/*
+	 * The mapping stays for pointers the caller cannot take back; without
+	 * write protection a write to it is a plain write again, as after an
+	 * unmap, and closing the connection's userfaultfd then changes nothing.
+	 */
+	if (t->param_view != NULL && t->view_wp)
+		(void)ioctl(t->conn->uffd, UFFDIO_UNREGISTER, &range);
+	*ret_addr = t->param_view;
+	*ret_bytes = t->param_view != NULL ? t->param_bytes : 0;
+	t->param_view = NULL;
+}
+
+void
 zci_view_close(struct zc_conn *c)
 {
 	if (c->pagemap_fd >= 0)

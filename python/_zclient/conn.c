@@ -88,18 +88,45 @@ conn_dealloc(struct zpy_conn *self)
 	Py_DECREF(tp);
 }
 
-bool
-zpy_conn_views_gone(struct zpy_conn *conn, const char *what)
+static bool
+keep_viewed(PyObject *kept, struct zpy_tensor *t)
 {
-	for (struct zpy_tensor *t = conn->tensors; t != NULL; t = t->next) {
-		if (t->t != NULL && t->live_slots > 0) {
-			PyErr_Format(PyExc_BufferError, "%s would unmap the slots of tensor %R, which "
-			    "%zd object(s) still view (torch.frombuffer, memoryview): drop them first",
-			    what, t->name, t->live_slots);
-			return false;
+	if (t->t == NULL || t->live_slots == 0)
+		return true;
+	if (PyList_Append(kept, (PyObject *)t) < 0)
+		return false;
+	zc_tensor_keep_slots(t->t, &t->kept);
+	return true;
+}
+
+PyObject *
+zpy_tensors_keep_viewed(struct zpy_conn *conn, struct zpy_tensor *only)
+{
+	PyObject *kept = PyList_New(0);
+
+	if (kept == NULL)
+		return NULL;
+	for (struct zpy_tensor *t = only != NULL ? only : conn->tensors; t != NULL;
+	    t = only != NULL ? NULL : t->next) {
+		if (!keep_viewed(kept, t)) {
+			zpy_tensors_kept_done(kept, false);
+			return NULL;
 		}
 	}
-	return true;
+	return kept;
+}
+
+void
+zpy_tensors_kept_done(PyObject *kept, bool ok)
+{
+	for (Py_ssize_t i = 0; !ok && i < PyList_GET_SIZE(kept); i++) {
+		struct zpy_tensor *t = (struct zpy_tensor *)PyList_GET_ITEM(kept, i);
+
+		/* Still registered: the Tensor's dealloc must not find a pointer to itself there. */
+		if (t->t != NULL)
+			zc_tensor_keep_slots(t->t, NULL);
+	}
+	Py_DECREF(kept);
 }
 
 void
@@ -116,9 +143,11 @@ conn_close(struct zpy_conn *self, PyObject *unused)
 {
 	struct zc_conn *c = self->c;
 
+	PyObject *kept;
+
 	if (c == NULL)
 		Py_RETURN_NONE;
-	if (!zpy_conn_views_gone(self, "close()"))
+	if ((kept = zpy_tensors_keep_viewed(self, NULL)) == NULL)
 		return NULL;
 	self->c = NULL;
 	zpy_conn_forget_tensors(self);
@@ -127,6 +156,7 @@ conn_close(struct zpy_conn *self, PyObject *unused)
 	zc_disconnect(c);
 	PyThread_release_lock(self->lock);
 	Py_END_ALLOW_THREADS
+	zpy_tensors_kept_done(kept, true);
 	Py_RETURN_NONE;
 }
 
@@ -195,14 +225,18 @@ static PyObject *
 conn_job_close(struct zpy_conn *self, PyObject *unused)
 {
 	char err[ZPY_ERRLEN];
+	PyObject *kept;
 	int r;
 
-	if (!zpy_conn_ready(self) || !zpy_conn_views_gone(self, "job_close()"))
+	if (!zpy_conn_ready(self) || (kept = zpy_tensors_keep_viewed(self, NULL)) == NULL)
 		return NULL;
 	ZPY_CALL(self, r, err, zc_job_close(self->c));
-	if (r < 0)
+	if (r < 0) {
+		zpy_tensors_kept_done(kept, false);
 		return zpy_raise_conn(self, r, err);
+	}
 	zpy_conn_forget_tensors(self);
+	zpy_tensors_kept_done(kept, true);
 	Py_RETURN_NONE;
 }
 

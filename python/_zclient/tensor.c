@@ -1,6 +1,7 @@
 /* zoffload._zclient.Tensor and Slot: a registered tensor, its state, and its slots as buffers. */
 #include <errno.h>
 #include <string.h>
+#include <sys/mman.h>
 
 #include "zpy.h"
 
@@ -28,6 +29,12 @@ tensor_dealloc(struct zpy_tensor *self)
 	PyTypeObject *tp = Py_TYPE(self);
 
 	/* The C tensor stays with the connection (freed at disconnect), as a dead rank's would. */
+	if (self->kept.grad.addr != NULL)
+		munmap(self->kept.grad.addr, self->kept.grad.bytes);
+	if (self->kept.param.addr != NULL)
+		munmap(self->kept.param.addr, self->kept.param.bytes);
+	if (self->kept.param_view.addr != NULL)
+		munmap(self->kept.param_view.addr, self->kept.param_view.bytes);
 	if (self->prev != NULL)
 		self->prev->next = self->next;
 	else if (self->conn != NULL && self->conn->tensors == self)
@@ -341,19 +348,19 @@ static PyObject *
 tensor_unregister(struct zpy_tensor *self, PyObject *unused)
 {
 	char err[ZPY_ERRLEN];
+	PyObject *kept;
 	int r;
 
-	if (!zpy_tensor_ready(self))
+	if (!zpy_tensor_ready(self) || (kept = zpy_tensors_keep_viewed(self->conn, self)) == NULL)
 		return NULL;
-	if (self->live_slots > 0)
-		return PyErr_Format(PyExc_BufferError, "unregister() would unmap the slots of tensor "
-		    "%R, which %zd object(s) still view (torch.frombuffer, memoryview): drop them "
-		    "first", self->name, self->live_slots);
 	ZPY_CALL(self->conn, r, err, zc_tensor_unregister(self->t));
-	if (r < 0)
+	if (r < 0) {
+		zpy_tensors_kept_done(kept, false);
 		return zpy_raise(Py_TYPE(self), r, err);
+	}
 	self->t = NULL;
 	self->hook = NULL;		/* freed by its last call */
+	zpy_tensors_kept_done(kept, true);
 	Py_RETURN_NONE;
 }
 
@@ -453,7 +460,8 @@ static PyMethodDef tensor_methods[] = {
 	{ "view_reset", (PyCFunction)tensor_view_reset, METH_NOARGS,
 	  "view_reset(): drop the param view's written pages: it reads the param slot again." },
 	{ "unregister", (PyCFunction)tensor_unregister, METH_NOARGS,
-	  "unregister(): free the tensor in the daemon (no slot view may be alive)." },
+	  "unregister(): free the tensor in the daemon.  Slot views still alive keep the "
+	  "slots' memory, as it was, until the last of them goes." },
 	{ NULL, NULL, 0, NULL },
 };
 

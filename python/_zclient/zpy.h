@@ -47,6 +47,13 @@ struct zpy_tensor {
 	uint64_t numel;
 	enum zc_dtype grad_dtype, param_dtype;
 	Py_ssize_t live_slots;
+	/*
+	 * Where views outlived the C tensor (zc_tensor_keep_slots): the slots'
+	 * mappings, now this object's to unmap.  Every live Slot holds this
+	 * Tensor, and every exported buffer its Slot, so the dealloc that
+	 * unmaps them runs after the last pointer into them is gone.
+	 */
+	struct zc_kept_slots kept;
 	struct zpy_slots_hook *hook;	/* set_slots_hook's; owned by t's hook (below) */
 	struct zpy_tensor *prev, *next;	/* in conn->tensors */
 };
@@ -109,8 +116,14 @@ int zpy_optim(const char *s, enum zc_optim *ret);
 PyObject *zpy_checkpoint_save(struct zpy_conn *self, PyObject *args, PyObject *kw);
 PyObject *zpy_register_checkpoint(struct zpy_conn *self, PyObject *args, PyObject *kw);
 
-/* Tensors that free the connection's C tensors: fail if any still has live slot views. */
-bool zpy_conn_views_gone(struct zpy_conn *conn, const char *what);
+/*
+ * Before a call that frees C tensors: each tensor whose slots are still
+ * viewed keeps them mapped (zc_tensor_keep_slots), and is held in the list
+ * returned (NULL with an exception set) until zpy_tensors_kept_done.  ok
+ * false: the call failed and the tensors are still registered.
+ */
+PyObject *zpy_tensors_keep_viewed(struct zpy_conn *conn, struct zpy_tensor *only);
+void zpy_tensors_kept_done(PyObject *kept, bool ok);
 /* After the C tensors went away with the connection or the job. */
 void zpy_conn_forget_tensors(struct zpy_conn *conn);
 

@@ -15,6 +15,7 @@ Against torch.optim.AdamW with test_numerics' tolerance (RTOL, justified there):
 gradients are copied into the reference each step, so nothing feeds back.
 """
 import array
+import json
 import mmap
 import os
 
@@ -210,6 +211,33 @@ def test_close_gives_params_storage_of_their_own(daemon):
         assert torch.equal(p.detach(), b) and backing(p.data_ptr()) != slot
     p.data.add_(1.0)                        # writable, and nobody else's
 
+
+
+def test_close_while_another_holder_still_references_a_viewed_param(daemon):
+    """close() while something else still holds a viewed param's old storage: torch 1.13's
+    ZeroRedundancyOptimizer broadcasts each param with async_op=True, and gloo's worker lets
+    go of the broadcast's input a moment after wait() returns.  close() raised BufferError
+    ("unregister() would unmap the slots of tensor 'p9/32', which 1 object(s) still view")
+    and the process aborted (test_dist's ZeRO run in CI, now and then).  Now close() frees
+    the daemon's state, and the holder keeps the values it saw, in memory that stays mapped
+    until it lets go; the param has storage of its own as before."""
+    m = zhelpers.model(seed=7)
+    opt = zt.AdamW(m.parameters(), job="views-held", socket=daemon.socket, **KW)
+    zhelpers.train(m, opt, 2)
+    p = next(iter(m.parameters()))
+    assert viewed(opt, p)
+    held = p.data                           # another Tensor over p's storage, as gloo's
+    grad_held = p.grad.data                 # and over the grad slot
+    want, want_grad = held.clone(), grad_held.clone()
+    opt.close()
+    assert torch.equal(held, want) and torch.equal(grad_held, want_grad)
+    assert torch.equal(p.detach(), want) and p.data_ptr() != held.data_ptr()
+    held.add_(1.0)                          # still writable, and no longer p's
+    assert torch.equal(p.detach(), want) and not torch.equal(held, want)
+    c = zoffload.Connection(daemon.socket)
+    assert not any(j["name"] == "views-held" for j in json.loads(c.jobs())["jobs"])
+    c.close()
+    del held, grad_held                     # the mapping goes with the last of them
 
 @pytest.fixture
 def relay(daemon):

@@ -5,6 +5,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
 #include <unistd.h>
 
 #include "itd.h"
@@ -220,4 +221,75 @@ Test(lifetime, job_drop_frees_every_rank)
 	cr_assert(strstr(zc_errmsg(r1), "dropped") != NULL, "%s", zc_errmsg(r1));
 	zc_disconnect(r1);
 	zc_disconnect(admin);
+}
+
+static void
+expect_filled(const void *p, size_t bytes, unsigned char byte, const char *what)
+{
+	const unsigned char *b = p;
+
+	for (size_t i = 0; i < bytes; i++)
+		cr_assert_eq(b[i], byte, "%s: byte %zu is %#x, not %#x", what, i, b[i], byte);
+}
+
+/*
+ * zc_tensor_keep_slots: pointers a binding cannot take back (a framework
+ * thread's reference to a parameter's storage) stay valid past the tensor,
+ * holding what they held, and writable where they were; the daemon has let
+ * go of the tensor all the same.  Before, every way a tensor goes unmapped
+ * its slots, and a binding had to refuse to unregister while views lived.
+ */
+Test(lifetime, kept_slots_outlive_the_tensor)
+{
+	struct zc_conn *obs = itd_connect(&daemon_), *c = itd_connect(&daemon_);
+	struct zc_kept_slots kept[3] = { 0 }, none = { 0 };
+	struct zc_tensor *t[3];
+	const char *names[3] = { "unregistered", "job-closed", "disconnected" };
+	size_t gbytes, pbytes, vbytes;
+
+	cr_assert_eq(zc_conn_set_param_views(c, true), 0, "%s", zc_errmsg(c));
+	open_rank(c, "k", 0);
+	for (int i = 0; i < 3; i++) {
+		t[i] = reg(c, names[i], 1, NULL);
+		cr_assert_not_null(zc_tensor_param_view(t[i], &vbytes), "%s: no param view",
+		    names[i]);
+		(void)zc_tensor_grad_slot(t[i], &gbytes);
+		(void)zc_tensor_param_slot(t[i], &pbytes);
+		memset(zc_tensor_grad_slot(t[i], NULL), 0x40 + i, gbytes);
+		memset(zc_tensor_param_view(t[i], NULL), 0x50 + i, vbytes);
+		zc_tensor_keep_slots(t[i], &kept[i]);
+	}
+	cr_assert_eq(zc_tensor_unregister(t[0]), 0, "%s", zc_errmsg(c));
+	expect_job(obs, "k", true, 1, 0, 0, 2);
+	cr_assert_eq(memcmp(&kept[1], &none, sizeof(none)), 0, "filled before its tensor went");
+	cr_assert_eq(zc_job_close(c), 0, "%s", zc_errmsg(c));
+	expect_job(obs, "k", false, 0, 0, 0, 0);
+
+	/* A tensor that goes with the connection, its job left open. */
+	open_rank(c, "k2", 0);
+	t[2] = reg(c, names[2], 1, NULL);
+	memset(zc_tensor_grad_slot(t[2], NULL), 0x42, gbytes);
+	memset(zc_tensor_param_view(t[2], NULL), 0x52, vbytes);
+	zc_tensor_keep_slots(t[2], &kept[2]);
+	zc_disconnect(c);
+	expect_job(obs, "k2", true, 0, 1, 1, 1);
+
+	for (int i = 0; i < 3; i++) {
+		cr_assert_not_null(kept[i].grad.addr, "%s: grad slot not handed over", names[i]);
+		cr_assert_not_null(kept[i].param.addr, "%s: param slot not handed over", names[i]);
+		cr_assert_not_null(kept[i].param_view.addr, "%s: param view not handed over",
+		    names[i]);
+		cr_assert(kept[i].grad.bytes >= gbytes && kept[i].param.bytes >= pbytes &&
+		    kept[i].param_view.bytes >= vbytes, "%s: ranges shorter than the slots", names[i]);
+		expect_filled(kept[i].grad.addr, gbytes, 0x40 + i, names[i]);
+		expect_filled(kept[i].param_view.addr, vbytes, 0x50 + i, names[i]);
+		/* Still writable where they were (the view no longer write-protected). */
+		memset(kept[i].grad.addr, 0x11, gbytes);
+		memset(kept[i].param_view.addr, 0x22, vbytes);
+		expect_filled(kept[i].param_view.addr, vbytes, 0x22, names[i]);
+		cr_assert_eq(munmap(kept[i].grad.addr, kept[i].grad.bytes), 0);
+		cr_assert_eq(munmap(kept[i].param.addr, kept[i].param.bytes), 0);
+		cr_assert_eq(munmap(kept[i].param_view.addr, kept[i].param_view.bytes), 0);
+	}
+	zc_disconnect(obs);
 }
