@@ -125,6 +125,13 @@ struct zc_conn {
 	uint32_t tensor_cap;
 	void *xfer;
 	size_t xfer_bytes;
+	/*
+	 * A read or write used the window since its pages were last given back; the next
+	 * step submit gives them back (zci_xfer_release).  The client, not the daemon, does
+	 * it: only the client knows when it is between two uses (it fills the window for a
+	 * TENSOR_WRITE while a step it sent may still be unread by the daemon).
+	 */
+	bool xfer_touched;
 	struct pending_set *sets;	/* submitted steps not done yet (zclient_step.c) */
 	struct zc_step_result last;
 	struct zc_param_stats param_stats;
@@ -281,6 +288,8 @@ void zci_view_close(struct zc_conn *c);
 /* zclient_tensor.c: tensors. */
 
 /* A TENSOR_DONE, a PARAM_READY (c->hooks): the tensor's step, its fetch ended. */
+/* The transfer window's pages back, once a read or write used them (zclient_tensor.c). */
+void zci_xfer_release(struct zc_conn *c);
 void zci_tensor_done(struct zc_conn *c, const struct zp_msg *m);
 void zci_tensor_param_ready(struct zc_conn *c, const struct zp_msg *m);
 

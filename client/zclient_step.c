@@ -296,6 +296,7 @@ zc_step_submit(struct zc_conn *c, const struct zc_step_params *p,
 	set->count = (uint32_t)ntensors;
 	set->step = p->step;
 	set->params = *p;
+	zci_xfer_release(c);
 	r = zci_send_msg(c, m, zci_deadline_after(c->timeout_ms), -1);
 	if (r < 0) {
 		free(set->handles);

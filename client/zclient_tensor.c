@@ -72,6 +72,22 @@ ensure_xfer(struct zc_conn *c)
 	return 0;
 }
 
+/*
+ * A trainer reads and writes state at its start and at its checkpoints, not each step:
+ * punched, the window holds no pages (16 MiB by default, the daemon's mapping's too, as
+ * they are the file's) between those.  Reads give zeros after, and nothing reads the
+ * window before filling it.
+ */
+void
+zci_xfer_release(struct zc_conn *c)
+{
+	if (!c->xfer_touched)
+		return;
+	/* Best effort: a window that keeps its pages costs memory, never correctness. */
+	(void)madvise(c->xfer, c->xfer_bytes, MADV_REMOVE);
+	c->xfer_touched = false;
+}
+
 /* Moves count fp32 values between a tensor's state and the caller, a window at a time. */
 static int
 tensor_copy(struct zc_tensor *t, uint16_t type, enum zc_state which, uint64_t offset,
@@ -91,6 +107,7 @@ tensor_copy(struct zc_tensor *t, uint16_t type, enum zc_state which, uint64_t of
 	if (r < 0)
 		return r;
 	chunk = c->xfer_bytes / sizeof(float);
+	c->xfer_touched = true;
 	while (done < count) {
 		struct zp_msg m = { .hdr = { .type = type } };
 		uint64_t n = count - done < chunk ? count - done : chunk;

@@ -272,7 +272,6 @@ handle_tensor_io(struct zd_session *s, const struct zp_msg *msg)
 		    (unsigned long long)io->count, s->xfer.bytes);
 		return;
 	}
-	s->xfer_touched = true;
 	r = ze_tensor_io(t->et, write, (enum ze_state)io->state, io->offset, io->count,
 	    s->xfer.map, s->id, msg->hdr.request_id);
 	if (r == -EAGAIN)
@@ -323,12 +322,6 @@ handle_step_submit(struct zd_session *s, const struct zp_msg *msg)
 	if (s->job == NULL) {
 		refuse_step(s, msg, -ENOTCONN, "open a job before submitting steps");
 		return;
-	}
-	if (s->xfer_touched) {
-		/* Its pages back (16 MiB by default, the client's mapping's too); zeros after. */
-		(void)fallocate(s->xfer.fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, 0,
-		    (off_t)s->xfer.bytes);
-		s->xfer_touched = false;
 	}
 	ts = calloc(req->count, sizeof(*ts));
 	if (ts == NULL) {

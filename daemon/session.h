@@ -68,12 +68,6 @@ struct zd_session {
 	uint32_t tensor_cap;
 	unsigned steps_in_flight;	/* submitted, STEP_DONE not yet sent */
 	struct ze_shm xfer;
-	/*
-	 * A TENSOR_READ or TENSOR_WRITE touched the window since its pages were last given
-	 * back: the next step gives them back (the window is scratch between requests, and
-	 * a trainer reads or writes state at its start and its checkpoints, not each step).
-	 */
-	bool xfer_touched;
 	uint64_t connected_ns;
 	const struct zd_session_hooks *hooks;
 	/*

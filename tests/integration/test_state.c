@@ -164,7 +164,8 @@ xfer_resident_kib(pid_t pid)
 
 /*
  * The transfer window's pages (state read or written through it: initial values, a
- * state_dict, a load) are given back at the next step, not held for the session's life:
+ * state_dict, a load) are given back at the next step (libzclient punches them before its
+ * submit), not held for the session's life:
  * 16 MiB per trainer otherwise, a tenth of a byte a parameter beside 100 M.  The window
  * still works after.
  */
@@ -197,6 +198,52 @@ Test(state, transfer_window_given_back_at_the_next_step)
 	cr_assert_eq(zc_wait_tensor(t, &res), 0, "%s", zc_errmsg(c));
 	cr_assert_eq(xfer_resident_kib(daemon_.pid), 0);
 	free(init);
+	free(got);
+	zc_disconnect(c);
+}
+
+/*
+ * A write through the window right after a step submit (the submit does not wait for the
+ * daemon) is what the tensor holds.  The daemon used to give the window's pages back when
+ * it read the STEP_SUBMIT, which could come after the client had filled the window for
+ * the next TENSOR_WRITE: part of the write read as zeros.  zoffload.torch does exactly
+ * this with overlap=True (a hook writes a param the user changed, then submits, then the
+ * next hook writes the next one).
+ */
+Test(state, write_right_after_a_submit_is_kept)
+{
+	enum { BIG = 1 << 21, ROUNDS = 16 };
+	struct zc_conn *c = itd_connect(&daemon_);
+	struct zc_tensor_desc big = { .name = "big", .numel = BIG, .grad_dtype = ZC_F32,
+		.param_dtype = ZC_F32 };
+	struct zc_tensor_desc small = { .name = "small", .numel = 1024, .grad_dtype = ZC_F32,
+		.param_dtype = ZC_F32 };
+	struct zc_step_params sp = { .optim = ZC_ADAMW, .lr = 1e-3, .beta1 = 0.9,
+		.beta2 = 0.999, .eps = 1e-8 };
+	float *vals = malloc(BIG * sizeof(float)), *got = calloc(BIG, sizeof(float));
+	struct zc_step_result res;
+	struct zc_tensor *tb, *ts;
+
+	cr_assert(vals != NULL && got != NULL);
+	cr_assert_eq(zc_job_open(c, "write-after-submit", 0, 1), 0, "%s", zc_errmsg(c));
+	cr_assert_eq(zc_tensor_register(c, &big, got, &tb), 0, "%s", zc_errmsg(c));
+	cr_assert_eq(zc_tensor_register(c, &small, got, &ts), 0, "%s", zc_errmsg(c));
+	for (int k = 1; k <= ROUNDS; k++) {
+		for (size_t i = 0; i < BIG; i++)
+			vals[i] = (float)k + (float)i / BIG;
+		/* The round before wrote through the window: this submit releases its pages. */
+		sp.step = (uint64_t)k;
+		cr_assert_eq(zc_step_submit(c, &sp, &ts, 1), 0, "%s", zc_errmsg(c));
+		cr_assert_eq(zc_tensor_write(tb, ZC_STATE_MASTER, 0, BIG, vals), 0, "%s",
+		    zc_errmsg(c));
+		cr_assert_eq(zc_wait_tensor(ts, &res), 0, "%s", zc_errmsg(c));
+		cr_assert_eq(zc_tensor_read(tb, ZC_STATE_MASTER, 0, BIG, got), 0, "%s",
+		    zc_errmsg(c));
+		for (size_t i = 0; i < BIG; i++)
+			cr_assert_eq(got[i], vals[i], "round %d: element %zu is %g, %g written", k,
+			    i, (double)got[i], (double)vals[i]);
+	}
+	free(vals);
 	free(got);
 	zc_disconnect(c);
 }
