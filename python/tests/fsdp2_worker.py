@@ -8,8 +8,14 @@ train OFFLOAD POLICY STEPS (OFFLOAD: offload, CPUOffloadPolicy; mesh, none; hsdp
     update differs), both step.  Rank 0 saves to OUT both runs' full params, the clip norms
     against an independent one (from the gathered full grads), and the final losses; under
     hsdp also whether DCP and the streaming checkpoint restore the state bit for bit.
+overlap STEPS: zoffload.torch.AdamW(overlap=True) (each shard's step submitted from its
+    post-accumulate-grad hook, in backward) and torch.optim.AdamW in lockstep, under
+    CPUOffloadPolicy, without clipping; every third step takes two micro-batches, the first
+    without a reduce-scatter (set_requires_gradient_sync(False)).  Rank 0 saves both runs'
+    full params and state, every rank's copy_stats(), the final losses, and the error of a
+    second reduce-scatter before step() (two synced backwards).
 save STEPS: first what is refused, by name (REFUSED lines): a Partial() placement,
-    overlap=True.  Then ours trains STEPS steps, saves through DCP (OUT/dcp) and through the
+    overlap=True with a DTensor outside fully_shard.  Then ours trains STEPS steps, saves through DCP (OUT/dcp) and through the
     streaming checkpoint (OUT/own), with the full state at that point (OUT/state.pt); trains
     STEPS more (OUT/after.pt), then a fresh model and optimizer load OUT/dcp and train the
     same STEPS (OUT/resumed.pt).
@@ -171,6 +177,50 @@ def train(rank, world, sock, job, out, offload, policy, steps):
     dist.barrier()
 
 
+def overlap(rank, world, sock, job, out, steps):
+    base, kw = build(world, True)
+    ref = shard(copy.deepcopy(base), kw)
+    ours = shard(base, kw)
+    opt = zt.AdamW(ours.parameters(), lr=LR, weight_decay=WD, job=job, socket=sock,
+                   overlap=True)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR, weight_decay=WD)
+    in_flight = []
+    for step in range(1, steps + 1):
+        opt.zero_grad()
+        ref_opt.zero_grad()
+        if step % 3 == 0:
+            ours.set_requires_gradient_sync(False)
+            loss_of(ours, 1000 + step, rank).backward()
+            ours.set_requires_gradient_sync(True)
+        loss_of(ours, step, rank).backward()
+        # Submitted from the hooks: in flight (or done) before step() is called.
+        in_flight.append(sum(1 for e in opt._entries.values() if e.in_flight))
+        for p, q in zip(ours.parameters(), ref.parameters()):
+            q.grad = p.grad.detach().clone()
+        opt.step()
+        ref_opt.step()
+    with torch.no_grad():
+        final = (float(loss_of(ours, 0, 0)), float(loss_of(ref, 0, 0)))
+    result = {"ours": full_params(ours), "ref": full_params(ref), "final_loss": final,
+              "ours_state": full_state(ours, opt)["optim"],
+              "ref_state": full_state(ref, ref_opt)["optim"], "in_flight": in_flight}
+    stats = [None] * world
+    dist.all_gather_object(stats, (len(opt._entries), opt.copy_stats()))
+    result["copy_stats"] = stats
+    # A second synced backward before step(): the shards' steps are in flight already.
+    opt.zero_grad()
+    loss_of(ours, 0, rank).backward()
+    try:
+        loss_of(ours, 0, rank).backward()
+        result["second_backward"] = None
+    except RuntimeError as ex:
+        result["second_backward"] = str(ex)
+    opt.close()
+    if rank == 0:
+        torch.save(result, out)
+    dist.barrier()
+
+
 def clip(rank, world, sock, job, out, layout, steps, skip_at):
     base, kw = build(world, True, hsdp=layout == "hsdp")
     ref = shard(copy.deepcopy(base), kw)
@@ -259,12 +309,12 @@ def plain_steps(m, opt, rank, steps, first):
 
 def refused(world, sock, job):
     """Prints REFUSED and the error for each thing DTensor params refuse."""
-    from torch.distributed.tensor import DTensor, Partial
-    partial = [torch.nn.Parameter(DTensor.from_local(torch.ones(4), init_device_mesh(
-        "cpu", (world,)), [Partial()]))]
-    plain = shard(*build(world, True))
+    from torch.distributed.tensor import DTensor, Partial, Shard
+    mesh = init_device_mesh("cpu", (world,))
+    partial = [torch.nn.Parameter(DTensor.from_local(torch.ones(4), mesh, [Partial()]))]
+    loose = [torch.nn.Parameter(DTensor.from_local(torch.ones(4), mesh, [Shard(0)]))]
     for what, params, kw in (("partial", partial, {}),
-                             ("overlap", plain.parameters(), {"overlap": True})):
+                             ("overlap", loose, {"overlap": True})):
         try:
             zt.AdamW(params, job=f"{job}-{what}", socket=sock, **kw).close()
         except (NotImplementedError, ValueError) as ex:
@@ -339,6 +389,8 @@ def main():
     try:
         if mode == "train":
             train(rank, world, sock, job, out, args[0], args[1], int(args[2]))
+        elif mode == "overlap":
+            overlap(rank, world, sock, job, out, int(args[0]))
         elif mode == "clip":
             clip(rank, world, sock, job, out, args[0], int(args[1]), int(args[2]))
         elif mode == "save":

@@ -31,6 +31,19 @@ view alone.  The slot holds the shard's elements and no more, so a padded shard 
 ranks' when dim 0 does not divide by the shard group) stays a copy, as does one FSDP2 pins
 (``pin_memory``: it would copy the shard into pinned memory of its own).
 
+With ``overlap=True`` each shard's step is submitted as soon as FSDP2 hands over its
+sharded gradient: FSDP2 calls the param's post-accumulate-grad hooks right after it assigns
+(or accumulates) the gradient of its reduce-scatter, in backward, module by module.  The
+daemon then steps the shards of the modules whose backward is done while backward goes on
+through the others, and ``step()`` only waits (and submits any shard whose hook did not
+run).  The shard may stay its slot's view then: FSDP2 reads a shard only to all-gather it,
+for a module's forward and, resharded after forward, before the module's backward, never
+after that module's reduce-scatter in the same backward; the new params are in the shard
+once the daemon has written them, before ``step()`` returns.  Gradients accumulated over
+micro-batches go without a reduce-scatter but the last one's
+(``set_requires_gradient_sync(False)`` before the others): a second reduce-scatter of a
+shard before ``step()`` raises, as a second backward does for plain params.
+
 The shard's place in the logical parameter, ``(offset, numel of the whole)``, is what the
 streaming checkpoint stores, so that a checkpoint made by N ranks restores into M: it is
 exact for shards along dim 0 (FSDP2's default), whose flattened local part is one range of
@@ -73,8 +86,9 @@ def _replicate_dims(p):
             if isinstance(pl, Replicate) and mesh.size(d) > 1]
 
 
-def check(p, overlap):
-    """Refuses, by name, what the optimizer cannot step correctly as a DTensor param."""
+def check(p, overlap, fp):
+    """Refuses, by name, what the optimizer cannot step correctly as a DTensor param (fp: its
+    FSDPParam, or None outside fully_shard)."""
     if not is_dtensor(p):
         return
     mesh = p.device_mesh
@@ -88,10 +102,10 @@ def check(p, overlap):
         raise NotImplementedError(
             f"zoffload: a DTensor parameter replicated over mesh dimensions "
             f"{_replicate_dims(p)}: one replicate dimension (HSDP's) is supported")
-    if overlap:
-        raise ValueError("zoffload: overlap=True with DTensor parameters (FSDP2): FSDP2 hands "
-                         "over the sharded gradient after its reduce-scatter, not through the "
-                         "parameter's gradient hook, so nothing would be submitted early")
+    if overlap and fp is None:
+        raise ValueError("zoffload: overlap=True with a DTensor parameter outside fully_shard: "
+                         "only FSDP2 hands over a sharded gradient early (through the "
+                         "parameter's post-accumulate-grad hooks, after its reduce-scatter)")
 
 
 def replicated(p):

@@ -33,7 +33,9 @@ only):
 - ``grad_dtype``: what gradients are handed over in (default: the param's dtype).
 - ``overlap``: submit each param's step from a gradient hook as soon as backward produced
   its gradient, so that the daemon works while backward goes on; ``step()`` then only waits.
-  One backward per step (a second before ``step()`` raises).
+  One backward per step (a second before ``step()`` raises).  Under FSDP2 the hook is the
+  shard's post-accumulate-grad hook, which FSDP2 calls after each module's reduce-scatter
+  (see _dtensor.py); the shards stay their slots' views.
 - ``rank`` / ``world_size``: default ``torch.distributed``'s when initialized, else 0 / 1.
 
 The fp32 master weights and the moments stay in the daemon; the gradients go through each
@@ -45,7 +47,8 @@ tensor's shared-memory grad slot and the new parameters come back through its pa
   become its own) and becomes the daemon's master, as torch's optimizers would take it;
   ``p.data = ...`` makes p a copy again.  A DTensor param's shard under FSDP2 on the CPU is a
   view the same way (FSDP2's storage of the shard is the slot; see _dtensor.py).  Other params
-  (CUDA, padded or pinned DTensor shards, views into a bigger buffer, ``overlap``) are copied
+  (CUDA, padded or pinned DTensor shards, views into a bigger buffer, ``overlap`` but
+  under FSDP2) are copied
   into after each step; a write into such a CPU
   param between steps is found at the next ``step()`` by comparing it bit for bit with its
   slot (4 bytes a param more read) and becomes the master in the same way.  A write into a
@@ -356,7 +359,7 @@ class _ZoffloadOptimizer(torch.optim.Optimizer):
         if p.dtype not in _DTYPES:
             raise TypeError(f"zoffload: parameter of dtype {p.dtype}: float32, bfloat16 or "
                             "float16 only")
-        _dtensor.check(p, self.overlap)
+        _dtensor.check(p, self.overlap, _dtensor.fsdp_param(p, self._fsdp_cache))
         t = _dtensor.local(p)       # what this rank steps: p, or its shard of a DTensor
         if _dtensor.replicated(p):
             self._replicated.append(p)
@@ -390,7 +393,10 @@ class _ZoffloadOptimizer(torch.optim.Optimizer):
             self.resumed_step = max(self.resumed_step, last)
         else:
             self._init_state(p, zt)
-        if self.overlap:
+        if self.overlap and _dtensor.is_dtensor(p):
+            # FSDP2 assigns the sharded grad after its reduce-scatter and then calls these.
+            self._hooks.append(p.register_post_accumulate_grad_hook(self._make_post_hook(p)))
+        elif self.overlap:
             self._hooks.append(p.register_hook(self._make_hook(p)))
 
     def _view_refusal(self, p):
@@ -400,8 +406,10 @@ class _ZoffloadOptimizer(torch.optim.Optimizer):
         the pages it has).  None when it can."""
         if not self.param_views:
             return "param_views=False"
-        if self.overlap:
-            return "overlap"        # the daemon would write p while backward still runs
+        if self.overlap and not _dtensor.is_dtensor(p):
+            # The daemon would write p while backward still runs (FSDP2's shard: see
+            # _dtensor.py, nothing reads it then).
+            return "overlap"
         if p.device.type != "cpu":
             return "not a CPU tensor"
         if _dtensor.is_dtensor(p):
@@ -540,20 +548,35 @@ class _ZoffloadOptimizer(torch.optim.Optimizer):
     def _make_hook(self, p):
         def hook(grad):
             e = self._entries.get(p)
-            if e is None:
-                return None
-            if e.in_flight:
-                raise RuntimeError("zoffload: overlap=True takes one backward per step; "
-                                   "call step() before the next backward")
-            group = self._group_of(p)
-            self._flush_loaded_state()
-            self._given = {}
-            self._take_writes(p, e)
-            # What AccumulateGrad is about to store in p.grad (a zero grad adds exactly).
-            self._put_grad(p, e, grad if p.grad is None else p.grad + grad, group)
-            self._submit(group, [(p, e)])
+            if e is not None:
+                # What AccumulateGrad is about to store in p.grad (a zero grad adds exactly).
+                self._submit_in_backward(p, e, grad if p.grad is None else p.grad + grad,
+                                         "call step() before the next backward")
             return None
         return hook
+
+    def _make_post_hook(self, p):
+        def hook(param):
+            e = self._entries.get(p)
+            if e is not None and param.grad is not None:
+                self._submit_in_backward(p, e, param.grad, "accumulate micro-batches "
+                                         "without a reduce-scatter (FSDP2's "
+                                         "set_requires_gradient_sync(False)) but the last, "
+                                         "or call step() before the next backward")
+        return hook
+
+    def _submit_in_backward(self, p, e, grad, advice):
+        """overlap=True: p's step submitted from a hook of backward, with grad."""
+        if e.in_flight:
+            raise RuntimeError(f"zoffload: overlap=True takes one backward per step; "
+                               f"{advice}")
+        group = self._group_of(p)
+        self._flush_loaded_state()
+        self._given = {}
+        self._take_writes(p, e)
+        self._put_grad(p, e, grad, group)
+        self._submit(group, [(p, e)])
+        self._copies["steps_in_backward"] += 1
 
     def _group_of(self, p):
         # By position: load_state_dict replaces the group dicts but keeps their order.
@@ -862,13 +885,15 @@ class _ZoffloadOptimizer(torch.optim.Optimizer):
         set_to_none); ``fallbacks``: why params are no view, with counts;
         ``view_tracking``: how the views' writes are found, with counts ("userfaultfd", a
         fraction of a millisecond a step; "pagemap" where the kernel or a seccomp filter
-        refuses userfaultfd, tens of milliseconds per 100 M params)."""
+        refuses userfaultfd, tens of milliseconds per 100 M params); ``steps_in_backward``:
+        param steps submitted from backward's hooks (``overlap``), the rest by ``step()``."""
         viewed = [e for e in self._entries.values() if e.view is not None]
         tracking = collections.Counter(e.zt.view_tracking for e in viewed)
         return {"params_viewed": len(viewed), "view_tracking": dict(tracking),
                 "param_copies": self._copies["param_copies"],
                 "param_writes_taken": self._copies["param_writes_taken"],
-                "grad_copies": self._copies["grad_copies"], "fallbacks": dict(self._fallbacks)}
+                "grad_copies": self._copies["grad_copies"], "fallbacks": dict(self._fallbacks),
+                "steps_in_backward": self._copies["steps_in_backward"]}
 
     def close(self):
         """Frees the state in the daemon (a process that just exits keeps it for a restart)."""
