@@ -12,8 +12,9 @@ Figures (--json: a list of {name, value, unit, limit, ratio}; value = the peer's
 ours, higher is better; ratio = value / limit, >= 1 meets the target):
   step_speedup_vs_torch_fused (>= 1.0), step_speedup_vs_torch_foreach (>= 1.0),
   train_step_speedup_vs_torch_fused, train_step_speedup_vs_torch_foreach (no target: the
-  forward and backward are FSDP2's, the same for both), and each side's times in ms (no
-  limit).  A peer this torch refuses is skipped and named on stderr.
+  forward and backward are FSDP2's, the same for both), the same two with _overlap for
+  zoffload.torch.AdamW(overlap=True), whose steps run in backward (so it has no step-only
+  figure), and each side's times in ms (no limit).  A peer this torch refuses is skipped and named on stderr.
 Environment: $ZOFFLOADD (the daemon) defaults to build-test/'s.  Not part of the test run;
 exits 77 (skipped) under a torch without FSDP2 (1.13).
 """
@@ -58,9 +59,13 @@ def worker(args):
     # A model of its own for each optimizer: one optimizer's writes into params another
     # steps would make the other take them as a new master (ours) or fault in pages that
     # are our param views (the peers), neither of which a real run does.
-    models = {"zoffload": sharded_model(), "torch_foreach": sharded_model()}
+    models = {"zoffload": sharded_model(), "zoffload_overlap": sharded_model(),
+              "torch_foreach": sharded_model()}
     opts = {"zoffload": zoffload.torch.AdamW(models["zoffload"].parameters(), lr=1e-5,
                                              socket=args.socket, job="bench-fsdp2"),
+            "zoffload_overlap": zoffload.torch.AdamW(
+                models["zoffload_overlap"].parameters(), lr=1e-5, socket=args.socket,
+                job="bench-fsdp2-overlap", overlap=True),
             "torch_foreach": torch.optim.AdamW(models["torch_foreach"].parameters(), lr=1e-5,
                                                foreach=True)}
     try:
@@ -96,7 +101,9 @@ def worker(args):
         opt.step()                          # warm-up
     for _ in range(args.rounds):
         for name, opt in opts.items():
-            times.setdefault("step_" + name, []).append(timed(opt.step))
+            # overlap's steps run in backward: only its training step says what it costs.
+            if name != "zoffload_overlap":
+                times.setdefault("step_" + name, []).append(timed(opt.step))
     for _ in range(args.rounds):
         for name, opt in opts.items():
             times.setdefault("train_" + name, []).append(timed(lambda: train_step(name)))
@@ -107,6 +114,7 @@ def worker(args):
                                       "torch": torch.__version__}), flush=True)
     dist.barrier()
     opts["zoffload"].close()
+    opts["zoffload_overlap"].close()
     dist.destroy_process_group()
 
 
@@ -156,11 +164,13 @@ def main():
     res = json.loads(line[7:])
     t = res["times"]
     figures = []
-    for what, limit in (("step", 1.0), ("train", None)):
+    for what, ours, limit in (("step", "zoffload", 1.0), ("train", "zoffload", None),
+                              ("train", "zoffload_overlap", None)):
         for peer in ("torch_fused", "torch_foreach"):
             if f"{what}_{peer}" in t:
-                name = f"{'step' if what == 'step' else 'train_step'}_speedup_vs_{peer}"
-                figures.append((name, t[f"{what}_{peer}"] / t[f"{what}_zoffload"], "x", limit))
+                name = (f"{'step' if what == 'step' else 'train_step'}_speedup_vs_{peer}" +
+                        ("_overlap" if ours == "zoffload_overlap" else ""))
+                figures.append((name, t[f"{what}_{peer}"] / t[f"{what}_{ours}"], "x", limit))
     for k, v in t.items():
         figures.append((f"{k}_ms", v * 1e3, "ms", None))
     summary = (f"bench_fsdp2: torch {res['torch']}, {res['params'] / 1e6:.1f} M fp32 params "
