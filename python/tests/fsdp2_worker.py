@@ -12,8 +12,9 @@ overlap STEPS: zoffload.torch.AdamW(overlap=True) (each shard's step submitted f
     post-accumulate-grad hook, in backward) and torch.optim.AdamW in lockstep, under
     CPUOffloadPolicy, without clipping; every third step takes two micro-batches, the first
     without a reduce-scatter (set_requires_gradient_sync(False)).  Rank 0 saves both runs'
-    full params and state, every rank's copy_stats(), the final losses, and the error of a
-    second reduce-scatter before step() (two synced backwards).
+    full params and state, every rank's copy_stats(), the final losses, and the errors of a
+    step() after torch's clip_grad_norm_ and of a second reduce-scatter before step() (two
+    synced backwards).
 save STEPS: first what is refused, by name (REFUSED lines): a Partial() placement,
     overlap=True with a DTensor outside fully_shard.  Then ours trains STEPS steps, saves through DCP (OUT/dcp) and through the
     streaming checkpoint (OUT/own), with the full state at that point (OUT/state.pt); trains
@@ -207,6 +208,16 @@ def overlap(rank, world, sock, job, out, steps):
     stats = [None] * world
     dist.all_gather_object(stats, (len(opt._entries), opt.copy_stats()))
     result["copy_stats"] = stats
+    # torch's clip_grad_norm_ after backward would change grads the steps already took
+    # (1e-4: far below the norm, so that it scales every grad).
+    opt.zero_grad()
+    loss_of(ours, 0, rank).backward()
+    torch.nn.utils.clip_grad_norm_(ours.parameters(), 1e-4)
+    try:
+        opt.step()
+        result["clipped_after"] = None
+    except RuntimeError as ex:
+        result["clipped_after"] = str(ex)
     # A second synced backward before step(): the shards' steps are in flight already.
     opt.zero_grad()
     loss_of(ours, 0, rank).backward()

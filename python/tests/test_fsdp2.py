@@ -159,6 +159,8 @@ def test_overlap_steps_each_shard_in_backward(daemon, tmp_path):
     assert last["fallbacks"] == {"padded shard": padded}, last
     assert last["param_copies"] == padded * STEPS, last
     assert "set_requires_gradient_sync(False)" in (r["second_backward"] or ""), r
+    # Clipped after backward had handed the grads over: refused, not silently unclipped.
+    assert "changed after backward handed them" in (r["clipped_after"] or ""), r
 
 
 def test_four_ranks_on_the_mesh_device_nvme(make_daemon, tmp_path):

@@ -184,7 +184,7 @@ def _raw(t):
 class _Entry:
     """One parameter's tensor in the daemon and no-copy views of its slots."""
     __slots__ = ("zt", "grad", "param", "view", "in_flight", "pins", "grad_view_ok", "gd",
-                 "fsdp")
+                 "fsdp", "taken_grad")
 
     def __init__(self, zt, grad_dtype, param_dtype):
         self.zt = zt
@@ -199,6 +199,9 @@ class _Entry:
         self.fsdp = None            # a viewed DTensor shard's FSDPParam (see _dtensor.py)
         self.in_flight = 0          # step submitted and not yet waited for
         self.pins = None            # _CudaPins: the slots registered with CUDA
+        # p.grad as a post-accumulate-grad hook handed it over (overlap under FSDP2): step()
+        # refuses a grad changed since, which no step saw.
+        self.taken_grad = None
 
 
 class _CudaPins:
@@ -563,7 +566,35 @@ class _ZoffloadOptimizer(torch.optim.Optimizer):
                                          "without a reduce-scatter (FSDP2's "
                                          "set_requires_gradient_sync(False)) but the last, "
                                          "or call step() before the next backward")
+                e.taken_grad = param.grad
         return hook
+
+    def _check_taken_grads(self):
+        """A gradient changed after backward handed it to its step (torch's clip_grad_norm_
+        or a scaler's unscale_, which scale every element in place; or a new p.grad) is
+        refused: the step went with the gradient as it was.  Found by comparing 16 elements
+        spread over it with the grad slot, bit for bit (a DTensor's in-place ops leave no
+        version count to go by; the whole of it would cost a read of every gradient)."""
+        changed = []
+        for p, e in self._entries.items():
+            g, e.taken_grad = e.taken_grad, None
+            if g is None:
+                continue
+            flat = _dtensor.local(g).detach().reshape(-1)
+            at = torch.linspace(0, flat.numel() - 1, min(16, flat.numel())).long()
+            want = flat[at].to(e.grad.dtype)
+            if self._group_of(p).get("maximize", False):
+                want = want.neg()
+            if p.grad is not g or not torch.equal(_bits(want), _bits(e.grad[at])):
+                changed.append(p)
+        if changed:
+            self._finish()
+            raise RuntimeError(
+                f"zoffload: with overlap=True, {len(changed)} gradients were changed after "
+                "backward handed them to their steps (torch.nn.utils.clip_grad_norm_, a "
+                "GradScaler's unscale_, or a new p.grad): those steps took the gradients as "
+                "backward left them.  Clip with opt.clip_grad_norm_ and overlap=False, or "
+                "leave the gradients as they are")
 
     def _submit_in_backward(self, p, e, grad, advice):
         """overlap=True: p's step submitted from a hook of backward, with grad."""
@@ -592,6 +623,7 @@ class _ZoffloadOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         self._follow()
+        self._check_taken_grads()
         self._flush_loaded_state()
         self._given = {}            # the taken-back state is what this run goes on from
         clip, self._clip = self._clip, None
