@@ -264,6 +264,26 @@ def test_overlap_refuses_two_backwards(daemon):
     opt.close()
 
 
+def test_overlap_refuses_grads_changed_after_backward(daemon):
+    """torch's clip_grad_norm_ after a backward whose hooks submitted the steps was silently
+    not applied (the steps had taken the gradients): step() refuses it by name; a step()
+    after an untouched backward goes on, maximize too."""
+    m = zhelpers.model(seed=6)
+    opt = zt.AdamW(m.parameters(), job="ovl-clip", socket=daemon.socket, overlap=True,
+                   maximize=True)
+    zhelpers.loss_of(m, 1).backward()
+    opt.step()
+    opt.zero_grad()
+    zhelpers.loss_of(m, 2).backward()
+    torch.nn.utils.clip_grad_norm_(m.parameters(), 1e-4)    # far below: scales every grad
+    with pytest.raises(RuntimeError, match="changed after backward handed them"):
+        opt.step()
+    opt.zero_grad()
+    zhelpers.loss_of(m, 3).backward()
+    opt.step()
+    opt.close()
+
+
 def test_closure_zero_grad_and_maximize(daemon):
     torch.manual_seed(7)
     w = torch.nn.Parameter(torch.randn(33))

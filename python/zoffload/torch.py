@@ -103,6 +103,7 @@ log = logging.getLogger("zoffload")
 _DTYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 _TORCH_DTYPES = {v: k for k, v in _DTYPES.items()}
 _MAX_SET = 4096         # tensors in one submit (ZP_MAX_STEP_TENSORS)
+_UNSEEN = object()      # _Entry.taken_grad: p.grad not known when its step was submitted
 # Gradients copied into their slots before the tensors so far are submitted: the daemon's
 # step of those overlaps the copies of the next (a copy per gradient-holding tensor above
 # this size; small tensors are batched, each submit is a round trip).
@@ -199,8 +200,9 @@ class _Entry:
         self.fsdp = None            # a viewed DTensor shard's FSDPParam (see _dtensor.py)
         self.in_flight = 0          # step submitted and not yet waited for
         self.pins = None            # _CudaPins: the slots registered with CUDA
-        # p.grad as a post-accumulate-grad hook handed it over (overlap under FSDP2): step()
-        # refuses a grad changed since, which no step saw.
+        # overlap: p.grad as a post-accumulate-grad hook handed it over (FSDP2), or _UNSEEN
+        # where a gradient hook handed over what became p.grad; step() refuses a grad
+        # changed since, which no step saw.
         self.taken_grad = None
 
 
@@ -566,7 +568,7 @@ class _ZoffloadOptimizer(torch.optim.Optimizer):
                                          "without a reduce-scatter (FSDP2's "
                                          "set_requires_gradient_sync(False)) but the last, "
                                          "or call step() before the next backward")
-                e.taken_grad = param.grad
+                e.taken_grad = param.grad     # the very object FSDP2 assigned
         return hook
 
     def _check_taken_grads(self):
@@ -580,12 +582,15 @@ class _ZoffloadOptimizer(torch.optim.Optimizer):
             g, e.taken_grad = e.taken_grad, None
             if g is None:
                 continue
-            flat = _dtensor.local(g).detach().reshape(-1)
+            if p.grad is None or (g is not _UNSEEN and p.grad is not g):
+                changed.append(p)
+                continue
+            flat = _dtensor.local(p.grad).detach().reshape(-1)
             at = torch.linspace(0, flat.numel() - 1, min(16, flat.numel())).long()
-            want = flat[at].to(e.grad.dtype)
+            want = flat[at.to(flat.device)].to(device="cpu", dtype=e.grad.dtype)
             if self._group_of(p).get("maximize", False):
                 want = want.neg()
-            if p.grad is not g or not torch.equal(_bits(want), _bits(e.grad[at])):
+            if not torch.equal(_bits(want), _bits(e.grad[at])):
                 changed.append(p)
         if changed:
             self._finish()
@@ -608,6 +613,7 @@ class _ZoffloadOptimizer(torch.optim.Optimizer):
         self._put_grad(p, e, grad, group)
         self._submit(group, [(p, e)])
         self._copies["steps_in_backward"] += 1
+        e.taken_grad = _UNSEEN      # AccumulateGrad stores p.grad after this hook
 
     def _group_of(self, p):
         # By position: load_state_dict replaces the group dicts but keeps their order.
