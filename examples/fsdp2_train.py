@@ -12,6 +12,10 @@ torchrun, on the CPU over gloo:
     PYTHONPATH=build/python torchrun --nproc-per-node 2 examples/fsdp2_train.py \\
         --socket /tmp/zoffload.sock
 
+With --overlap (and --clip none) each shard's step is submitted as soon as FSDP2 has
+reduce-scattered its gradient, so the daemon steps the blocks whose backward is done while
+backward goes on through the others; step() then waits.
+
 The daemon needs a swap path for the NVMe part (README "Configuration": swap.paths); without
 one, "auto" keeps everything pinned.  At the end rank 0 saves a distributed checkpoint
 (torch.distributed.checkpoint, --dcp DIR): the model and the optimizer state, which a run of
@@ -44,13 +48,19 @@ def main():
     ap.add_argument("--pinned-budget", type=int, default=64 << 10,
                     help="pinned bytes for each rank's state before auto spills to NVMe")
     ap.add_argument("--policy", default="auto", choices=["auto", "cpu", "nvme"])
-    ap.add_argument("--clip", default="torch", choices=["torch", "zoffload"],
+    ap.add_argument("--clip", default="torch", choices=["torch", "zoffload", "none"],
                     help="clip the grads to norm 1.0 with torch.nn.utils.clip_grad_norm_ over "
                     "the DTensor grads, or with the optimizer's own opt.clip_grad_norm_ (the "
                     "daemon's norm of each shard, all-reduced: two numbers)")
+    ap.add_argument("--overlap", action="store_true",
+                    help="step each shard as soon as FSDP2 has reduce-scattered its gradient, "
+                    "while backward goes on (overlap=True); clips nothing (--clip none)")
     ap.add_argument("--dcp", default=None, help="save a distributed checkpoint there at the end")
     ap.add_argument("--text", default=os.path.join(HERE, "data", "shakespeare.txt"))
     args = ap.parse_args()
+    if args.overlap and args.clip != "none":
+        ap.error("--overlap steps each shard in backward, before any norm is known: "
+                 "give --clip none with it")
 
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -75,7 +85,7 @@ def main():
     # As with torch.optim.AdamW under FSDP2: the model's (DTensor) parameters.
     opt = zoffload.torch.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1, job=args.job,
                                socket=args.socket, policy=args.policy,
-                               pinned_budget=args.pinned_budget)
+                               pinned_budget=args.pinned_budget, overlap=args.overlap)
     shard = sum(p.to_local().numel() for p in model.parameters())
     total = sum(p.numel() for p in model.parameters())
     print(f"rank {rank}/{world}: GPT of {total / 1e6:.2f} M parameters, this rank's shard "
@@ -89,8 +99,10 @@ def main():
         if args.clip == "torch":
             norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)   # over all ranks
             norm = norm.full_tensor()
-        else:
+        elif args.clip == "zoffload":
             norm = opt.clip_grad_norm_(1.0)     # over all ranks too; applied in the step
+        else:
+            norm = torch.tensor(float("nan"))   # not computed
         opt.step()
         if step == 1 or step % 50 == 0 or step == args.steps:
             mean = loss.detach().clone()

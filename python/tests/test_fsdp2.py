@@ -163,6 +163,30 @@ def test_overlap_steps_each_shard_in_backward(daemon, tmp_path):
     assert "changed after backward handed them" in (r["clipped_after"] or ""), r
 
 
+def test_example_with_overlap_trains(make_daemon):
+    """examples/fsdp2_train.py --overlap under torchrun, 2 ranks, part of the state on the
+    swap directory: the loss falls, every step is applied, and --overlap with clipping is
+    refused by name."""
+    d = make_daemon(swap=True)
+    example = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "fsdp2_train.py")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+           "--master-port", str(free_port()), example, "--socket", d.socket, "--job",
+           "example-overlap", "--steps", "40", "--overlap", "--clip", "none"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=zhelpers.HANG_S)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    losses = [float(line.split("train loss")[1].split()[0])
+              for line in out.stdout.splitlines() if "train loss" in line]
+    assert len(losses) == 2 and losses[-1] < losses[0] - 0.3, out.stdout
+    # The job's line: every tensor (each rank's shards) stepped 40 times, part on NVMe.
+    (job,) = [line for line in out.stdout.splitlines() if line.startswith("zoffloadd: job")]
+    tensors = int(job.split(" tensors")[0].split()[-1])
+    assert f"{tensors * 40} steps applied" in job, job
+    assert float(job.split("MiB pinned + ")[1].split()[0]) > 0, job
+    refused = subprocess.run([sys.executable, example, "--overlap"], capture_output=True,
+                             text=True, timeout=60)
+    assert refused.returncode == 2 and "--clip none" in refused.stderr, refused.stderr
+
+
 def test_four_ranks_on_the_mesh_device_nvme(make_daemon, tmp_path):
     """No CPUOffloadPolicy, and the state on NVMe (policy='nvme'); one param with no rows on
     the last two ranks (2 rows over 4 ranks)."""
