@@ -185,7 +185,7 @@ def _raw(t):
 class _Entry:
     """One parameter's tensor in the daemon and no-copy views of its slots."""
     __slots__ = ("zt", "grad", "param", "view", "in_flight", "pins", "grad_view_ok", "gd",
-                 "fsdp", "taken_grad")
+                 "fsdp", "taken_grad", "samples")
 
     def __init__(self, zt, grad_dtype, param_dtype):
         self.zt = zt
@@ -204,6 +204,7 @@ class _Entry:
         # where a gradient hook handed over what became p.grad; step() refuses a grad
         # changed since, which no step saw.
         self.taken_grad = None
+        self.samples = None         # the 16 indices _check_taken_grads compares, once made
 
 
 class _CudaPins:
@@ -586,11 +587,14 @@ class _ZoffloadOptimizer(torch.optim.Optimizer):
                 changed.append(p)
                 continue
             flat = _dtensor.local(p.grad).detach().reshape(-1)
-            at = torch.linspace(0, flat.numel() - 1, min(16, flat.numel())).long()
-            want = flat[at.to(flat.device)].to(device="cpu", dtype=e.grad.dtype)
+            if e.samples is None or e.samples.device != flat.device:
+                e.samples = torch.linspace(0, flat.numel() - 1, min(16, flat.numel()),
+                                           device=flat.device).long()
+            at = e.samples
+            want = flat[at].to(device="cpu", dtype=e.grad.dtype)
             if self._group_of(p).get("maximize", False):
                 want = want.neg()
-            if not torch.equal(_bits(want), _bits(e.grad[at])):
+            if not torch.equal(_bits(want), _bits(e.grad[at.cpu()])):
                 changed.append(p)
         if changed:
             self._finish()
