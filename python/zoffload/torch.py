@@ -603,7 +603,7 @@ class _ZoffloadOptimizer(torch.optim.Optimizer):
                 "backward handed them to their steps (torch.nn.utils.clip_grad_norm_, a "
                 "GradScaler's unscale_, or a new p.grad): those steps took the gradients as "
                 "backward left them.  Clip with opt.clip_grad_norm_ and overlap=False, or "
-                "leave the gradients as they are")
+                "leave the gradients as they are (the Hugging Face Trainer: max_grad_norm=0)")
 
     def _submit_in_backward(self, p, e, grad, advice):
         """overlap=True: p's step submitted from a hook of backward, with grad."""
