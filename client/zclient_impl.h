@@ -287,9 +287,9 @@ void zci_view_close(struct zc_conn *c);
 
 /* zclient_tensor.c: tensors. */
 
-/* A TENSOR_DONE, a PARAM_READY (c->hooks): the tensor's step, its fetch ended. */
-/* The transfer window's pages back, once a read or write used them (zclient_tensor.c). */
+/* The transfer window's pages back, once a read or write used them. */
 void zci_xfer_release(struct zc_conn *c);
+/* A TENSOR_DONE, a PARAM_READY (c->hooks): the tensor's step, its fetch ended. */
 void zci_tensor_done(struct zc_conn *c, const struct zp_msg *m);
 void zci_tensor_param_ready(struct zc_conn *c, const struct zp_msg *m);
 
