@@ -565,11 +565,12 @@ class _ZoffloadOptimizer(torch.optim.Optimizer):
         def hook(param):
             e = self._entries.get(p)
             if e is not None and param.grad is not None:
+                # param.grad: the very object FSDP2 assigned, which step() finds again.
                 self._submit_in_backward(p, e, param.grad, "accumulate micro-batches "
                                          "without a reduce-scatter (FSDP2's "
                                          "set_requires_gradient_sync(False)) but the last, "
-                                         "or call step() before the next backward")
-                e.taken_grad = param.grad     # the very object FSDP2 assigned
+                                         "or call step() before the next backward",
+                                         taken=param.grad)
         return hook
 
     def _check_taken_grads(self):
@@ -577,7 +578,10 @@ class _ZoffloadOptimizer(torch.optim.Optimizer):
         or a scaler's unscale_, which scale every element in place; or a new p.grad) is
         refused: the step went with the gradient as it was.  Found by comparing 16 elements
         spread over it with the grad slot, bit for bit (a DTensor's in-place ops leave no
-        version count to go by; the whole of it would cost a read of every gradient)."""
+        version count to go by; the whole of it would cost a read of every gradient).  Only
+        overlap's hooks hand gradients over before step(): no walk over the params else."""
+        if not self.overlap:
+            return
         changed = []
         for p, e in self._entries.items():
             g, e.taken_grad = e.taken_grad, None
@@ -605,8 +609,9 @@ class _ZoffloadOptimizer(torch.optim.Optimizer):
                 "backward left them.  Clip with opt.clip_grad_norm_ and overlap=False, or "
                 "leave the gradients as they are (the Hugging Face Trainer: max_grad_norm=0)")
 
-    def _submit_in_backward(self, p, e, grad, advice):
-        """overlap=True: p's step submitted from a hook of backward, with grad."""
+    def _submit_in_backward(self, p, e, grad, advice, taken=_UNSEEN):
+        """overlap=True: p's step submitted from a hook of backward, with grad; taken is
+        p.grad as step() should find it (_UNSEEN: stored by AccumulateGrad after the hook)."""
         if e.in_flight:
             raise RuntimeError(f"zoffload: overlap=True takes one backward per step; "
                                f"{advice}")
@@ -617,7 +622,7 @@ class _ZoffloadOptimizer(torch.optim.Optimizer):
         self._put_grad(p, e, grad, group)
         self._submit(group, [(p, e)])
         self._copies["steps_in_backward"] += 1
-        e.taken_grad = _UNSEEN      # AccumulateGrad stores p.grad after this hook
+        e.taken_grad = taken
 
     def _group_of(self, p):
         # By position: load_state_dict replaces the group dicts but keeps their order.
