@@ -16,10 +16,11 @@ ours, higher is better; ratio = value / limit, >= 1 meets the target):
   step_speedup_vs_torch_fused (>= 1.0), step_speedup_vs_torch_foreach (>= 1.0),
   q8_step_speedup_vs_torch_fused and _foreach (state_format="q8-moments": 8-bit moments,
   6 B a param fewer each way than fp32's, which pays for the sharded grad's copy into its
-  slot; no target), train_step_speedup_vs_torch_fused, train_step_speedup_vs_torch_foreach (no target: the
-  forward and backward are FSDP2's, the same for both), the same two with _overlap for
-  zoffload.torch.AdamW(overlap=True), whose steps run in backward (so it has no step-only
-  figure), and each side's times in ms (no limit).  A peer this torch refuses is skipped and named on stderr.
+  slot; no target), train_step_speedup_vs_torch_fused, train_step_speedup_vs_torch_foreach
+  (no target: the forward and backward are FSDP2's, the same for both), the same two with
+  _overlap for zoffload.torch.AdamW(overlap=True), whose steps run in backward (so it has no
+  step-only figure), and each side's times in ms (no limit).  A peer this torch refuses is
+  skipped and named on stderr.
 Environment: $ZOFFLOADD (the daemon) defaults to build-test/'s.  Not part of the test run;
 exits 77 (skipped) under a torch without FSDP2 (1.13).
 """

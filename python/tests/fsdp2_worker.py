@@ -16,10 +16,10 @@ overlap STEPS: zoffload.torch.AdamW(overlap=True) (each shard's step submitted f
     step() after torch's clip_grad_norm_ and of a second reduce-scatter before step() (two
     synced backwards).
 save STEPS: first what is refused, by name (REFUSED lines): a Partial() placement,
-    overlap=True with a DTensor outside fully_shard.  Then ours trains STEPS steps, saves through DCP (OUT/dcp) and through the
-    streaming checkpoint (OUT/own), with the full state at that point (OUT/state.pt); trains
-    STEPS more (OUT/after.pt), then a fresh model and optimizer load OUT/dcp and train the
-    same STEPS (OUT/resumed.pt).
+    overlap=True with a DTensor outside fully_shard.  Then ours trains STEPS steps, saves
+    through DCP (OUT/dcp) and through the streaming checkpoint (OUT/own), with the full
+    state at that point (OUT/state.pt); trains STEPS more (OUT/after.pt), then a fresh model
+    and optimizer load OUT/dcp and train the same STEPS (OUT/resumed.pt).
 clip LAYOUT STEPS SKIP_AT (LAYOUT: flat, a 1-D mesh; hsdp, as train's): ours clips with its own global clip (opt.clip_grad_norm_, the daemon's
     gradient pass, the ranks' shares all-reduced), torch.optim.AdamW on a copy takes the same
     unclipped grads and torch.nn.utils.clip_grad_norm_ over its DTensor grads: both step, in

@@ -72,6 +72,17 @@ def launch(world, sock, mode, job, out, *args):
 
 
 def check_lockstep(r):
+    check_params_and_state(r)
+    # The params moved, and FSDP2's forward sees what the step wrote into the shards.
+    first, (got, want) = r["first_loss"], r["final_loss"]
+    assert first - want > 0.05, f"the loss barely moved: {first} -> {want}"
+    assert abs(got - want) <= 1e-5 * want, f"FSDP2's forward: loss {got}, torch's {want}"
+    # The same forward once the optimizer is closed: the shards it viewed kept their values.
+    assert r["loss_after_close"] == got, (r["loss_after_close"], got)
+
+
+def check_params_and_state(r):
+    """Ours and the reference: the same params and moments to RTOL, STEPS steps each."""
     ours, ref = r["ours"], r["ref"]
     assert list(ours) == list(ref)
     err = max_rel_err([ours[k] for k in ours], [ref[k] for k in ours])
@@ -83,12 +94,6 @@ def check_lockstep(r):
         for key in ("exp_avg", "exp_avg_sq"):
             err = max_rel_err([so[name][key]], [sr[name][key]])
             assert err <= RTOL, f"{name}.{key}: max relative difference {err:.3g}"
-    # The params moved, and FSDP2's forward sees what the step wrote into the shards.
-    first, (got, want) = r["first_loss"], r["final_loss"]
-    assert first - want > 0.05, f"the loss barely moved: {first} -> {want}"
-    assert abs(got - want) <= 1e-5 * want, f"FSDP2's forward: loss {got}, torch's {want}"
-    # The same forward once the optimizer is closed: the shards it viewed kept their values.
-    assert r["loss_after_close"] == got, (r["loss_after_close"], got)
 
 
 def check_clip(r):
@@ -138,15 +143,8 @@ def test_overlap_steps_each_shard_in_backward(daemon, tmp_path):
     out = tmp_path / "r.pt"
     launch(2, daemon.socket, "overlap", "fsdp2-overlap", out, STEPS)
     r = torch.load(out, weights_only=False)
-    ours, ref = r["ours"], r["ref"]
-    err = max_rel_err([ours[k] for k in ours], [ref[k] for k in ours])
-    assert err <= RTOL, f"params: max relative difference {err:.3g} > {RTOL:.3g}"
-    so, sr = r["ours_state"]["state"], r["ref_state"]["state"]
-    for name in so:
-        assert float(so[name]["step"]) == float(sr[name]["step"]) == STEPS, name
-        for key in ("exp_avg", "exp_avg_sq"):
-            err = max_rel_err([so[name][key]], [sr[name][key]])
-            assert err <= RTOL, f"{name}.{key}: max relative difference {err:.3g}"
+    check_params_and_state(r)
+    ours = r["ours"]
     got, want = r["final_loss"]
     assert abs(got - want) <= 1e-5 * want, f"FSDP2's forward: loss {got}, torch's {want}"
     padded = sum(1 for v in ours.values() if v.shape[0] % 2)
