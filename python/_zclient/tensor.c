@@ -3,6 +3,7 @@
 #include <string.h>
 #include <sys/mman.h>
 
+#include "copy.h"
 #include "zpy.h"
 
 /*
@@ -264,8 +265,10 @@ tensor_write(struct zpy_tensor *self, PyObject *args, PyObject *kw)
 
 /*
  * param_into(out) / grad_from(src): the whole slot to or from a buffer of the same size, a
- * memcpy without the GIL.  zoffload.torch copies this way rather than through torch's copy_,
- * whose OpenMP threads would spin on the cores the daemon is stepping on.
+ * copy without the GIL.  zoffload.torch copies this way rather than through torch's copy_,
+ * whose OpenMP threads would spin on the cores the daemon is stepping on.  Streaming stores
+ * (zu_copy_stream): the daemon reads a gradient next from memory, a param copied out is read
+ * at the next forward, and neither is in the caches by then when it is large.
  */
 static PyObject *
 tensor_slot_copy(struct zpy_tensor *self, PyObject *arg, bool into)
@@ -289,9 +292,9 @@ tensor_slot_copy(struct zpy_tensor *self, PyObject *arg, bool into)
 	Py_BEGIN_ALLOW_THREADS
 	PyThread_acquire_lock(self->conn->lock, WAIT_LOCK);
 	if (into)
-		memcpy(b.buf, slot, bytes);
+		zu_copy_stream(b.buf, slot, bytes);
 	else
-		memcpy(slot, b.buf, bytes);
+		zu_copy_stream(slot, b.buf, bytes);
 	PyThread_release_lock(self->conn->lock);
 	Py_END_ALLOW_THREADS
 	PyBuffer_Release(&b);
