@@ -571,6 +571,12 @@ static PyMethodDef conn_methods[] = {
 	  "close(): disconnect.  Tensors still registered stay in the daemon for "
 	  "limits.detach_grace_s, for a new process of the same job and rank to take back; "
 	  "unregister them (or job_close()) first to free them now." },
+	{ "graft_grad_slots", (PyCFunction)zpy_graft_grad_slots, METH_VARARGS,
+	  "graft_grad_slots(nbytes, parts) -> Graft: one writable fp32 buffer of nbytes in which "
+	  "each (Tensor, offset) of parts is that tensor's grad slot, mapped a second time at that "
+	  "byte offset (a page boundary, in order, not overlapping); the rest is scratch.  A write "
+	  "there is a gradient in the slot, until a reconnect or an unregister replaces the slot "
+	  "(its slots hook says when)." },
 	{ "__enter__", conn_enter, METH_NOARGS, NULL },
 	{ "__exit__", (PyCFunction)conn_exit, METH_VARARGS, NULL },
 	{ "job_open", (PyCFunction)(void (*)(void))conn_job_open, METH_VARARGS | METH_KEYWORDS,

@@ -163,10 +163,12 @@ zpy_exec(PyObject *m)
 	st->conn_type = (PyTypeObject *)PyType_FromModuleAndSpec(m, &zpy_conn_spec, NULL);
 	st->tensor_type = (PyTypeObject *)PyType_FromModuleAndSpec(m, &zpy_tensor_spec, NULL);
 	st->slot_type = (PyTypeObject *)PyType_FromModuleAndSpec(m, &zpy_slot_spec, NULL);
-	if (st->conn_type == NULL || st->tensor_type == NULL || st->slot_type == NULL)
+	st->graft_type = (PyTypeObject *)PyType_FromModuleAndSpec(m, &zpy_graft_spec, NULL);
+	if (st->conn_type == NULL || st->tensor_type == NULL || st->slot_type == NULL ||
+	    st->graft_type == NULL)
 		return -1;
 	if (PyModule_AddType(m, st->conn_type) < 0 || PyModule_AddType(m, st->tensor_type) < 0 ||
-	    PyModule_AddType(m, st->slot_type) < 0)
+	    PyModule_AddType(m, st->slot_type) < 0 || PyModule_AddType(m, st->graft_type) < 0)
 		return -1;
 	for (size_t i = 0; i < sizeof(consts) / sizeof(consts[0]); i++)
 		if (PyModule_AddIntConstant(m, consts[i].name, consts[i].value) < 0)
@@ -183,6 +185,7 @@ zpy_traverse(PyObject *m, visitproc visit, void *arg)
 	Py_VISIT(st->conn_type);
 	Py_VISIT(st->tensor_type);
 	Py_VISIT(st->slot_type);
+	Py_VISIT(st->graft_type);
 	return 0;
 }
 
@@ -195,6 +198,7 @@ zpy_clear(PyObject *m)
 	Py_CLEAR(st->conn_type);
 	Py_CLEAR(st->tensor_type);
 	Py_CLEAR(st->slot_type);
+	Py_CLEAR(st->graft_type);
 	return 0;
 }
 

@@ -14,6 +14,7 @@ struct zpy_state {
 	PyTypeObject *conn_type;
 	PyTypeObject *tensor_type;
 	PyTypeObject *slot_type;
+	PyTypeObject *graft_type;
 };
 
 struct zpy_tensor;
@@ -71,7 +72,7 @@ struct zpy_slots_hook {
 	PyObject *fn;			/* strong */
 };
 
-extern PyType_Spec zpy_conn_spec, zpy_tensor_spec, zpy_slot_spec;
+extern PyType_Spec zpy_conn_spec, zpy_tensor_spec, zpy_slot_spec, zpy_graft_spec;
 
 struct zpy_state *zpy_state_of(PyTypeObject *type);
 /* Raises ZoffloadError(-neg_errno, msg); returns NULL. */
@@ -112,6 +113,8 @@ PyObject *zpy_tensor_wrap(struct zpy_conn *conn, struct zc_tensor *ct, PyObject 
     const struct zc_tensor_desc *desc);
 /* "adamw" | "adam" | "adagrad" | "lion" to a zc_optim; -1 with ValueError set. */
 int zpy_optim(const char *s, enum zc_optim *ret);
+/* Conn.graft_grad_slots (graft.c). */
+PyObject *zpy_graft_grad_slots(struct zpy_conn *self, PyObject *args);
 /* Connection methods of checkpoint.c. */
 PyObject *zpy_checkpoint_save(struct zpy_conn *self, PyObject *args, PyObject *kw);
 PyObject *zpy_register_checkpoint(struct zpy_conn *self, PyObject *args, PyObject *kw);

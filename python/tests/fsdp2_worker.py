@@ -28,6 +28,15 @@ clip LAYOUT STEPS SKIP_AT (LAYOUT: flat, a 1-D mesh; hsdp, as train's): ours cli
     gradient element inf: ours must skip that step on every rank (the reference skips it too, as GradScaler would).
     Rank 0 saves both runs' full params and state, every step's two norms, each rank's
     norms, and the params and step counts around the skip (OUT).
+graft STEPS: FSDP2's reduce-scatter into the grad slots (zoffload/_graft.py), on a model
+    whose shards start on page boundaries of the reduce-scatter output (three 64-column
+    layers of their own, one padded over 2 ranks) and whose root module has one that does not
+    (w, after scale's 3 elements a rank): zoffload.torch.AdamW and torch.optim.AdamW in
+    lockstep under CPUOffloadPolicy, STEPS steps, step 4 after zero_grad(set_to_none=False)
+    and every third step with two synced backward passes (the second reduce-scatter adds into
+    the gradients of the first).  Both models run the backward passes; the reference then
+    takes ours' grads.  Rank 0 saves both runs' full params and state, the final losses, and
+    every rank's copy_stats() with the largest difference of its grads from the reference's.
 load KINDS STEPS: for each of KINDS (dcp,own), a fresh model and ours load OUT/dcp (dcp) or
     OUT/own (own) in this world size; rank 0 saves the full state just loaded
     (OUT/loaded-KIND-WORLD.pt).  For dcp, torch.optim.AdamW loads the same checkpoint and
@@ -391,6 +400,72 @@ def load_one(rank, world, sock, job, out, kind, steps):
     dist.barrier()
     opt.close()
 
+class Aligned(torch.nn.Module):
+    """graft's model: l1, l2 (64 x 64) and l3 (33 x 64: 17 rows on rank 0, 16 and a padding
+    row on rank 1) sharded on their own, one param each at offset 0 of its module's
+    reduce-scatter output; the root's scale (6: 3 a rank) at 0 and w (64 x 64) at element 3,
+    off a page boundary."""
+
+    def __init__(self):
+        super().__init__()
+        self.l1 = torch.nn.Linear(64, 64, bias=False)
+        self.l2 = torch.nn.Linear(64, 64, bias=False)
+        self.l3 = torch.nn.Linear(64, 33, bias=False)
+        self.scale = torch.nn.Parameter(torch.linspace(0.8, 1.2, 6))
+        self.w = torch.nn.Parameter(torch.randn(33, 64) * 0.1)
+
+    def forward(self, x):
+        h = self.l3(torch.relu(self.l2(torch.relu(self.l1(x))))) * self.scale.mean()
+        return h @ self.w
+
+
+def graft(rank, world, sock, job, out, steps):
+    torch.manual_seed(5)
+    base = Aligned()
+    kw = dict(mesh=init_device_mesh("cpu", (world,)),
+              offload_policy=CPUOffloadPolicy(pin_memory=False))
+
+    def sharded(m):
+        for layer in (m.l1, m.l2, m.l3):
+            fully_shard(layer, **kw)
+        return fully_shard(m, **kw)
+    ref = sharded(copy.deepcopy(base))
+    ours = sharded(base)
+    opt = zt.AdamW(ours.parameters(), lr=LR, weight_decay=WD, job=job, socket=sock)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR, weight_decay=WD)
+
+    def loss(m, step):
+        g = torch.Generator().manual_seed(step * 16 + rank)
+        x, y = torch.randn(8, 64, generator=g), torch.randn(8, 64, generator=g)
+        return torch.nn.functional.mse_loss(m(x), y)
+    grad_err = 0.0
+    for step in range(1, steps + 1):
+        opt.zero_grad(set_to_none=step != 4)
+        ref_opt.zero_grad(set_to_none=step != 4)
+        for m in (ours, ref):
+            if step % 3 == 0:
+                loss(m, 1000 + step).backward()
+            loss(m, step).backward()
+        # The grads the slots got against FSDP2's own reduce-scatter of the same model's.
+        for p, q in zip(ours.parameters(), ref.parameters()):
+            a, b = p.grad.to_local(), q.grad.to_local()
+            grad_err = max(grad_err, float((a - b).abs().max() / b.abs().max()))
+            q.grad = p.grad.detach().clone()
+        opt.step()
+        ref_opt.step()
+    with torch.no_grad():
+        final = (float(loss(ours, 0)), float(loss(ref, 0)))
+    result = {"ours": full_params(ours), "ref": full_params(ref), "final_loss": final,
+              "ours_state": full_state(ours, opt)["optim"],
+              "ref_state": full_state(ref, ref_opt)["optim"]}
+    stats = [None] * world
+    dist.all_gather_object(stats, (opt.copy_stats(), grad_err))
+    result["copy_stats"] = stats
+    opt.close()
+    if rank == 0:
+        torch.save(result, out)
+    dist.barrier()
+
 
 def main():
     mode, rank, world, port, sock, job, out, *args = sys.argv[1:]
@@ -404,6 +479,8 @@ def main():
             overlap(rank, world, sock, job, out, int(args[0]))
         elif mode == "clip":
             clip(rank, world, sock, job, out, args[0], int(args[1]), int(args[2]))
+        elif mode == "graft":
+            graft(rank, world, sock, job, out, int(args[0]))
         elif mode == "save":
             save(rank, world, sock, job, out, int(args[0]))
         elif mode == "load":

@@ -188,3 +188,56 @@ def test_submit_keywords_each_reach_the_step(daemon):
     assert c.clip_coef(10.0, 25.0) == 1.0
     c.job_close()
     c.close()
+
+
+def test_graft_grad_slots_writes_reach_the_daemon(daemon):
+    """A gradient written through a graft is in the tensor's grad slot: the daemon steps it.
+    The parts are checked first: a bad offset, overlap, size, dtype or type is refused by
+    name and maps nothing."""
+    c = conn(daemon, "graft")
+    a = c.register("a", array.array("f", [1.0] * 1500))      # 6000 B: 2 pages
+    b = c.register("b", array.array("f", [1.0] * 100))
+    h = c.register("h", array.array("f", [1.0] * 8), grad_dtype="bf16")
+    nbytes = 3 * 4096 + 400 + 64                            # b's page, then scratch
+    g = c.graft_grad_slots(nbytes, [(a, 0), (b, 3 * 4096)])
+    assert g.nbytes == nbytes
+    buf = torch.frombuffer(g, dtype=torch.float32)
+    assert buf.numel() == nbytes // 4
+    buf[:1500] = 2.0
+    buf[1500:3 * 1024] = 7.0                                # between the parts: scratch
+    buf[3 * 1024:3 * 1024 + 100] = -3.0
+    buf[3 * 1024 + 100:] = 5.0                              # past b: scratch
+    assert torch.equal(torch.frombuffer(a.grad, dtype=torch.float32), torch.full((1500,), 2.0))
+    assert torch.equal(torch.frombuffer(b.grad, dtype=torch.float32), torch.full((100,), -3.0))
+    # And the other way: the slot's pages are the graft's.
+    torch.frombuffer(b.grad, dtype=torch.float32)[7] = 11.0
+    assert buf[3 * 1024 + 7] == 11.0
+    c.submit([a, b], optim="adam", step=1, lr=0.5, weight_decay=0.0)
+    c.wait_all()
+    for t, sign in ((a, -1), (b, 1)):
+        out = array.array("f", [0.0] * t.numel)
+        t.read("master", out)
+        assert out[0] == pytest.approx(1.0 + sign * 0.5, rel=1e-5), t.name   # Adam's first step: lr
+    with pytest.raises(ValueError, match=r"parts\[1\].*page boundary"):
+        c.graft_grad_slots(nbytes, [(a, 0), (b, 100)])
+    with pytest.raises(ValueError, match=r"parts\[1\].*overlapping"):
+        c.graft_grad_slots(nbytes, [(a, 0), (b, 4096)])
+    with pytest.raises(ValueError, match=r"parts\[0\].*past the 4096 bytes"):
+        c.graft_grad_slots(4096, [(a, 0)])
+    with pytest.raises(ValueError, match=r"parts\[0\].*'h' has bf16 gradients"):
+        c.graft_grad_slots(nbytes, [(h, 0)])
+    with pytest.raises(TypeError, match=r"parts\[0\]: expected a \(Tensor, offset\)"):
+        c.graft_grad_slots(nbytes, [a])
+    with pytest.raises(ValueError, match="not a positive multiple of 4"):
+        c.graft_grad_slots(6, [])
+    other = conn(daemon, "graft2")
+    o = other.register("o", array.array("f", [1.0] * 10))
+    with pytest.raises(ValueError, match="another connection's"):
+        c.graft_grad_slots(nbytes, [(o, 0)])
+    # The graft outlives the tensor's unregister: its mapping keeps the old slot's pages.
+    a.unregister()
+    buf[0] = 9.0
+    assert buf[0] == 9.0
+    del buf, g
+    other.close()
+    c.close()

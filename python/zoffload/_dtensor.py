@@ -149,9 +149,9 @@ def like(p, flat):
                               shape=p.shape, stride=p.stride())
 
 
-def _fsdp_index():
-    """{id(sharded param): FSDPParam} over every module fully_shard has sharded."""
-    index = {}
+def fsdp_param_groups():
+    """Every FSDPParamGroup of the modules fully_shard has sharded."""
+    out = []
     mapping = getattr(_composable_state, "_module_state_mapping", None) or {}
     for ref in list(mapping.values()):
         state = ref() if isinstance(ref, weakref.ref) else ref
@@ -159,10 +159,14 @@ def _fsdp_index():
         if groups is None:
             group = getattr(state, "_fsdp_param_group", None)
             groups = [group] if group is not None else []
-        for group in groups:
-            for fp in getattr(group, "fsdp_params", ()):
-                index[id(fp.sharded_param)] = fp
-    return index
+        out.extend(g for g in groups if g is not None)
+    return out
+
+
+def _fsdp_index():
+    """{id(sharded param): FSDPParam} over every module fully_shard has sharded."""
+    return {id(fp.sharded_param): fp for group in fsdp_param_groups()
+            for fp in getattr(group, "fsdp_params", ())}
 
 
 def fsdp_param(p, cache):

@@ -93,7 +93,7 @@ from itertools import chain
 
 import torch
 
-from . import _checkpoint, _clip, _dtensor, _zclient
+from . import _checkpoint, _clip, _dtensor, _graft, _zclient
 from ._zclient import ZoffloadError
 
 __all__ = ["AdamW", "Adam", "Adagrad", "Lion", "ZoffloadError"]
@@ -296,6 +296,7 @@ class _ZoffloadOptimizer(torch.optim.Optimizer):
         self._conn.job_open(self.job, rank, world_size, policy=policy,
                             pinned_budget=pinned_budget, state_format=state_format)
         self.state_format = self._conn.state_format
+        self._grafts = _graft.Grafts(self._conn)   # FSDP2's reduce-scatters into the slots
         try:
             super().__init__(params, defaults)
         except BaseException:
@@ -322,6 +323,7 @@ class _ZoffloadOptimizer(torch.optim.Optimizer):
             if p not in self._entries:
                 self._group_index[p] = len(self.param_groups) - 1
                 self._register(p)
+        self._grafts.install(p for p in self.param_groups[-1]["params"] if p in self._entries)
 
     def _follow(self):
         """Registers the tensors step() is given that it has not seen, from their current
@@ -519,11 +521,13 @@ class _ZoffloadOptimizer(torch.optim.Optimizer):
             e.pins.repin()          # let go of at a reconnect that remapped the slots
         grad = _dtensor.local(grad)
         g = e.grad.view(_dtensor.local(p).shape)
-        if grad.data_ptr() == g.data_ptr():
-            # p.grad is the slot itself (see _finish): backward wrote it there.
+        if grad.data_ptr() == g.data_ptr() or self._grafts.holds(p, e, grad):
+            # p.grad is the slot itself (see _finish): backward wrote it there; or FSDP2's
+            # reduce-scatter did, through the slot's graft (_graft.py).
             if group.get("maximize", False):
                 g.neg_()
             return 0
+        self._grafts.note(p, e, grad)
         self._copies["grad_copies"] += 1
         if group.get("maximize", False):
             torch.neg(grad, out=g) if grad.dtype == g.dtype else g.copy_(grad).neg_()
@@ -663,6 +667,7 @@ class _ZoffloadOptimizer(torch.optim.Optimizer):
             if items:
                 self._submit(group, items, clip.coef if clip is not None else 0.0)
         self._finish()
+        self._grafts.learn()
         self._sync_replicas()
         return loss
 
@@ -933,14 +938,17 @@ class _ZoffloadOptimizer(torch.optim.Optimizer):
         ``view_tracking``: how the views' writes are found, with counts ("userfaultfd", a
         fraction of a millisecond a step; "pagemap" where the kernel or a seccomp filter
         refuses userfaultfd, tens of milliseconds per 100 M params); ``steps_in_backward``:
-        param steps submitted from backward's hooks (``overlap``), the rest by ``step()``."""
+        param steps submitted from backward's hooks (``overlap``), the rest by ``step()``;
+        ``reduce_scatters_into_slots``: FSDP2 reduce-scatters whose output was the grad
+        slots (_graft.py), whose gradients were not copied."""
         viewed = [e for e in self._entries.values() if e.view is not None]
         tracking = collections.Counter(e.zt.view_tracking for e in viewed)
         return {"params_viewed": len(viewed), "view_tracking": dict(tracking),
                 "param_copies": self._copies["param_copies"],
                 "param_writes_taken": self._copies["param_writes_taken"],
                 "grad_copies": self._copies["grad_copies"], "fallbacks": dict(self._fallbacks),
-                "steps_in_backward": self._copies["steps_in_backward"]}
+                "steps_in_backward": self._copies["steps_in_backward"],
+                "reduce_scatters_into_slots": self._grafts.handed()}
 
     def close(self):
         """Frees the state in the daemon (a process that just exits keeps it for a restart)."""
@@ -950,6 +958,7 @@ class _ZoffloadOptimizer(torch.optim.Optimizer):
         for h in self._hooks:
             h.remove()
         self._hooks = []
+        self._grafts.uninstall()
         entries, self._entries = self._entries, {}
         _drop_views(entries)
         for hook in self._views_dropped_hooks:
