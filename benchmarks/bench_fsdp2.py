@@ -9,18 +9,21 @@ the slower rank's, and a figure is the median of the rounds (the best rounds are
 beside it): some rounds of a peer ran a third faster than its others here, for the memory
 they were given rather than anything the optimizer did (see bench_torch.py).
 
-    PYTHONPATH=build-test/python $VENV/bin/python benchmarks/bench_fsdp2.py [--json] [--size M]
+    PYTHONPATH=build-test/python $VENV/bin/python benchmarks/bench_fsdp2.py [--json] [--size M] [--copied]
 
 Figures (--json: a list of {name, value, unit, limit, ratio}; value = the peer's time /
 ours, higher is better; ratio = value / limit, >= 1 meets the target):
   step_speedup_vs_torch_fused (>= 1.0), step_speedup_vs_torch_foreach (>= 1.0),
   q8_step_speedup_vs_torch_fused and _foreach (state_format="q8-moments": 8-bit moments,
-  6 B a param fewer each way than fp32's, which pays for the sharded grad's copy into its
-  slot; no target), train_step_speedup_vs_torch_fused, train_step_speedup_vs_torch_foreach
+  6 B a param fewer each way than fp32's; no target), train_step_speedup_vs_torch_fused, train_step_speedup_vs_torch_foreach
   (no target: the forward and backward are FSDP2's, the same for both), the same two with
   _overlap for zoffload.torch.AdamW(overlap=True), whose steps run in backward (so it has no
-  step-only figure), and each side's times in ms (no limit).  A peer this torch refuses is
-  skipped and named on stderr.
+  step-only figure), with --copied step_ and train_step_speedup_vs_copied_grads (FSDP2's
+  reduce-scatter into the grad slots against the same optimizer copying the sharded
+  gradients in, as it did before, on a sixth model: about 3 GB more; no target), and each
+  side's times in ms (no limit).  Each step timed takes
+  the gradients of a backward of its own, untimed.  A peer this torch refuses is skipped
+  and named on stderr.
 Environment: $ZOFFLOADD (the daemon) defaults to build-test/'s.  Not part of the test run;
 exits 77 (skipped) under a torch without FSDP2 (1.13).
 """
@@ -87,8 +90,14 @@ def worker(args):
     except (RuntimeError, TypeError, NotImplementedError) as ex:
         del models["torch_fused"]
         skipped.append(f"torch_fused: {type(ex).__name__}: {str(ex).splitlines()[0]}")
-    for m in models.values():
-        m(x).square().mean().backward()     # the grads every step takes
+    if args.copied:
+        # The A/B of the reduce-scatter into the grad slots: this one copies the sharded
+        # gradients into its slots, as zoffload.torch did before (_graft.py).
+        models["zoffload_copied"] = sharded_model()
+        opts["zoffload_copied"] = zoffload.torch.AdamW(
+            models["zoffload_copied"].parameters(), lr=1e-5, socket=args.socket,
+            job="bench-fsdp2-copied")
+        opts["zoffload_copied"]._grafts.uninstall()
 
     def slowest(t):
         t = torch.tensor([t], dtype=torch.float64)
@@ -106,13 +115,21 @@ def worker(args):
         models[name](x).square().mean().backward()
         opts[name].step()
 
+    def backward(name):
+        opts[name].zero_grad(set_to_none=True)
+        models[name](x).square().mean().backward()
+
     times = {}
-    for opt in opts.values():
-        opt.step()                          # warm-up
+    for name in opts:
+        for _ in range(2):                  # warm-up; the first step learns the layouts
+            train_step(name)
     for _ in range(args.rounds):
         for name, opt in opts.items():
             # overlap's steps run in backward: only its training step says what it costs.
             if name != "zoffload_overlap":
+                # Each step takes the gradients of a backward of its own, as in training:
+                # where FSDP2's reduce-scatter put them is part of what the step costs.
+                backward(name)
                 times.setdefault("step_" + name, []).append(timed(opt.step))
     for _ in range(args.rounds):
         for name, opt in opts.items():
@@ -127,9 +144,9 @@ def worker(args):
                                       "skipped": skipped, "params": nparams,
                                       "torch": torch.__version__}), flush=True)
     dist.barrier()
-    opts["zoffload"].close()
-    opts["zoffload_q8"].close()
-    opts["zoffload_overlap"].close()
+    for name, opt in opts.items():
+        if name.startswith("zoffload"):
+            opt.close()
     dist.destroy_process_group()
 
 
@@ -139,6 +156,8 @@ def main():
     ap.add_argument("--size", type=float, default=100, help="millions of params")
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--rounds", type=int, default=5, help="each figure the rounds' median")
+    ap.add_argument("--copied", action="store_true",
+                    help="also zoffload copying the sharded gradients in (the A/B)")
     ap.add_argument("--threads", type=int, default=max(1, (os.cpu_count() or 2) // 2),
                     help="torch's threads per rank (2 ranks), and the daemon's workers "
                          "twice that: the same cores for both")
@@ -164,7 +183,7 @@ def main():
             port = str(free_port())
             base = [sys.executable, os.path.abspath(__file__), "--size", str(args.size),
                     "--batch", str(args.batch), "--rounds", str(args.rounds), "--threads",
-                    str(args.threads)]
+                    str(args.threads)] + (["--copied"] if args.copied else [])
             workers = [subprocess.Popen(base + ["--worker", str(r), port, sock],
                                         stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                         text=True) for r in range(args.world)]
@@ -187,6 +206,10 @@ def main():
                     f"{'step' if what == 'step' else 'train_step'}_speedup_vs_{peer}" +
                     ("_overlap" if ours == "zoffload_overlap" else ""))
                 figures.append((name, t[f"{what}_{peer}"] / t[f"{what}_{ours}"], "x", limit))
+    for what in ("step", "train") if args.copied else ():
+        # The reduce-scatter into the slots against copying the gradients in: no target.
+        figures.append((f"{'step' if what == 'step' else 'train_step'}_speedup_vs_copied_grads",
+                        t[f"{what}_zoffload_copied"] / t[f"{what}_zoffload"], "x", None))
     for k, v in t.items():
         figures.append((f"{k}_ms", v * 1e3, "ms", None))
     summary = (f"bench_fsdp2: torch {res['torch']}, {res['params'] / 1e6:.1f} M fp32 params "
