@@ -270,6 +270,40 @@ def test_a_remap_carries_what_was_written_into_the_view(daemon, relay):
     c.close()
 
 
+def test_a_remap_makes_a_graft_stale(daemon, relay):
+    """A graft (FSDP2's reduce-scatter output made of grad slots, zoffload/_graft.py) maps
+    the slot files of its making.  A reconnect that brings the slots back in other files
+    leaves it writing into the old ones, which the daemon no longer steps from: the slots hook
+    marks it stale, and from then on it holds no gradient (step() copies them in), while
+    what was in it before the remap reached the new slot (the reconnect copies the grads)."""
+    from types import SimpleNamespace
+
+    from zoffload import _graft
+
+    page = mmap.PAGESIZE // 4
+    c = zoffload.Connection(relay.path)
+    c.job_open("graft-remap")
+    a = c.register("a", array.array("f", [1.0] * page))
+    b = c.register("b", array.array("f", [1.0] * 10))
+    ea, eb = SimpleNamespace(zt=a), SimpleNamespace(zt=b)
+    g = _graft._Graft(c, 2 * page + 16, [(0, ea), (page, eb)])
+    g.tensor[:page] = 3.0
+    g.tensor[page:page + 10] = 4.0
+    assert g.holds(ea, g.tensor[:page]) and g.holds(eb, g.tensor[page:page + 10])
+    assert not g.holds(eb, g.tensor[:10])               # a's offset is not b's
+    relay.swap = True
+    relay.cut()
+    assert c.ping() > 0                                 # reconnects: other slot files
+    assert c.conn_stats()["slots_remapped"] == 4
+    assert g.stale and not g.holds(ea, g.tensor[:page])
+    assert torch.equal(torch.frombuffer(a.grad, dtype=torch.float32), torch.full((page,), 3.0))
+    g.tensor[:page] = 5.0                               # the old file's pages: not a's now
+    assert torch.equal(torch.frombuffer(a.grad, dtype=torch.float32), torch.full((page,), 3.0))
+    a.unregister()
+    b.unregister()
+    c.close()
+
+
 def test_load_checkpoint_restores_into_views(daemon, tmp_path):
     """A restore's tensors are views too, holding the restored params: the run goes on bit
     for bit as the uninterrupted one."""
