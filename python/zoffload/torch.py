@@ -56,7 +56,8 @@ tensor's shared-memory grad slot and the new parameters come back through its pa
   the next step starts from the daemon's master and overwrites it.
 - After the first step ``p.grad`` is the grad slot (CPU, same dtype, no ``overlap``):
   ``zero_grad()`` zeroes it in place and backward accumulates into it.  A fresh ``p.grad``
-  (``set_to_none``) is copied in.
+  (``set_to_none``) is copied in, with streaming stores.  Under FSDP2 on the CPU the
+  reduce-scatter writes the sharded gradients straight into the grad slots (see _graft.py).
 ``copy_stats()`` counts the copies and says why a param is no view.
 
 A process that dies keeps its state in the daemon for ``limits.detach_grace_s``.  A new
