@@ -38,7 +38,9 @@ from . import _dtensor
 
 try:
     from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultReduceScatter
-except ImportError:                     # torch without FSDP2's custom reduce-scatter
+except (ImportError, ValueError):
+    # A torch without FSDP2's custom reduce-scatter; 1.13's torch.distributed.fsdp does not
+    # even import under Python 3.11 (a dataclass default that 3.11 refuses: ValueError).
     DefaultReduceScatter = None
 
 _PAGE = 4096
