@@ -113,20 +113,15 @@ static int parse_parts(struct zpy_conn *conn, PyObject *seq, size_t nbytes, size
     struct part **ret, size_t *ret_n)
 {
 	struct zpy_state *st = zpy_state_of(Py_TYPE(conn));
-	PyObject *fast = PySequence_Fast(seq, "parts: expected a sequence of (Tensor, offset)");
 	size_t end = 0;
 	struct part *out;
+	PyObject *fast;
 	Py_ssize_t n;
 
-	if (fast == NULL)
+	out = zpy_seq_array(seq, "parts: expected a sequence of (Tensor, offset)", sizeof(*out),
+	    &fast, &n);
+	if (out == NULL)
 		return -1;
-	n = PySequence_Fast_GET_SIZE(fast);
-	out = PyMem_Calloc(n > 0 ? (size_t)n : 1, sizeof(*out));
-	if (out == NULL) {
-		Py_DECREF(fast);
-		PyErr_NoMemory();
-		return -1;
-	}
 	for (Py_ssize_t i = 0; i < n; i++) {
 		PyObject *o = PySequence_Fast_GET_ITEM(fast, i), *to;
 		struct zpy_tensor *t;

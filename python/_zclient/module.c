@@ -101,23 +101,39 @@ zpy_result(const struct zc_step_result *r)
 	    "latency_ns", (unsigned long long)r->latency_ns);
 }
 
+void *
+zpy_seq_array(PyObject *seq, const char *what, size_t elem, PyObject **ret_fast,
+    Py_ssize_t *ret_n)
+{
+	PyObject *fast = PySequence_Fast(seq, what);
+	Py_ssize_t n;
+	void *out;
+
+	if (fast == NULL)
+		return NULL;
+	n = PySequence_Fast_GET_SIZE(fast);
+	out = PyMem_Calloc(n > 0 ? (size_t)n : 1, elem);
+	if (out == NULL) {
+		Py_DECREF(fast);
+		PyErr_NoMemory();
+		return NULL;
+	}
+	*ret_fast = fast;
+	*ret_n = n;
+	return out;
+}
+
 int
 zpy_tensor_list(struct zpy_conn *conn, PyObject *seq, struct zc_tensor ***ret, size_t *ret_n)
 {
 	struct zpy_state *st = zpy_state_of(Py_TYPE(conn));
-	PyObject *fast = PySequence_Fast(seq, "expected a sequence of Tensor");
 	struct zc_tensor **out;
+	PyObject *fast;
 	Py_ssize_t n;
 
-	if (fast == NULL)
+	out = zpy_seq_array(seq, "expected a sequence of Tensor", sizeof(*out), &fast, &n);
+	if (out == NULL)
 		return -1;
-	n = PySequence_Fast_GET_SIZE(fast);
-	out = PyMem_Calloc(n > 0 ? (size_t)n : 1, sizeof(*out));
-	if (out == NULL) {
-		Py_DECREF(fast);
-		PyErr_NoMemory();
-		return -1;
-	}
 	for (Py_ssize_t i = 0; i < n; i++) {
 		PyObject *o = PySequence_Fast_GET_ITEM(fast, i);
 		struct zpy_tensor *t = (struct zpy_tensor *)o;

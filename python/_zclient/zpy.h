@@ -105,6 +105,12 @@ int zpy_dtype(PyObject *name, const char *what);
 const char *zpy_dtype_name(enum zc_dtype d);
 /* A step result as a dict. */
 PyObject *zpy_result(const struct zc_step_result *r);
+/*
+ * seq as a fast sequence (*ret_fast, a new reference; its length in *ret_n) and a zeroed
+ * array of as many elements of elem bytes (PyMem_Free it); NULL with an exception set.
+ */
+void *zpy_seq_array(PyObject *seq, const char *what, size_t elem, PyObject **ret_fast,
+    Py_ssize_t *ret_n);
 /* Tensor objects from a sequence, for the calls that take a list (borrowed pointers into out). */
 int zpy_tensor_list(struct zpy_conn *conn, PyObject *seq, struct zc_tensor ***ret, size_t *ret_n);
 
