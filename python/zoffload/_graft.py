@@ -31,6 +31,7 @@ from them, and nothing is copied.
 """
 import logging
 import math
+import mmap
 
 import torch
 
@@ -43,7 +44,7 @@ except (ImportError, ValueError):
     # even import under Python 3.11 (a dataclass default that 3.11 refuses: ValueError).
     DefaultReduceScatter = None
 
-_PAGE = 4096
+_PAGE = mmap.PAGESIZE            # what graft_grad_slots maps a slot on
 log = logging.getLogger("zoffload")
 
 
