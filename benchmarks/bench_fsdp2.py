@@ -9,21 +9,22 @@ the slower rank's, and a figure is the median of the rounds (the best rounds are
 beside it): some rounds of a peer ran a third faster than its others here, for the memory
 they were given rather than anything the optimizer did (see bench_torch.py).
 
-    PYTHONPATH=build-test/python $VENV/bin/python benchmarks/bench_fsdp2.py [--json] [--size M] [--copied]
+    PYTHONPATH=build-test/python $VENV/bin/python benchmarks/bench_fsdp2.py [--json] \
+        [--size M] [--copied]
 
 Figures (--json: a list of {name, value, unit, limit, ratio}; value = the peer's time /
 ours, higher is better; ratio = value / limit, >= 1 meets the target):
   step_speedup_vs_torch_fused (>= 1.0), step_speedup_vs_torch_foreach (>= 1.0),
   q8_step_speedup_vs_torch_fused and _foreach (state_format="q8-moments": 8-bit moments,
-  6 B a param fewer each way than fp32's; no target), train_step_speedup_vs_torch_fused, train_step_speedup_vs_torch_foreach
-  (no target: the forward and backward are FSDP2's, the same for both), the same two with
-  _overlap for zoffload.torch.AdamW(overlap=True), whose steps run in backward (so it has no
-  step-only figure), with --copied step_ and train_step_speedup_vs_copied_grads (FSDP2's
-  reduce-scatter into the grad slots against the same optimizer copying the sharded
-  gradients in, as it did before, on a sixth model: about 3 GB more; no target), and each
-  side's times in ms (no limit).  Each step timed takes
-  the gradients of a backward of its own, untimed.  A peer this torch refuses is skipped
-  and named on stderr.
+  6 B a param fewer each way than fp32's; no target), train_step_speedup_vs_torch_fused,
+  train_step_speedup_vs_torch_foreach (no target: the forward and backward are FSDP2's, the
+  same for both), the same two with _overlap for zoffload.torch.AdamW(overlap=True), whose
+  steps run in backward (so it has no step-only figure), with --copied step_ and
+  train_step_speedup_vs_copied_grads (FSDP2's reduce-scatter into the grad slots against the
+  same optimizer copying the sharded gradients in, as it did before, on a sixth model: about
+  3 GB more; no target), and each side's times in ms (no limit).  Each step timed takes the
+  gradients of a backward of its own, untimed.  A peer this torch refuses is skipped and
+  named on stderr.
 Environment: $ZOFFLOADD (the daemon) defaults to build-test/'s.  Not part of the test run;
 exits 77 (skipped) under a torch without FSDP2 (1.13).
 """
@@ -110,14 +111,13 @@ def worker(args):
         fn()
         return slowest(time.perf_counter() - t0)
 
-    def train_step(name):
-        opts[name].zero_grad(set_to_none=True)
-        models[name](x).square().mean().backward()
-        opts[name].step()
-
     def backward(name):
         opts[name].zero_grad(set_to_none=True)
         models[name](x).square().mean().backward()
+
+    def train_step(name):
+        backward(name)
+        opts[name].step()
 
     times = {}
     for name in opts:
