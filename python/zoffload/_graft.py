@@ -80,6 +80,9 @@ if DefaultReduceScatter is not None:
         def __init__(self, group):
             super().__init__()
             self.group = group
+            # One shard group: the input is the size of the output too, and FSDP2 copies
+            # rather than reduce-scatters into it; no graft then.
+            self.sharded = getattr(getattr(group, "mesh_info", None), "shard_mesh_size", 1) > 1
             self.graft = None
             self.made = []          # (storage address, numel) of this backward's torch buffers
             self.handed = 0         # reduce-scatters into the graft (copy_stats)
@@ -88,11 +91,8 @@ if DefaultReduceScatter is not None:
         def allocate(self, size, *, dtype, device):
             numel = math.prod(int(s) for s in size)
             g = self.graft
-            # One shard group: the input is the size of the output too, and FSDP2 copies
-            # rather than reduce-scatters into it; no graft then.
-            sharded = getattr(getattr(self.group, "mesh_info", None), "shard_mesh_size", 1) > 1
             if (g is not None and not g.stale and numel == g.numel and dtype == torch.float32
-                    and sharded and torch.device(device).type == "cpu"
+                    and self.sharded and torch.device(device).type == "cpu"
                     and all(fp.sharded_param.grad is None for fp in self.group.fsdp_params)):
                 self.handed += 1
                 return g.tensor.view(size)
