@@ -400,6 +400,7 @@ def load_one(rank, world, sock, job, out, kind, steps):
     dist.barrier()
     opt.close()
 
+
 class Aligned(torch.nn.Module):
     """graft's model: l1, l2 (64 x 64) and l3 (33 x 64: 17 rows on rank 0, 16 and a padding
     row on rank 1) sharded on their own, one param each at offset 0 of its module's

@@ -73,16 +73,16 @@ def launch(world, sock, mode, job, out, *args):
 
 def check_lockstep(r):
     check_params_and_state(r)
-    # The params moved, and FSDP2's forward sees what the step wrote into the shards.
+    # The params moved.
     first, (got, want) = r["first_loss"], r["final_loss"]
     assert first - want > 0.05, f"the loss barely moved: {first} -> {want}"
-    assert abs(got - want) <= 1e-5 * want, f"FSDP2's forward: loss {got}, torch's {want}"
     # The same forward once the optimizer is closed: the shards it viewed kept their values.
     assert r["loss_after_close"] == got, (r["loss_after_close"], got)
 
 
 def check_params_and_state(r):
-    """Ours and the reference: the same params and moments to RTOL, STEPS steps each."""
+    """Ours and the reference: the same params and moments to RTOL, STEPS steps each, and
+    FSDP2's forward sees what the step wrote into the shards (the final losses)."""
     ours, ref = r["ours"], r["ref"]
     assert list(ours) == list(ref)
     err = max_rel_err([ours[k] for k in ours], [ref[k] for k in ours])
@@ -94,6 +94,8 @@ def check_params_and_state(r):
         for key in ("exp_avg", "exp_avg_sq"):
             err = max_rel_err([so[name][key]], [sr[name][key]])
             assert err <= RTOL, f"{name}.{key}: max relative difference {err:.3g}"
+    got, want = r["final_loss"]
+    assert abs(got - want) <= 1e-5 * want, f"FSDP2's forward: loss {got}, torch's {want}"
 
 
 def check_clip(r):
@@ -145,8 +147,6 @@ def test_overlap_steps_each_shard_in_backward(daemon, tmp_path):
     r = torch.load(out, weights_only=False)
     check_params_and_state(r)
     ours = r["ours"]
-    got, want = r["final_loss"]
-    assert abs(got - want) <= 1e-5 * want, f"FSDP2's forward: loss {got}, torch's {want}"
     padded = sum(1 for v in ours.values() if v.shape[0] % 2)
     (n0, first), (n1, last) = r["copy_stats"]
     # Rank 0 holds every param; every shard of every step went from backward's hooks.
@@ -173,8 +173,6 @@ def test_reduce_scatter_lands_in_the_grad_slots(daemon, tmp_path):
     launch(2, daemon.socket, "graft", "fsdp2-graft", out, STEPS)
     r = torch.load(out, weights_only=False)
     check_params_and_state(r)
-    got, want = r["final_loss"]
-    assert abs(got - want) <= 1e-5 * want, f"FSDP2's forward: loss {got}, torch's {want}"
     params = len(r["ours"])
     for stats, grad_err in r["copy_stats"]:
         # The reference's params are ours to RTOL, not bit for bit, and its grads follow
