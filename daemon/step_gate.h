@@ -9,7 +9,10 @@
  * the worker that has stepped half of that block of a pinned slice opens
  * FIFO for writing (which waits for the test to open it for reading),
  * removes it, writes a byte and waits for ever, the rest of its block
- * unstepped.  Once: without the FIFO the gate lets every step through.
+ * unstepped.  BLOCK 18446744073709551615 (ZE_GATE_LANDED) holds the loop
+ * instead where UNIT, an NVMe chunk whose slot is its master, has landed
+ * and its slot has not taken the new master.  Once: without the FIFO the
+ * gate lets every step through.
  * Unset: no gate ({ NULL }), and steps go as usual.
  */
 struct ze_block_gate zd_step_gate(void);

@@ -37,7 +37,11 @@ enum ze_io { ZE_IO_READ, ZE_IO_WRITE, ZE_IO_PARAM_RELEASE };
  * Tests only: called by the worker stepping a block of a pinned slice with
  * half of the block stepped (the daemon's $ZOFFLOADD_TEST_STEP_GATE), so a
  * test can kill the daemon there.  Steps go block by block while it is set.
+ * Called on the loop as well, with block ZE_GATE_LANDED and unit the chunk,
+ * when a step's NVMe chunk whose slot is its master has landed (its m and v
+ * on disk) and the slot has not yet taken the new master (nvme_impl.h).
  */
+#define ZE_GATE_LANDED UINT64_MAX
 struct ze_block_gate {
 	void (*fn)(void *arg, uint64_t step, uint64_t unit, uint64_t block);
 	void *arg;

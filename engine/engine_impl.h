@@ -80,9 +80,12 @@ struct ze_tensor {
 	 * and the writers of master (restores, initialization) are the
 	 * writers of the params.  The slot's memfd is kept with the others, so
 	 * the step journal's guarantee holds as for a master in the state's
-	 * memfd (journal.c: it names elements, not files).  Fixed at placement,
-	 * kept in the record (record.c).  Elsewhere the slot is a mirror the
-	 * step writes beside master.
+	 * memfd (journal.c: it names elements, not files).  On NVMe (formats
+	 * with an fp32 master) the disk keeps m, v and the scales, master stays
+	 * NULL, and a chunk's new master reaches the slot only once its m and v
+	 * have landed (nvme_impl.h).  Fixed at placement, kept in the record
+	 * (record.c).  Elsewhere the slot is a mirror the step writes beside
+	 * master.
 	 */
 	bool master_in_slot;
 	void *state;
@@ -264,6 +267,8 @@ void ze_tensor_point_state(struct ze_tensor *t);
 void ze_tensor_point_master(struct ze_tensor *t);
 /* The slot can be the master: its dtype is the format's master's and the client only reads it. */
 bool ze_slot_can_be_master(enum zk_state_format f, enum zk_dtype param_dtype, bool param_offload);
+/* ... and on NVMe too: the format's master is fp32 (nvme_impl.h). */
+bool ze_slot_can_be_nvme_master(enum zk_state_format f);
 /* t's pinned layout: ze_layout_of's, less the master where master_in_slot. */
 void ze_tensor_layout(const struct ze_tensor *t, struct ze_layout *ret);
 uint64_t ze_tensor_pinned_bytes(const struct ze_tensor *t);
@@ -289,6 +294,8 @@ uint64_t ze_unit_len(const struct ze_tensor *t, uint64_t unit);
 /* nvme.c */
 int ze_nvme_start(struct ze_engine *e);
 void ze_nvme_stop(struct ze_engine *e);
+/* The extent t takes on the swap paths, its chunks laid out (chunk_elements set). */
+uint64_t ze_nvme_bytes(struct ze_engine *e, struct ze_tensor *t);
 int ze_nvme_place(struct ze_engine *e, struct ze_tensor *t);
 void ze_nvme_release(struct ze_engine *e, struct ze_tensor *t);
 /* Queues tensor i of b; reports through ze_step_unit_done. */

@@ -83,22 +83,15 @@ ze_nvme_stop(struct ze_engine *e)
 	e->staging_arena = NULL;
 }
 
-int
-ze_nvme_place(struct ze_engine *e, struct ze_tensor *t)
+uint64_t
+ze_nvme_bytes(struct ze_engine *e, struct ze_tensor *t)
 {
 	uint64_t c = e->cfg.chunk_elements, bytes;
-	int r;
 
 	/* Small tensors get small chunks, so they do not take a whole chunk of disk. */
 	if (t->numel < c)
 		c = ze_chunk_round(t->numel);
 	t->chunk_elements = c;
-	/* Its chunks_written bits are in its record (record.c), made once it is placed. */
-	t->extent = calloc(1, sizeof(*t->extent));
-	if (t->extent == NULL) {
-		r = -ENOMEM;
-		goto fail;
-	}
 	/* Offloaded params follow the state chunks in the same extent. */
 	bytes = (chunk_count(t) - 1) * chunk_bytes(t) + chunk_io_bytes(t, chunk_count(t) - 1);
 	if (t->param_offload) {
@@ -106,6 +99,21 @@ ze_nvme_place(struct ze_engine *e, struct ze_tensor *t)
 		t->param_store_bytes = ((size_t)t->numel * zk_dtype_size(t->param_dtype) + 4095) /
 		    4096 * 4096;
 		bytes += t->param_store_bytes;
+	}
+	return bytes;
+}
+
+int
+ze_nvme_place(struct ze_engine *e, struct ze_tensor *t)
+{
+	uint64_t bytes = ze_nvme_bytes(e, t);
+	int r;
+
+	/* Its chunks_written bits are in its record (record.c), made once it is placed. */
+	t->extent = calloc(1, sizeof(*t->extent));
+	if (t->extent == NULL) {
+		r = -ENOMEM;
+		goto fail;
 	}
 	r = zs_extent_alloc(e->swap, bytes, t->extent);
 	if (r < 0)
@@ -233,7 +241,16 @@ write_finished(struct chunk_io *io, int result)
 	if (w->kind == WORK_STEP)
 		io->e->stats.staging_write_ns += zu_now_ns() - io->phase_ns;
 	if (result == 0) {
-		/* Landed: stamped before its journal entry goes (ze_step_unit_done agrees). */
+		/*
+		 * Landed: the slot that is the master takes the new master, then the chunk
+		 * is stamped, before its journal entry goes (ze_step_unit_done agrees).
+		 */
+		if (w->kind == WORK_STEP && t->master_in_slot && io->e->cfg.block_gate.fn != NULL)
+			io->e->cfg.block_gate.fn(io->e->cfg.block_gate.arg, w->batch->hp.step,
+			    io->chunk, ZE_GATE_LANDED);
+		if (w->kind == WORK_STEP && t->master_in_slot)
+			memcpy((float *)t->param_slot.map + first, io->staging->buf,
+			    (last - first) * sizeof(float));
 		if (w->kind == WORK_STEP)
 			t->unit_step[io->chunk] = w->batch->hp.step;
 		io->e->stats.chunks_written++;
@@ -298,20 +315,22 @@ chunk_rw(struct ze_engine *e, struct chunk_io *io, bool write, zs_callback *cb)
 {
 	struct ze_tensor *t = io->work->tensor;
 	uint64_t at = io->chunk * chunk_bytes(t);
-	unsigned n = io->split ? 3 : 1;
+	/* Where the slot is the master, the disk has no master array: the split's first is m. */
+	unsigned first = t->master_in_slot ? 1 : 0;
+	unsigned n = io->split ? 3 - first : 1;
 	char *buf = io_buf(io);
 	int r;
 
 	io->parts += n;
 	for (unsigned k = 0; k < n; k++) {
 		uint64_t off = at, len = io->bytes;
-		char *from = buf;
+		char *from = buf + chunk_skip(t, chunk_stride(t, io->chunk));
 
 		if (io->split) {
-			len = io->bytes / 3;
+			len = io->bytes / n;
 			off = at + (k * chunk_stride(t, io->chunk) + io->work->offset -
 			    io->chunk * t->chunk_elements) * sizeof(float);
-			from = buf + k * io->work->stride * sizeof(float);
+			from = buf + (first + k) * io->work->stride * sizeof(float);
 		}
 		r = write ? zs_write(e->swap, t->extent, off, from, len, cb, io) :
 		    zs_read(e->swap, t->extent, off, from, len, cb, io);
@@ -349,11 +368,11 @@ zero_unwritten(struct chunk_io *io)
 		stride = io->work->stride;
 	}
 	if (!io->split && (t->format != ZK_STATE_FP32 || t->init_bits == NULL)) {
-		memset(buf, 0, io->bytes);
+		memset((char *)buf + chunk_skip(t, stride), 0, io->bytes);
 		return;
 	}
 	/* from is a multiple of ZE_CHUNK_ALIGN: whole words of init_bits. */
-	for (unsigned k = 0; k < 3; k++) {
+	for (unsigned k = t->master_in_slot ? 1 : 0; k < 3; k++) {
 		float *a = buf + k * stride;
 
 		for (uint64_t i = 0; i < n; i += 64) {
@@ -370,6 +389,26 @@ zero_unwritten(struct chunk_io *io)
 		}
 		memset(a + n, 0, (ze_chunk_round(n) - n) * sizeof(float));
 	}
+}
+
+/* Where the slot is the master, the master part of what io read comes from it. */
+static void
+fill_master(struct chunk_io *io)
+{
+	const struct ze_tensor *t = io->work->tensor;
+	uint64_t from = io->chunk * t->chunk_elements, n = chunk_len(t, io->chunk);
+	float *buf = io_buf(io);
+
+	if (!t->master_in_slot)
+		return;
+	if (io->split) {
+		from = io->work->offset;
+		n = io->work->count;
+	}
+	memcpy(buf, (const float *)t->param_slot.map + from, n * sizeof(float));
+	/* Not a split's: its buffer's padding is the caller's. */
+	if (!io->split)
+		memset(buf + n, 0, (chunk_stride(t, io->chunk) - n) * sizeof(float));
 }
 
 static void
@@ -399,6 +438,7 @@ read_done(int result, void *arg)
 	 */
 	if (!chunk_written(t, io->chunk))
 		zero_unwritten(io);
+	fill_master(io);
 	if (w->kind != WORK_STEP) {
 		ze_nvme_xfer_chunk(e, io);
 		return;
@@ -422,7 +462,9 @@ read_done(int result, void *arg)
 		io->task.qview.grad = (const char *)t->grad_slot.map +
 		    off * zk_dtype_size(t->grad_dtype);
 		io->task.qview.grad_dtype = t->grad_dtype;
-		io->task.qview.param = (char *)t->param_slot.map + off * zk_dtype_size(t->param_dtype);
+		/* The slot that is the master is written once the chunk has landed (write_finished). */
+		io->task.qview.param = t->master_in_slot ? NULL :
+		    (char *)t->param_slot.map + off * zk_dtype_size(t->param_dtype);
 		io->task.qview.param_dtype = t->param_dtype;
 	} else {
 		io->task.view = (struct zk_tensor){
@@ -431,7 +473,8 @@ read_done(int result, void *arg)
 			.v = buf + 2 * chunk_stride(t, io->chunk),
 			.grad = (const char *)t->grad_slot.map + off * zk_dtype_size(t->grad_dtype),
 			.grad_dtype = t->grad_dtype,
-			.param = (char *)t->param_slot.map + off * zk_dtype_size(t->param_dtype),
+			.param = t->master_in_slot ? NULL :
+			    (char *)t->param_slot.map + off * zk_dtype_size(t->param_dtype),
 			.param_dtype = t->param_dtype,
 			.n = n,
 		};
@@ -609,7 +652,8 @@ ze_nvme_rewrite(struct ze_engine *e, struct ze_tensor *t, uint64_t chunk, const 
 {
 	int done = 0, r;
 
-	r = zs_write(e->swap, t->extent, chunk * chunk_bytes(t), buf, chunk_io_bytes(t, chunk),
+	r = zs_write(e->swap, t->extent, chunk * chunk_bytes(t),
+	    (const char *)buf + chunk_skip(t, chunk_stride(t, chunk)), chunk_io_bytes(t, chunk),
 	    rewrite_done, &done);
 	while (r == 0 && done == 0)
 		r = zs_swap_wait(e->swap, -1) < 0 ? -EIO : 0;
@@ -617,6 +661,10 @@ ze_nvme_rewrite(struct ze_engine *e, struct ze_tensor *t, uint64_t chunk, const 
 		return r;
 	if (done < 0)
 		return done;
+	/* As write_finished: the slot that is the master takes it once m and v have landed. */
+	if (t->master_in_slot)
+		memcpy((float *)t->param_slot.map + chunk * t->chunk_elements, buf,
+		    chunk_len(t, chunk) * sizeof(float));
 	chunk_mark_written(t, chunk);
 	return 0;
 }

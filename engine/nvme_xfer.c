@@ -26,7 +26,7 @@ xfer_chunk_coded(struct ze_engine *e, struct chunk_io *io, uint64_t from, uint64
 			bufs[k] = (float *)w->buf + (all ? k * w->stride : 0) + (from - w->offset);
 	/* A chunk written whole was not read: no stale bytes of the buffer's last use stay. */
 	if (w->kind == WORK_WRITE_ALL && ze_nvme_covers_chunk(w, io->chunk))
-		memset(io->staging->buf, 0, chunk_io_bytes(t, io->chunk));
+		memset(io->staging->buf, 0, chunk_mem_bytes(t, io->chunk));
 	chunk_view(t, io->chunk, io->staging->buf, &q);
 	if (w->raw)
 		r = ze_state_raw(&q, write, from - first, to - from, w->buf, w->count,
@@ -167,7 +167,7 @@ uint64_t
 ze_nvme_io_bytes(const struct nvme_work *w, uint64_t c, enum ze_direct d)
 {
 	if (d == ZE_DIRECT_SPLIT)
-		return 3 * ze_chunk_round(w->count) * sizeof(float);
+		return (w->tensor->master_in_slot ? 2 : 3) * ze_chunk_round(w->count) * sizeof(float);
 	return chunk_io_bytes(w->tensor, c);
 }
 

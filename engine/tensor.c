@@ -104,8 +104,8 @@ place_nvme(struct ze_engine *e, struct ze_tensor *t, struct ze_account *job,
 	const struct ze_account *full;
 	int r;
 
-	/* An NVMe chunk keeps its master (tiers.md: what the slot as master would take there). */
-	t->master_in_slot = false;
+	/* A bf16 master stays in its chunk: the chunk's m would not start on 4 KiB. */
+	t->master_in_slot = t->master_in_slot && ze_slot_can_be_nvme_master(t->format);
 	if (e->swap == NULL) {
 		snprintf(err, errlen, "tensor '%s': the job keeps state on NVMe but no %s are "
 		    "configured", t->name, swap_paths_what(e));
@@ -113,7 +113,7 @@ place_nvme(struct ze_engine *e, struct ze_tensor *t, struct ze_account *job,
 	}
 	r = ze_nvme_place(e, t);
 	if (r < 0) {
-		zu_fmt_bytes(zk_state_bytes(t->format, t->numel), a, sizeof(a));
+		zu_fmt_bytes(ze_nvme_bytes(e, t), a, sizeof(a));
 		swap_paths_text(e, paths, sizeof(paths));
 		snprintf(err, errlen, "tensor '%s': no room for %s of state on %s %s: %s",
 		    t->name, a, swap_paths_what(e), paths, ze_strerror(r));
@@ -157,7 +157,8 @@ ze_tensor_point_state(struct ze_tensor *t)
 void
 ze_tensor_point_master(struct ze_tensor *t)
 {
-	if (!t->master_in_slot)
+	/* On NVMe master stays NULL: chunks read it from the slot (nvme_impl.h). */
+	if (!t->master_in_slot || t->on_nvme)
 		return;
 	/* NULL until the slot exists: nothing reads master before it does. */
 	t->master = t->param_slot.map;

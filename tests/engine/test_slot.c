@@ -200,6 +200,136 @@ Test(slot, q8_moments) { same_as_master_apart(ZK_STATE_Q8, ZK_DTYPE_F32, ZK_OPTI
 /* Its master is bf16: a bf16 slot is it. */
 Test(slot, bf16_master_q8) { same_as_master_apart(ZK_STATE_BF16_Q8, ZK_DTYPE_BF16, ZK_OPTIM_ADAMW); }
 
+/*
+ * NVMe: the slot is the master there too (formats with an fp32 master), the disk keeping a
+ * chunk's m, v and scales only.  Three steps and the transfers through the staging
+ * buffers and straight to the caller's (a whole chunk, and a split part of one) give
+ * the bits of the same tensor whose chunks keep their master (param offload), while each
+ * step moves two thirds of its bytes for fp32.
+ */
+#define NVME_CHUNK 16384u
+
+static struct ze_engine *
+nvme_engine(char **dir)
+{
+	struct zs_swap *swap;
+	struct ze_engine *e;
+	char err[256];
+	int r;
+
+	*dir = th_tmpdir();
+	r = th_engine(ZS_SWAP_PTHREAD, *dir, 64u << 20, 8, 0, NULL, &swap);
+	cr_assert_eq(r, 0, "swap engine: %s", zs_strerror(r));
+	cr_assert_eq(ze_engine_new(&(struct ze_config){ .pinned_budget = 256u << 20,
+		.numa_node = -1, .shm_budget = 256u << 20, .worker_threads = 2, .journal = true,
+		.isa = zk_isa_best(), .staging_buffers = 2, .chunk_elements = NVME_CHUNK }, swap,
+	    &callbacks, NULL, &e, err, sizeof(err)), 0, "%s", err);
+	return e;
+}
+
+/* Elements [off, off + n) of master, m and v, n apart in buf, straight or through staging. */
+static void
+part(struct ze_engine *e, struct ze_tensor *t, bool write, uint64_t off, uint64_t n, float *buf)
+{
+	unsigned before = io_done;
+	int r = write ? ze_tensor_write_all(t, off, n, n, buf, 1, 1) :
+	    ze_tensor_read_all(t, off, n, n, buf, 1, 1);
+
+	cr_assert_geq(r, 0, "%s: %d", write ? "write_all" : "read_all", r);
+	if (r == 0) {
+		wait_for(e, &io_done, before + 1);
+		cr_assert_eq(io_result, 0);
+	}
+}
+
+static void
+nvme_same_as_master_in_chunks(enum zk_state_format f, enum zk_optim optim)
+{
+	float *init = malloc(3 * N * sizeof(float)), *a = malloc(3 * N * sizeof(float));
+	float *b = malloc(3 * N * sizeof(float)), *pa = NULL, *pb = NULL;
+	struct ze_tensor *one, *two, *ts[1];
+	struct ze_stats s0, s1, s2;
+	char *dir, err[256];
+	struct ze_engine *e = nvme_engine(&dir);
+	/* Each array of a chunk 4 KiB rounded: the last chunk's too. */
+	uint64_t rounded = (N + 1023) / 1024 * 1024;
+
+	cr_assert(init != NULL && a != NULL && b != NULL);
+	cr_assert_eq(posix_memalign((void **)&pa, 4096, 3 * NVME_CHUNK * sizeof(float)), 0);
+	cr_assert_eq(posix_memalign((void **)&pb, 4096, 3 * NVME_CHUNK * sizeof(float)), 0);
+	for (int k = 0; k < 2; k++)
+		cr_assert_eq(ze_tensor_new(e, &(struct ze_tensor_desc){ .name = k ? "two" : "one",
+			.numel = N, .grad_dtype = ZK_DTYPE_F32, .param_dtype = ZK_DTYPE_F32,
+			.param_offload = k == 1, .policy = ZE_POLICY_NVME, .state_format = f }, NULL,
+		    NULL, NULL, k ? &two : &one, err, sizeof(err)), 0, "%s", err);
+	cr_assert(ze_tensor_on_nvme(one) && ze_tensor_on_nvme(two));
+	fill(init, N, 1);
+	fill(init + N, N, 2);
+	for (size_t i = 0; i < N; i++)
+		init[2 * N + i] = init[N + i] * init[N + i];
+	all(e, one, true, init);
+	all(e, two, true, init);
+	cr_assert(memcmp(ze_tensor_param_slot(one), init, N * sizeof(float)) == 0,
+	    "a restore's master is not in the slot");
+	for (uint64_t s = 1; s <= 3; s++) {
+		ze_engine_stats(e, &s0);
+		ts[0] = one;
+		step(e, ts, 1, optim, s);
+		ze_engine_stats(e, &s1);
+		ts[0] = two;
+		step(e, ts, 1, optim, s);
+		ze_engine_stats(e, &s2);
+		cr_assert_lt(s1.bytes_read - s0.bytes_read, s2.bytes_read - s1.bytes_read);
+		cr_assert_eq(s1.bytes_read - s0.bytes_read, s1.bytes_written - s0.bytes_written);
+		if (f == ZK_STATE_FP32)
+			cr_assert_eq(s1.bytes_read - s0.bytes_read, 2 * rounded * sizeof(float),
+			    "read %llu bytes, not m and v alone",
+			    (unsigned long long)(s1.bytes_read - s0.bytes_read));
+	}
+	all(e, one, false, a);
+	all(e, two, false, b);
+	cr_assert(memcmp(a, b, 3 * N * sizeof(float)) == 0, "the state differs");
+	cr_assert(memcmp(ze_tensor_param_slot(one), ze_tensor_param_slot(two), N * 4) == 0,
+	    "the params differ");
+	cr_assert(memcmp(ze_tensor_param_slot(one), a, N * sizeof(float)) == 0,
+	    "the slot is not the master");
+	/* Chunk 1 whole, then a part of it from 4 KiB on: straight to the caller's buffer for fp32. */
+	for (int k = 0; k < 2; k++) {
+		uint64_t off = NVME_CHUNK + (k ? 1024 : 0), n = k ? 2048 : NVME_CHUNK;
+
+		part(e, one, false, off, n, pa);
+		part(e, two, false, off, n, pb);
+		cr_assert(memcmp(pa, pb, 3 * n * sizeof(float)) == 0, "read %d differs", k);
+		for (uint64_t i = 0; i < 3 * n; i++)
+			pa[i] = pb[i] = pa[i] * 0.5f;
+		part(e, one, true, off, n, pa);
+		part(e, two, true, off, n, pb);
+	}
+	ts[0] = one;
+	step(e, ts, 1, optim, 4);
+	ts[0] = two;
+	step(e, ts, 1, optim, 4);
+	all(e, one, false, a);
+	all(e, two, false, b);
+	cr_assert(memcmp(a, b, 3 * N * sizeof(float)) == 0, "the state differs after the parts");
+	cr_assert(memcmp(ze_tensor_param_slot(one), a, N * sizeof(float)) == 0,
+	    "the slot is not the master after the parts");
+	ze_tensor_free(one);
+	ze_tensor_free(two);
+	ze_engine_free(e);
+	th_rmdir(dir);
+	free(init);
+	free(a);
+	free(b);
+	free(pa);
+	free(pb);
+}
+
+Test(slot, nvme_fp32_adamw) { nvme_same_as_master_in_chunks(ZK_STATE_FP32, ZK_OPTIM_ADAMW); }
+Test(slot, nvme_fp32_lion) { nvme_same_as_master_in_chunks(ZK_STATE_FP32, ZK_OPTIM_LION); }
+Test(slot, nvme_q8_moments) { nvme_same_as_master_in_chunks(ZK_STATE_Q8, ZK_OPTIM_ADAM); }
+Test(slot, nvme_bf16_moments) { nvme_same_as_master_in_chunks(ZK_STATE_BF16, ZK_OPTIM_ADAMW); }
+
 /* Dtypes that differ keep the slot a copy. */
 Test(slot, other_dtypes_keep_a_copy)
 {

@@ -18,9 +18,10 @@
  *   n a multiple of 1024, is charged 2 * (4n + 4160) bytes, and one element
  *   more adds one page to each array.
  * - The pinned tier itself (memory.pinned_budget) rounds that up to a page.
- * - Swap (limits.uid_swap_budget, swap.paths capacity): 12 bytes per element,
- *   the element count rounded up to 1024 (a tensor below chunk_elements is
- *   one chunk of whole pages).
+ * - Swap (limits.uid_swap_budget, swap.paths capacity): 8 bytes per element
+ *   with fp32 params (m and v: the slot is the master on NVMe too), the
+ *   element count rounded up to 1024 (a tensor below chunk_elements is one
+ *   chunk of whole pages).
  * - Shared memory (memory.shm_budget): each slot and each connection's
  *   transfer window rounded up to a page.
  * - Connections (limits.max_clients, max_clients_per_uid) are checked at
@@ -238,7 +239,7 @@ Test(limits, uid_pinned_budget_one_byte_short) { uid_pinned_budget(1); }
 static void
 uid_swap_budget(uint64_t short_by)
 {
-	uint64_t budget = 12 * N0 - short_by;
+	uint64_t budget = 8 * N0 - short_by;
 	char limits[128];
 
 	snprintf(limits, sizeof(limits), "\"uid_swap_budget\": %llu", (unsigned long long)budget);
@@ -258,11 +259,11 @@ uid_swap_budget(uint64_t short_by)
 Test(limits, uid_swap_budget) { uid_swap_budget(0); }
 Test(limits, uid_swap_budget_one_byte_short) { uid_swap_budget(1); }
 
-/* A swap path's capacity: 3 MiB hold exactly 256 Ki elements of state. */
+/* A swap path's capacity: 3 MiB hold exactly 384 Ki elements of state. */
 static void
 swap_capacity(uint64_t short_by)
 {
-	const uint64_t n = 3ull * 1024 * 1024 / 12;
+	const uint64_t n = 3ull * 1024 * 1024 / 8;
 	char capacity[32];
 
 	snprintf(capacity, sizeof(capacity), "%llu", 3ull * 1024 * 1024 - short_by);
@@ -273,7 +274,7 @@ swap_capacity(uint64_t short_by)
 	}
 	expect_refused("one-page-more", n + 1, -ENOSPC, swapdir);
 	expect_fits("exact", n);
-	cr_assert_eq(itd_stat(conn, "tiers.nvme.paths.0.used_bytes"), 12 * n);
+	cr_assert_eq(itd_stat(conn, "tiers.nvme.paths.0.used_bytes"), 8 * n);
 	expect_refused("one-more", 1, -ENOSPC, "swap.paths");
 }
 
