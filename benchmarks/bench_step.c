@@ -55,7 +55,11 @@ struct opts {
 struct step_run {
 	double best_s;
 	double mean_s;
-	double nvme_state_bytes;	/* zk_state_bytes of the tensors placed on NVMe (fp32: 12/param) */
+	/*
+	 * The state the tensors placed on NVMe keep there: zk_state_bytes (fp32: 12/param),
+	 * less the master where their slot is it (--fp32 and an fp32 master: 8/param).
+	 */
+	double nvme_state_bytes;
 	double nvme_placed_bytes;	/* their swap space, chunk rounding included */
 	double pinned_state_bytes;
 	double read_per_step;		/* pipeline counters over the timed steps */
@@ -287,6 +291,9 @@ run_daemon(const struct opts *o, enum zk_state_format format, struct step_run *r
 		if (stat_number(c, "jobs.0.nvme_bytes") > res->nvme_placed_bytes) {
 			res->nvme_placed_bytes = stat_number(c, "jobs.0.nvme_bytes");
 			res->nvme_state_bytes += (double)zk_state_bytes(format, desc.numel);
+			if (o->fp32 && zk_state_master_bytes(format, 1) == sizeof(float))
+				res->nvme_state_bytes -= (double)zk_state_master_bytes(format,
+				    desc.numel);
 		}
 	}
 	free(init);

@@ -406,7 +406,7 @@ fill_master(struct chunk_io *io)
 		n = io->work->count;
 	}
 	memcpy(buf, (const float *)t->param_slot.map + from, n * sizeof(float));
-	/* Not a split's: its buffer's padding is the caller's. */
+	/* The chunk's padding, as the disk's arrays have it (a split's buffer holds its part only). */
 	if (!io->split)
 		memset(buf + n, 0, (chunk_stride(t, io->chunk) - n) * sizeof(float));
 }
