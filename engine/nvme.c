@@ -238,19 +238,35 @@ write_finished(struct chunk_io *io, int result)
 	uint64_t first = io->chunk * t->chunk_elements;
 	uint64_t last = first + chunk_len(t, io->chunk);
 
+	if (result == 0 && w->kind == WORK_STEP && t->master_in_slot && !io->slot_taken) {
+		/*
+		 * Landed: the slot that is the master takes the new master on the stepper
+		 * (a part again: this runs once more when it is done), then the chunk is
+		 * stamped, before its journal entry goes (ze_step_unit_done agrees).
+		 */
+		if (io->e->cfg.block_gate.fn != NULL)
+			io->e->cfg.block_gate.fn(io->e->cfg.block_gate.arg, w->batch->hp.step,
+			    io->chunk, ZE_GATE_LANDED);
+		io->slot_taken = true;
+		io->parts = 1;
+		io->task = (struct ze_task){
+			.kind = ZE_TASK_PARAM,
+			.lane = w->lane,
+			.staging = io->staging,
+			.view = {
+				.master = io->staging->buf,
+				.param = (float *)t->param_slot.map + first,
+				.param_dtype = ZK_DTYPE_F32,
+				.n = last - first,
+			},
+		};
+		ze_step_post(io->e, &io->task);
+		return;
+	}
+	/* The write, and the slot's copy where there is one. */
 	if (w->kind == WORK_STEP)
 		io->e->stats.staging_write_ns += zu_now_ns() - io->phase_ns;
 	if (result == 0) {
-		/*
-		 * Landed: the slot that is the master takes the new master, then the chunk
-		 * is stamped, before its journal entry goes (ze_step_unit_done agrees).
-		 */
-		if (w->kind == WORK_STEP && t->master_in_slot && io->e->cfg.block_gate.fn != NULL)
-			io->e->cfg.block_gate.fn(io->e->cfg.block_gate.arg, w->batch->hp.step,
-			    io->chunk, ZE_GATE_LANDED);
-		if (w->kind == WORK_STEP && t->master_in_slot)
-			memcpy((float *)t->param_slot.map + first, io->staging->buf,
-			    (last - first) * sizeof(float));
 		if (w->kind == WORK_STEP)
 			t->unit_step[io->chunk] = w->batch->hp.step;
 		io->e->stats.chunks_written++;
@@ -438,8 +454,8 @@ read_done(int result, void *arg)
 	 */
 	if (!chunk_written(t, io->chunk))
 		zero_unwritten(io);
-	fill_master(io);
 	if (w->kind != WORK_STEP) {
+		fill_master(io);
 		ze_nvme_xfer_chunk(e, io);
 		return;
 	}
@@ -456,6 +472,8 @@ read_done(int result, void *arg)
 		.unit = io->chunk,
 		.staging = io->staging,
 		.io_start_ns = io->start_ns,
+		/* The step's master: filled on the stepper (fill_master's copy, off the loop). */
+		.master_from = t->master_in_slot ? (const float *)t->param_slot.map + off : NULL,
 	};
 	if (t->format != ZK_STATE_FP32) {
 		chunk_view(t, io->chunk, buf, &io->task.qview);

@@ -78,6 +78,8 @@ struct chunk_io {
 	 */
 	void *direct;
 	bool split;
+	/* A step's chunk whose slot is the master: the slot has taken its new master. */
+	bool slot_taken;
 	uint64_t bytes;			/* moved to or from the disk */
 	/*
 	 * The read, or the write, ends in parts: a split one's I/Os, and a restore's

@@ -52,6 +52,11 @@ struct ze_task {
 	uint64_t tensor_id;
 	uint64_t *stamp;
 	uint64_t io_start_ns;		/* NVMe: when its read was issued */
+	/*
+	 * NVMe, where the slot is the master: the slot's elements the stepper copies
+	 * into the staging buffer's master before the step (nvme_impl.h), off the loop.
+	 */
+	const float *master_from;
 	int result;
 	uint64_t compute_ns;
 };
