@@ -24,11 +24,12 @@
  * Where the param slot is the master (master_in_slot, engine_impl.h; formats whose
  * master is fp32), the disk keeps a chunk's m, v and scales only: 8 B an fp32
  * element, not 12, and the chunk moves two thirds of the bytes.  Its staging
- * buffer keeps the whole layout all the same, master first: a read fills the
- * master from the slot, the step computes the new master there (the slot is not
- * written: it must hold the old values until m and v have landed), and the write
- * moves the rest.  Once that write has landed the new master is copied into the
- * slot, before the chunk is stamped; a crash in between leaves the staging buffer
+ * buffer keeps the whole layout all the same, master first: the stepper copies the
+ * master from the slot (ze_task.master_from; a transfer's read, fill_master), the
+ * step computes the new master there (the slot is not written: it must hold the old
+ * values until m and v have landed), and the write moves the rest.  Once that write
+ * has landed the stepper copies the new master into the slot (a ZE_TASK_PARAM),
+ * before the chunk is stamped; a crash in between leaves the staging buffer
  * journaled (ze_journal_staging), and adoption writes it and copies it again
  * (ze_nvme_rewrite).  Transfers see the staging layout as before.
  */
