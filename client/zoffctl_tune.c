@@ -386,6 +386,9 @@ zoffctl_tune(const char *const *paths, unsigned npaths, const struct zoffctl_tun
 		cJSON_AddNumberToObject(figs, "seconds_per_point", seconds);
 		cJSON_AddNumberToObject(figs, "nvme_mib_per_s", pick->mib_s);
 		cJSON_AddNumberToObject(figs, "nvme_bound_params_per_s", io_rate);
+		/* fp32 params: the slot is the master, m and v alone on disk (docs/tiers.md). */
+		cJSON_AddNumberToObject(figs, "nvme_bound_params_per_s_fp32_params",
+		    io_rate * 24 / 16);
 		cJSON_AddNumberToObject(figs, "cpu_params_per_s", rate);
 		cJSON_AddNumberToObject(figs, "cpu_threads", threads);
 		cJSON_AddStringToObject(figs, "kernels", zk_isa_name(isa));
@@ -397,8 +400,9 @@ zoffctl_tune(const char *const *paths, unsigned npaths, const struct zoffctl_tun
 	}
 	fprintf(out, "\nNVMe pipeline: %.1f MiB/s read + write (block %u KiB, queue depth %u, %u "
 	    "staging buffers of %.1f MiB): at most %.1f M params/s stepped from NVMe (24 bytes "
-	    "moved per parameter)\n", pick->mib_s, pick->block >> 10, pick->depth, buffers,
-	    (double)sw->chunk_elements * 12 / MiB, io_rate / 1e6);
+	    "moved per parameter; %.1f M with fp32 params, whose slot is the master, 16 bytes)\n",
+	    pick->mib_s, pick->block >> 10, pick->depth, buffers,
+	    (double)sw->chunk_elements * 12 / MiB, io_rate / 1e6, io_rate * 24 / 16 / 1e6);
 	fprintf(out, "CPU step: %.1f M params/s (AdamW, bf16 gradients, %u threads, %s kernels)\n",
 	    rate / 1e6, threads, zk_isa_name(isa));
 	fprintf(out, "%s\n", rate > io_rate ? "The NVMe paths bound steps on NVMe state: more or "
