@@ -248,19 +248,7 @@ write_finished(struct chunk_io *io, int result)
 			io->e->cfg.block_gate.fn(io->e->cfg.block_gate.arg, w->batch->hp.step,
 			    io->chunk, ZE_GATE_LANDED);
 		io->slot_taken = true;
-		io->parts = 1;
-		io->task = (struct ze_task){
-			.kind = ZE_TASK_PARAM,
-			.lane = w->lane,
-			.staging = io->staging,
-			.view = {
-				.master = io->staging->buf,
-				.param = (float *)t->param_slot.map + first,
-				.param_dtype = ZK_DTYPE_F32,
-				.n = last - first,
-			},
-		};
-		ze_step_post(io->e, &io->task);
+		ze_nvme_post_param(io->e, io, io->staging->buf, first, last - first);
 		return;
 	}
 	/* The write, and the slot's copy where there is one. */
@@ -313,6 +301,27 @@ static void
 write_done(int result, void *arg)
 {
 	part_done(arg, result);
+}
+
+void
+ze_nvme_post_param(struct ze_engine *e, struct chunk_io *io, const float *from, uint64_t first,
+    uint64_t n)
+{
+	struct ze_tensor *t = io->work->tensor;
+
+	io->parts = 1;
+	io->task = (struct ze_task){
+		.kind = ZE_TASK_PARAM,
+		.lane = io->work->lane,
+		.staging = io->staging,
+		.view = {
+			.master = (float *)(uintptr_t)from,
+			.param = (char *)t->param_slot.map + first * zk_dtype_size(t->param_dtype),
+			.param_dtype = t->param_dtype,
+			.n = n,
+		},
+	};
+	ze_step_post(e, &io->task);
 }
 
 void

@@ -189,6 +189,12 @@ chunk_view(const struct ze_tensor *t, uint64_t c, void *buf, struct zk_qtensor *
 /* nvme.c */
 /* A chunk is done (error < 0: failed): its buffer goes back, its work ends with the last. */
 void ze_nvme_chunk_finished(struct ze_engine *e, struct chunk_io *io, int error);
+/*
+ * The stepper writes the param slot's elements [first, first + n) from `from` (a ZE_TASK_PARAM
+ * in io->task, io's one part out: it ends in ze_nvme_param_done).
+ */
+void ze_nvme_post_param(struct ze_engine *e, struct chunk_io *io, const float *from,
+    uint64_t first, uint64_t n);
 /* Writes the chunk back from io_buf(io); it finishes once that and any other part end. */
 void ze_nvme_write_back(struct ze_engine *e, struct chunk_io *io);
 int ze_nvme_enqueue(struct ze_engine *e, struct nvme_work *w);

@@ -88,20 +88,7 @@ ze_nvme_xfer_chunk(struct ze_engine *e, struct chunk_io *io)
 		if (io->direct != NULL) {
 			ze_param_flags(t, t->param_resident, true);
 			/* The refresh is a part; ze_nvme_write_back adds the writes. */
-			io->parts = 1;
-			io->task = (struct ze_task){
-				.kind = ZE_TASK_PARAM,
-				.lane = w->lane,
-				.staging = io->staging,
-				.view = {
-					.master = io->direct,
-					.param = (char *)t->param_slot.map +
-					    from * zk_dtype_size(t->param_dtype),
-					.param_dtype = t->param_dtype,
-					.n = to - from,
-				},
-			};
-			ze_step_post(e, &io->task);
+			ze_nvme_post_param(e, io, io->direct, from, to - from);
 			ze_nvme_write_back(e, io);
 			return;
 		}

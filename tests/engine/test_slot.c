@@ -100,6 +100,16 @@ wait_for(struct ze_engine *e, const unsigned *counter, unsigned want)
 	cr_assert_geq(*counter, want, "the engine did not report");
 }
 
+/* What a restore writes: master, m, then v = m * m (a second moment is not negative). */
+static void
+restore_values(float *init)
+{
+	fill(init, N, 1);
+	fill(init + N, N, 2);
+	for (size_t i = 0; i < N; i++)
+		init[2 * N + i] = init[N + i] * init[N + i];
+}
+
 /* Master, m and v as fp32 (decoded), written (a restore) or read (a checkpoint). */
 static void
 all(struct ze_engine *e, struct ze_tensor *t, bool write, float *buf)
@@ -164,10 +174,7 @@ same_as_master_apart(enum zk_state_format f, enum zk_dtype pd, enum zk_optim opt
 	/* two also keeps a pinned param store as long as its slot. */
 	cr_assert_leq(pa + 2 * pbytes, pb, "pinned %llu with the slot as master, %llu apart",
 	    (unsigned long long)pa, (unsigned long long)pb);
-	fill(init, N, 1);
-	fill(init + N, N, 2);
-	for (size_t i = 0; i < N; i++)
-		init[2 * N + i] = init[N + i] * init[N + i];
+	restore_values(init);
 	all(e, one, true, init);
 	all(e, two, true, init);
 	cr_assert(memcmp(ze_tensor_param_slot(one), ze_tensor_param_slot(two), pbytes) == 0,
@@ -263,10 +270,7 @@ nvme_same_as_master_in_chunks(enum zk_state_format f, enum zk_optim optim)
 			.param_offload = k == 1, .policy = ZE_POLICY_NVME, .state_format = f }, NULL,
 		    NULL, NULL, k ? &two : &one, err, sizeof(err)), 0, "%s", err);
 	cr_assert(ze_tensor_on_nvme(one) && ze_tensor_on_nvme(two));
-	fill(init, N, 1);
-	fill(init + N, N, 2);
-	for (size_t i = 0; i < N; i++)
-		init[2 * N + i] = init[N + i] * init[N + i];
+	restore_values(init);
 	all(e, one, true, init);
 	all(e, two, true, init);
 	cr_assert(memcmp(ze_tensor_param_slot(one), init, N * sizeof(float)) == 0,
