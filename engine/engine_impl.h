@@ -80,10 +80,9 @@ struct ze_tensor {
 	 * and the writers of master (restores, initialization) are the
 	 * writers of the params.  The slot's memfd is kept with the others, so
 	 * the step journal's guarantee holds as for a master in the state's
-	 * memfd (journal.c: it names elements, not files).  On NVMe (formats
-	 * with an fp32 master) the disk keeps m, v and the scales, master stays
-	 * NULL, and a chunk's new master reaches the slot only once its m and v
-	 * have landed (nvme_impl.h).  Fixed at placement, kept in the record
+	 * memfd (journal.c: it names elements, not files).  On NVMe the disk
+	 * keeps m, v and the scales, master stays NULL, and a chunk's new master
+	 * reaches the slot only once its m and v have landed (nvme_impl.h).  Fixed at placement, kept in the record
 	 * (record.c).  Elsewhere the slot is a mirror the step writes beside
 	 * master.
 	 */
@@ -267,8 +266,6 @@ void ze_tensor_point_state(struct ze_tensor *t);
 void ze_tensor_point_master(struct ze_tensor *t);
 /* The slot can be the master: its dtype is the format's master's and the client only reads it. */
 bool ze_slot_can_be_master(enum zk_state_format f, enum zk_dtype param_dtype, bool param_offload);
-/* ... and on NVMe too: the format's master is fp32 (nvme_impl.h). */
-bool ze_slot_can_be_nvme_master(enum zk_state_format f);
 /* t's pinned layout: ze_layout_of's, less the master where master_in_slot. */
 void ze_tensor_layout(const struct ze_tensor *t, struct ze_layout *ret);
 uint64_t ze_tensor_pinned_bytes(const struct ze_tensor *t);

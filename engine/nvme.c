@@ -248,7 +248,7 @@ write_finished(struct chunk_io *io, int result)
 			io->e->cfg.block_gate.fn(io->e->cfg.block_gate.arg, w->batch->hp.step,
 			    io->chunk, ZE_GATE_LANDED);
 		io->slot_taken = true;
-		ze_nvme_post_param(io->e, io, io->staging->buf, first, last - first);
+		ze_nvme_post_param(io->e, io, io->staging->buf, first, last - first, true);
 		return;
 	}
 	/* The write, and the slot's copy where there is one. */
@@ -304,8 +304,8 @@ write_done(int result, void *arg)
 }
 
 void
-ze_nvme_post_param(struct ze_engine *e, struct chunk_io *io, const float *from, uint64_t first,
-    uint64_t n)
+ze_nvme_post_param(struct ze_engine *e, struct chunk_io *io, const void *from, uint64_t first,
+    uint64_t n, bool is_master)
 {
 	struct ze_tensor *t = io->work->tensor;
 
@@ -320,6 +320,7 @@ ze_nvme_post_param(struct ze_engine *e, struct chunk_io *io, const float *from, 
 			.param_dtype = t->param_dtype,
 			.n = n,
 		},
+		.copy_bytes = is_master ? n * zk_dtype_size(t->param_dtype) : 0,
 	};
 	ze_step_post(e, &io->task);
 }
@@ -422,7 +423,8 @@ fill_master(struct chunk_io *io)
 {
 	const struct ze_tensor *t = io->work->tensor;
 	uint64_t from = io->chunk * t->chunk_elements, n = chunk_len(t, io->chunk);
-	float *buf = io_buf(io);
+	size_t size = zk_dtype_size(t->param_dtype);	/* the master's: the slot is it */
+	char *buf = io_buf(io);
 
 	if (!t->master_in_slot)
 		return;
@@ -430,10 +432,10 @@ fill_master(struct chunk_io *io)
 		from = io->work->offset;
 		n = io->work->count;
 	}
-	memcpy(buf, (const float *)t->param_slot.map + from, n * sizeof(float));
+	memcpy(buf, (const char *)t->param_slot.map + from * size, n * size);
 	/* The chunk's padding, as the disk's arrays have it (a split's buffer holds its part only). */
 	if (!io->split)
-		memset(buf + n, 0, (chunk_stride(t, io->chunk) - n) * sizeof(float));
+		memset(buf + n * size, 0, (chunk_stride(t, io->chunk) - n) * size);
 }
 
 static void
@@ -482,7 +484,8 @@ read_done(int result, void *arg)
 		.staging = io->staging,
 		.io_start_ns = io->start_ns,
 		/* The step's master: filled on the stepper (fill_master's copy, off the loop). */
-		.master_from = t->master_in_slot ? (const float *)t->param_slot.map + off : NULL,
+		.master_from = t->master_in_slot ? (const char *)t->param_slot.map +
+		    off * zk_dtype_size(t->param_dtype) : NULL,
 	};
 	if (t->format != ZK_STATE_FP32) {
 		chunk_view(t, io->chunk, buf, &io->task.qview);
@@ -690,8 +693,9 @@ ze_nvme_rewrite(struct ze_engine *e, struct ze_tensor *t, uint64_t chunk, const 
 		return done;
 	/* As write_finished: the slot that is the master takes it once m and v have landed. */
 	if (t->master_in_slot)
-		memcpy((float *)t->param_slot.map + chunk * t->chunk_elements, buf,
-		    chunk_len(t, chunk) * sizeof(float));
+		memcpy((char *)t->param_slot.map + chunk * t->chunk_elements *
+		    zk_dtype_size(t->param_dtype), buf, chunk_len(t, chunk) *
+		    zk_dtype_size(t->param_dtype));
 	chunk_mark_written(t, chunk);
 	return 0;
 }

@@ -21,9 +21,9 @@
  * chunk there cost a 4M-element chunk's worth of padding per tensor and
  * step, 12% of the I/O of bench_step's tensors.
  *
- * Where the param slot is the master (master_in_slot, engine_impl.h; formats whose
- * master is fp32), the disk keeps a chunk's m, v and scales only: 8 B an fp32
- * element, not 12, and the chunk moves two thirds of the bytes.  Its staging
+ * Where the param slot is the master (master_in_slot, engine_impl.h), the disk keeps
+ * a chunk's m, v and scales only: 8 B an fp32 element, not 12 (a third less I/O), 2.03
+ * of bf16-master+q8's 4.03 (half).  chunk_layout rounds the master's array to 4 KiB.  Its staging
  * buffer keeps the whole layout all the same, master first: the stepper copies the
  * master from the slot (ze_task.master_from; a transfer's read, fill_master), the
  * step computes the new master there (the slot is not written: it must hold the old
@@ -101,6 +101,28 @@ io_buf(const struct chunk_io *io)
 	return io->direct != NULL ? io->direct : io->staging->buf;
 }
 
+/*
+ * A chunk of `stride` elements as its staging buffer holds it: ze_layout_of's, but where
+ * the slot is the master, the master's array is rounded up to 4 KiB (a bf16 master is 2 B
+ * an element), so that what goes to disk, from m to the 4 KiB-rounded end, starts on one.
+ */
+static inline void
+chunk_layout(const struct ze_tensor *t, uint64_t stride, struct ze_layout *l)
+{
+	size_t end, m;
+
+	ze_layout_of(t->format, stride, false, l);
+	if (!t->master_in_slot)
+		return;
+	end = l->v_scale + (l->v_scale - l->m_scale);
+	m = (l->m + 4095) / 4096 * 4096;
+	l->v += m - l->m;
+	l->m_scale += m - l->m;
+	l->v_scale += m - l->m;
+	l->bytes = m + (end - l->m + 4095) / 4096 * 4096;
+	l->m = m;
+}
+
 /* Bytes at the start of a chunk's staging layout of `stride` elements that are not on disk. */
 static inline uint64_t
 chunk_skip(const struct ze_tensor *t, uint64_t stride)
@@ -109,7 +131,7 @@ chunk_skip(const struct ze_tensor *t, uint64_t stride)
 
 	if (!t->master_in_slot)
 		return 0;
-	ze_layout_of(t->format, stride, false, &l);
+	chunk_layout(t, stride, &l);
 	return l.m;
 }
 
@@ -119,7 +141,7 @@ chunk_bytes(const struct ze_tensor *t)
 {
 	struct ze_layout l;
 
-	ze_layout_of(t->format, t->chunk_elements, false, &l);
+	chunk_layout(t, t->chunk_elements, &l);
 	return l.bytes - chunk_skip(t, t->chunk_elements);
 }
 
@@ -163,7 +185,7 @@ chunk_mem_bytes(const struct ze_tensor *t, uint64_t c)
 {
 	struct ze_layout l;
 
-	ze_layout_of(t->format, chunk_stride(t, c), false, &l);
+	chunk_layout(t, chunk_stride(t, c), &l);
 	return l.bytes;
 }
 
@@ -180,7 +202,7 @@ chunk_view(const struct ze_tensor *t, uint64_t c, void *buf, struct zk_qtensor *
 {
 	struct ze_layout l;
 
-	ze_layout_of(t->format, chunk_stride(t, c), false, &l);
+	chunk_layout(t, chunk_stride(t, c), &l);
 	ze_state_view(t->format, buf, &l, chunk_len(t, c), ret);
 	/* bf16-master+q8 rounds by the element's index in the whole tensor. */
 	ret->base = c * t->chunk_elements;
@@ -190,11 +212,12 @@ chunk_view(const struct ze_tensor *t, uint64_t c, void *buf, struct zk_qtensor *
 /* A chunk is done (error < 0: failed): its buffer goes back, its work ends with the last. */
 void ze_nvme_chunk_finished(struct ze_engine *e, struct chunk_io *io, int error);
 /*
- * The stepper writes the param slot's elements [first, first + n) from `from` (a ZE_TASK_PARAM
- * in io->task, io's one part out: it ends in ze_nvme_param_done).
+ * The stepper writes the param slot's elements [first, first + n) from `from`, fp32 it
+ * converts, or (is_master: the slot is the master) the master's own bytes it copies (a
+ * ZE_TASK_PARAM in io->task, io's one part out: it ends in ze_nvme_param_done).
  */
-void ze_nvme_post_param(struct ze_engine *e, struct chunk_io *io, const float *from,
-    uint64_t first, uint64_t n);
+void ze_nvme_post_param(struct ze_engine *e, struct chunk_io *io, const void *from,
+    uint64_t first, uint64_t n, bool is_master);
 /* Writes the chunk back from io_buf(io); it finishes once that and any other part end. */
 void ze_nvme_write_back(struct ze_engine *e, struct chunk_io *io);
 int ze_nvme_enqueue(struct ze_engine *e, struct nvme_work *w);

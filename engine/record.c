@@ -331,9 +331,8 @@ ze_record_adopt(struct ze_tensor *t, int fd, char *err, size_t errlen)
 	}
 	if (t->numel == 0 || t->unit_elements == 0 || t->nunits != (t->numel +
 	    t->unit_elements - 1) / t->unit_elements || bytes != t->rec_bytes ||
-	    layout.off_init != t->rec->off_init || (t->master_in_slot && ((t->on_nvme &&
-	    !ze_slot_can_be_nvme_master(t->format)) ||
-	    !ze_slot_can_be_master(t->format, t->param_dtype, t->param_offload)))) {
+	    layout.off_init != t->rec->off_init || (t->master_in_slot &&
+	    !ze_slot_can_be_master(t->format, t->param_dtype, t->param_offload))) {
 		snprintf(err, errlen, "record of tensor '%s' has an impossible layout", t->name);
 		return -EBADMSG;
 	}

@@ -57,12 +57,6 @@ ze_slot_can_be_master(enum zk_state_format f, enum zk_dtype param_dtype, bool pa
 	return f == ZK_STATE_BF16_Q8 ? param_dtype == ZK_DTYPE_BF16 : param_dtype == ZK_DTYPE_F32;
 }
 
-bool
-ze_slot_can_be_nvme_master(enum zk_state_format f)
-{
-	return zk_state_master_bytes(f, 1) == sizeof(float);
-}
-
 void
 ze_tensor_layout(const struct ze_tensor *t, struct ze_layout *ret)
 {

@@ -78,7 +78,9 @@ run_task(struct ze_stepper *st, struct ze_task *task)
 	uint64_t t0 = zu_now_ns();
 
 	if (task->kind == ZE_TASK_PARAM) {
-		if (task->view.param_dtype == ZK_DTYPE_F32)
+		if (task->copy_bytes > 0)
+			pool_copy(st->pool, task->view.param, task->view.master, task->copy_bytes);
+		else if (task->view.param_dtype == ZK_DTYPE_F32)
 			pool_copy(st->pool, task->view.param, task->view.master,
 			    task->view.n * sizeof(float));
 		else
@@ -90,11 +92,12 @@ run_task(struct ze_stepper *st, struct ze_task *task)
 		task->result = zk_pool_grad_check(st->pool, b->isa, b->views, b->count,
 		    b->hp.grad_scale, &b->check);
 	} else if (task->stamp == NULL) {
-		if (task->master_from != NULL)
-			pool_copy(st->pool, task->qview.format != ZK_STATE_FP32 ?
-			    task->qview.master : task->view.master, task->master_from,
-			    (task->qview.format != ZK_STATE_FP32 ? task->qview.n : task->view.n) *
-			    sizeof(float));
+		if (task->master_from != NULL && task->qview.format != ZK_STATE_FP32)
+			pool_copy(st->pool, task->qview.master, task->master_from,
+			    zk_state_master_bytes(task->qview.format, task->qview.n));
+		else if (task->master_from != NULL)
+			pool_copy(st->pool, task->view.master, task->master_from,
+			    task->view.n * sizeof(float));
 		task->result = task->qview.format != ZK_STATE_FP32 ?
 		    zk_pool_qstep(st->pool, b->isa, &b->hp_run, &task->qview, 1) :
 		    zk_pool_step(st->pool, b->isa, &b->hp_run, &task->view, 1);

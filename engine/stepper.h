@@ -56,7 +56,9 @@ struct ze_task {
 	 * NVMe, where the slot is the master: the slot's elements the stepper copies
 	 * into the staging buffer's master before the step (nvme_impl.h), off the loop.
 	 */
-	const float *master_from;
+	const void *master_from;
+	/* PARAM: the slot is the master, whose bytes (this many) are copied, not converted. */
+	size_t copy_bytes;
 	int result;
 	uint64_t compute_ns;
 };

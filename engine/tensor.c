@@ -104,8 +104,6 @@ place_nvme(struct ze_engine *e, struct ze_tensor *t, struct ze_account *job,
 	const struct ze_account *full;
 	int r;
 
-	/* A bf16 master stays in its chunk: the chunk's m would not start on 4 KiB. */
-	t->master_in_slot = t->master_in_slot && ze_slot_can_be_nvme_master(t->format);
 	if (e->swap == NULL) {
 		snprintf(err, errlen, "tensor '%s': the job keeps state on NVMe but no %s are "
 		    "configured", t->name, swap_paths_what(e));
@@ -311,7 +309,7 @@ ze_tensor_new(struct ze_engine *e, const struct ze_tensor_desc *desc,
 		goto fail;
 	}
 	t->format = desc->state_format;
-	/* Pinned placement keeps it; NVMe clears it (place_nvme). */
+	/* Both tiers keep it (on NVMe, nvme_impl.h). */
 	t->master_in_slot = ze_slot_can_be_master(t->format, t->param_dtype, t->param_offload);
 	r = place(e, t, desc->policy, job, uid, err, errlen);
 	if (r < 0)

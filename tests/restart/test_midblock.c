@@ -33,6 +33,8 @@ static struct zrt ref_, run_;
 static char dir_[64], fifo_[96];
 /* 'w' with fp32 params: the run where its slot is its master (engine_impl.h, master_in_slot). */
 static bool w_fp32_;
+/* 'x' with bf16 params: its slot is bf16-master+q8's master. */
+static bool x_bf16_;
 /* Run between the kill and the restart (zrt's before_restart), set before gated_setup. */
 static void (*before_restart_)(struct zrt *r);
 /* Where gated_setup holds the daemon (STEP,UNIT,BLOCK), set before it. */
@@ -52,6 +54,7 @@ teardown(void)
 		rmdir(dir_);
 	fifo_[0] = dir_[0] = '\0';
 	w_fp32_ = false;
+	x_bf16_ = false;
 	before_restart_ = NULL;
 	gate_at_ = GATE_AT;
 }
@@ -69,6 +72,7 @@ reference(const char *format, enum zc_optim optim, unsigned steps, size_t *bytes
 	cr_assert_eq(zrt_setup(&ref_, false, err, sizeof(err)), 0, "%s", err);
 	ref_.steps = steps;
 	ref_.w_fp32_params = w_fp32_;
+	ref_.x_bf16_params = x_bf16_;
 	ref_.state_format = format;
 	ref_.optim = optim;
 	cr_assert_eq(zrt_attach(&ref_, false, err, sizeof(err)), 0, "%s", err);
@@ -98,6 +102,7 @@ gated_setup(const char *format, enum zc_optim optim, bool journal)
 	run_.before_restart = before_restart_;
 	run_.steps = STEPS;
 	run_.w_fp32_params = w_fp32_;
+	run_.x_bf16_params = x_bf16_;
 	run_.state_format = format;
 	run_.optim = optim;
 	/* Reconnects by hand: the trainer sees the death and submits again. */
@@ -214,11 +219,12 @@ Test(midblock, slot_master_bf16_moments_adamw) { finished_in_slot("bf16-moments"
 Test(midblock, slot_master_q8_moments_adamw) { finished_in_slot("q8-moments", ZC_ADAMW); }
 
 /*
- * NVMe: tensor 'x' (fp32 params, 5 chunks) keeps only m, v (and the scales) on disk, its
- * slot being its master (nvme_impl.h).  The daemon is held where chunk 2 of step 3 has
- * landed and the slot has not yet taken its new master: a restart writes the chunk again
- * from its kept staging buffer and copies that master into the slot, bit for bit (with
- * chunk 3 too where it was computed by then: two staging buffers).
+ * NVMe: tensor 'x' (fp32 params, or bf16 ones for bf16-master+q8; 5 chunks) keeps only
+ * m, v (and the scales) on disk, its slot being its master (nvme_impl.h).  The daemon is
+ * held where chunk 2 of step 3 has landed and the slot has not yet taken its new master: a
+ * restart writes the chunk again from its kept staging buffer and copies that master into
+ * the slot, bit for bit (with chunk 3 too where it was computed by then: two staging
+ * buffers).
  */
 static void
 landed_before_the_slot(const char *format, enum zc_optim optim)
@@ -230,6 +236,12 @@ landed_before_the_slot(const char *format, enum zc_optim optim)
 
 Test(midblock, nvme_slot_master_fp32_adamw) { landed_before_the_slot("fp32", ZC_ADAMW); }
 Test(midblock, nvme_slot_master_q8_moments_adamw) { landed_before_the_slot("q8-moments", ZC_ADAMW); }
+
+Test(midblock, nvme_slot_master_bf16_master_q8_adamw)
+{
+	x_bf16_ = true;
+	landed_before_the_slot("bf16-master+q8", ZC_ADAMW);
+}
 
 /*
  * recovery.journal false: the half-stepped slice leaves 'w' torn (and any

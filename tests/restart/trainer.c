@@ -27,10 +27,15 @@ static const struct {
 		{ "q", 50021, ZC_BF16, true } } },
 };
 
-/* Tensor k of job j's param dtype: 'w''s fp32 where the test asks (its slot is then its master). */
+/*
+ * Tensor k of job j's param dtype: 'w''s fp32, or 'x''s bf16, where the test asks (the slot
+ * is then the master of more formats).
+ */
 static enum zc_dtype
 param_dtype(const struct zrt *r, int j, int k)
 {
+	if (j == 1 && k == 0 && r->x_bf16_params)
+		return ZC_BF16;
 	return j == 0 && k == 0 && r->w_fp32_params ? ZC_F32 : jobs[j].t[k].pd;
 }
 

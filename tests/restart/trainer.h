@@ -56,6 +56,8 @@ struct zrt {
 	 * where its format keeps an fp32 master, its param slot is the master.
 	 */
 	bool w_fp32_params;
+	/* The NVMe job's 'x' with bf16 params: its slot is then bf16-master+q8's bf16 master. */
+	bool x_bf16_params;
 	struct zrt_options opts;
 	/* zrt_train returns once the trainer reattached after its first restart. */
 	bool stop_after_restart;
