@@ -57,7 +57,8 @@ struct step_run {
 	double mean_s;
 	/*
 	 * The state the tensors placed on NVMe keep there: zk_state_bytes (fp32: 12/param),
-	 * less the master where their slot is it (--fp32 and an fp32 master: 8/param).
+	 * less the master where their slot is it (--fp32 and an fp32 master: 8/param; bf16
+	 * params and bf16-master+q8).
 	 */
 	double nvme_state_bytes;
 	double nvme_placed_bytes;	/* their swap space, chunk rounding included */
@@ -291,7 +292,8 @@ run_daemon(const struct opts *o, enum zk_state_format format, struct step_run *r
 		if (stat_number(c, "jobs.0.nvme_bytes") > res->nvme_placed_bytes) {
 			res->nvme_placed_bytes = stat_number(c, "jobs.0.nvme_bytes");
 			res->nvme_state_bytes += (double)zk_state_bytes(format, desc.numel);
-			if (o->fp32 && zk_state_master_bytes(format, 1) == sizeof(float))
+			/* The slot is the master where its dtype is the master's (docs/tiers.md). */
+			if (zk_state_master_bytes(format, 1) == (o->fp32 ? 4u : 2u))
 				res->nvme_state_bytes -= (double)zk_state_master_bytes(format,
 				    desc.numel);
 		}
