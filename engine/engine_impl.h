@@ -82,9 +82,9 @@ struct ze_tensor {
 	 * the step journal's guarantee holds as for a master in the state's
 	 * memfd (journal.c: it names elements, not files).  On NVMe the disk
 	 * keeps m, v and the scales, master stays NULL, and a chunk's new master
-	 * reaches the slot only once its m and v have landed (nvme_impl.h).  Fixed at placement, kept in the record
-	 * (record.c).  Elsewhere the slot is a mirror the step writes beside
-	 * master.
+	 * reaches the slot only once its m and v have landed (nvme_impl.h).
+	 * Fixed at placement, kept in the record (record.c).  Elsewhere the slot
+	 * is a mirror the step writes beside master.
 	 */
 	bool master_in_slot;
 	void *state;

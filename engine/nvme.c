@@ -248,7 +248,7 @@ write_finished(struct chunk_io *io, int result)
 			io->e->cfg.block_gate.fn(io->e->cfg.block_gate.arg, w->batch->hp.step,
 			    io->chunk, ZE_GATE_LANDED);
 		io->slot_taken = true;
-		ze_nvme_post_param(io->e, io, io->staging->buf, first, last - first, true);
+		ze_nvme_post_param(io->e, io, io->staging->buf, first, last - first);
 		return;
 	}
 	/* The write, and the slot's copy where there is one. */
@@ -305,9 +305,11 @@ write_done(int result, void *arg)
 
 void
 ze_nvme_post_param(struct ze_engine *e, struct chunk_io *io, const void *from, uint64_t first,
-    uint64_t n, bool is_master)
+    uint64_t n)
 {
 	struct ze_tensor *t = io->work->tensor;
+	/* from is in the slot's dtype where the slot is the master, else fp32: both copy as is. */
+	bool copy = t->master_in_slot || t->param_dtype == ZK_DTYPE_F32;
 
 	io->parts = 1;
 	io->task = (struct ze_task){
@@ -320,7 +322,7 @@ ze_nvme_post_param(struct ze_engine *e, struct chunk_io *io, const void *from, u
 			.param_dtype = t->param_dtype,
 			.n = n,
 		},
-		.copy_bytes = is_master ? n * zk_dtype_size(t->param_dtype) : 0,
+		.copy_bytes = copy ? n * zk_dtype_size(t->param_dtype) : 0,
 	};
 	ze_step_post(e, &io->task);
 }

@@ -23,10 +23,10 @@
  *
  * Where the param slot is the master (master_in_slot, engine_impl.h), the disk keeps
  * a chunk's m, v and scales only: 8 B an fp32 element, not 12 (a third less I/O), 2.03
- * of bf16-master+q8's 4.03 (half).  chunk_layout rounds the master's array to 4 KiB.  Its staging
- * buffer keeps the whole layout all the same, master first: the stepper copies the
- * master from the slot (ze_task.master_from; a transfer's read, fill_master), the
- * step computes the new master there (the slot is not written: it must hold the old
+ * of bf16-master+q8's 4.03 (half).  chunk_layout rounds the master's array to 4 KiB.
+ * Its staging buffer keeps the whole layout all the same, master first: the stepper
+ * copies the master from the slot (ze_task.master_from; a transfer's read,
+ * fill_master), the step computes the new master there (the slot is not written: it must hold the old
  * values until m and v have landed), and the write moves the rest.  Once that write
  * has landed the stepper copies the new master into the slot (a ZE_TASK_PARAM),
  * before the chunk is stamped; a crash in between leaves the staging buffer
@@ -135,14 +135,21 @@ chunk_skip(const struct ze_tensor *t, uint64_t stride)
 	return l.m;
 }
 
+/* Bytes a chunk of `stride` elements takes on disk: its staging layout from chunk_skip on. */
+static inline uint64_t
+chunk_disk_bytes(const struct ze_tensor *t, uint64_t stride)
+{
+	struct ze_layout l;
+
+	chunk_layout(t, stride, &l);
+	return l.bytes - (t->master_in_slot ? l.m : 0);
+}
+
 /* Bytes a whole chunk takes on disk: chunk c starts at c * chunk_bytes(t). */
 static inline uint64_t
 chunk_bytes(const struct ze_tensor *t)
 {
-	struct ze_layout l;
-
-	chunk_layout(t, t->chunk_elements, &l);
-	return l.bytes - chunk_skip(t, t->chunk_elements);
+	return chunk_disk_bytes(t, t->chunk_elements);
 }
 
 static inline uint64_t
@@ -189,11 +196,11 @@ chunk_mem_bytes(const struct ze_tensor *t, uint64_t c)
 	return l.bytes;
 }
 
-/* Bytes chunk c takes on disk and moves: its staging layout from chunk_skip on. */
+/* Bytes chunk c takes on disk and moves. */
 static inline uint64_t
 chunk_io_bytes(const struct ze_tensor *t, uint64_t c)
 {
-	return chunk_mem_bytes(t, c) - chunk_skip(t, chunk_stride(t, c));
+	return chunk_disk_bytes(t, chunk_stride(t, c));
 }
 
 /* Chunk c's state in the staging buffer it was read into. */
@@ -212,12 +219,12 @@ chunk_view(const struct ze_tensor *t, uint64_t c, void *buf, struct zk_qtensor *
 /* A chunk is done (error < 0: failed): its buffer goes back, its work ends with the last. */
 void ze_nvme_chunk_finished(struct ze_engine *e, struct chunk_io *io, int error);
 /*
- * The stepper writes the param slot's elements [first, first + n) from `from`, fp32 it
- * converts, or (is_master: the slot is the master) the master's own bytes it copies (a
- * ZE_TASK_PARAM in io->task, io's one part out: it ends in ze_nvme_param_done).
+ * The stepper writes the param slot's elements [first, first + n) from `from`: the master's
+ * own bytes where the slot is the master, else fp32 it converts (a ZE_TASK_PARAM in
+ * io->task, io's one part out: it ends in ze_nvme_param_done).
  */
 void ze_nvme_post_param(struct ze_engine *e, struct chunk_io *io, const void *from,
-    uint64_t first, uint64_t n, bool is_master);
+    uint64_t first, uint64_t n);
 /* Writes the chunk back from io_buf(io); it finishes once that and any other part end. */
 void ze_nvme_write_back(struct ze_engine *e, struct chunk_io *io);
 int ze_nvme_enqueue(struct ze_engine *e, struct nvme_work *w);

@@ -88,7 +88,7 @@ ze_nvme_xfer_chunk(struct ze_engine *e, struct chunk_io *io)
 		if (io->direct != NULL) {
 			ze_param_flags(t, t->param_resident, true);
 			/* The refresh is a part; ze_nvme_write_back adds the writes. */
-			ze_nvme_post_param(e, io, io->direct, from, to - from, false);
+			ze_nvme_post_param(e, io, io->direct, from, to - from);
 			ze_nvme_write_back(e, io);
 			return;
 		}

@@ -80,9 +80,6 @@ run_task(struct ze_stepper *st, struct ze_task *task)
 	if (task->kind == ZE_TASK_PARAM) {
 		if (task->copy_bytes > 0)
 			pool_copy(st->pool, task->view.param, task->view.master, task->copy_bytes);
-		else if (task->view.param_dtype == ZK_DTYPE_F32)
-			pool_copy(st->pool, task->view.param, task->view.master,
-			    task->view.n * sizeof(float));
 		else
 			ze_param_convert(task->view.param, task->view.param_dtype, 0, task->view.n,
 			    task->view.master);

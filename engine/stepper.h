@@ -57,7 +57,7 @@ struct ze_task {
 	 * into the staging buffer's master before the step (nvme_impl.h), off the loop.
 	 */
 	const void *master_from;
-	/* PARAM: the slot is the master, whose bytes (this many) are copied, not converted. */
+	/* PARAM: bytes copied as they are (the slot's dtype is the source's), 0: converted. */
 	size_t copy_bytes;
 	int result;
 	uint64_t compute_ns;

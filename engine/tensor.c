@@ -545,20 +545,6 @@ ze_tensor_param_from_master(struct ze_tensor *t, uint64_t offset, uint64_t count
 	}
 }
 
-/* Elements [offset, offset + count) of the master that is the slot, as fp32 (a bf16 one widened). */
-static void
-slot_master_read(const struct ze_tensor *t, uint64_t offset, uint64_t count, float *buf)
-{
-	const uint16_t *bf16 = (const uint16_t *)t->param_slot.map + offset;
-
-	if (t->param_dtype == ZK_DTYPE_F32) {
-		memcpy(buf, (const float *)t->param_slot.map + offset, count * sizeof(float));
-		return;
-	}
-	for (uint64_t i = 0; i < count; i++)
-		buf[i] = zk__bf16_to_f32(bf16[i]);
-}
-
 int
 ze_tensor_io(struct ze_tensor *t, bool write, enum ze_state which, uint64_t offset,
     uint64_t count, void *buf, uint32_t lane, uint64_t id)
@@ -578,14 +564,14 @@ ze_tensor_io(struct ze_tensor *t, bool write, enum ze_state which, uint64_t offs
 	 * where the slot is it: read where it lies, with no chunk read for it (a write goes
 	 * through the chunks, which keep the init bits of m and v, nvme.c).
 	 */
-	if (t->on_nvme && t->master_in_slot && !write && which == ZE_STATE_MASTER) {
-		slot_master_read(t, offset, count, buf);
-		return 1;
-	}
-	if (t->on_nvme)
+	if (t->on_nvme && !(t->master_in_slot && !write && which == ZE_STATE_MASTER))
 		return ze_nvme_xfer(t, write, which, offset, count, buf, lane, id);
 	bufs[which] = buf;
-	ze_tensor_state_view(t, &q);
+	if (t->on_nvme)
+		q = (struct zk_qtensor){ .format = t->format, .master = t->param_slot.map,
+			.n = t->numel };
+	else
+		ze_tensor_state_view(t, &q);
 	r = ze_state_rw(&q, write, 1u << which, offset, count, bufs);
 	if (r < 0)
 		return r;

@@ -110,19 +110,29 @@ restore_values(float *init)
 		init[2 * N + i] = init[N + i] * init[N + i];
 }
 
-/* Master, m and v as fp32 (decoded), written (a restore) or read (a checkpoint). */
+/*
+ * Elements [off, off + n) of master, m and v as fp32 (decoded), n apart in buf, written
+ * (a restore) or read (a checkpoint): on NVMe straight or through staging.
+ */
 static void
-all(struct ze_engine *e, struct ze_tensor *t, bool write, float *buf)
+part(struct ze_engine *e, struct ze_tensor *t, bool write, uint64_t off, uint64_t n, float *buf)
 {
 	unsigned before = io_done;
-	int r = write ? ze_tensor_write_all(t, 0, N, N, buf, 1, 1) :
-	    ze_tensor_read_all(t, 0, N, N, buf, 1, 1);
+	int r = write ? ze_tensor_write_all(t, off, n, n, buf, 1, 1) :
+	    ze_tensor_read_all(t, off, n, n, buf, 1, 1);
 
 	cr_assert_geq(r, 0, "%s: %d", write ? "write_all" : "read_all", r);
 	if (r == 0) {
 		wait_for(e, &io_done, before + 1);
 		cr_assert_eq(io_result, 0);
 	}
+}
+
+/* The whole tensor's. */
+static void
+all(struct ze_engine *e, struct ze_tensor *t, bool write, float *buf)
+{
+	part(e, t, write, 0, N, buf);
 }
 
 /* The same gradients and step into every tensor of ts, one step each. */
@@ -249,21 +259,6 @@ nvme_engine(char **dir)
 		.isa = zk_isa_best(), .staging_buffers = 2, .chunk_elements = NVME_CHUNK }, swap,
 	    &callbacks, NULL, &e, err, sizeof(err)), 0, "%s", err);
 	return e;
-}
-
-/* Elements [off, off + n) of master, m and v, n apart in buf, straight or through staging. */
-static void
-part(struct ze_engine *e, struct ze_tensor *t, bool write, uint64_t off, uint64_t n, float *buf)
-{
-	unsigned before = io_done;
-	int r = write ? ze_tensor_write_all(t, off, n, n, buf, 1, 1) :
-	    ze_tensor_read_all(t, off, n, n, buf, 1, 1);
-
-	cr_assert_geq(r, 0, "%s: %d", write ? "write_all" : "read_all", r);
-	if (r == 0) {
-		wait_for(e, &io_done, before + 1);
-		cr_assert_eq(io_result, 0);
-	}
 }
 
 /* t's slot holds master (as read_all decodes it: a bf16 master widens exactly). */

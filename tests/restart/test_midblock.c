@@ -6,6 +6,7 @@
 #include <criterion/criterion.h>
 #include <errno.h>
 #include <fcntl.h>
+#include <inttypes.h>
 #include <poll.h>
 #include <pthread.h>
 #include <signal.h>
@@ -229,7 +230,10 @@ Test(midblock, slot_master_q8_moments_adamw) { finished_in_slot("q8-moments", ZC
 static void
 landed_before_the_slot(const char *format, enum zc_optim optim)
 {
-	gate_at_ = "3,2,18446744073709551615";
+	static char at[64];
+
+	snprintf(at, sizeof(at), "3,2,%" PRIu64, (uint64_t)ZE_GATE_LANDED);
+	gate_at_ = at;
 	whole_after_the_gate(format, optim, "tensor 'x': a step cut short by the restart was made "
 	    "whole (0 slice(s) finished from the journal, ");
 }
