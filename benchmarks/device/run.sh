@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# GPU machine check, one run (< 5 min on one H200): build with CUDA, CUDA tests, gpu_train vs GPU AdamW (plain, param offload, per-layer handoff), slot bandwidth, AVX-512 kernels.
+# GPU machine check, one run (< 5 min on one H100): build with CUDA, CUDA tests, AVX-512 kernels, zoffload.torch on CUDA params and under FSDP2 over NCCL (python/tests/test_gpu.py), gpu_train vs GPU AdamW (plain, param offload, per-layer handoff), slot bandwidth.
 #
 # Usage: benchmarks/device/run.sh [BUILD_DIR]        (default build-device, wiped first)
 # Writes its whole output to $OUT/zoffload-device.log when $OUT is set (the device
@@ -84,6 +84,9 @@ gpu_required=0
 avx512=no
 grep -qw avx512f /proc/cpuinfo && avx512=yes
 echo "GPUs: ${ngpu:-0}   CPU AVX-512: $avx512"
+for tool in cc gcc meson ninja pkg-config python3; do
+	printf '%s: %s\n' "$tool" "$(command -v "$tool" >/dev/null 2>&1 && "$tool" --version 2>&1 | head -1 || echo missing)"
+done
 
 # CUDA: the usual prefix, else wherever nvcc is on PATH.
 cudadir=/usr/local/cuda
@@ -93,13 +96,65 @@ fi
 echo "CUDA: $cudadir ($("$cudadir/bin/nvcc" --version 2>/dev/null | tail -1 || echo 'nvcc missing'))"
 export PATH="$cudadir/bin:$PATH"
 
-section "dependencies (scripts/deps.sh)"
-# No network here except perhaps the package mirrors: bounded, and a failure is not fatal;
-# the build below says what is really missing.
-install_ok=0
-# "test": Criterion too; without it the CUDA tests are not built (a FAIL below, not a pass).
-timeout 150 bash -c '. scripts/deps.sh && install_deps test' || install_ok=$?
-[ "$install_ok" -eq 0 ] || echo "warning: installing missing packages failed (exit $install_ok); trying the build anyway"
+# A machine that cannot reach a package mirror takes the build's libraries from Debian
+# packages carried beside the tree (benchmarks/device/bundle-deps.sh makes .devdeps), unpacked
+# under $tmp, never over /: a library the machine already has stays the machine's.
+use_bundle() {
+	local debs=$1 root="$tmp/deps" f so name known
+	mkdir -p "$root" "$root/missing"
+	for f in "$debs"/*.deb; do dpkg -x "$f" "$root"; done
+	# The .pc files name /usr: point them at the unpacked tree, and drop what only a static
+	# link needs (Requires.private would want every private dependency's .pc too).
+	for f in "$root"/usr/lib/x86_64-linux-gnu/pkgconfig/*.pc "$root"/usr/share/pkgconfig/*.pc; do
+		[ -f "$f" ] || continue
+		sed -i -e "s|=/usr\$|=$root/usr|" -e "s|=/usr/|=$root/usr/|" \
+			-e '/^Requires.private:/d' -e '/^Libs.private:/d' "$f"
+	done
+	# By soname (libgit2.so.1.5, libcriterion.so.3), read from each library itself, in
+	# /usr/lib and, for the packages not yet merged into /usr, /lib.
+	# Read once: grep -q on a pipe would end ldconfig early, a failure under pipefail.
+	known=$(ldconfig -p)
+	for so in "$root"/usr/lib/x86_64-linux-gnu/lib*.so.* "$root"/lib/x86_64-linux-gnu/lib*.so.*; do
+		[ -L "$so" ] && continue
+		name=$(objdump -p "$so" 2>/dev/null | awk '$1 == "SONAME" { print $2 }')
+		[ -n "$name" ] || continue
+		grep -q "^[[:space:]]*$name " <<<"$known" || ln -sf "$so" "$root/missing/$name"
+	done
+	export PATH="$PATH:$root/usr/bin"
+	export PKG_CONFIG_PATH="$root/usr/lib/x86_64-linux-gnu/pkgconfig:$root/usr/share/pkgconfig${PKG_CONFIG_PATH:+:$PKG_CONFIG_PATH}"
+	export LD_LIBRARY_PATH="$root/missing${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+	export LIBRARY_PATH="$root/usr/lib/x86_64-linux-gnu${LIBRARY_PATH:+:$LIBRARY_PATH}"
+	echo "libraries from $debs (unpacked in $root); taken from there: $(ls "$root/missing" | tr '\n' ' ')"
+}
+
+section "dependencies"
+debs=${ZOFFLOAD_DEVICE_DEBS:-$repo/.devdeps}
+if [ -d "$debs" ] && compgen -G "$debs/*.deb" >/dev/null; then
+	use_bundle "$debs"
+else
+	# No network here except perhaps the package mirrors: bounded, and a failure is not
+	# fatal; the build below says what is really missing.
+	install_ok=0
+	# "test": Criterion too; without it the CUDA tests are not built (a FAIL below).
+	timeout 150 bash -c '. scripts/deps.sh && install_deps test' || install_ok=$?
+	[ "$install_ok" -eq 0 ] || echo "warning: installing missing packages failed (exit $install_ok); trying the build anyway"
+fi
+# NCCL where the toolkit has none: the one a pip-installed torch brings (nvidia.nccl).
+if ! compgen -G "$cudadir/lib*/libnccl.so*" >/dev/null; then
+	nccl_dir=$(python3 -c 'import nvidia.nccl, os; print(os.path.dirname(nvidia.nccl.__file__) if nvidia.nccl.__file__ else list(nvidia.nccl.__path__)[0])' 2>/dev/null || true)
+	if [ -n "$nccl_dir" ] && [ -e "$nccl_dir/lib/libnccl.so.2" ]; then
+		mkdir -p "$tmp/nccl"
+		ln -sf "$nccl_dir/lib/libnccl.so.2" "$tmp/nccl/libnccl.so"
+		export LIBRARY_PATH="$tmp/nccl:$nccl_dir/lib${LIBRARY_PATH:+:$LIBRARY_PATH}"
+		export LD_LIBRARY_PATH="$nccl_dir/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+		# As -isystem, like the toolkit's own headers: nccl.h is not -Wundef clean.
+		export C_INCLUDE_PATH="$nccl_dir/include${C_INCLUDE_PATH:+:$C_INCLUDE_PATH}"
+		export CPLUS_INCLUDE_PATH="$nccl_dir/include${CPLUS_INCLUDE_PATH:+:$CPLUS_INCLUDE_PATH}"
+		echo "NCCL: $nccl_dir (Python's nvidia.nccl)"
+	else
+		echo "NCCL: none in $cudadir, nor Python's nvidia.nccl"
+	fi
+fi
 for tool in meson ninja pkg-config; do
 	command -v "$tool" >/dev/null 2>&1 || echo "warning: $tool not found"
 done
@@ -107,16 +162,24 @@ done
 section "configure and build ($build, -Dcuda=enabled)"
 rm -rf "$build"
 setup_ok=0
-meson setup "$build" -Dcuda=enabled -Dcudadir="$cudadir" --buildtype=release || setup_ok=$?
+# The Python package for the interpreter that has torch (python/tests/test_gpu.py below).
+pyargs=()
+torch_py=$(command -v python3 || true)
+if [ -n "$torch_py" ] && "$torch_py" -c 'import torch, pytest' 2>/dev/null; then
+	pyargs=(-Dpython_interpreters="$torch_py")
+fi
+meson setup "$build" -Dcuda=enabled -Dcudadir="$cudadir" --buildtype=release \
+	${pyargs[@]+"${pyargs[@]}"} || setup_ok=$?
 if [ "$setup_ok" -ne 0 ]; then
 	# jemalloc is the one optional library that defaults to required.
 	echo "meson setup failed; retrying without jemalloc"
 	rm -rf "$build"
 	setup_ok=0
 	meson setup "$build" -Dcuda=enabled -Dcudadir="$cudadir" --buildtype=release \
-		-Djemalloc=disabled || setup_ok=$?
+		-Djemalloc=disabled ${pyargs[@]+"${pyargs[@]}"} || setup_ok=$?
 fi
 if [ "$setup_ok" -ne 0 ]; then
+	tail -n 40 "$build/meson-logs/meson-log.txt" 2>/dev/null || true
 	results+=("$(printf '%-34s %-18s %4ds' configure "FAIL (exit $setup_ok)" 0)")
 	failed=$((failed + 1))
 	summary
@@ -126,26 +189,10 @@ fi
 # library and its tests) from being built and run.
 run_step "build" ninja -C "$build" -k 0
 
-section "CUDA tests (meson test --suite cuda)"
-# `meson test --suite cuda` with no such test (Criterion missing: tests/ is skipped) finds
-# nothing and exits 0: the tests must exist before their pass means anything.
-cuda_tests=$(meson test -C "$build" --no-rebuild --list --suite cuda 2>/dev/null || true)
-missing=()
-for t in cuda-host cuda-kernels cuda-casts-all cuda-reconnect cuda-gpu-train; do
-	grep -q "/ $t\$" <<<"$cuda_tests" || missing+=("$t")
-done
-if [ ${#missing[@]} -gt 0 ]; then
-	echo "CUDA tests not built: ${missing[*]} (is Criterion installed? meson setup says)"
-	results+=("$(printf '%-34s %-18s %4ds' "tests: cuda suite built" FAIL 0)")
-	failed=$((failed + 1))
-else
-	run_step "tests: cuda suite" timeout 240 meson test -C "$build" --no-rebuild --suite cuda \
-		--print-errorlogs
-	# meson counts a 77 as skipped and exits 0: with a GPU present, the kernels (and the
-	# slots through a reconnect, on real registrations) must have run.
-	if [ "$gpu_required" -eq 1 ]; then
-		for t in cuda-kernels cuda-reconnect; do
-			t_result=$(python3 - "$build/meson-logs/testlog.json" "$t" <<'PY'
+# test_result NAME: meson's verdict on the test whose name ends in NAME in the last run
+# (OK, SKIP, FAIL...), or "absent".
+test_result() {
+	python3 - "$build/meson-logs/testlog.json" "$1" <<'PY'
 import json, sys
 result = "absent"
 try:
@@ -157,7 +204,30 @@ except OSError:
     pass
 print(result)
 PY
-)
+}
+
+section "CUDA tests (meson test --suite cuda)"
+# `meson test --suite cuda` with no such test (Criterion missing: tests/ is skipped) finds
+# nothing and exits 0: the tests must exist before their pass means anything.
+cuda_tests=$(meson test -C "$build" --no-rebuild --list --suite cuda 2>/dev/null || true)
+missing=()
+for t in cuda-host cuda-kernels cuda-casts-all cuda-reconnect cuda-gpu-train; do
+	# "zoffload:cuda / cuda-host" (meson 1.0), "cuda - zoffload:cuda-host" (later ones).
+	grep -Eq "(/ |:)$t\$" <<<"$cuda_tests" || missing+=("$t")
+done
+if [ ${#missing[@]} -gt 0 ]; then
+	echo "CUDA tests not built: ${missing[*]} (is Criterion installed? meson setup says)"
+	echo "the suite lists: ${cuda_tests:-nothing}"
+	results+=("$(printf '%-34s %-18s %4ds' "tests: cuda suite built" FAIL 0)")
+	failed=$((failed + 1))
+else
+	run_step "tests: cuda suite" timeout 240 meson test -C "$build" --no-rebuild --suite cuda \
+		--print-errorlogs
+	# meson counts a 77 as skipped and exits 0: with a GPU present, the kernels (and the
+	# slots through a reconnect, on real registrations) must have run.
+	if [ "$gpu_required" -eq 1 ]; then
+		for t in cuda-kernels cuda-reconnect; do
+			t_result=$(test_result "$t")
 			if [ "$t_result" != OK ]; then
 				echo "$t: $t_result although nvidia-smi lists ${ngpu} GPU(s)"
 				results+=("$(printf '%-34s %-18s %4ds' "tests: $t OK on the GPU" \
@@ -175,6 +245,24 @@ if [ "$avx512" = yes ]; then
 else
 	echo "this CPU has no AVX-512: the kernels suite is CI's job"
 	results+=("$(printf '%-34s %-18s %4ds' "tests: kernels (AVX-512 CPU)" SKIP 0)")
+fi
+
+section "zoffload.torch on the GPU (python/tests/test_gpu.py: CUDA params, FSDP2 over NCCL)"
+gpu_py=$(meson test -C "$build" --no-rebuild --list 2>/dev/null | grep -Eo 'python_gpu_[A-Za-z0-9._]+$' |
+	head -1 || true)
+if [ -z "$gpu_py" ]; then
+	echo "no python_gpu test: no interpreter with torch and pytest (meson setup says)"
+	results+=("$(printf '%-34s %-18s %4ds' "python: test_gpu" SKIP 0)")
+else
+	run_step "python: test_gpu" timeout 300 meson test -C "$build" --no-rebuild \
+		--print-errorlogs --verbose "$gpu_py"
+	# Skipped (77) is no pass where a GPU is there.
+	gpu_result=$(test_result "$gpu_py")
+	if [ "$gpu_required" -eq 1 ] && [ "$gpu_result" != OK ]; then
+		results+=("$(printf '%-34s %-18s %4ds' "python: test_gpu ran on the GPU" \
+			"FAIL ($gpu_result)" 0)")
+		failed=$((failed + 1))
+	fi
 fi
 
 if [ ! -x "$build/daemon/zoffloadd" ]; then

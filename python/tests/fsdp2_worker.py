@@ -1,5 +1,7 @@
 """One rank of an FSDP2 (fully_shard) run over gloo on the CPU, for test_fsdp2.py:
 python fsdp2_worker.py MODE RANK WORLD PORT SOCKET JOB OUT [ARGS...]
+With ZOFFLOAD_TEST_DEVICE=cuda (test_gpu.py), train runs on the GPU over NCCL, one GPU a rank:
+the model and the batches on the GPU, CPUOffloadPolicy's shards pinned.
 
 train OFFLOAD POLICY STEPS (OFFLOAD: offload, CPUOffloadPolicy; mesh, none; hsdp, HSDP over a
     2-D mesh with CPUOffloadPolicy): zoffload.torch.AdamW and torch.optim.AdamW on two copies of one
@@ -62,6 +64,7 @@ import zhelpers  # noqa: E402
 import zoffload.torch as zt  # noqa: E402
 
 LR, WD, MAX_NORM = 2e-3, 0.05, 0.25
+DEVICE = os.environ.get("ZOFFLOAD_TEST_DEVICE", "cpu")
 FULL = StateDictOptions(full_state_dict=True)
 
 
@@ -79,14 +82,14 @@ class Model(zhelpers.TinyTransformer):
 
 def build(world, offload, seed=21, hsdp=False):
     torch.manual_seed(seed)
-    m = Model()
+    m = Model().to(DEVICE)
     # HSDP: replicated over world / 2 groups of 2 ranks, sharded within each.
-    mesh = (init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("replicate", "shard"))
-            if hsdp else init_device_mesh("cpu", (world,)))
+    mesh = (init_device_mesh(DEVICE, (world // 2, 2), mesh_dim_names=("replicate", "shard"))
+            if hsdp else init_device_mesh(DEVICE, (world,)))
     kw = dict(mesh=mesh)
     if offload:
-        # No CUDA here: pinned memory needs it.
-        kw["offload_policy"] = CPUOffloadPolicy(pin_memory=False)
+        # Pinned memory needs CUDA.
+        kw["offload_policy"] = CPUOffloadPolicy(pin_memory=DEVICE == "cuda")
     return m, kw
 
 
@@ -98,14 +101,15 @@ def shard(m, kw):
 
 def loss_of(m, step, rank):
     # Data parallel: every rank its own batch.
-    x, y = zhelpers.batch(step * 16 + rank)
+    x, y = (t.to(DEVICE) for t in zhelpers.batch(step * 16 + rank))
     logits = m(x)
     return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]),
                                              y.reshape(-1))
 
 
 def full_params(m):
-    return {k: v.detach().clone() for k, v in get_model_state_dict(m, options=FULL).items()}
+    return {k: v.detach().cpu().clone()
+            for k, v in get_model_state_dict(m, options=FULL).items()}
 
 
 def full_state(m, opt):
@@ -171,7 +175,8 @@ def train(rank, world, sock, job, out, offload, policy, steps):
     held = [None] * world
     coord = tuple(ours.pos.device_mesh.get_coordinate())
     dist.all_gather_object(held, (len(opt._entries), coord,
-                                  [p.to_local().detach().clone() for p in ours.parameters()]))
+                                  [p.to_local().detach().cpu().clone()
+                                   for p in ours.parameters()]))
     result["held"] = held
     stats = [None] * world
     dist.all_gather_object(stats, opt.copy_stats())
@@ -472,7 +477,10 @@ def main():
     mode, rank, world, port, sock, job, out, *args = sys.argv[1:]
     rank, world = int(rank), int(world)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    if DEVICE == "cuda":
+        torch.cuda.set_device(rank)
+    dist.init_process_group("nccl" if DEVICE == "cuda" else "gloo", rank=rank,
+                            world_size=world)
     try:
         if mode == "train":
             train(rank, world, sock, job, out, args[0], args[1], int(args[2]))
