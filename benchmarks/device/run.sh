@@ -111,8 +111,8 @@ use_bundle() {
 			-e '/^Requires.private:/d' -e '/^Libs.private:/d' "$f"
 	done
 	# By soname (libgit2.so.1.5, libcriterion.so.3), read from each library itself, in
-	# /usr/lib and, for the packages not yet merged into /usr, /lib.
-	# Read once: grep -q on a pipe would end ldconfig early, a failure under pipefail.
+	# /usr/lib and, for the packages not yet merged into /usr, /lib.  ldconfig is read once:
+	# grep -q on its pipe would end it early, a failure under pipefail.
 	known=$(ldconfig -p)
 	for so in "$root"/usr/lib/x86_64-linux-gnu/lib*.so.* "$root"/lib/x86_64-linux-gnu/lib*.so.*; do
 		[ -L "$so" ] && continue
@@ -124,6 +124,11 @@ use_bundle() {
 	export PKG_CONFIG_PATH="$root/usr/lib/x86_64-linux-gnu/pkgconfig:$root/usr/share/pkgconfig${PKG_CONFIG_PATH:+:$PKG_CONFIG_PATH}"
 	export LD_LIBRARY_PATH="$root/missing${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 	export LIBRARY_PATH="$root/usr/lib/x86_64-linux-gnu${LIBRARY_PATH:+:$LIBRARY_PATH}"
+	# Their headers as the system's, as they are where /usr/include holds them (liburing's
+	# are not -Wpedantic clean): pkg-config leaves out the -I, the compiler takes the folder
+	# as -isystem.
+	export PKG_CONFIG_SYSTEM_INCLUDE_PATH="$root/usr/include"
+	export C_INCLUDE_PATH="$root/usr/include${C_INCLUDE_PATH:+:$C_INCLUDE_PATH}"
 	echo "libraries from $debs (unpacked in $root); taken from there: $(ls "$root/missing" | tr '\n' ' ')"
 }
 

@@ -28,7 +28,9 @@ static char swapdir[64];
 static void
 teardown(void)
 {
-	(void)seteuid(0);
+	/* Back to root for the cleanup; a test that failed may have left us as another uid. */
+	if (seteuid(0) != 0)
+		perror("seteuid(0)");
 	itd_cleanup(&daemon_);
 	if (swapdir[0] != '\0')
 		rmdir(swapdir);

@@ -29,7 +29,8 @@ teardown(void)
 	char cmd[128];
 
 	snprintf(cmd, sizeof(cmd), "rm -rf %s", tmpdir);
-	(void)system(cmd);
+	if (system(cmd) != 0)
+		fprintf(stderr, "teardown: %s failed\n", cmd);
 }
 
 TestSuite(tools, .init = setup, .fini = teardown, .timeout = 120);
