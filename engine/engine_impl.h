@@ -302,6 +302,8 @@ void ze_nvme_step_computed(struct ze_engine *e, struct ze_task *task);
 void ze_nvme_param_done(struct ze_engine *e, struct ze_task *task);
 int ze_nvme_xfer(struct ze_tensor *t, bool write, enum ze_state which, uint64_t offset,
     uint64_t count, void *buf, uint32_t lane, uint64_t id);
+/* Every chunk [offset, offset + count) touches was written whole since t was placed. */
+bool ze_nvme_written(const struct ze_tensor *t, uint64_t offset, uint64_t count);
 void ze_nvme_cancel_lane(struct ze_engine *e, uint32_t lane);
 /*
  * ze_tensor_read_all on NVMe: the three arrays from one read of each chunk, stride

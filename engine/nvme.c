@@ -83,6 +83,17 @@ ze_nvme_stop(struct ze_engine *e)
 	e->staging_arena = NULL;
 }
 
+bool
+ze_nvme_written(const struct ze_tensor *t, uint64_t offset, uint64_t count)
+{
+	if (count == 0)
+		return true;
+	for (uint64_t c = offset / t->chunk_elements; c <= (offset + count - 1) / t->chunk_elements; c++)
+		if (!chunk_written(t, c))
+			return false;
+	return true;
+}
+
 uint64_t
 ze_nvme_bytes(struct ze_engine *e, struct ze_tensor *t)
 {

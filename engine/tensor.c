@@ -561,10 +561,13 @@ ze_tensor_io(struct ze_tensor *t, bool write, enum ze_state which, uint64_t offs
 		return -EAGAIN;
 	/*
 	 * On NVMe: chunk by chunk through staging buffers; io_done reports.  But for the master
-	 * where the slot is it: read where it lies, with no chunk read for it (a write goes
-	 * through the chunks, which keep the init bits of m and v, nvme.c).
+	 * where the slot is it: read and written where it lies, with no chunk moved for it.  A
+	 * write goes through the chunks where one was never written whole: that write is what
+	 * puts its m and v (zeros, or what a split part left) on the disk, where until then a
+	 * freed tensor's bytes may lie (nvme.c, zero_unwritten).
 	 */
-	if (t->on_nvme && !(t->master_in_slot && !write && which == ZE_STATE_MASTER))
+	if (t->on_nvme && !(t->master_in_slot && which == ZE_STATE_MASTER &&
+	    (!write || ze_nvme_written(t, offset, count))))
 		return ze_nvme_xfer(t, write, which, offset, count, buf, lane, id);
 	bufs[which] = buf;
 	if (t->on_nvme)

@@ -293,6 +293,20 @@ read_master(struct ze_engine *e, struct ze_tensor *t, float *out)
 	}
 }
 
+/* Master alone, from fp32 (zc_tensor_write's path). */
+static void
+write_master(struct ze_engine *e, struct ze_tensor *t, float *in)
+{
+	unsigned before = io_done;
+	int r = ze_tensor_io(t, true, ZE_STATE_MASTER, 0, N, in, 1, 1);
+
+	cr_assert_geq(r, 0, "write: %d", r);
+	if (r == 0) {
+		wait_for(e, &io_done, before + 1);
+		cr_assert_eq(io_result, 0);
+	}
+}
+
 static void
 nvme_same_as_master_in_chunks(enum zk_state_format f, enum zk_dtype pd, enum zk_optim optim)
 {
@@ -355,6 +369,22 @@ nvme_same_as_master_in_chunks(enum zk_state_format f, enum zk_dtype pd, enum zk_
 	cr_assert(memcmp(a, b, N * sizeof(float)) == 0, "the master read alone differs");
 	read_master(e, two, b);
 	cr_assert(memcmp(a, b, N * sizeof(float)) == 0, "the master in chunks differs");
+	/*
+	 * And written alone into the slot, every chunk having been written whole: no chunk is
+	 * moved for it, and the state is that of the same write through the chunks.
+	 */
+	for (size_t i = 0; i < N; i++)
+		b[i] = a[i] * 0.75f;
+	ze_engine_stats(e, &s0);
+	write_master(e, one, b);
+	ze_engine_stats(e, &s1);
+	cr_assert(s1.bytes_read == s0.bytes_read && s1.bytes_written == s0.bytes_written,
+	    "chunks moved for the master written alone");
+	write_master(e, two, b);
+	all(e, one, false, a);
+	all(e, two, false, b);
+	cr_assert(memcmp(a, b, 3 * N * sizeof(float)) == 0, "the state differs after the master");
+	cr_assert(slot_is(one, pd, a), "the slot is not the master written alone");
 	/* Chunk 1 whole, then a part of it from 4 KiB on: straight to the caller's buffer for fp32. */
 	for (int k = 0; k < 2; k++) {
 		uint64_t off = NVME_CHUNK + (k ? 1024 : 0), n = k ? 2048 : NVME_CHUNK;
@@ -404,6 +434,65 @@ Test(slot, nvme_bf16_master_q8)
 }
 
 /* Dtypes that differ keep the slot a copy. */
+/*
+ * The master written alone before its chunks were written whole goes through them: that
+ * write is what puts m and v on the disk, over what a freed tensor left there, keeping the
+ * elements a restore's split part wrote.  Were it the slot's alone, every element would
+ * count as written while the chunk is not, and the chunk would read as zeros: the split
+ * part's m and v lost.
+ */
+Test(slot, nvme_master_alone_before_a_chunk_is_written)
+{
+	enum { PART = 1024 };
+	float *old = malloc(3 * N * sizeof(float)), *got = malloc(3 * N * sizeof(float));
+	float *master = malloc(N * sizeof(float)), *part_in = NULL;
+	struct ze_tensor *t;
+	struct ze_stats s0, s1;
+	char *dir, err[256];
+	struct ze_engine *e = nvme_engine(&dir);
+
+	cr_assert(old != NULL && got != NULL && master != NULL);
+	/* Aligned: the part goes to the disk from it, an I/O per array (nvme_xfer.c, SPLIT). */
+	cr_assert_eq(posix_memalign((void **)&part_in, 4096, 3 * PART * sizeof(float)), 0);
+	for (int k = 0; k < 2; k++) {
+		/* First another tensor's state on the swap space, then freed. */
+		cr_assert_eq(ze_tensor_new(e, &(struct ze_tensor_desc){ .name = k ? "w" : "old",
+			.numel = N, .grad_dtype = ZK_DTYPE_F32, .param_dtype = ZK_DTYPE_F32,
+			.policy = ZE_POLICY_NVME, .state_format = ZK_STATE_FP32 }, NULL, NULL, NULL,
+		    &t, err, sizeof(err)), 0, "%s", err);
+		if (k == 1)
+			break;
+		restore_values(old);
+		all(e, t, true, old);
+		ze_tensor_free(t);
+	}
+	/* A restore's split part of chunk 0, then the master alone (a registration's values). */
+	fill(part_in, 3 * PART, 7);
+	ze_engine_stats(e, &s0);
+	part(e, t, true, PART, PART, part_in);
+	ze_engine_stats(e, &s1);
+	cr_assert_eq(s1.bytes_read, s0.bytes_read, "the part was not written split");
+	fill(master, N, 8);
+	ze_engine_stats(e, &s0);
+	write_master(e, t, master);
+	ze_engine_stats(e, &s1);
+	cr_assert_gt(s1.bytes_written, s0.bytes_written, "no chunk written for m and v");
+	all(e, t, false, got);
+	cr_assert(memcmp(got, master, N * sizeof(float)) == 0, "the master differs");
+	cr_assert(slot_is(t, ZK_DTYPE_F32, master), "the slot is not the master");
+	for (int w = 1; w < 3; w++)
+		for (size_t i = 0; i < N; i++)
+			cr_assert_eq(got[(size_t)w * N + i], i >= PART && i < 2 * PART ?
+			    part_in[(size_t)w * PART + i - PART] : 0.0f, "array %d, element %zu", w, i);
+	ze_tensor_free(t);
+	ze_engine_free(e);
+	th_rmdir(dir);
+	free(old);
+	free(got);
+	free(master);
+	free(part_in);
+}
+
 Test(slot, other_dtypes_keep_a_copy)
 {
 	struct ze_engine *e = engine();
