@@ -108,6 +108,51 @@ def test_grads_in_the_slot_copy_nothing(daemon):
     opt.close()
 
 
+@pytest.mark.skipif(not hasattr(torch.Tensor, "register_post_accumulate_grad_hook"),
+                    reason=f"torch {torch.__version__} has no post-accumulate-grad hooks")
+def test_fresh_grads_go_into_the_slots_in_backward(daemon):
+    """zero_grad()'s default (set_to_none): each gradient backward makes is copied into its
+    slot by a post-accumulate-grad hook and the slot becomes p.grad, so step() copies none;
+    a second backward before step() adds into the slot in place (its sum that of one
+    backward over both losses); maximize leaves the gradient to step(), which negates its
+    slot.  In lockstep with torch.optim.AdamW (RTOL), which takes ours' gradients."""
+    ours, ref = zhelpers.model(seed=6), zhelpers.model(seed=6)
+    opt = zt.AdamW(ours.parameters(), job="views-fresh", socket=daemon.socket, **KW)
+    ref_opt = torch.optim.AdamW(ref.parameters(), **KW)
+    params = list(ours.parameters())
+    for step in range(1, 7):
+        opt.zero_grad()
+        ref_opt.zero_grad()
+        assert all(p.grad is None for p in params)
+        if step % 3 == 0:
+            # Two micro-batches: the second accumulates into the slot.
+            want = torch.autograd.grad(zhelpers.loss_of(ours, 10 * step) +
+                                       zhelpers.loss_of(ours, 10 * step + 1), params)
+            zhelpers.loss_of(ours, 10 * step).backward()
+            zhelpers.loss_of(ours, 10 * step + 1).backward()
+            err = max_rel_err([p.grad for p in params], want)
+            assert err <= 1e-6, f"accumulated grads: max relative difference {err:.3g}"
+        else:
+            zhelpers.loss_of(ours, step).backward()
+        for p in params:
+            assert p.grad.data_ptr() == opt._entries[p].grad.data_ptr(), "p.grad is no slot"
+        for p, q in zip(params, ref.parameters()):
+            q.grad = p.grad.detach().clone()
+        opt.step()
+        ref_opt.step()
+    err = max_rel_err(params, list(ref.parameters()))
+    assert err <= RTOL, f"params: max relative difference {err:.3g} > {RTOL:.3g}"
+    # One copy a param a step, in backward (the micro-batches' second added in place).
+    assert opt.copy_stats()["grad_copies"] == 6 * len(params), opt.copy_stats()
+    opt.close()
+    m = zhelpers.model(seed=6)
+    opt = zt.AdamW(m.parameters(), job="views-fresh-max", socket=daemon.socket, maximize=True,
+                   **KW)
+    zhelpers.loss_of(m, 1).backward()
+    assert all(p.grad.data_ptr() != opt._entries[p].grad.data_ptr() for p in m.parameters())
+    opt.close()
+
+
 def test_writes_outside_step_are_what_the_next_step_starts_from(daemon):
     ours, ref = zhelpers.model(seed=5), zhelpers.model(seed=5)
     opt = zt.AdamW(ours.parameters(), job="views-writes", socket=daemon.socket, **KW)

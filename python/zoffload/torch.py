@@ -55,8 +55,10 @@ tensor's shared-memory grad slot and the new parameters come back through its pa
   CUDA param between steps is not seen (the comparison would cost the copy back it saves):
   the next step starts from the daemon's master and overwrites it.
 - After the first step ``p.grad`` is the grad slot (CPU, same dtype, no ``overlap``):
-  ``zero_grad()`` zeroes it in place and backward accumulates into it.  A fresh ``p.grad``
-  (``set_to_none``) is copied in, with streaming stores.  Under FSDP2 on the CPU the
+  ``zero_grad(set_to_none=False)`` zeroes it in place and backward accumulates into it.
+  A fresh ``p.grad`` (``zero_grad()``'s default, ``set_to_none``) is copied in as backward
+  makes it (a post-accumulate-grad hook, torch >= 2.1; in ``step()`` under 1.13), with
+  streaming stores, and the slot becomes ``p.grad``.  Under FSDP2 on the CPU the
   reduce-scatter writes the sharded gradients straight into the grad slots (see _graft.py).
 ``copy_stats()`` counts the copies and says why a param is no view.
 
@@ -407,6 +409,9 @@ class _ZoffloadOptimizer(torch.optim.Optimizer):
             self._hooks.append(p.register_post_accumulate_grad_hook(self._make_post_hook(p)))
         elif self.overlap:
             self._hooks.append(p.register_hook(self._make_hook(p)))
+        elif self._entries[p].grad_view_ok and hasattr(p, "register_post_accumulate_grad_hook"):
+            # torch >= 2.1; under 1.13 step() copies a fresh p.grad in.
+            self._hooks.append(p.register_post_accumulate_grad_hook(self._make_slot_hook(p)))
 
     def _view_refusal(self, p):
         """Why p's storage cannot be its param view: a private, writable mapping of the
@@ -564,6 +569,31 @@ class _ZoffloadOptimizer(torch.optim.Optimizer):
                 self._submit_in_backward(p, e, grad if p.grad is None else p.grad + grad,
                                          "call step() before the next backward")
             return None
+        return hook
+
+    def _make_slot_hook(self, p):
+        """A fresh p.grad (zero_grad()'s default, set_to_none) is copied into its slot as
+        soon as backward has made it, and the slot becomes p.grad: the copy reads the
+        gradient while it is still in the caches, its memory goes back at once (to the next
+        layer's gradient, instead of every gradient of the model being held until step()),
+        and step() finds the gradient in the slot.  Another backward before step()
+        accumulates into the slot in place; a gradient that is already the slot, or not
+        laid out as it, is left to step().  Not traced: under torch.compile, backward's hooks
+        would each be a graph of their own."""
+        @_not_traced
+        def hook(param):
+            e = self._entries.get(p)
+            grad = param.grad
+            if e is None or grad is None or e.in_flight or grad.layout != torch.strided:
+                return
+            g = e.grad.view(param.shape)
+            if (grad.data_ptr() == g.data_ptr() or not _plain(grad, g.dtype)
+                    or self._group_of(p).get("maximize", False)):
+                # maximize: step() negates the slot in place, which p.grad must not see.
+                return
+            self._copies["grad_copies"] += 1
+            e.zt.grad_from(_raw(grad))
+            param.grad = g
         return hook
 
     def _make_post_hook(self, p):
@@ -934,8 +964,8 @@ class _ZoffloadOptimizer(torch.optim.Optimizer):
         ``param_copies`` copies of new params out of the param slot (params that are no
         view); ``param_writes_taken`` times a viewed param written outside step() was
         handed to the daemon as its new master; ``grad_copies`` gradients copied into a
-        grad slot (``p.grad`` was not the slot: a fresh one each step, say zero_grad's
-        set_to_none); ``fallbacks``: why params are no view, with counts;
+        grad slot, in backward or in step() (``p.grad`` was not the slot: a fresh one each
+        step, say zero_grad's set_to_none); ``fallbacks``: why params are no view, with counts;
         ``view_tracking``: how the views' writes are found, with counts ("userfaultfd", a
         fraction of a millisecond a step; "pagemap" where the kernel or a seccomp filter
         refuses userfaultfd, tens of milliseconds per 100 M params); ``steps_in_backward``:
