@@ -8,7 +8,10 @@ our work straight through libzclient (the gradients already in the grad slots, a
 slot after a step; the params' views checked for writes; one step; wait: p is its param view,
 nothing is copied out).  Ours runs three
 ways: fp32 state with the gradients in the slots, fp32 with a fresh p.grad each step (as when
-backward makes new gradients: the step copies them in), and q8-moments state.  Every side
+backward makes new gradients: the step copies them in), and q8-moments state.  And the
+training step of the default path, zero_grad() (set_to_none), a backward that makes every
+p.grad anew and step(), beside fused torch's: where a post-accumulate-grad hook puts each
+gradient into its slot as backward makes it (torch 2.1 and later), the copy is there.  Every side
 runs once a round, in turn, for --rounds rounds, each time on a model allocated anew, and
 each figure is the median of its rounds, so that no side gets the quieter moment by its place,
 nor one lucky allocation: on a virtual machine here a peer's step took 31-36 ms in some
@@ -22,6 +25,7 @@ Figures (--json: a list of {name, value, unit, limit, ratio}; each is the peer's
 ours, so higher is better, except overhead_vs_c; ratio = value / limit for a speedup,
 limit / value for the overhead, so >= 1 meets the target):
   speedup_vs_torch_fused (>= 1.0), speedup_vs_torch_fused_fresh_grad (>= 0.87),
+  train_speedup_vs_torch_fused_fresh_grad (the training step, >= 0.87),
   q8_speedup_vs_torch_fused (>= 1.3), speedup_vs_deepspeed_cpu_adam (>= 1.0),
   speedup_vs_torch_foreach (>= 1.0), speedup_vs_torch_forloop (>= 1.0),
   overhead_vs_c: ours / the C program's (<= 1.10).
@@ -67,6 +71,23 @@ def time_steps(opt, steps, ps=None):
                 p.grad = torch.randn_like(p) * 0.01
         t0 = time.perf_counter()
         opt.step()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def time_train(opt, ps, steps):
+    """Median seconds per training step as a user's runs by default: zero_grad() (set_to_none),
+    a backward that makes each p.grad anew (the gradient of a sum of p * c: a full tensor
+    written, as a layer's weight gradient is), step()."""
+    def one():
+        opt.zero_grad()
+        sum((p * 1e-2).sum() for p in ps).backward()
+        opt.step()
+    one()                           # warm-up
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        one()
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
 
@@ -121,19 +142,21 @@ def main():
     def keep(name, t):
         times.setdefault(name, []).append(t)
 
-    def ours(sock, rnd, name, fresh=False, **kw):
+    def ours(sock, rnd, name, fresh=False, train=False, **kw):
         ps = model(args.tensors, args.numel)
         opt = zoffload.torch.AdamW(ps, lr=1e-3, job=f"bench-torch-{name}-{rnd}", socket=sock,
                                    **kw)
         # Without fresh, p.grad is its slot after the warm-up step: no gradient copy, as in C.
-        keep(name, time_steps(opt, args.steps, ps if fresh else None))
+        keep(name, time_train(opt, ps, args.steps) if train else
+             time_steps(opt, args.steps, ps if fresh else None))
         opt.close()
         del opt, ps
         gc.collect()
 
-    def peer(name, make):
+    def peer(name, make, train=False):
         ps = model(args.tensors, args.numel)
-        keep(name, time_steps(make(ps), args.steps))
+        keep(name, time_train(make(ps), ps, args.steps) if train else
+             time_steps(make(ps), args.steps))
         del ps
         gc.collect()
 
@@ -144,12 +167,17 @@ def main():
                 ours(sock, rnd, "zoffload")
                 ours(sock, rnd, "zoffload_fresh_grad", fresh=True)
                 ours(sock, rnd, "zoffload_q8", state_format="q8-moments")
+                if fused:
+                    ours(sock, rnd, "zoffload_train_fresh_grad", train=True)
                 out = subprocess.run([cprog, "--socket", sock, "--tensors", str(args.tensors),
                                       "--numel", str(args.numel), "--steps", str(args.steps)],
                                      capture_output=True, text=True, check=True)
                 keep("c", float(out.stdout))
                 if fused:
                     peer("torch_fused", lambda ps: torch.optim.AdamW(ps, lr=1e-3, fused=True))
+                    peer("torch_fused_train", lambda ps: torch.optim.AdamW(ps, lr=1e-3,
+                                                                           fused=True),
+                         train=True)
                 peer("torch_foreach", lambda ps: torch.optim.AdamW(ps, lr=1e-3, foreach=True))
                 peer("torch_forloop", lambda ps: torch.optim.AdamW(ps, lr=1e-3, foreach=False))
                 if ds_cls is not None:
@@ -166,6 +194,8 @@ def main():
             figures.append((name, times[peer_name] / times[our_name], "x", limit))
     figure("speedup_vs_torch_fused", "torch_fused", "zoffload", 1.0)
     figure("speedup_vs_torch_fused_fresh_grad", "torch_fused", "zoffload_fresh_grad", 0.87)
+    figure("train_speedup_vs_torch_fused_fresh_grad", "torch_fused_train",
+           "zoffload_train_fresh_grad", 0.87)
     figure("q8_speedup_vs_torch_fused", "torch_fused", "zoffload_q8", 1.3)
     figure("speedup_vs_deepspeed_cpu_adam", "deepspeed_cpu_adam", "zoffload", 1.0)
     figure("speedup_vs_torch_foreach", "torch_foreach", "zoffload", 1.0)
