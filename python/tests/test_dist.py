@@ -1,15 +1,18 @@
 """ZeroRedundancyOptimizer(optimizer_class=zoffload.torch.AdamW) over gloo: 2 processes on one
 daemon, and 4 processes over two daemons (two sockets standing for two nodes), each against a
 single process; every rank takes the same batches, so gradients agree without DDP and the
-sharded run must match the single one bit for bit (the update is per element)."""
+sharded run must match the single one bit for bit (the update is per element).  And
+DistributedDataParallel over gloo, each rank on its own batches (test_ddp_...)."""
 import json
 import os
 import socket
 import subprocess
 import sys
 
+import pytest
 import torch
 
+from test_numerics import RTOL, max_rel_err
 import zhelpers
 import zoffload
 import zoffload.torch
@@ -103,3 +106,42 @@ def test_zero_checkpoint_into_one_process(daemon, tmp_path):
     for a, b in zip(m.parameters(), want):
         assert torch.equal(a.detach(), b), "restored run differs from the single process"
     opt.close()
+
+
+@pytest.mark.parametrize("bucket_view", [False, True])
+def test_ddp_gradients_are_the_ranks_mean(daemon, tmp_path, bucket_view):
+    """Under DDP the step takes the gradients DDP averaged over the ranks, whether p.grad is
+    the grad slot (made so in backward, where torch has post-accumulate-grad hooks: DDP
+    copies the mean into it) or DDP's bucket (gradient_as_bucket_view: DDP makes p.grad its
+    bucket after the hook made it the slot, so the hook stops for that param after the first
+    step, and step() copies the bucket in).  Against torch.optim.AdamW taking the same
+    gradients, each first checked against the mean of every rank's own (1e-6: the same
+    fp32 sum in another order), to test_numerics's RTOL."""
+    port, world, steps = free_port(), 2, 6
+    out = tmp_path / "ddp.pt"
+    procs = [subprocess.Popen([sys.executable, WORKER, "ddp", str(rank), str(world), str(port),
+                               daemon.socket, f"ddp-{bucket_view}", str(steps),
+                               "1" if bucket_view else "0", str(out)],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for rank in range(world)]
+    outputs = [p.communicate(timeout=zhelpers.HANG_S)[0] for p in procs]
+    for rank, (p, text) in enumerate(zip(procs, outputs)):
+        assert p.returncode == 0, f"rank {rank}: {text[-4000:]}"
+    r = torch.load(out)
+    assert r["grad_err"] <= 1e-6, f"gradients differ from the ranks' mean by {r['grad_err']:.3g}"
+    err = max_rel_err(r["ours"], r["ref"])
+    assert err <= RTOL, f"params: max relative difference {err:.3g} > {RTOL:.3g}"
+    n = len(r["ours"])
+    hooks = hasattr(torch.Tensor, "register_post_accumulate_grad_hook")
+    copies = r["stats"]["grad_copies"]
+    if not bucket_view:
+        # torch 2.x's zero_grad() sets the grads to None: the hook copies each backward's
+        # into the slot.  1.13's zeroes p.grad, the slot from the first step on, in place.
+        want = [n] * steps if hooks else [0] + [n] * (steps - 1)
+        assert r["slot_after_backward"] == want, r["slot_after_backward"]
+        assert copies == (n * steps if hooks else n), r["stats"]
+    else:
+        assert r["slot_after_backward"] == [0] * steps, r["slot_after_backward"]
+        # The hook's one wasted copy a param (torch >= 2.1), then step()'s from the bucket.
+        assert copies == n * steps + (n if hooks else 0), r["stats"]
+    assert r["slot_after_step"] == [n] * steps, r["slot_after_step"]

@@ -7,6 +7,12 @@ zero RANK WORLD PORT SOCKET JOB STEPS OUT [CKPT]: one rank of ZeroRedundancyOpti
     with CKPT, every rank also saves its shard there (save_checkpoint, the model's names).
 nanogpt SOCKET JOB CKPT_AT STEPS CKPT: trains as nanoGPT does, saving {model, optimizer}
     (torch.save) into CKPT after step CKPT_AT, and SIGKILLs itself after STEPS.
+ddp RANK WORLD PORT SOCKET JOB STEPS BUCKET_VIEW OUT: one rank of DistributedDataParallel over
+    gloo (gradient_as_bucket_view BUCKET_VIEW: 0 or 1), each rank on batches of its own, in
+    lockstep with torch.optim.AdamW on a copy that takes ours' gradients once they are
+    checked against the mean of every rank's own (all-reduced here by hand); rank 0 saves
+    both runs' params, the largest gradient difference, whether p.grad was the grad slot
+    after each backward and after each step, and copy_stats().
 launch RANK WORLD PORT SOCKET STEPS [KILL]: one rank of a launch that names no job (the
     default job name from the environment); prints "JOB name resumed_step", trains STEPS steps,
     and with KILL SIGKILLs itself after them.
@@ -73,6 +79,47 @@ def zero(rank, world, port, socket, job, steps, out, ckpt=None):
     dist.destroy_process_group()
 
 
+def ddp(rank, world, port, socket, job, steps, bucket_view, out):
+    import copy
+
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    m = zhelpers.model(seed=12)
+    ref = copy.deepcopy(m)
+    dm = torch.nn.parallel.DistributedDataParallel(m, gradient_as_bucket_view=bucket_view)
+    opt = zt.AdamW(m.parameters(), lr=LR, job=job, socket=socket, rank=rank)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR)
+    params = list(m.parameters())
+    grad_err, slot_after_backward, slot_after_step = 0.0, [], []
+    for step in range(1, steps + 1):
+        opt.zero_grad()
+        ref_opt.zero_grad()
+        zhelpers.loss_of(dm, 100 * step + rank).backward()
+        zhelpers.loss_of(ref, 100 * step + rank).backward()
+        for q in ref.parameters():
+            dist.all_reduce(q.grad)
+            q.grad /= world
+        for p, q in zip(params, ref.parameters()):
+            grad_err = max(grad_err, float((p.grad - q.grad).abs().max() /
+                                           q.grad.abs().max().clamp_min(1e-30)))
+            q.grad = p.grad.detach().clone()
+        slot_after_backward.append(sum(p.grad.data_ptr() == opt._entries[p].grad.data_ptr()
+                                       for p in params))
+        opt.step()
+        ref_opt.step()
+        slot_after_step.append(sum(p.grad.data_ptr() == opt._entries[p].grad.data_ptr()
+                                   for p in params))
+    if rank == 0:
+        torch.save({"ours": params_of(m), "ref": params_of(ref), "grad_err": grad_err,
+                    "slot_after_backward": slot_after_backward,
+                    "slot_after_step": slot_after_step, "stats": opt.copy_stats()}, out)
+    dist.barrier()
+    opt.close()
+    dist.destroy_process_group()
+
+
 def nanogpt(socket, job, ckpt_at, steps, ckpt):
     m = zhelpers.model(seed=11)
     opt = zt.AdamW(m.parameters(), lr=LR, job=job, socket=socket)
@@ -107,6 +154,9 @@ if __name__ == "__main__":
     elif mode == "zero":
         zero(int(args[0]), int(args[1]), int(args[2]), args[3], args[4], int(args[5]), args[6],
              *args[7:])
+    elif mode == "ddp":
+        ddp(int(args[0]), int(args[1]), int(args[2]), args[3], args[4], int(args[5]),
+            args[6] == "1", args[7])
     elif mode == "nanogpt":
         nanogpt(args[0], args[1], int(args[2]), int(args[3]), args[4])
     elif mode == "launch":

@@ -188,7 +188,7 @@ def _raw(t):
 class _Entry:
     """One parameter's tensor in the daemon and no-copy views of its slots."""
     __slots__ = ("zt", "grad", "param", "view", "in_flight", "pins", "grad_view_ok", "gd",
-                 "fsdp", "taken_grad", "samples")
+                 "fsdp", "taken_grad", "samples", "hook_copied", "hook_off")
 
     def __init__(self, zt, grad_dtype, param_dtype):
         self.zt = zt
@@ -208,6 +208,10 @@ class _Entry:
         # changed since, which no step saw.
         self.taken_grad = None
         self.samples = None         # the 16 indices _check_taken_grads compares, once made
+        # The slot hook (_make_slot_hook) copied this backward's gradient in; it stops for
+        # good once p.grad was no longer the slot at step() (see there).
+        self.hook_copied = False
+        self.hook_off = False
 
 
 class _CudaPins:
@@ -527,6 +531,11 @@ class _ZoffloadOptimizer(torch.optim.Optimizer):
             e.pins.repin()          # let go of at a reconnect that remapped the slots
         grad = _dtensor.local(grad)
         g = e.grad.view(_dtensor.local(p).shape)
+        if e.hook_copied and grad.data_ptr() != g.data_ptr():
+            # Made p.grad in backward, the slot was replaced after (DDP's
+            # gradient_as_bucket_view makes p.grad its bucket): the hook's copy was wasted.
+            e.hook_off = True
+        e.hook_copied = False
         if grad.data_ptr() == g.data_ptr() or self._grafts.holds(p, e, grad):
             # p.grad is the slot itself (see _finish): backward wrote it there; or FSDP2's
             # reduce-scatter did, through the slot's graft (_graft.py).
@@ -578,13 +587,15 @@ class _ZoffloadOptimizer(torch.optim.Optimizer):
         layer's gradient, instead of every gradient of the model being held until step()),
         and step() finds the gradient in the slot.  Another backward before step()
         accumulates into the slot in place; a gradient that is already the slot, or not
-        laid out as it, is left to step().  Not traced: under torch.compile, backward's hooks
+        laid out as it, is left to step(), and so is every gradient of a param whose p.grad
+        something replaced after the hook made it the slot (DDP's gradient_as_bucket_view).  Not traced: under torch.compile, backward's hooks
         would each be a graph of their own."""
         @_not_traced
         def hook(param):
             e = self._entries.get(p)
             grad = param.grad
-            if e is None or grad is None or e.in_flight or grad.layout != torch.strided:
+            if (e is None or e.hook_off or grad is None or e.in_flight
+                    or grad.layout != torch.strided):
                 return
             g = e.grad.view(param.shape)
             if (grad.data_ptr() == g.data_ptr() or not _plain(grad, g.dtype)
@@ -594,6 +605,7 @@ class _ZoffloadOptimizer(torch.optim.Optimizer):
             self._copies["grad_copies"] += 1
             e.zt.grad_from(_raw(grad))
             param.grad = g
+            e.hook_copied = True
         return hook
 
     def _make_post_hook(self, p):
