@@ -279,33 +279,20 @@ slot_is(struct ze_tensor *t, enum zk_dtype pd, const float *master)
 	return true;
 }
 
-/* Master alone, as fp32 (zc_tensor_read's path). */
+/* Master alone, as fp32, read or written (zc_tensor_read's and zc_tensor_write's path). */
 static void
-read_master(struct ze_engine *e, struct ze_tensor *t, float *out)
+master_io(struct ze_engine *e, struct ze_tensor *t, bool write, float *buf)
 {
 	unsigned before = io_done;
-	int r = ze_tensor_io(t, false, ZE_STATE_MASTER, 0, N, out, 1, 1);
+	int r = ze_tensor_io(t, write, ZE_STATE_MASTER, 0, N, buf, 1, 1);
 
-	cr_assert_geq(r, 0, "read: %d", r);
+	cr_assert_geq(r, 0, "%s: %d", write ? "write" : "read", r);
 	if (r == 0) {
 		wait_for(e, &io_done, before + 1);
 		cr_assert_eq(io_result, 0);
 	}
 }
 
-/* Master alone, from fp32 (zc_tensor_write's path). */
-static void
-write_master(struct ze_engine *e, struct ze_tensor *t, float *in)
-{
-	unsigned before = io_done;
-	int r = ze_tensor_io(t, true, ZE_STATE_MASTER, 0, N, in, 1, 1);
-
-	cr_assert_geq(r, 0, "write: %d", r);
-	if (r == 0) {
-		wait_for(e, &io_done, before + 1);
-		cr_assert_eq(io_result, 0);
-	}
-}
 
 static void
 nvme_same_as_master_in_chunks(enum zk_state_format f, enum zk_dtype pd, enum zk_optim optim)
@@ -363,11 +350,11 @@ nvme_same_as_master_in_chunks(enum zk_state_format f, enum zk_dtype pd, enum zk_
 	cr_assert(slot_is(one, pd, a), "the slot is not the master");
 	/* The master alone is read from the slot: no chunk is read for it. */
 	ze_engine_stats(e, &s0);
-	read_master(e, one, b);
+	master_io(e, one, false, b);
 	ze_engine_stats(e, &s1);
 	cr_assert_eq(s1.bytes_read, s0.bytes_read, "chunks read for the master alone");
 	cr_assert(memcmp(a, b, N * sizeof(float)) == 0, "the master read alone differs");
-	read_master(e, two, b);
+	master_io(e, two, false, b);
 	cr_assert(memcmp(a, b, N * sizeof(float)) == 0, "the master in chunks differs");
 	/*
 	 * And written alone into the slot, every chunk having been written whole: no chunk is
@@ -376,11 +363,11 @@ nvme_same_as_master_in_chunks(enum zk_state_format f, enum zk_dtype pd, enum zk_
 	for (size_t i = 0; i < N; i++)
 		b[i] = a[i] * 0.75f;
 	ze_engine_stats(e, &s0);
-	write_master(e, one, b);
+	master_io(e, one, true, b);
 	ze_engine_stats(e, &s1);
 	cr_assert(s1.bytes_read == s0.bytes_read && s1.bytes_written == s0.bytes_written,
 	    "chunks moved for the master written alone");
-	write_master(e, two, b);
+	master_io(e, two, true, b);
 	all(e, one, false, a);
 	all(e, two, false, b);
 	cr_assert(memcmp(a, b, 3 * N * sizeof(float)) == 0, "the state differs after the master");
@@ -474,7 +461,7 @@ Test(slot, nvme_master_alone_before_a_chunk_is_written)
 	cr_assert_eq(s1.bytes_read, s0.bytes_read, "the part was not written split");
 	fill(master, N, 8);
 	ze_engine_stats(e, &s0);
-	write_master(e, t, master);
+	master_io(e, t, true, master);
 	ze_engine_stats(e, &s1);
 	cr_assert_gt(s1.bytes_written, s0.bytes_written, "no chunk written for m and v");
 	all(e, t, false, got);
