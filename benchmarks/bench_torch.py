@@ -155,8 +155,8 @@ def main():
 
     def peer(name, make, train=False):
         ps = model(args.tensors, args.numel)
-        keep(name, time_train(make(ps), ps, args.steps) if train else
-             time_steps(make(ps), args.steps))
+        opt = make(ps)
+        keep(name, time_train(opt, ps, args.steps) if train else time_steps(opt, args.steps))
         del ps
         gc.collect()
 

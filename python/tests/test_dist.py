@@ -27,16 +27,24 @@ def free_port():
         return s.getsockname()[1]
 
 
-def run_zero(sockets, job, out, steps=STEPS, ckpt=()):
+def run_ranks(mode, sockets, *args):
+    """worker.py MODE RANK WORLD PORT SOCKET ARGS... for every rank of len(sockets), each on
+    its socket; every one must exit 0.  Returns their outputs."""
     port = free_port()
     world = len(sockets)
-    procs = [subprocess.Popen([sys.executable, WORKER, "zero", str(rank), str(world), str(port),
-                               sockets[rank], job, str(steps), str(out), *map(str, ckpt)],
+    procs = [subprocess.Popen([sys.executable, WORKER, mode, str(rank), str(world), str(port),
+                               sockets[rank], *map(str, args)],
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
              for rank in range(world)]
     outputs = [p.communicate(timeout=zhelpers.HANG_S)[0] for p in procs]
     for rank, (p, text) in enumerate(zip(procs, outputs)):
         assert p.returncode == 0, f"rank {rank}: {text}"
+    return outputs
+
+
+def run_zero(sockets, job, out, steps=STEPS, ckpt=()):
+    world = len(sockets)
+    outputs = run_ranks("zero", sockets, job, steps, out, *ckpt)
     jobs = [json.loads(line[5:]) for text in outputs for line in text.splitlines()
             if line.startswith("JOBS ")]
     assert len(jobs) == world
@@ -117,16 +125,9 @@ def test_ddp_gradients_are_the_ranks_mean(daemon, tmp_path, bucket_view):
     step, and step() copies the bucket in).  Against torch.optim.AdamW taking the same
     gradients, each first checked against the mean of every rank's own (1e-6: the same
     fp32 sum in another order), to test_numerics's RTOL."""
-    port, world, steps = free_port(), 2, 6
-    out = tmp_path / "ddp.pt"
-    procs = [subprocess.Popen([sys.executable, WORKER, "ddp", str(rank), str(world), str(port),
-                               daemon.socket, f"ddp-{bucket_view}", str(steps),
-                               "1" if bucket_view else "0", str(out)],
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for rank in range(world)]
-    outputs = [p.communicate(timeout=zhelpers.HANG_S)[0] for p in procs]
-    for rank, (p, text) in enumerate(zip(procs, outputs)):
-        assert p.returncode == 0, f"rank {rank}: {text[-4000:]}"
+    steps, out = 6, tmp_path / "ddp.pt"
+    run_ranks("ddp", [daemon.socket] * 2, f"ddp-{bucket_view}", steps,
+              "1" if bucket_view else "0", out)
     r = torch.load(out)
     assert r["grad_err"] <= 1e-6, f"gradients differ from the ranks' mean by {r['grad_err']:.3g}"
     err = max_rel_err(r["ours"], r["ref"])

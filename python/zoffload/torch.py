@@ -588,8 +588,9 @@ class _ZoffloadOptimizer(torch.optim.Optimizer):
         and step() finds the gradient in the slot.  Another backward before step()
         accumulates into the slot in place; a gradient that is already the slot, or not
         laid out as it, is left to step(), and so is every gradient of a param whose p.grad
-        something replaced after the hook made it the slot (DDP's gradient_as_bucket_view).  Not traced: under torch.compile, backward's hooks
-        would each be a graph of their own."""
+        something replaced after the hook made it the slot (DDP's gradient_as_bucket_view).
+        Not traced: under torch.compile, backward's hooks would each be a graph of their
+        own."""
         @_not_traced
         def hook(param):
             e = self._entries.get(p)
