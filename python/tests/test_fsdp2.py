@@ -161,16 +161,18 @@ def test_overlap_steps_each_shard_in_backward(daemon, tmp_path):
     assert "changed after backward handed them" in (r["clipped_after"] or ""), r
 
 
-def test_reduce_scatter_lands_in_the_grad_slots(daemon, tmp_path):
+@pytest.mark.parametrize("world", [2, 1])
+def test_reduce_scatter_lands_in_the_grad_slots(daemon, tmp_path, world):
     """FSDP2's reduce-scatter writes the sharded gradients straight into the grad slots
     (zoffload/_graft.py): after the first step, which learns each module's layout and copies
     as before, only w (off a page boundary of its module's output) is copied; an unpadded and
     a padded shard, a second synced backward (added into the grafted gradients) and a
     zero_grad(set_to_none=False) step (whose reduce-scatter cannot go into gradients still
     held) keep lockstep with torch's AdamW (RTOL, as above), and the grads are those of
-    FSDP2's own reduce-scatter on the reference."""
+    FSDP2's own reduce-scatter on the reference.  A world of one has no reduce-scatter:
+    FSDP2 copies its input buffer into its output, and both are the graft."""
     out = tmp_path / "r.pt"
-    launch(2, daemon.socket, "graft", "fsdp2-graft", out, STEPS)
+    launch(world, daemon.socket, "graft", f"fsdp2-graft{world}", out, STEPS)
     r = torch.load(out, weights_only=False)
     check_params_and_state(r)
     params = len(r["ours"])

@@ -80,12 +80,20 @@ if DefaultReduceScatter is not None:
         def __init__(self, group):
             super().__init__()
             self.group = group
-            # One shard group: the input is the size of the output too, and FSDP2 copies
-            # rather than reduce-scatters into it; no graft then.
-            self.sharded = getattr(getattr(group, "mesh_info", None), "shard_mesh_size", 1) > 1
+            # A world of one (one shard, no replicas): no reduce-scatter, FSDP2 copies its
+            # input buffer into its output, both of the output's size, so the graft goes to
+            # both: torch's copy_ of a tensor onto a view of the same memory returns at once
+            # (else a pass of 8 bytes a param), and the copy-in that fills the input is what
+            # fills the slots.  Replicas (HSDP's replicate dimension over one
+            # shard) all-reduce after the copy: their outputs are left to torch, as before.
+            info = getattr(group, "mesh_info", None)
+            self.alone = (getattr(info, "shard_mesh_size", 1) == 1
+                          and getattr(info, "replicate_mesh_size", 1) == 1)
+            self.sharded = getattr(info, "shard_mesh_size", 1) > 1 or self.alone
             self.graft = None
             self.made = []          # (storage address, numel) of this backward's torch buffers
-            self.handed = 0         # reduce-scatters into the graft (copy_stats)
+            self.handed = 0         # backwards reduced into the graft (copy_stats)
+            self.handed_now = False  # since the last step(): a world of one asks twice
             self.refused = False    # a graft could not be made: not tried again
 
         def allocate(self, size, *, dtype, device):
@@ -94,7 +102,9 @@ if DefaultReduceScatter is not None:
             if (g is not None and not g.stale and numel == g.numel and dtype == torch.float32
                     and self.sharded and torch.device(device).type == "cpu"
                     and all(fp.sharded_param.grad is None for fp in self.group.fsdp_params)):
-                self.handed += 1
+                if not self.handed_now:
+                    self.handed += 1
+                    self.handed_now = True
                 return g.tensor.view(size)
             t = super().allocate(size, dtype=dtype, device=device)
             self.made.append((t.untyped_storage().data_ptr(), numel))
@@ -168,6 +178,7 @@ class Grafts:
         self._seen = {}
         for comm in self._comms.values():
             comm.made = []
+            comm.handed_now = False
 
     def uninstall(self):
         """FSDP2's own reduce-scatter back on each group (close()): the grafts' mappings
