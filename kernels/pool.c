@@ -7,8 +7,10 @@
 #include <sched.h>
 #include <signal.h>
 #include <stdbool.h>
+#include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include "pool.h"
 #include "quant.h"
@@ -29,6 +31,8 @@
  * per-chunk record (16 B) is noise.
  */
 #define ZK_GRAD_CHUNK 65536
+
+#define ZK_POOL_SPIN_NS 50000u
 
 enum job {
 	JOB_STEP,
@@ -54,7 +58,7 @@ struct zk_pool {
 	pthread_cond_t start_cv;
 	pthread_cond_t done_cv;
 	unsigned long gen;
-	unsigned pending;
+	unsigned long pending;
 	bool quit;
 
 	/* The job in flight; written by the caller before gen moves on. */
@@ -187,6 +191,50 @@ static void run_slice(struct zk_pool *p, unsigned idx)
 	}
 }
 
+static inline void cpu_relax(void)
+{
+#if defined(__x86_64__) || defined(__i386__)
+	__builtin_ia32_pause();
+#endif
+}
+
+static uint64_t now_ns(void)
+{
+	struct timespec ts;
+
+	clock_gettime(CLOCK_MONOTONIC, &ts);
+	return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
+}
+
+/*
+ * Waits up to ZK_POOL_SPIN_NS for *word to differ from old (until_zero: to
+ * reach 0) before the caller sleeps on its condition variable.  A step is a
+ * dispatch a tensor slice, back to back: a worker put to sleep between them
+ * is woken by a futex, and on a virtual machine the wake-up of an idle vCPU
+ * took about 40 us a dispatch (1536 tensors of 64 Ki elements stepped in
+ * 127-133 ms against 78-82 ms spinning; 24 of 4 Mi, 50 ms either way).
+ */
+static bool spin_for(const unsigned long *word, unsigned long old, bool until_zero)
+{
+	uint64_t deadline = 0;
+
+	for (unsigned i = 1;; i++) {
+		unsigned long v = __atomic_load_n(word, __ATOMIC_ACQUIRE);
+
+		if (until_zero ? v == 0 : v != old)
+			return true;
+		cpu_relax();
+		if (i % 64 == 0) {
+			uint64_t t = now_ns();
+
+			if (deadline == 0)
+				deadline = t + ZK_POOL_SPIN_NS;
+			else if (t >= deadline)
+				return false;
+		}
+	}
+}
+
 static void *worker_main(void *arg)
 {
 	struct worker *w = arg;
@@ -195,6 +243,11 @@ static void *worker_main(void *arg)
 
 	pthread_mutex_lock(&p->mu);
 	for (;;) {
+		if (p->gen == seen && !p->quit) {
+			pthread_mutex_unlock(&p->mu);
+			(void)spin_for(&p->gen, seen, false);
+			pthread_mutex_lock(&p->mu);
+		}
 		while (p->gen == seen && !p->quit)
 			pthread_cond_wait(&p->start_cv, &p->mu);
 		if (p->quit)
@@ -203,7 +256,7 @@ static void *worker_main(void *arg)
 		pthread_mutex_unlock(&p->mu);
 		run_slice(p, w->idx);
 		pthread_mutex_lock(&p->mu);
-		if (--p->pending == 0)
+		if (__atomic_sub_fetch(&p->pending, 1, __ATOMIC_RELEASE) == 0)
 			pthread_cond_signal(&p->done_cv);
 	}
 	pthread_mutex_unlock(&p->mu);
@@ -214,13 +267,14 @@ static void *worker_main(void *arg)
 static void dispatch(struct zk_pool *p)
 {
 	pthread_mutex_lock(&p->mu);
-	p->pending = p->nthreads - 1;
-	p->gen++;
+	__atomic_store_n(&p->pending, p->nthreads - 1, __ATOMIC_RELAXED);
+	__atomic_store_n(&p->gen, p->gen + 1, __ATOMIC_RELEASE);
 	pthread_cond_broadcast(&p->start_cv);
 	pthread_mutex_unlock(&p->mu);
 
 	run_slice(p, 0);
 
+	(void)spin_for(&p->pending, 0, true);
 	pthread_mutex_lock(&p->mu);
 	while (p->pending)
 		pthread_cond_wait(&p->done_cv, &p->mu);
