@@ -74,7 +74,11 @@ def is_dtensor(t):
 def local(t):
     """t's local shard for a DTensor (a view, not a copy: written in place), else t."""
     if is_dtensor(t):
-        # Outside autograd the local tensor itself (no view op is recorded).
+        # Outside autograd the local tensor itself (no view op is recorded).  step() runs
+        # under no_grad already: entering it again, four times a param, was 2 ms of the
+        # 5.8 ms a step of step()'s own Python under FSDP2 (100 M params, 48 shards).
+        if not torch.is_grad_enabled():
+            return t.to_local()
         with torch.no_grad():
             return t.to_local()
     return t
