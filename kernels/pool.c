@@ -212,7 +212,7 @@ static uint64_t now_ns(void)
  * dispatch a tensor slice, back to back: a worker put to sleep between them
  * is woken by a futex, and on a virtual machine the wake-up of an idle vCPU
  * took about 40 us a dispatch (1536 tensors of 64 Ki elements stepped in
- * 127-133 ms against 78-82 ms spinning; 24 of 4 Mi, 50 ms either way).
+ * 125-147 ms against 76-79 ms spinning; 24 of 4 Mi, 49-51 ms either way).
  */
 static bool spin_for(const unsigned long *word, unsigned long old, bool until_zero)
 {

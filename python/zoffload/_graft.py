@@ -84,12 +84,11 @@ if DefaultReduceScatter is not None:
             # input buffer into its output, both of the output's size, so the graft goes to
             # both: torch's copy_ of a tensor onto a view of the same memory returns at once
             # (else a pass of 8 bytes a param), and the copy-in that fills the input is what
-            # fills the slots.  Replicas (HSDP's replicate dimension over one
-            # shard) all-reduce after the copy: their outputs are left to torch, as before.
+            # fills the slots.  Replicas over one shard (HSDP) all-reduce after the copy:
+            # their outputs are left to torch, as before.
             info = getattr(group, "mesh_info", None)
-            self.alone = (getattr(info, "shard_mesh_size", 1) == 1
-                          and getattr(info, "replicate_mesh_size", 1) == 1)
-            self.sharded = getattr(info, "shard_mesh_size", 1) > 1 or self.alone
+            shards = getattr(info, "shard_mesh_size", 1)
+            self.can_graft = shards > 1 or getattr(info, "replicate_mesh_size", 1) == 1
             self.graft = None
             self.made = []          # (storage address, numel) of this backward's torch buffers
             self.handed = 0         # backwards reduced into the graft (copy_stats)
@@ -100,7 +99,7 @@ if DefaultReduceScatter is not None:
             numel = math.prod(int(s) for s in size)
             g = self.graft
             if (g is not None and not g.stale and numel == g.numel and dtype == torch.float32
-                    and self.sharded and torch.device(device).type == "cpu"
+                    and self.can_graft and torch.device(device).type == "cpu"
                     and all(fp.sharded_param.grad is None for fp in self.group.fsdp_params)):
                 if not self.handed_now:
                     self.handed += 1
