@@ -60,19 +60,28 @@ def model(tensors, numel):
     return ps
 
 
-def time_steps(opt, steps, ps=None):
-    """Median seconds per step; the machine may be shared, the median shrugs off a hiccup.
-    With ps, every step first gets a fresh p.grad (made before the clock starts)."""
-    opt.step()                      # warm-up: first-touch of the state, page faults
+def median_seconds(one, steps, prepare=None):
+    """Median seconds of one() over steps calls, after one untimed (first touch of the state,
+    page faults); prepare(), if given, runs before each, off the clock.  The machine may be
+    shared: the median shrugs off a hiccup."""
+    one()
     times = []
     for _ in range(steps):
-        if ps is not None:
-            for p in ps:
-                p.grad = torch.randn_like(p) * 0.01
+        if prepare is not None:
+            prepare()
         t0 = time.perf_counter()
-        opt.step()
+        one()
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
+
+
+def time_steps(opt, steps, ps=None):
+    """Median seconds per step; with ps, every step first gets a fresh p.grad (made before
+    the clock starts)."""
+    def fresh_grads():
+        for p in ps:
+            p.grad = torch.randn_like(p) * 0.01
+    return median_seconds(opt.step, steps, fresh_grads if ps is not None else None)
 
 
 def time_train(opt, ps, steps):
@@ -83,13 +92,7 @@ def time_train(opt, ps, steps):
         opt.zero_grad()
         sum((p * 1e-2).sum() for p in ps).backward()
         opt.step()
-    one()                           # warm-up
-    times = []
-    for _ in range(steps):
-        t0 = time.perf_counter()
-        one()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return median_seconds(one, steps)
 
 
 def torch_has_fused_cpu_adamw():

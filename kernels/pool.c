@@ -214,7 +214,7 @@ static uint64_t now_ns(void)
  * took about 40 us a dispatch (1536 tensors of 64 Ki elements stepped in
  * 125-147 ms against 76-79 ms spinning; 24 of 4 Mi, 49-51 ms either way).
  */
-static bool spin_for(const unsigned long *word, unsigned long old, bool until_zero)
+static void spin_for(const unsigned long *word, unsigned long old, bool until_zero)
 {
 	uint64_t deadline = 0;
 
@@ -222,7 +222,7 @@ static bool spin_for(const unsigned long *word, unsigned long old, bool until_ze
 		unsigned long v = __atomic_load_n(word, __ATOMIC_ACQUIRE);
 
 		if (until_zero ? v == 0 : v != old)
-			return true;
+			return;
 		cpu_relax();
 		if (i % 64 == 0) {
 			uint64_t t = now_ns();
@@ -230,7 +230,7 @@ static bool spin_for(const unsigned long *word, unsigned long old, bool until_ze
 			if (deadline == 0)
 				deadline = t + ZK_POOL_SPIN_NS;
 			else if (t >= deadline)
-				return false;
+				return;
 		}
 	}
 }
@@ -245,7 +245,7 @@ static void *worker_main(void *arg)
 	for (;;) {
 		if (p->gen == seen && !p->quit) {
 			pthread_mutex_unlock(&p->mu);
-			(void)spin_for(&p->gen, seen, false);
+			spin_for(&p->gen, seen, false);
 			pthread_mutex_lock(&p->mu);
 		}
 		while (p->gen == seen && !p->quit)
@@ -274,7 +274,7 @@ static void dispatch(struct zk_pool *p)
 
 	run_slice(p, 0);
 
-	(void)spin_for(&p->pending, 0, true);
+	spin_for(&p->pending, 0, true);
 	pthread_mutex_lock(&p->mu);
 	while (p->pending)
 		pthread_cond_wait(&p->done_cv, &p->mu);

@@ -92,6 +92,9 @@ def ddp(rank, world, port, socket, job, steps, bucket_view, out):
     opt = zt.AdamW(m.parameters(), lr=LR, job=job, socket=socket, rank=rank)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR)
     params = list(m.parameters())
+
+    def in_slots():
+        return sum(p.grad.data_ptr() == opt._entries[p].grad.data_ptr() for p in params)
     grad_err, slot_after_backward, slot_after_step = 0.0, [], []
     for step in range(1, steps + 1):
         opt.zero_grad()
@@ -105,12 +108,10 @@ def ddp(rank, world, port, socket, job, steps, bucket_view, out):
             grad_err = max(grad_err, float((p.grad - q.grad).abs().max() /
                                            q.grad.abs().max().clamp_min(1e-30)))
             q.grad = p.grad.detach().clone()
-        slot_after_backward.append(sum(p.grad.data_ptr() == opt._entries[p].grad.data_ptr()
-                                       for p in params))
+        slot_after_backward.append(in_slots())
         opt.step()
         ref_opt.step()
-        slot_after_step.append(sum(p.grad.data_ptr() == opt._entries[p].grad.data_ptr()
-                                   for p in params))
+        slot_after_step.append(in_slots())
     if rank == 0:
         torch.save({"ours": params_of(m), "ref": params_of(ref), "grad_err": grad_err,
                     "slot_after_backward": slot_after_backward,

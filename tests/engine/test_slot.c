@@ -293,7 +293,6 @@ master_io(struct ze_engine *e, struct ze_tensor *t, bool write, float *buf)
 	}
 }
 
-
 static void
 nvme_same_as_master_in_chunks(enum zk_state_format f, enum zk_dtype pd, enum zk_optim optim)
 {
